@@ -1,0 +1,1 @@
+"""shardwork.dist_optimizer — not built yet; see the package README for what it will hold."""

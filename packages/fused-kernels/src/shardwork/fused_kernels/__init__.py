@@ -1,0 +1,1 @@
+"""shardwork.fused_kernels — not built yet; see the package README for what it will hold."""

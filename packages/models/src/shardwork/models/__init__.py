@@ -1,0 +1,1 @@
+"""shardwork.models — not built yet; see the package README for what it will hold."""
