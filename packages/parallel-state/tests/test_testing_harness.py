@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardwork.parallel_state.testing import RankFailure, RankTimeout, run_on_ranks
+from shardwork.parallel_state.testing import RankFailedError, RankTimeoutError, run_on_ranks
 
 pytestmark = pytest.mark.multirank
 
@@ -52,13 +52,13 @@ def test_pool_reuses_rank_processes_across_calls_and_sizes():
 
 
 def test_failing_rank_traceback_is_reraised():
-    with pytest.raises(RankFailure, match="rank one says no") as info:
+    with pytest.raises(RankFailedError, match="rank one says no") as info:
         run_on_ranks(_fail_on_rank_one, world_size=2, timeout=30)
     assert "--- rank 1 ---" in str(info.value)
 
 
 def test_hung_rank_is_killed_and_named():
-    with pytest.raises(RankTimeout, match=r"ranks \[0\]"):
+    with pytest.raises(RankTimeoutError, match=r"ranks \[0\]"):
         run_on_ranks(_hang_on_rank_zero, world_size=2, timeout=3)
     # The pool recovers: the killed worker is replaced on the next call.
     assert run_on_ranks(_rank_sum, world_size=2, args=(1.0,))[1][2] == 1.0

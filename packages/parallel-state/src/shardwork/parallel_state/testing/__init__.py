@@ -18,9 +18,9 @@ Example::
 The function must live at module level. Inside it the default process group
 is initialised (gloo, this call's ranks only) and torch uses one intra-op
 thread. Its return value must be picklable; each rank's value is returned in
-rank order. A failing rank's traceback is re-raised as :class:`RankFailure`;
+rank order. A failing rank's traceback is re-raised as :class:`RankFailedError`;
 ranks that hang past ``timeout`` seconds are killed and reported by
-:class:`RankTimeout`. The rank processes are pooled per test process.
+:class:`RankTimeoutError`. The rank processes are pooled per test process.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import atexit
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from shardwork.parallel_state.testing.pool import RankFailure, RankPool, RankTimeout
+from shardwork.parallel_state.testing.pool import RankFailedError, RankPool, RankTimeoutError
 
-__all__ = ["RankFailure", "RankTimeout", "run_on_ranks", "shutdown_pool"]
+__all__ = ["RankFailedError", "RankTimeoutError", "run_on_ranks", "shutdown_pool"]
 
 _pool: RankPool | None = None
 

@@ -6,7 +6,7 @@
   size through a ``FileStore`` in a new temporary directory: no TCP ports, so
   ``pytest -n auto`` workers never clash.
 - A rank that raises sends its formatted traceback back; the caller re-raises
-  it as :class:`RankFailure`. Ranks still running when the timeout expires are
+  it as :class:`RankFailedError`. Ranks still running when the timeout expires are
   killed (the pool restarts them lazily) and reported as hung.
 - Functions are sent by reference (module name, file, qualified name), so test
   functions defined at module level in pytest's ``importlib`` mode work.
@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import multiprocessing as mp
@@ -34,11 +35,11 @@ from typing import Any
 _GLOO_TIMEOUT_MARGIN_S = 30.0
 
 
-class RankFailure(RuntimeError):
+class RankFailedError(RuntimeError):
     """One or more ranks raised; the message carries every failing rank's traceback."""
 
 
-class RankTimeout(RuntimeError):
+class RankTimeoutError(RuntimeError):
     """Some ranks did not finish within the timeout; they were killed."""
 
 
@@ -213,9 +214,9 @@ class RankPool:
         if errors:
             text = "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in sorted(errors.items()))
             note = f"\n(ranks {hung} were still running and were killed)" if hung else ""
-            raise RankFailure(f"{len(errors)} of {len(workers)} ranks failed:\n{text}{note}")
+            raise RankFailedError(f"{len(errors)} of {len(workers)} ranks failed:\n{text}{note}")
         if hung:
-            raise RankTimeout(
+            raise RankTimeoutError(
                 f"ranks {hung} of {len(workers)} did not finish within {timeout:.0f} s and were killed"
             )
         return [results[rank] for rank in range(len(workers))]
@@ -223,10 +224,8 @@ class RankPool:
     def close(self) -> None:
         for worker in self._workers:
             if worker.alive():
-                try:
+                with contextlib.suppress(OSError):
                     worker.conn.send(None)
-                except OSError:
-                    pass
         for worker in self._workers:
             worker.process.join(timeout=5)
             if worker.alive():
