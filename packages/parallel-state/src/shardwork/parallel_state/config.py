@@ -35,7 +35,8 @@ class ParallelConfig:
     dp: int | None = None
     """Data-parallel size; ``None`` derives it as ``world / (tp * cp * pp)``."""
     order: str = "tp-cp-ep-dp-pp"
-    """Rank order, fastest-varying dimension first; a permutation of tp, cp, ep, dp, pp."""
+    """Rank order, fastest-varying dimension first, from tp, cp, ep, dp, pp; a token may be
+    left out only when its size is 1 (it is then appended, as Megatron-Core does)."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp", "ep"):
@@ -63,12 +64,20 @@ class ParallelConfig:
                 )
         tokens = self.order.split("-")
         unknown = [t for t in tokens if t not in ORDER_TOKENS]
-        if unknown or sorted(tokens) != sorted(ORDER_TOKENS):
+        duplicated = sorted({t for t in tokens if tokens.count(t) > 1})
+        if unknown or duplicated:
             raise ValueError(
-                f"ParallelConfig.order={self.order!r} is invalid: it must list each of "
-                f"{', '.join(ORDER_TOKENS)} exactly once, joined by '-' (e.g. 'tp-cp-ep-dp-pp')"
+                f"ParallelConfig.order={self.order!r} is invalid: it must list tokens from "
+                f"{', '.join(ORDER_TOKENS)} at most once each, joined by '-' (e.g. 'tp-cp-ep-dp-pp')"
                 + (f"; unknown tokens {unknown}" if unknown else "")
+                + (f"; repeated tokens {duplicated}" if duplicated else "")
             )
+
+    @property
+    def full_order(self) -> list[str]:
+        """``order`` with omitted tokens appended (they must have size 1, as in Megatron-Core)."""
+        tokens = self.order.split("-")
+        return tokens + [t for t in ORDER_TOKENS if t not in tokens]
 
     @property
     def expert_tp(self) -> int:
@@ -103,6 +112,22 @@ class ParallelConfig:
                 f"ParallelConfig.ep={self.ep} with etp={etp} is invalid: etp*ep = {etp * self.ep} must "
                 f"divide the ranks of one pipeline stage, tp*cp*dp = {self.tp * self.cp * dp}"
             )
+        tokens = self.order.split("-")
+        edp = (self.tp * self.cp * dp) // (etp * self.ep)
+        sizes = {
+            "tp": (self.tp, etp),
+            "cp": (self.cp,),
+            "ep": (self.ep,),
+            "dp": (dp, edp),
+            "pp": (self.pp,),
+        }
+        for name, values in sizes.items():
+            if name not in tokens and any(v != 1 for v in values):
+                raise ValueError(
+                    f"ParallelConfig.order={self.order!r} omits {name!r} but its size is "
+                    f"{max(values)}: every dimension larger than 1 (for dense or expert layers) "
+                    "must appear in the order"
+                )
         return replace(self, dp=dp, etp=etp)
 
     @property

@@ -77,7 +77,7 @@ class RankLayout:
     def build(cls, config: ParallelConfig, world_size: int) -> RankLayout:
         """Resolve ``config`` for ``world_size`` and compute every group (ValueError if impossible)."""
         config = config.resolve(world_size)
-        order = config.order.split("-")
+        order = config.full_order
         dense = {"tp": config.tp, "cp": config.cp, "ep": 1, "dp": config.dp, "pp": config.pp}
         expert = {"tp": config.etp, "cp": 1, "ep": config.ep, "dp": config.edp, "pp": config.pp}
         groups = {name: _masked_groups(dense, order, axes) for name, axes in DENSE_GROUPS.items()}
