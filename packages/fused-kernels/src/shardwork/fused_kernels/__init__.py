@@ -1,1 +1,61 @@
-"""shardwork.fused_kernels — not built yet; see the package README for what it will hold."""
+"""shardwork.fused_kernels — fused training ops with a torch reference, Triton kernels and a TE backend.
+
+Ops (each differentiable, each with ``backend="auto"|"torch"|"triton"|"te"``):
+
+- :func:`rms_norm`, :func:`layer_norm` — float32 statistics, zero-centered gamma option.
+- :func:`swiglu`, :func:`geglu` — on a fused ``[gate | up]`` projection, optional per-token weights.
+- :func:`apply_rotary` with :func:`rotary_inv_freq` (Llama-3 / YaRN scaling),
+  :func:`rotary_cos_sin` and :func:`packed_positions` — half-split or interleaved, partial.
+- :func:`cross_entropy` — optionally vocab-parallel over ``tp_group``, label smoothing,
+  ignore index, per-token losses.
+- :func:`router_topk` — MoE score function + (group-limited, biased) top-k + aux statistics.
+- :func:`permute_tokens` / :func:`unpermute_tokens` — group token rows by expert and back.
+
+Backend choice: :func:`resolve_backend`, :func:`set_default_backend`, :func:`get_default_backend`.
+"""
+
+from shardwork.fused_kernels.activations import geglu, swiglu
+from shardwork.fused_kernels.backend import (
+    BACKENDS,
+    OPS,
+    BackendUnavailableError,
+    get_default_backend,
+    resolve_backend,
+    set_default_backend,
+)
+from shardwork.fused_kernels.cross_entropy import cross_entropy
+from shardwork.fused_kernels.norms import layer_norm, rms_norm
+from shardwork.fused_kernels.permute import permute_tokens, unpermute_tokens
+from shardwork.fused_kernels.rotary import apply_rotary
+from shardwork.fused_kernels.rotary_freqs import (
+    Llama3RopeScaling,
+    YarnRopeScaling,
+    packed_positions,
+    rotary_cos_sin,
+    rotary_inv_freq,
+)
+from shardwork.fused_kernels.router import RouterTopK, router_topk
+
+__all__ = [
+    "BACKENDS",
+    "OPS",
+    "BackendUnavailableError",
+    "Llama3RopeScaling",
+    "RouterTopK",
+    "YarnRopeScaling",
+    "apply_rotary",
+    "cross_entropy",
+    "geglu",
+    "get_default_backend",
+    "layer_norm",
+    "packed_positions",
+    "permute_tokens",
+    "resolve_backend",
+    "rms_norm",
+    "rotary_cos_sin",
+    "rotary_inv_freq",
+    "router_topk",
+    "set_default_backend",
+    "swiglu",
+    "unpermute_tokens",
+]

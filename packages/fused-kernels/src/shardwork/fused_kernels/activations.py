@@ -1,0 +1,110 @@
+"""Gated activations on a fused [gate | up] projection: SwiGLU and GeGLU, with per-token weights.
+
+- Input ``x [..., 2*I]`` holds the gate half first and the up half second (the
+  layout of a fused ``gate_up_proj``); output ``act(gate) * up`` has ``[..., I]``.
+- ``token_weights [...]`` or ``[..., 1]`` multiplies each token's output (an MoE
+  expert applies its routing probability here, so the probability receives a
+  gradient without a separate multiply kernel).
+- Arithmetic in float32; output in ``x.dtype``; the token-weight gradient in the
+  token weights' dtype.
+- GeGLU uses the tanh approximation of GELU by default (as Megatron and TE do);
+  ``approximate="none"`` gives the erf form.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from shardwork.fused_kernels._checks import check_float, check_same_device
+from shardwork.fused_kernels.backend import resolve_backend
+
+__all__ = ["geglu", "geglu_reference", "swiglu", "swiglu_reference"]
+
+_APPROXIMATE = ("tanh", "none")
+
+
+def _weights_column(x: torch.Tensor, token_weights: torch.Tensor) -> torch.Tensor:
+    """``token_weights`` as ``[..., 1]`` matching ``x.shape[:-1]``."""
+    if token_weights.shape == x.shape[:-1]:
+        return token_weights.unsqueeze(-1)
+    return token_weights
+
+
+def swiglu_reference(x: torch.Tensor, *, token_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain-torch SwiGLU: ``silu(gate) * up (* token_weights)`` in float32, cast to ``x.dtype``."""
+    gate, up = x.float().chunk(2, dim=-1)
+    y = F.silu(gate) * up
+    if token_weights is not None:
+        y = y * _weights_column(x, token_weights).float()
+    return y.to(x.dtype)
+
+
+def geglu_reference(
+    x: torch.Tensor, *, token_weights: torch.Tensor | None = None, approximate: str = "tanh"
+) -> torch.Tensor:
+    """Plain-torch GeGLU: ``gelu(gate) * up (* token_weights)`` in float32, cast to ``x.dtype``."""
+    gate, up = x.float().chunk(2, dim=-1)
+    y = F.gelu(gate, approximate=approximate) * up
+    if token_weights is not None:
+        y = y * _weights_column(x, token_weights).float()
+    return y.to(x.dtype)
+
+
+def _validate(x: torch.Tensor, token_weights: torch.Tensor | None) -> None:
+    check_float("x", x)
+    if x.dim() == 0 or x.shape[-1] % 2 != 0:
+        raise ValueError(
+            f"x.shape={tuple(x.shape)}: last dim must be even ([gate | up] halves of 2*I)"
+        )
+    if token_weights is not None:
+        check_float("token_weights", token_weights)
+        lead = tuple(x.shape[:-1])
+        if tuple(token_weights.shape) not in (lead, (*lead, 1)):
+            raise ValueError(
+                f"token_weights.shape={tuple(token_weights.shape)}: must be {lead} or {(*lead, 1)}"
+            )
+        check_same_device(x=x, token_weights=token_weights)
+
+
+def swiglu(
+    x: torch.Tensor, *, token_weights: torch.Tensor | None = None, backend: str | None = None
+) -> torch.Tensor:
+    """SwiGLU of the fused projection ``x [..., 2*I]`` -> ``[..., I]``, times ``token_weights`` if given."""
+    _validate(x, token_weights)
+    chosen = resolve_backend("swiglu", backend, x.device)
+    if chosen == "triton":
+        from shardwork.fused_kernels import triton_activations
+
+        return triton_activations.glu(x, token_weights, kind="swiglu")
+    if chosen == "te":
+        from shardwork.fused_kernels import te_ops
+
+        return te_ops.glu(x, token_weights, kind="swiglu")
+    return swiglu_reference(x, token_weights=token_weights)
+
+
+def geglu(
+    x: torch.Tensor,
+    *,
+    token_weights: torch.Tensor | None = None,
+    approximate: str = "tanh",
+    backend: str | None = None,
+) -> torch.Tensor:
+    """GeGLU of the fused projection ``x [..., 2*I]`` -> ``[..., I]``, times ``token_weights`` if given."""
+    _validate(x, token_weights)
+    if approximate not in _APPROXIMATE:
+        raise ValueError(f"approximate={approximate!r}; valid: {', '.join(_APPROXIMATE)}")
+    chosen = resolve_backend("geglu", backend, x.device)
+    if chosen == "triton":
+        from shardwork.fused_kernels import triton_activations
+
+        kind = "geglu_tanh" if approximate == "tanh" else "geglu_erf"
+        return triton_activations.glu(x, token_weights, kind=kind)
+    if chosen == "te":
+        if approximate != "tanh":
+            raise ValueError("backend='te' offers GeGLU with approximate='tanh' only")
+        from shardwork.fused_kernels import te_ops
+
+        return te_ops.glu(x, token_weights, kind="geglu")
+    return geglu_reference(x, token_weights=token_weights, approximate=approximate)

@@ -1,0 +1,120 @@
+"""Token permutation for MoE: group token rows by expert, and the weighted inverse.
+
+- ``permute_tokens`` orders the (token, expert) pairs of ``routing_map [N, E]`` by
+  expert, tokens ascending within an expert (Megatron's argsort layout), and keeps
+  the first ``num_out_tokens`` of them (default: all routed pairs). Row ``j`` of
+  the output is ``tokens[sorted_indices[j]]``.
+- ``unpermute_tokens`` sums each token's expert outputs back into ``[N, H]``,
+  weighted by ``probs`` when given: permuted probs ``[M]`` (as returned by
+  ``permute_tokens``), or dense ``[N, E]`` probs together with ``routing_map``.
+  Accumulation is in float32; tokens routed nowhere get zeros.
+- The torch reference uses ``index_select`` / ``index_add_`` (autograd differentiates
+  them). The Triton backend gathers rows and, for the inverse, sums through a
+  per-token table of destination rows (deterministic, no atomics).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardwork.fused_kernels._checks import check_float, check_same_device
+from shardwork.fused_kernels.backend import resolve_backend
+
+__all__ = ["permute_tokens", "sort_by_expert", "unpermute_tokens"]
+
+
+def sort_by_expert(routing_map: torch.Tensor, num_out_tokens: int | None = None) -> torch.Tensor:
+    """Flat indices into ``routing_map.T`` ([E, N] row-major) of the kept (expert, token) pairs, ``[M]``."""
+    flat = routing_map.T.contiguous().reshape(-1).to(torch.int8)
+    if num_out_tokens is None:
+        num_out_tokens = int(routing_map.sum())
+    return flat.argsort(descending=True, stable=True)[:num_out_tokens]
+
+
+def permute_tokens(
+    tokens: torch.Tensor,
+    routing_map: torch.Tensor,
+    *,
+    probs: torch.Tensor | None = None,
+    num_out_tokens: int | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Group ``tokens [N, H]`` by expert: returns (permuted ``[M, H]``, permuted probs ``[M]`` or None, sorted_indices ``[M]``)."""
+    check_float("tokens", tokens)
+    if tokens.dim() != 2:
+        raise ValueError(f"tokens.shape={tuple(tokens.shape)} must be 2-D [N, H]")
+    if (
+        routing_map.dtype != torch.bool
+        or routing_map.dim() != 2
+        or routing_map.shape[0] != tokens.shape[0]
+    ):
+        raise ValueError(
+            f"routing_map (dtype={routing_map.dtype}, shape={tuple(routing_map.shape)}) must be "
+            f"bool [N={tokens.shape[0]}, E]"
+        )
+    if probs is not None and tuple(probs.shape) != tuple(routing_map.shape):
+        raise ValueError(
+            f"probs.shape={tuple(probs.shape)} must equal routing_map.shape={tuple(routing_map.shape)}"
+        )
+    total = routing_map.numel()
+    if num_out_tokens is not None and not 0 <= num_out_tokens <= total:
+        raise ValueError(f"num_out_tokens={num_out_tokens} must be in [0, N*E={total}]")
+    check_same_device(tokens=tokens, routing_map=routing_map, probs=probs)
+    chosen = resolve_backend("permute", backend, tokens.device)
+    flat = sort_by_expert(routing_map, num_out_tokens)
+    sorted_indices = flat % tokens.shape[0]
+    permuted_probs = None if probs is None else probs.T.reshape(-1)[flat]
+    if chosen == "triton":
+        from shardwork.fused_kernels import triton_permute
+
+        permuted = triton_permute.gather_rows(tokens, sorted_indices)
+    else:
+        permuted = tokens.index_select(0, sorted_indices)
+    return permuted, permuted_probs, sorted_indices
+
+
+def unpermute_tokens(
+    permuted: torch.Tensor,
+    sorted_indices: torch.Tensor,
+    *,
+    restore_shape: tuple[int, int] | torch.Size,
+    probs: torch.Tensor | None = None,
+    routing_map: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Sum rows of ``permuted [M, H]`` back to ``restore_shape = (N, H)``, weighted by ``probs`` if given.
+
+    ``probs``: ``[M]`` permuted probs, or ``[N, E]`` dense probs with ``routing_map``
+    (then ``M`` must be the number of routed pairs). Output dtype: ``permuted.dtype``.
+    """
+    check_float("permuted", permuted)
+    restore_shape = tuple(int(s) for s in restore_shape)
+    if permuted.dim() != 2 or len(restore_shape) != 2 or permuted.shape[1] != restore_shape[1]:
+        raise ValueError(
+            f"permuted.shape={tuple(permuted.shape)} must be [M, H] with H = restore_shape[1] "
+            f"(restore_shape={restore_shape})"
+        )
+    if tuple(sorted_indices.shape) != (permuted.shape[0],):
+        raise ValueError(
+            f"sorted_indices.shape={tuple(sorted_indices.shape)} must be ({permuted.shape[0]},)"
+        )
+    if probs is not None and probs.dim() == 2:
+        if routing_map is None or tuple(routing_map.shape) != tuple(probs.shape):
+            raise ValueError("dense probs [N, E] need routing_map of the same shape")
+        probs = probs.T.reshape(-1)[sort_by_expert(routing_map, permuted.shape[0])]
+    if probs is not None and tuple(probs.shape) != (permuted.shape[0],):
+        raise ValueError(
+            f"probs.shape={tuple(probs.shape)} must be ({permuted.shape[0]},) or [N, E]"
+        )
+    check_same_device(permuted=permuted, sorted_indices=sorted_indices, probs=probs)
+    chosen = resolve_backend("unpermute", backend, permuted.device)
+    if chosen == "triton":
+        from shardwork.fused_kernels import triton_permute
+
+        return triton_permute.scatter_rows(permuted, sorted_indices, probs, restore_shape[0])
+    rows = permuted.float()
+    if probs is not None:
+        rows = rows * probs.float().unsqueeze(-1)
+    out = torch.zeros(restore_shape, dtype=torch.float32, device=permuted.device)
+    out = out.index_add(0, sorted_indices, rows)
+    return out.to(permuted.dtype)

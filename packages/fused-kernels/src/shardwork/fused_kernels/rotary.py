@@ -1,0 +1,102 @@
+"""Apply rotary position embedding to ``x [..., heads, head_dim]``: half-split or interleaved, partial.
+
+- ``cos``/``sin`` are ``[..., rotary_dim]`` tables (see ``rotary_freqs.rotary_cos_sin``)
+  broadcastable to ``x.shape[:-2] + (rotary_dim,)``; only the first ``rotary_dim``
+  features of each head rotate, the rest pass through (partial rotary).
+- Half-split pairing (Llama / HF ``rotate_half``): feature ``i`` pairs with
+  ``i + rotary_dim/2``. Interleaved pairing (GPT-J, DeepSeek MLA): ``2k`` with ``2k+1``.
+  ``out = x * cos + rotate(x) * sin`` where ``rotate`` negates the first of each pair,
+  so any cos/sin table works, not only ``cat(f, f)``.
+- Packed sequences: build cos/sin from ``packed_positions(cu_seqlens)``; the op itself
+  only needs one table row per token.
+- ``inplace=True`` writes the result into ``x`` (safe for the rotation itself: its
+  backward needs only cos/sin); refuse on a leaf that requires grad.
+- Gradients flow to ``x`` only in the Triton backend (cos/sin are tables); the torch
+  reference also differentiates cos/sin. No TE backend (see ``te_support``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardwork.fused_kernels._checks import check_float, check_same_device
+from shardwork.fused_kernels.backend import resolve_backend
+
+__all__ = ["apply_rotary", "apply_rotary_reference"]
+
+
+def _rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((-x2, x1), dim=-1).flatten(-2)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_reference(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False
+) -> torch.Tensor:
+    """Plain-torch rotary embedding in float32, cast to ``x.dtype`` (a new tensor)."""
+    rotary_dim = cos.shape[-1]
+    xr = x[..., :rotary_dim].float()
+    c, s = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
+    out = (xr * c + _rotate(xr, interleaved) * s).to(x.dtype)
+    if rotary_dim == x.shape[-1]:
+        return out
+    return torch.cat((out, x[..., rotary_dim:]), dim=-1)
+
+
+def _validate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inplace: bool) -> None:
+    check_float("x", x)
+    check_float("cos", cos)
+    check_float("sin", sin)
+    if x.dim() < 3:
+        raise ValueError(
+            f"x.shape={tuple(x.shape)} must be [..., heads, head_dim] with >= 1 leading dim"
+        )
+    if tuple(cos.shape) != tuple(sin.shape):
+        raise ValueError(f"cos.shape={tuple(cos.shape)} must equal sin.shape={tuple(sin.shape)}")
+    rotary_dim = cos.shape[-1] if cos.dim() else 0
+    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > x.shape[-1]:
+        raise ValueError(
+            f"cos.shape[-1]={rotary_dim} (rotary_dim) must be even, > 0 and <= head_dim={x.shape[-1]}"
+        )
+    lead = tuple(x.shape[:-2])
+    try:
+        shape = torch.broadcast_shapes(tuple(cos.shape[:-1]), lead)
+    except RuntimeError:
+        shape = None
+    if shape != lead:
+        raise ValueError(
+            f"cos.shape={tuple(cos.shape)} must broadcast to x.shape[:-2] + (rotary_dim,) = "
+            f"{(*lead, rotary_dim)}"
+        )
+    if inplace and x.is_leaf and x.requires_grad:
+        raise ValueError("inplace=True on a leaf tensor that requires grad; use inplace=False")
+    check_same_device(x=x, cos=cos, sin=sin)
+
+
+def apply_rotary(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    interleaved: bool = False,
+    inplace: bool = False,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Rotate the first ``cos.shape[-1]`` features of every head of ``x [..., heads, head_dim]``.
+
+    Returns a new tensor, or ``x`` itself (modified) when ``inplace=True``.
+    """
+    _validate(x, cos, sin, inplace)
+    chosen = resolve_backend("rotary", backend, x.device)
+    if chosen == "triton":
+        from shardwork.fused_kernels import triton_rotary
+
+        return triton_rotary.rotary(x, cos, sin, interleaved=interleaved, inplace=inplace)
+    out = apply_rotary_reference(x, cos, sin, interleaved=interleaved)
+    if inplace:
+        x.copy_(out)
+        return x
+    return out
