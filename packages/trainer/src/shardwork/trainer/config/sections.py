@@ -1,0 +1,267 @@
+"""The trainer's configuration: one small ``kw_only`` dataclass per concern.
+
+- :class:`TrainConfig` composes model, parallel, precision, optimizer,
+  schedule, data, checkpoint, logging, eval and reliability sections.
+- Every field's docstring is its documentation: ``shardwork-train --help``
+  shows it next to the ``--section.field`` flag.
+- The defaults ARE the no-argument demo: a small byte-level GPT trained on
+  the standard library's ``pydoc_data`` topics on one CPU process.
+- Model fields left at ``None`` come from the preset (``model.preset``) or,
+  without one, from :data:`DEMO_MODEL`; :func:`resolve_config` fills them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+ScalarValue = int | float | bool | str
+
+DEMO_MODEL = {
+    "num_layers": 4,
+    "hidden_size": 192,
+    "num_attention_heads": 6,
+    "num_query_groups": 6,
+    "ffn_hidden_size": 512,
+}
+"""Architecture of the demo GPT (about 2 M parameters with the byte vocabulary)."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Which GPT to train (see shardwork.models.GPTConfig for the meaning of each field)."""
+
+    preset: str | None = None
+    """A shardwork.models preset name (e.g. 'llama3-8b'); None: the small demo GPT."""
+    num_layers: int | None = None
+    """Transformer layers; None: the preset's (or the demo's) value."""
+    hidden_size: int | None = None
+    """Model width; None: the preset's (or the demo's) value."""
+    num_attention_heads: int | None = None
+    """Attention heads; None: the preset's (or the demo's) value."""
+    num_query_groups: int | None = None
+    """Key/value heads (grouped-query attention); None: the preset's (or the demo's) value."""
+    ffn_hidden_size: int | None = None
+    """MLP inner width; None: the preset's (or the demo's) value."""
+    vocab_size: int | None = None
+    """Vocabulary rows; None: the tokenizer's vocabulary padded to make_vocab_size_divisible_by × tp."""
+    make_vocab_size_divisible_by: int = 64
+    """Pad the tokenizer's vocabulary to a multiple of this times tp (ignored if vocab_size is set)."""
+    overrides: dict[str, ScalarValue] = field(default_factory=dict)
+    """Any other GPTConfig field by name, e.g. {'rotary_base': 500000, 'num_moe_experts': 8}."""
+
+
+@dataclass(kw_only=True)
+class ParallelSection:
+    """How the ranks are laid out (shardwork.parallel_state.ParallelConfig); dp is derived."""
+
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size (stages)."""
+    vpp: int | None = None
+    """Virtual pipeline chunks per stage (interleaved 1F1B); None: not interleaved."""
+    cp: int = 1
+    """Context-parallel size."""
+    ep: int = 1
+    """Expert-parallel size (MoE models)."""
+    etp: int | None = None
+    """Expert tensor-parallel size; None: equal to tp."""
+    order: str = "tp-cp-ep-dp-pp"
+    """Rank order, fastest-varying first."""
+    sequence_parallel: bool = False
+    """Split activations outside attention/MLP along the sequence over the TP group (needs tp > 1)."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend; auto: nccl on CUDA, gloo on CPU."""
+    timeout_minutes: float = 10.0
+    """Collective timeout; a collective that waits longer fails and names its group."""
+
+
+@dataclass(kw_only=True)
+class PrecisionConfig:
+    """Numeric formats and device."""
+
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Parameter / activation dtype (master weights and optimizer state stay fp32)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to train; auto: CUDA when available, else CPU."""
+    grad_reduce_in_fp32: bool = True
+    """Accumulate and reduce gradients in fp32 main_grad buffers."""
+    initial_loss_scale: float = 65536.0
+    """fp16 only: starting dynamic loss scale."""
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """Optimizer (shardwork.dist_optimizer) and its weight-decay schedule."""
+
+    name: Literal["adamw", "muon"] = "adamw"
+    """adamw for every parameter, or muon for matrices with adamw for the rest."""
+    lr: float = 2e-3
+    """Peak learning rate."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the decay."""
+    weight_decay: float = 0.1
+    """Weight decay at step 0 (decoupled, AdamW style)."""
+    weight_decay_end: float | None = None
+    """Weight decay at the last step; None: constant."""
+    weight_decay_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """How weight decay moves from weight_decay to weight_decay_end over the run."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.95
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    muon_momentum: float = 0.95
+    """Muon momentum (name='muon')."""
+    distributed: bool = False
+    """ZeRO-1: shard optimizer state and fp32 master weights over data-parallel ranks."""
+    overlap_grad_reduce: bool = False
+    """Overlap the data-parallel gradient reduction with the backward pass."""
+    overlap_param_gather: bool = False
+    """ZeRO-1: overlap the parameter all-gather with the next forward pass."""
+    bucket_size_mb: float = 40.0
+    """Gradient bucket size for the data-parallel reduction."""
+
+
+@dataclass(kw_only=True)
+class ScheduleConfig:
+    """Steps, batch sizes and the learning-rate schedule."""
+
+    train_steps: int = 350
+    """Optimizer steps to train."""
+    global_batch_size: int = 16
+    """Sequences per optimizer step, over all data-parallel ranks."""
+    micro_batch_size: int = 16
+    """Sequences per forward pass on one rank; global / (micro × dp) micro-batches are accumulated."""
+    batch_size_ramp: list[tuple[int, int]] = field(default_factory=list)
+    """(step, global batch size) pairs: from that step on, that batch size (before the first: global_batch_size)."""
+    lr_schedule: Literal["constant", "linear", "cosine", "inverse_sqrt", "wsd"] = "cosine"
+    """Learning-rate schedule after warmup."""
+    warmup_steps: int = 30
+    """Linear warmup steps: lr = lr * (step + 1) / warmup_steps."""
+    lr_decay_steps: int | None = None
+    """Step at which the decay reaches min_lr; None: train_steps."""
+    wsd_decay_steps: int | None = None
+    """WSD: length of the final decay phase; None: 20% of lr_decay_steps."""
+    wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "linear"
+    """WSD: shape of the final decay."""
+    pipeline_schedule: Literal["auto", "1f1b", "interleaved"] = "auto"
+    """Pipeline schedule: auto picks no-pipelining (pp=1), 1F1B, or interleaved 1F1B (vpp>1)."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Training data: a built-in corpus, indexed datasets with weights, or a JSON data config."""
+
+    corpus: str | None = "pydoc"
+    """Built-in corpus used when no prefixes or data_config are given ('pydoc': Python's help topics)."""
+    prefixes: list[str] = field(default_factory=list)
+    """Indexed dataset prefixes (PREFIX.bin / PREFIX.idx), blended by weights and split by split."""
+    weights: list[float] = field(default_factory=list)
+    """One blend weight per prefix; empty: equal weights."""
+    data_config: str | None = None
+    """JSON file with per-split blends: {"train": [[w, prefix], ...], "valid": [...], "test": [...]}."""
+    split: str = "90,10,0"
+    """train,valid,test proportions of each prefix's documents (ignored with data_config)."""
+    seq_length: int = 128
+    """Tokens per sample."""
+    tokenizer: str = "byte"
+    """'byte' (built in) or the path of a Hugging Face tokenizers JSON file."""
+    eod_token: str | None = None
+    """End-of-document token of a HF tokenizer; None: the usual names are tried."""
+    cache_dir: str | None = None
+    """Where built-in corpora are preprocessed; None: $SHARDWORK_CACHE or ~/.cache/shardwork."""
+    shuffle: bool = True
+    """Shuffle documents and samples (with the run's seed)."""
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Checkpoints through shardwork.dist_checkpoint's CheckpointManager."""
+
+    dir: str | None = None
+    """Checkpoint directory; None: RUN_DIR/checkpoints."""
+    interval: int | None = None
+    """Save every this many steps; None: only at the end (and on a signal)."""
+    keep_last: int = 2
+    """Keep the newest this many checkpoints."""
+    keep_every: int | None = None
+    """Also keep every checkpoint whose step is a multiple of this."""
+    async_save: bool = False
+    """Write checkpoints in the background while training continues."""
+    resume: str = "auto"
+    """'auto': resume from the newest complete checkpoint in dir if any; 'none'; or a checkpoint path."""
+    load_optimizer: bool = True
+    """On resume, load the optimizer state (False: fresh optimizer, e.g. for fine-tuning)."""
+    load_rng: bool = True
+    """On resume, load RNG states (only possible at the same layout; otherwise re-derived)."""
+    save_at_end: bool = True
+    """Save a checkpoint when training finishes."""
+    save_on_signal: bool = True
+    """On SIGTERM/SIGINT, finish the current step, save a checkpoint and exit cleanly."""
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    """Where the run writes and what it shows."""
+
+    name: str = "demo"
+    """Run name."""
+    run_dir: str | None = None
+    """Output directory (metrics, plots, checkpoints); None: runs/NAME."""
+    interval: int = 10
+    """Log metrics every this many steps."""
+    progress: Literal["auto", "bar", "lines", "none"] = "auto"
+    """auto: a progress bar on a terminal, plain lines otherwise."""
+    tensorboard: bool = True
+    """Also write TensorBoard events when tensorboard is installed."""
+    per_rank: bool = False
+    """Every rank writes its own metrics file (default: rank 0 only)."""
+    plot: bool = True
+    """Write PNG plots into RUN_DIR at the end."""
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """Evaluation on the validation split."""
+
+    interval: int | None = 100
+    """Evaluate every this many steps; None: only at the end."""
+    steps: int | None = None
+    """Micro-batches per evaluation on each data-parallel rank; None: the whole validation split."""
+    at_end: bool = True
+    """Evaluate after the last step."""
+
+
+@dataclass(kw_only=True)
+class ReliabilityConfig:
+    """What to do when things go wrong."""
+
+    on_nan: Literal["skip", "stop"] = "stop"
+    """NaN/Inf loss or gradient: skip the step (no update) or stop with a checkpoint-free error."""
+    max_consecutive_skips: int = 5
+    """With on_nan='skip': stop after this many skipped steps in a row."""
+    check_dp_params_interval: int | None = None
+    """Every this many steps, check that all data-parallel replicas hold identical parameters."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Everything one training run needs."""
+
+    seed: int = 1234
+    """Seed of parameter init, data order and dropout (per-rank streams are derived from it)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)

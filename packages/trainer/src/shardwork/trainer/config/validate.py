@@ -1,0 +1,306 @@
+"""Whole-config validation and resolution, before any process group exists.
+
+:func:`validate_config` checks every section and the relations between them
+(batch sizes against data parallelism, heads against TP, layers against
+pipeline stages, schedule lengths, data sources) for a given world size and
+raises one :class:`ConfigError` listing every problem: each names the field,
+its value and what would be valid.
+
+:func:`resolve_config` returns a copy with every derived value filled in
+(model dimensions from the preset or the demo model, padded vocabulary,
+run and checkpoint directories), which is what ``--print-config`` shows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from shardwork.parallel_state import ParallelConfig
+from shardwork.trainer.config.load import ConfigError
+from shardwork.trainer.config.sections import DEMO_MODEL, TrainConfig
+
+
+def parallel_config(config: TrainConfig) -> ParallelConfig:
+    p = config.parallel
+    return ParallelConfig(tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, ep=p.ep, etp=p.etp, order=p.order)
+
+
+def _preset_dims(name: str) -> dict:
+    """Architecture fields of a shardwork.models preset."""
+    from shardwork.trainer.model_factory import preset_fields
+
+    return preset_fields(name)
+
+
+def resolve_config(config: TrainConfig) -> TrainConfig:
+    """A copy with model dimensions, vocabulary and directories filled in."""
+    from shardwork.trainer.data.tokenizer import load_tokenizer
+
+    model = config.model
+    base = _preset_dims(model.preset) if model.preset else dict(DEMO_MODEL)
+    updates = {}
+    for name in DEMO_MODEL:
+        if getattr(model, name) is None and base.get(name) is not None:
+            updates[name] = base[name]
+    if model.vocab_size is None:
+        vocab = load_tokenizer(config.data.tokenizer, eod_token=config.data.eod_token).vocab_size
+        multiple = model.make_vocab_size_divisible_by * config.parallel.tp
+        updates["vocab_size"] = -(-vocab // multiple) * multiple
+    run_dir = config.logging.run_dir or str(Path("runs") / config.logging.name)
+    checkpoint_dir = config.checkpoint.dir or str(Path(run_dir) / "checkpoints")
+    return dataclasses.replace(
+        config,
+        model=dataclasses.replace(model, **updates),
+        logging=dataclasses.replace(config.logging, run_dir=run_dir),
+        checkpoint=dataclasses.replace(config.checkpoint, dir=checkpoint_dir),
+    )
+
+
+def _positive(problems: list[str], where: str, value, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        valid = "an integer >= 1" + (' or "none"' if allow_none else "")
+        problems.append(f"{where}={value!r}: must be {valid}")
+
+
+def _check_parallel(config: TrainConfig, world_size: int, problems: list[str]) -> int:
+    """Check the layout; return dp (1 if the layout is invalid)."""
+    try:
+        resolved = parallel_config(config).resolve(world_size)
+    except ValueError as exc:
+        problems.append(f"parallel: {exc} (world size {world_size})")
+        return 1
+    p = config.parallel
+    if p.sequence_parallel and p.tp == 1:
+        problems.append("parallel.sequence_parallel=True needs parallel.tp > 1")
+    if p.timeout_minutes <= 0:
+        problems.append(f"parallel.timeout_minutes={p.timeout_minutes}: must be > 0")
+    if p.backend == "nccl" or config.precision.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            problems.append(
+                f"parallel.backend={p.backend!r} / precision.device={config.precision.device!r}: "
+                "no CUDA device here; use 'auto', 'gloo' and 'cpu'"
+            )
+    return resolved.dp
+
+
+def _check_model(config: TrainConfig, problems: list[str]) -> None:
+    m, p = config.model, config.parallel
+    for name in (*DEMO_MODEL, "vocab_size"):
+        _positive(problems, f"model.{name}", getattr(m, name))
+    _positive(problems, "model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by)
+    if any(p_ for p_ in problems if p_.startswith("model.")):
+        return
+    if m.hidden_size % m.num_attention_heads:
+        problems.append(
+            f"model.hidden_size={m.hidden_size}: must be divisible by "
+            f"model.num_attention_heads={m.num_attention_heads}"
+        )
+    if m.num_attention_heads % m.num_query_groups:
+        problems.append(
+            f"model.num_query_groups={m.num_query_groups}: must divide "
+            f"model.num_attention_heads={m.num_attention_heads}"
+        )
+    for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size"):
+        if getattr(m, name) % p.tp:
+            problems.append(
+                f"model.{name}={getattr(m, name)}: must be divisible by parallel.tp={p.tp}"
+            )
+    chunks = p.pp * (p.vpp or 1)
+    if m.num_layers % chunks:
+        problems.append(
+            f"model.num_layers={m.num_layers}: must be divisible by parallel.pp × vpp = {chunks}"
+        )
+
+
+def _check_optimizer(config: TrainConfig, problems: list[str]) -> None:
+    o = config.optimizer
+    if not o.lr > 0:
+        problems.append(f"optimizer.lr={o.lr}: must be > 0")
+    if not 0 <= o.min_lr <= o.lr:
+        problems.append(f"optimizer.min_lr={o.min_lr}: must be in [0, optimizer.lr={o.lr}]")
+    if o.weight_decay < 0:
+        problems.append(f"optimizer.weight_decay={o.weight_decay}: must be >= 0")
+    if o.weight_decay_schedule != "constant" and o.weight_decay_end is None:
+        problems.append(
+            f"optimizer.weight_decay_schedule={o.weight_decay_schedule!r} needs "
+            "optimizer.weight_decay_end (a number >= 0)"
+        )
+    if o.weight_decay_end is not None and o.weight_decay_end < 0:
+        problems.append(f"optimizer.weight_decay_end={o.weight_decay_end}: must be >= 0")
+    for name in ("beta1", "beta2", "muon_momentum"):
+        if not 0 <= getattr(o, name) < 1:
+            problems.append(f"optimizer.{name}={getattr(o, name)}: must be in [0, 1)")
+    if not o.eps > 0:
+        problems.append(f"optimizer.eps={o.eps}: must be > 0")
+    if o.clip_grad < 0:
+        problems.append(f"optimizer.clip_grad={o.clip_grad}: must be >= 0 (0 disables clipping)")
+    if o.bucket_size_mb <= 0:
+        problems.append(f"optimizer.bucket_size_mb={o.bucket_size_mb}: must be > 0")
+    if o.overlap_param_gather and not o.distributed:
+        problems.append(
+            "optimizer.overlap_param_gather=True needs optimizer.distributed=True (ZeRO-1)"
+        )
+
+
+def _check_schedule(config: TrainConfig, dp: int, problems: list[str]) -> None:
+    s = config.schedule
+    _positive(problems, "schedule.train_steps", s.train_steps)
+    _positive(problems, "schedule.global_batch_size", s.global_batch_size)
+    _positive(problems, "schedule.micro_batch_size", s.micro_batch_size)
+    if any(p.startswith("schedule.") for p in problems):
+        return
+    per_step = s.micro_batch_size * dp
+    if s.global_batch_size % per_step:
+        problems.append(
+            f"schedule.global_batch_size={s.global_batch_size}: must be a multiple of "
+            f"micro_batch_size × dp = {s.micro_batch_size} × {dp} = {per_step}"
+        )
+    previous = -1
+    for i, entry in enumerate(s.batch_size_ramp):
+        step, size = entry
+        if step <= previous or step < 0:
+            problems.append(
+                f"schedule.batch_size_ramp[{i}]=({step}, {size}): steps must be >= 0 and increasing"
+            )
+        if size < 1 or size % per_step:
+            problems.append(
+                f"schedule.batch_size_ramp[{i}]=({step}, {size}): the size must be a positive "
+                f"multiple of micro_batch_size × dp = {per_step}"
+            )
+        previous = step
+    if s.warmup_steps < 0 or s.warmup_steps > s.train_steps:
+        problems.append(
+            f"schedule.warmup_steps={s.warmup_steps}: must be in [0, train_steps={s.train_steps}]"
+        )
+    decay = s.lr_decay_steps if s.lr_decay_steps is not None else s.train_steps
+    if s.lr_decay_steps is not None and s.lr_decay_steps <= s.warmup_steps:
+        problems.append(
+            f"schedule.lr_decay_steps={s.lr_decay_steps}: must exceed warmup_steps={s.warmup_steps}"
+        )
+    if s.wsd_decay_steps is not None and not 0 < s.wsd_decay_steps <= decay - s.warmup_steps:
+        problems.append(
+            f"schedule.wsd_decay_steps={s.wsd_decay_steps}: must be in "
+            f"[1, lr_decay_steps - warmup_steps = {decay - s.warmup_steps}]"
+        )
+    pp, vpp = config.parallel.pp, config.parallel.vpp or 1
+    if s.pipeline_schedule == "interleaved" and vpp == 1:
+        problems.append(
+            "schedule.pipeline_schedule='interleaved' needs parallel.vpp > 1 (virtual stages)"
+        )
+    if s.pipeline_schedule == "1f1b" and pp == 1:
+        problems.append("schedule.pipeline_schedule='1f1b' needs parallel.pp > 1")
+
+
+def _check_data(config: TrainConfig, problems: list[str]) -> None:
+    from shardwork.trainer.data.corpus import BUILTIN_CORPORA
+    from shardwork.trainer.data.indexed import dataset_exists
+
+    d = config.data
+    _positive(problems, "data.seq_length", d.seq_length)
+    sources = [bool(d.prefixes), d.data_config is not None]
+    if sum(sources) > 1:
+        problems.append("data.prefixes and data.data_config are both set: give only one")
+    if not any(sources):
+        if d.corpus is None:
+            problems.append(
+                'data: no data: set data.corpus="pydoc", data.prefixes or data.data_config'
+            )
+        elif d.corpus not in BUILTIN_CORPORA:
+            problems.append(
+                f"data.corpus={d.corpus!r}: not built in; valid: {list(BUILTIN_CORPORA)}"
+            )
+    if d.weights and len(d.weights) != len(d.prefixes):
+        problems.append(
+            f"data.weights has {len(d.weights)} entries but data.prefixes has {len(d.prefixes)}: "
+            "give one weight per prefix (or none for equal weights)"
+        )
+    if d.weights and (any(w < 0 for w in d.weights) or sum(d.weights) <= 0):
+        problems.append(f"data.weights={d.weights}: must be >= 0 with a positive sum")
+    for prefix in d.prefixes:
+        if not dataset_exists(prefix):
+            problems.append(
+                f"data.prefixes: {prefix!r} has no {prefix}.bin/{prefix}.idx (build it with shardwork-preprocess)"
+            )
+    if d.data_config is not None:
+        from shardwork.trainer.data.builder import read_data_config
+
+        try:
+            read_data_config(d.data_config)
+        except ValueError as exc:
+            problems.append(f"data.data_config={d.data_config!r}: {exc}")
+    try:
+        parts = [float(x) for x in d.split.split(",")]
+        if len(parts) != 3 or any(x < 0 for x in parts) or parts[0] <= 0:
+            raise ValueError
+    except ValueError:
+        problems.append(
+            f"data.split={d.split!r}: must be three non-negative numbers 'train,valid,test' "
+            "with train > 0 (e.g. '90,10,0')"
+        )
+    else:
+        eval_wanted = config.eval.interval is not None or config.eval.at_end
+        if eval_wanted and parts[1] == 0 and d.data_config is None:
+            problems.append(
+                f"data.split={d.split!r} has no validation part but evaluation is on: give it one "
+                "or set eval.interval='none' and eval.at_end=false"
+            )
+    if d.tokenizer != "byte" and not Path(d.tokenizer).expanduser().is_file():
+        problems.append(
+            f"data.tokenizer={d.tokenizer!r}: must be 'byte' or an existing tokenizer JSON file"
+        )
+
+
+def _check_rest(config: TrainConfig, problems: list[str]) -> None:
+    c = config.checkpoint
+    _positive(problems, "checkpoint.interval", c.interval, allow_none=True)
+    _positive(problems, "checkpoint.keep_last", c.keep_last)
+    _positive(problems, "checkpoint.keep_every", c.keep_every, allow_none=True)
+    if c.resume not in ("auto", "none") and not Path(c.resume).exists():
+        problems.append(
+            f"checkpoint.resume={c.resume!r}: must be 'auto', 'none' or an existing checkpoint path"
+        )
+    _positive(problems, "logging.interval", config.logging.interval)
+    _positive(problems, "eval.interval", config.eval.interval, allow_none=True)
+    _positive(problems, "eval.steps", config.eval.steps, allow_none=True)
+    r = config.reliability
+    _positive(problems, "reliability.max_consecutive_skips", r.max_consecutive_skips)
+    _positive(
+        problems,
+        "reliability.check_dp_params_interval",
+        r.check_dp_params_interval,
+        allow_none=True,
+    )
+    if not isinstance(config.seed, int) or config.seed < 0:
+        problems.append(f"seed={config.seed!r}: must be an integer >= 0")
+
+
+def validate_config(config: TrainConfig, *, world_size: int) -> TrainConfig:
+    """Resolve and check ``config`` for ``world_size`` ranks; return the resolved config.
+
+    Raises :class:`ConfigError` listing every problem. Creates no process group.
+    """
+    problems: list[str] = []
+    _check_data(config, problems)
+    tokenizer_ok = not any(p.startswith("data.tokenizer") for p in problems)
+    preset_ok = True
+    if config.model.preset is not None:
+        try:
+            _preset_dims(config.model.preset)
+        except ValueError as exc:
+            problems.append(f"model.preset={config.model.preset!r}: {exc}")
+            preset_ok = False
+    resolved = resolve_config(config) if tokenizer_ok and preset_ok else config
+    dp = _check_parallel(resolved, world_size, problems)
+    if tokenizer_ok and preset_ok:
+        _check_model(resolved, problems)
+    _check_optimizer(resolved, problems)
+    _check_schedule(resolved, dp, problems)
+    _check_rest(resolved, problems)
+    if problems:
+        raise ConfigError(problems)
+    return resolved

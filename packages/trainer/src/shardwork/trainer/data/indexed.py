@@ -1,0 +1,187 @@
+"""Megatron-compatible indexed datasets: a ``.bin`` of token ids and an ``.idx`` index.
+
+- Format (little endian), identical to Megatron-Core's ``MMIDIDX`` files, so
+  files written here load in Megatron and vice versa:
+  ``b"MMIDIDX\\x00\\x00"``, version ``<Q`` = 1, dtype code ``<B``, sequence
+  count ``<Q``, document count ``<Q``, then int32 sequence lengths, int64
+  byte pointers into ``.bin``, int64 document indices (sequence index where
+  each document starts, beginning with 0 and ending with the sequence count).
+- Reading memory-maps both files: opening a corpus of any size costs only
+  the index, and a sample reads just its slice of ``.bin``.
+- The token dtype is the smallest unsigned type that holds the vocabulary
+  (uint16 below 65,500 ids, int32 above), as Megatron's preprocessing chooses.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+INDEX_HEADER = b"MMIDIDX\x00\x00"
+_DTYPE_CODES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
+_CODE_OF = {np.dtype(v): k for k, v in _DTYPE_CODES.items()}
+
+
+def token_dtype_for(vocab_size: int) -> np.dtype:
+    """Smallest dtype Megatron uses for ``vocab_size`` ids (uint16 if it fits, else int32)."""
+    return (
+        np.dtype(np.uint16) if vocab_size is not None and vocab_size < 65500 else np.dtype(np.int32)
+    )
+
+
+def data_file_paths(prefix: str | os.PathLike) -> tuple[Path, Path]:
+    """``(prefix.bin, prefix.idx)`` for a dataset prefix."""
+    prefix = str(prefix)
+    return Path(prefix + ".bin"), Path(prefix + ".idx")
+
+
+def dataset_exists(prefix: str | os.PathLike) -> bool:
+    bin_path, idx_path = data_file_paths(prefix)
+    return bin_path.is_file() and idx_path.is_file()
+
+
+class IndexedDatasetWriter:
+    """Append documents (each a sequence of token ids) and write ``prefix.bin``/``prefix.idx``.
+
+    Use as a context manager; the index is written on a clean exit. The
+    ``.bin`` is written to a temporary name and renamed at the end, so an
+    interrupted write never leaves a valid-looking dataset behind.
+    """
+
+    def __init__(self, prefix: str | os.PathLike, *, dtype: np.dtype | type = np.uint16) -> None:
+        self.prefix = str(prefix)
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in _CODE_OF:
+            raise ValueError(
+                f"IndexedDatasetWriter dtype={self.dtype} is not supported; valid: "
+                f"{sorted(str(np.dtype(d)) for d in _DTYPE_CODES.values())}"
+            )
+        self._lengths: list[int] = []
+        self._documents: list[int] = [0]
+        self._bin = None
+
+    def __enter__(self) -> IndexedDatasetWriter:
+        bin_path, _ = data_file_paths(self.prefix)
+        bin_path.parent.mkdir(parents=True, exist_ok=True)
+        self._tmp_bin = bin_path.with_name(bin_path.name + ".partial")
+        self._bin = open(self._tmp_bin, "wb")
+        return self
+
+    def add_document(self, tokens: Iterable[int] | np.ndarray) -> None:
+        """Write one document as one sequence."""
+        array = np.asarray(tokens, dtype=self.dtype)
+        if array.ndim != 1:
+            raise ValueError(f"a document must be a 1-D sequence of ids, got shape {array.shape}")
+        self._bin.write(array.tobytes(order="C"))
+        self._lengths.append(int(array.size))
+        self._documents.append(len(self._lengths))
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._bin.close()
+        if exc_type is not None:
+            self._tmp_bin.unlink(missing_ok=True)
+            return
+        bin_path, idx_path = data_file_paths(self.prefix)
+        write_index(idx_path, self._lengths, self._documents, dtype=self.dtype)
+        os.replace(self._tmp_bin, bin_path)
+
+
+def write_index(
+    path: str | os.PathLike,
+    sequence_lengths: list[int],
+    document_indices: list[int],
+    *,
+    dtype: np.dtype,
+) -> None:
+    """Write an ``MMIDIDX`` index file for sequences of ``dtype`` tokens."""
+    lengths = np.asarray(sequence_lengths, dtype=np.int32)
+    pointers = np.zeros(len(lengths), dtype=np.int64)
+    if len(lengths) > 1:
+        np.cumsum(lengths[:-1].astype(np.int64) * np.dtype(dtype).itemsize, out=pointers[1:])
+    with open(path, "wb") as f:
+        f.write(INDEX_HEADER)
+        f.write(struct.pack("<Q", 1))
+        f.write(struct.pack("<B", _CODE_OF[np.dtype(dtype)]))
+        f.write(struct.pack("<Q", len(lengths)))
+        f.write(struct.pack("<Q", len(document_indices)))
+        f.write(lengths.tobytes(order="C"))
+        f.write(pointers.tobytes(order="C"))
+        f.write(np.asarray(document_indices, dtype=np.int64).tobytes(order="C"))
+
+
+class IndexedDataset:
+    """Memory-mapped reader of a ``prefix.bin``/``prefix.idx`` pair.
+
+    ``len(ds)`` is the number of sequences; ``ds[i]`` is sequence ``i`` as a
+    numpy array; ``ds.get(i, offset, length)`` a slice of it without copying.
+    """
+
+    def __init__(self, prefix: str | os.PathLike) -> None:
+        self.prefix = str(prefix)
+        bin_path, idx_path = data_file_paths(prefix)
+        if not idx_path.is_file() or not bin_path.is_file():
+            raise ValueError(
+                f"indexed dataset prefix={self.prefix!r}: expected {bin_path} and {idx_path} to "
+                "exist (build them with `shardwork-preprocess`)"
+            )
+        with open(idx_path, "rb") as f:
+            header = f.read(len(INDEX_HEADER))
+            if header != INDEX_HEADER:
+                raise ValueError(
+                    f"{idx_path} is not an MMIDIDX index (header {header!r}, expected {INDEX_HEADER!r})"
+                )
+            (version,) = struct.unpack("<Q", f.read(8))
+            if version != 1:
+                raise ValueError(f"{idx_path}: index version {version} is not supported (only 1)")
+            (code,) = struct.unpack("<B", f.read(1))
+            if code not in _DTYPE_CODES:
+                raise ValueError(f"{idx_path}: unknown dtype code {code}")
+            self.dtype = np.dtype(_DTYPE_CODES[code])
+            (num_sequences,) = struct.unpack("<Q", f.read(8))
+            (num_doc_indices,) = struct.unpack("<Q", f.read(8))
+            offset = f.tell()
+        self._index = np.memmap(idx_path, mode="r", dtype=np.uint8)
+        self.sequence_lengths = np.frombuffer(
+            self._index, dtype=np.int32, count=num_sequences, offset=offset
+        )
+        offset += self.sequence_lengths.nbytes
+        self.sequence_pointers = np.frombuffer(
+            self._index, dtype=np.int64, count=num_sequences, offset=offset
+        )
+        offset += self.sequence_pointers.nbytes
+        self.document_indices = np.frombuffer(
+            self._index, dtype=np.int64, count=num_doc_indices, offset=offset
+        )
+        size = bin_path.stat().st_size
+        self._bin = np.memmap(bin_path, mode="r", dtype=np.uint8) if size else np.zeros(0, np.uint8)
+
+    def __len__(self) -> int:
+        return int(self.sequence_lengths.size)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.sequence_lengths.sum(dtype=np.int64))
+
+    def get(self, index: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens ``[offset, offset + length)`` of sequence ``index`` (a read-only view)."""
+        seq_len = int(self.sequence_lengths[index])
+        if length is None:
+            length = seq_len - offset
+        pointer = int(self.sequence_pointers[index]) + offset * self.dtype.itemsize
+        return np.frombuffer(self._bin, dtype=self.dtype, count=length, offset=pointer)
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return self.get(index)

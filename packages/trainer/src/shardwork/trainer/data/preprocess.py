@@ -1,0 +1,108 @@
+"""``shardwork-preprocess``: text or JSONL files -> a Megatron-compatible indexed dataset.
+
+- JSONL (``.jsonl``/``.json``): one document per line, text under ``--json-key``.
+- Any other file: one document per file, or one per chunk when
+  ``--doc-separator`` is given (e.g. ``'\\n\\n'`` for paragraphs).
+- Each document gets the tokenizer's end-of-document id appended (as
+  Megatron's ``--append-eod``), so concatenated samples never merge two
+  documents silently.
+- The built-in byte tokenizer needs nothing; ``--tokenizer PATH`` uses a
+  Hugging Face ``tokenizers`` JSON file.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from shardwork.trainer.data.indexed import IndexedDatasetWriter, token_dtype_for
+from shardwork.trainer.data.tokenizer import Tokenizer, load_tokenizer
+
+
+def iter_documents(
+    paths: Iterable[str | Path], *, json_key: str = "text", doc_separator: str | None = None
+) -> Iterator[str]:
+    """Yield document texts from text / JSONL files (see module docstring)."""
+    for raw in paths:
+        path = Path(raw)
+        if not path.is_file():
+            raise ValueError(f"input={str(path)!r} is not a file")
+        if path.suffix in (".jsonl", ".json"):
+            with open(path, encoding="utf-8") as f:
+                for line_no, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    record = json.loads(line)
+                    if json_key not in record:
+                        raise ValueError(
+                            f"{path}:{line_no}: json_key={json_key!r} not in record keys "
+                            f"{sorted(record)}"
+                        )
+                    yield record[json_key]
+        else:
+            text = path.read_text(encoding="utf-8")
+            if doc_separator:
+                yield from (chunk for chunk in text.split(doc_separator) if chunk.strip())
+            else:
+                yield text
+
+
+def write_documents(
+    documents: Iterable[str], prefix: str | Path, tokenizer: Tokenizer, *, append_eod: bool = True
+) -> tuple[int, int]:
+    """Tokenize ``documents`` into ``prefix.bin``/``prefix.idx``; returns (documents, tokens)."""
+    num_docs = num_tokens = 0
+    with IndexedDatasetWriter(prefix, dtype=token_dtype_for(tokenizer.vocab_size)) as writer:
+        for text in documents:
+            ids = tokenizer.encode(text)
+            if append_eod:
+                ids.append(tokenizer.eod_id)
+            writer.add_document(np.asarray(ids))
+            num_docs += 1
+            num_tokens += len(ids)
+    return num_docs, num_tokens
+
+
+@dataclass(kw_only=True)
+class PreprocessArgs:
+    """Build ``OUTPUT.bin``/``OUTPUT.idx`` from text or JSONL files."""
+
+    input: list[str]
+    """Input files: .jsonl/.json (one JSON document per line) or plain text."""
+    output: str
+    """Output prefix: writes OUTPUT.bin and OUTPUT.idx."""
+    tokenizer: str = "byte"
+    """'byte' (built in) or the path of a Hugging Face tokenizers JSON file."""
+    json_key: str = "text"
+    """Key of the text in each JSONL record."""
+    doc_separator: str | None = None
+    """Split plain-text files into documents at this string (default: one document per file)."""
+    eod_token: str | None = None
+    """End-of-document token of a HF tokenizer (default: the first of the usual names found)."""
+    append_eod: bool = True
+    """Append the end-of-document id to every document."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    import tyro
+
+    args = tyro.cli(
+        PreprocessArgs, args=sys.argv[1:] if argv is None else argv, use_underscores=True
+    )
+    tokenizer = load_tokenizer(args.tokenizer, eod_token=args.eod_token)
+    docs = iter_documents(args.input, json_key=args.json_key, doc_separator=args.doc_separator)
+    num_docs, num_tokens = write_documents(docs, args.output, tokenizer, append_eod=args.append_eod)
+    print(
+        f"wrote {args.output}.bin / {args.output}.idx: {num_docs} documents, {num_tokens} tokens "
+        f"(tokenizer {tokenizer.name}, vocab {tokenizer.vocab_size})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

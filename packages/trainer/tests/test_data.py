@@ -1,0 +1,142 @@
+"""GPT sample index, splits, blending, per-rank micro-batches and the bigram baseline."""
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from shardwork.trainer.data.baseline import bigram_entropy
+from shardwork.trainer.data.blend import blend_index
+from shardwork.trainer.data.builder import (
+    build_blend,
+    micro_batch,
+    read_data_config,
+    split_components,
+    split_documents,
+)
+from shardwork.trainer.data.gpt_dataset import GPTDataset
+from shardwork.trainer.data.indexed import IndexedDataset
+
+
+def _gpt(prefix, docs_ids, **kw):
+    return GPTDataset(IndexedDataset(prefix), docs_ids, **kw)
+
+
+def test_samples_are_windows_of_the_shuffled_document_stream(random_dataset):
+    prefix, docs = random_dataset
+    ids = np.arange(5, 35)
+    ds = _gpt(prefix, ids, seq_length=16, num_samples=200, seed=11)
+    # independent oracle: concatenate the documents in the index's order
+    stream = np.concatenate([docs[d] for d in ds.document_index])
+    for i in range(len(ds)):
+        j = int(ds.shuffle_index[i])
+        np.testing.assert_array_equal(ds[i], stream[j * 16 : j * 16 + 17])
+    # every epoch holds each split document exactly once
+    per_epoch = ds.document_index.reshape(ds.num_epochs, -1)
+    for epoch in per_epoch:
+        assert sorted(epoch.tolist()) == ids.tolist()
+    assert ds.num_epochs > 1
+    assert sorted(ds.shuffle_index.tolist()) == list(range(200))
+
+
+def test_index_is_deterministic_and_seed_dependent(random_dataset):
+    prefix, _ = random_dataset
+    a = _gpt(prefix, np.arange(40), seq_length=8, num_samples=50, seed=1)
+    b = _gpt(prefix, np.arange(40), seq_length=8, num_samples=50, seed=1)
+    c = _gpt(prefix, np.arange(40), seq_length=8, num_samples=50, seed=2)
+    assert all(np.array_equal(a[i], b[i]) for i in range(50))
+    assert not all(np.array_equal(a[i], c[i]) for i in range(50))
+    unshuffled = _gpt(prefix, np.arange(40), seq_length=8, num_samples=50, seed=1, shuffle=False)
+    np.testing.assert_array_equal(unshuffled.document_index[:40], np.arange(40))
+
+
+def test_split_documents_proportions():
+    got = split_documents(100, "90,10,0")
+    assert got["train"].tolist() == list(range(90))
+    assert got["valid"].tolist() == list(range(90, 100))
+    assert got["test"].size == 0
+    got = split_documents(79, "969,30,1")
+    assert got["train"].size + got["valid"].size + got["test"].size == 79
+    assert got["train"][-1] + 1 == got["valid"][0]
+
+
+@pytest.mark.parametrize("weights", [[0.3, 0.7], [1, 1, 2], [0.05, 0.5, 0.45]])
+def test_blend_proportions_hold_on_every_prefix(weights):
+    size = 997
+    owner, ordinal = blend_index(weights, size)
+    w = np.asarray(weights, float) / sum(weights)
+    for n in (1, 10, 100, 500, size):
+        counts = np.bincount(owner[:n], minlength=len(w))
+        assert np.all(np.abs(counts - n * w) <= 1.0 + 1e-9), (n, counts, n * w)
+    # each component's samples are taken in order 0, 1, 2, ...
+    for d in range(len(w)):
+        assert ordinal[owner == d].tolist() == list(range(int((owner == d).sum())))
+
+
+def test_blend_of_two_prefixes_uses_both_in_proportion(tmp_path):
+    from shardwork.trainer.data.indexed import IndexedDatasetWriter
+
+    for name, token in (("a", 1), ("b", 2)):
+        with IndexedDatasetWriter(tmp_path / name) as writer:
+            for n in range(30):
+                writer.add_document([token] * (5 + n % 7))
+    data = SimpleNamespace(
+        data_config=None,
+        prefixes=[str(tmp_path / "a"), str(tmp_path / "b")],
+        weights=[1.0, 3.0],
+        split="80,20,0",
+        corpus=None,
+        cache_dir=None,
+    )
+    comps = split_components(data)
+    assert [c.documents.tolist() for c in comps["valid"]] == [list(range(24, 30))] * 2
+    blend = build_blend(comps["train"], size=400, seq_length=4, seed=5, shuffle=True)
+    first = np.array([blend[i][0] for i in range(400)])
+    assert abs((first == 1).sum() - 100) <= 1 and abs((first == 2).sum() - 300) <= 1
+
+
+def test_micro_batches_tile_the_global_batch_for_any_dp(random_dataset):
+    prefix, _ = random_dataset
+    ds = _gpt(prefix, np.arange(40), seq_length=8, num_samples=64, seed=0)
+    consumed, gbs, mbs = 16, 16, 2
+    for dp in (1, 2, 4):
+        rows = []
+        for r in range(dp):
+            for m in range(gbs // (mbs * dp)):
+                batch = micro_batch(
+                    ds, consumed=consumed, index=m, micro_batch_size=mbs, dp_rank=r, dp_size=dp
+                )
+                assert batch.shape == (mbs, 9)
+                rows += [tuple(x) for x in batch.tolist()]
+        want = {tuple(ds[i].tolist()) for i in range(consumed, consumed + gbs)}
+        assert set(rows) == want and len(rows) == gbs
+
+
+def test_read_data_config(tmp_path):
+    path = tmp_path / "blend.json"
+    path.write_text('{"train": [[0.5, "a"], [0.5, "b"]], "valid": {"c": 1}}')
+    assert read_data_config(path) == {"train": [(0.5, "a"), (0.5, "b")], "valid": [(1.0, "c")]}
+    path.write_text('{"valid": [[1, "c"]]}')
+    with pytest.raises(ValueError, match='"train"'):
+        read_data_config(path)
+    path.write_text('{"train": [[1, "a"]], "dev": []}')
+    with pytest.raises(ValueError, match="unknown split 'dev'"):
+        read_data_config(path)
+
+
+def test_bigram_entropy_matches_direct_formula():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 7, size=5000)
+    counts = np.zeros((7, 7))
+    for a, b in zip(tokens[:-1], tokens[1:]):
+        counts[a, b] += 1
+    total = counts.sum()
+    want = 0.0
+    for a in range(7):
+        for b in range(7):
+            if counts[a, b]:
+                want -= counts[a, b] / total * math.log(counts[a, b] / counts[a].sum())
+    assert bigram_entropy(tokens) == pytest.approx(want, rel=1e-12)
+    # a deterministic cycle has zero conditional entropy
+    assert bigram_entropy(np.tile([0, 1, 2], 50)) == pytest.approx(0.0, abs=1e-12)
