@@ -1,1 +1,42 @@
-"""shardwork.moe_router — not built yet; see the package README for what it will hold."""
+"""shardwork.moe_router — a complete MoE router and token dispatch in plain torch.
+
+- :class:`RouterConfig` / :class:`TopKRouter`: Megatron-Core 0.19 ``TopKRouter`` semantics,
+  option for option (softmax / sigmoid / sqrtsoftplus, group-limited top-k, capacity, every
+  load-balancing loss, z-loss, aux-loss-free expert bias, random routing).
+- :class:`AuxLossScale`, :func:`attach_aux_loss`, :class:`AuxLossTracker`: aux losses reach
+  backward without changing outputs; per-layer logging; caller-owned objects.
+- :func:`permute` / :func:`unpermute`, :class:`AllGatherDispatcher`,
+  :class:`AllToAllDispatcher`, :class:`GroupedMLP`, :class:`MoEBlock`: expert and expert-tensor
+  parallel token dispatch with groups passed as arguments, torch collectives only.
+"""
+
+from shardwork.moe_router.aux_loss import AuxLossScale, attach_aux_loss, switch_aux_loss, z_loss
+from shardwork.moe_router.config import RouterConfig
+from shardwork.moe_router.router import TopKRouter, update_expert_bias
+from shardwork.moe_router.scoring import (
+    aux_loss_scores,
+    drop_to_capacity,
+    expert_capacity,
+    group_limited_topk,
+    sinkhorn,
+    topk_routing,
+)
+from shardwork.moe_router.tracker import LOSS_NAMES, AuxLossTracker
+
+__all__ = [
+    "LOSS_NAMES",
+    "AuxLossScale",
+    "AuxLossTracker",
+    "RouterConfig",
+    "TopKRouter",
+    "attach_aux_loss",
+    "aux_loss_scores",
+    "drop_to_capacity",
+    "expert_capacity",
+    "group_limited_topk",
+    "sinkhorn",
+    "switch_aux_loss",
+    "topk_routing",
+    "update_expert_bias",
+    "z_loss",
+]

@@ -1,0 +1,94 @@
+"""Aux-loss plumbing: the caller-owned loss scale and the autograd function that injects a loss.
+
+- ``AuxLossScale``: a small object holding the factor every aux-loss gradient is multiplied by
+  (the trainer sets it to the main loss's backward scale, e.g. 1/num_micro_batches or the
+  fp16 loss scale). It is read at backward time, so setting it after forward but before
+  backward works. Owned by the caller: no class-level or module-level state.
+- ``attach_aux_loss(x, loss, scale)``: returns ``x`` unchanged; in backward it passes x's
+  gradient through and gives ``loss`` the gradient ``scale.value`` — exactly as if
+  ``scale.value * loss`` had been added to the objective, without changing what the layer
+  returns.
+- Load-balancing loss formulas (``switch_aux_loss``, ``z_loss``) live here too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class AuxLossScale:
+    """Multiplier applied to every aux-loss gradient; ``set`` it once per step (or micro-batch)."""
+
+    def __init__(self, value: float | torch.Tensor = 1.0) -> None:
+        self._value = torch.as_tensor(value, dtype=torch.float32).detach().clone()
+
+    def set(self, value: float | torch.Tensor) -> None:
+        """Replace the scale (a Python number or a 0-d tensor; tensors are copied)."""
+        self._value = torch.as_tensor(value, dtype=torch.float32).detach().clone()
+
+    @property
+    def value(self) -> torch.Tensor:
+        """The current scale as a 0-d fp32 tensor."""
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"AuxLossScale({float(self._value)})"
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, loss: torch.Tensor, scale: AuxLossScale | None):
+        ctx.scale = scale
+        ctx.loss_meta = (loss.dtype, loss.device)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad_x: torch.Tensor):
+        dtype, device = ctx.loss_meta
+        value = ctx.scale.value if ctx.scale is not None else torch.tensor(1.0)
+        return grad_x, value.to(dtype=dtype, device=device), None
+
+
+def attach_aux_loss(
+    x: torch.Tensor, loss: torch.Tensor, scale: AuxLossScale | None = None
+) -> torch.Tensor:
+    """Return ``x``; backward adds ``scale.value * d(loss)/d(inputs)`` (scale 1 when None)."""
+    if not loss.requires_grad:
+        return x
+    return _AttachAuxLoss.apply(x, loss, scale)
+
+
+def switch_aux_loss(
+    scores_TE: torch.Tensor,
+    tokens_per_expert_E: torch.Tensor,
+    *,
+    total_num_tokens: float | torch.Tensor,
+    top_k: int,
+    num_experts: int,
+    coeff: float,
+) -> torch.Tensor:
+    """Switch/GShard load-balancing loss from local scores and (reduced) token counts.
+
+    loss = coeff * E / (K * T^2) * sum_i c_i * sum_{x local} s(x, i)
+
+    with c_i the tokens routed to expert i and T the token count at the reduction level of
+    ``tokens_per_expert_E`` (micro-batch over TP×CP, or global over TP×CP×DP). Equivalently
+    coeff * E * sum_i f_i * P_i with f_i = c_i/(K T), P_i = mean score of expert i: the local
+    term is one rank's share and the per-rank losses sum to the full loss. ``num_experts`` is
+    passed explicitly because the per-sequence loss folds the batch into the expert axis.
+    """
+    per_expert_E = scores_TE.sum(dim=0)
+    return torch.sum(per_expert_E * tokens_per_expert_E) * (
+        num_experts * coeff / (top_k * total_num_tokens * total_num_tokens)
+    )
+
+
+def z_loss(
+    logits_TE: torch.Tensor, coeff: float, padding_mask_T: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Router z-loss (ST-MoE): coeff * mean over valid tokens of logsumexp(logits)^2."""
+    values_T = torch.square(torch.logsumexp(logits_TE, dim=-1))
+    if padding_mask_T is None:
+        return torch.mean(values_T) * coeff
+    valid_T = ~padding_mask_T
+    return (values_T * valid_T).sum() / torch.clamp(valid_T.sum(), min=1.0) * coeff

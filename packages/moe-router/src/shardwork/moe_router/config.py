@@ -1,0 +1,279 @@
+"""``RouterConfig``: every routing and load-balancing option of :class:`TopKRouter`.
+
+- One frozen, keyword-only dataclass; each field carries its documentation as an
+  attribute docstring (the README's option table is generated from the same text).
+- Validated at construction: a bad value raises ``ValueError`` naming the field,
+  the value and what would be valid, before any module or process group exists.
+- Field names drop Megatron-Core's ``moe_`` prefix; ``docs/moe-router.md`` maps
+  each one to its Megatron-Core flag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
+DROP_POLICIES = ("probs", "position")
+ROUTER_DTYPES = (None, "fp32", "fp64")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterConfig:
+    """Options of a top-k MoE router (semantics of Megatron-Core 0.19's ``TopKRouter``)."""
+
+    num_experts: int
+    """Number of routed experts E (Megatron: ``num_moe_experts``)."""
+    hidden_size: int
+    """Size H of the token vectors the router reads; inputs with another last dim are refused."""
+    top_k: int = 2
+    """Experts selected per token k (``moe_router_topk``)."""
+    score_function: str = "softmax"
+    """Score function turning logits into scores: ``softmax``, ``sigmoid`` or ``sqrtsoftplus``
+    (``sqrt(softplus(x))``, DeepSeek-V4 style); ``moe_router_score_function``."""
+    pre_softmax: bool = False
+    """Softmax only: apply softmax over all experts before top-k (Mixtral after-norm, Switch)
+    instead of a softmax over the k selected logits (``moe_router_pre_softmax``)."""
+    top_k_scaling_factor: float | None = None
+    """Multiply the selected probabilities by this factor (DeepSeek-V3: 2.5);
+    ``moe_router_topk_scaling_factor``."""
+    num_groups: int | None = None
+    """Group-limited routing: experts split into this many equal groups, e.g. one per EP rank
+    or node (``moe_router_num_groups``); needs ``group_top_k``."""
+    group_top_k: int | None = None
+    """Group-limited routing: groups kept per token, ranked by the sum of their top
+    ``top_k // group_top_k`` scores (``moe_router_group_topk``)."""
+    load_balancing_type: str | tuple[str, ...] = "aux_loss"
+    """``aux_loss`` (Switch/GShard over the micro-batch), ``seq_aux_loss`` (per sequence),
+    ``global_aux_loss`` (token counts over data-parallel ranks and micro-batches),
+    ``sinkhorn`` (balanced assignment, no loss), ``none``, or a tuple of the three loss types
+    with one coefficient each in ``aux_loss_coeff`` (``moe_router_load_balancing_type``)."""
+    aux_loss_coeff: float | tuple[float, ...] = 0.0
+    """Coefficient of the load-balancing loss, or one per entry of ``load_balancing_type``
+    when that is a tuple (``moe_aux_loss_coeff``). 0 disables the loss."""
+    z_loss_coeff: float | None = None
+    """Coefficient of the router z-loss ``mean(logsumexp(logits)^2)`` (ST-MoE);
+    ``moe_z_loss_coeff``. None disables it."""
+    capacity_factor: float | None = None
+    """Expert capacity = ceil(tokens * top_k / E * capacity_factor); tokens beyond it are dropped
+    (``moe_expert_capacity_factor``). None: dropless."""
+    token_drop_policy: str = "probs"
+    """Which tokens an over-full expert keeps: highest ``probs`` or earliest ``position``
+    (``moe_token_drop_policy``)."""
+    pad_to_capacity: bool = False
+    """Fill every expert to exactly its capacity with zero-probability slots, giving static
+    shapes (``moe_pad_expert_input_to_capacity``); needs ``capacity_factor``."""
+    router_dtype: str | None = None
+    """Precision of the gating matmul and scores: None (the input's dtype), ``fp32`` or ``fp64``
+    whatever the model dtype (``moe_router_dtype``)."""
+    input_jitter_eps: float | None = None
+    """Multiply router inputs by uniform noise in [1-eps, 1+eps] while training (Switch);
+    ``moe_input_jitter_eps``."""
+    add_bias: bool = False
+    """Learnable gating bias added to the logits (Megatron-Core's ``add_bias_linear`` on the
+    router; MoE recipes keep it off)."""
+    enable_expert_bias: bool = False
+    """Aux-loss-free load balancing (DeepSeek-V3): a per-expert fp32 bias added to the scores
+    for selection only, updated by :func:`update_expert_bias` from token counts
+    (``moe_router_enable_expert_bias``). Needs sigmoid or sqrtsoftplus scores."""
+    expert_bias_update_rate: float = 1e-3
+    """Step of the expert-bias update, ``bias += rate * sign(mean_count - count)``
+    (``moe_router_bias_update_rate``)."""
+    force_load_balancing: bool = False
+    """Benchmarking only: replace the logits by standard-normal noise with straight-through
+    gradients, giving balanced random routing (``moe_router_force_load_balancing``)."""
+    calculate_per_token_loss: bool = False
+    """The trainer divides gradients by the global token count instead of averaging per
+    micro-batch: aux and z losses are multiplied by the local token count so their gradients
+    keep the same scale (``calculate_per_token_loss``)."""
+    check_finite: bool = False
+    """Raise ``FloatingPointError`` when router logits contain NaN/Inf. Forces a host sync on
+    every forward, so it is opt-in."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation of the gating weight (and bias)."""
+    _coeffs: dict[str, float] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._check_sizes()
+        self._check_choices()
+        self._check_losses()
+        self._check_capacity()
+        coeffs: dict[str, float] = {}
+        if isinstance(self.load_balancing_type, str):
+            if self.load_balancing_type in AUX_LOSS_TYPES:
+                coeffs[self.load_balancing_type] = float(self.aux_loss_coeff)
+        else:
+            for name, coeff in zip(self.load_balancing_type, self.aux_loss_coeff):
+                coeffs[name] = float(coeff)
+        object.__setattr__(self, "_coeffs", coeffs)
+
+    def _check_sizes(self) -> None:
+        for name in ("num_experts", "hidden_size", "top_k"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(
+                    f"RouterConfig.{name}={value!r} is invalid: it must be an integer >= 1"
+                )
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"RouterConfig.top_k={self.top_k} is invalid: it must be <= num_experts={self.num_experts}"
+            )
+        if (self.num_groups is None) != (self.group_top_k is None):
+            raise ValueError(
+                f"RouterConfig.num_groups={self.num_groups!r} and group_top_k={self.group_top_k!r}: "
+                "group-limited routing needs both set (or both None)"
+            )
+        if self.num_groups is not None:
+            for name in ("num_groups", "group_top_k"):
+                value = getattr(self, name)
+                if not _is_int(value) or value < 1:
+                    raise ValueError(
+                        f"RouterConfig.{name}={value!r} is invalid: it must be None or an integer >= 1"
+                    )
+            if self.num_experts % self.num_groups != 0:
+                raise ValueError(
+                    f"RouterConfig.num_groups={self.num_groups} is invalid: num_experts="
+                    f"{self.num_experts} must be divisible by it"
+                )
+            if self.group_top_k > self.num_groups:
+                raise ValueError(
+                    f"RouterConfig.group_top_k={self.group_top_k} is invalid: it must be <= "
+                    f"num_groups={self.num_groups}"
+                )
+            per_group = self.num_experts // self.num_groups
+            if self.top_k % self.group_top_k != 0 or self.top_k // self.group_top_k > per_group:
+                raise ValueError(
+                    f"RouterConfig.group_top_k={self.group_top_k} is invalid with top_k={self.top_k}: "
+                    f"top_k must be a multiple of group_top_k and top_k/group_top_k <= experts per "
+                    f"group ({per_group})"
+                )
+
+    def _check_choices(self) -> None:
+        if self.score_function not in SCORE_FUNCTIONS:
+            raise ValueError(
+                f"RouterConfig.score_function={self.score_function!r} is invalid: use one of {SCORE_FUNCTIONS}"
+            )
+        if self.router_dtype not in ROUTER_DTYPES:
+            raise ValueError(
+                f"RouterConfig.router_dtype={self.router_dtype!r} is invalid: use one of {ROUTER_DTYPES}"
+            )
+        if self.token_drop_policy not in DROP_POLICIES:
+            raise ValueError(
+                f"RouterConfig.token_drop_policy={self.token_drop_policy!r} is invalid: use one of "
+                f"{DROP_POLICIES}"
+            )
+        if self.pre_softmax and self.score_function != "softmax":
+            raise ValueError(
+                f"RouterConfig.pre_softmax=True is invalid with score_function={self.score_function!r}: "
+                "it only applies to softmax"
+            )
+        if self.enable_expert_bias and self.score_function == "softmax":
+            raise ValueError(
+                "RouterConfig.enable_expert_bias=True is invalid with score_function='softmax': "
+                "use 'sigmoid' or 'sqrtsoftplus'"
+            )
+        if (
+            self.top_k == 1
+            and self.score_function == "softmax"
+            and not self.pre_softmax
+            and self.load_balancing_type != "sinkhorn"
+        ):
+            raise ValueError(
+                "RouterConfig.pre_softmax=False is invalid with top_k=1 and softmax scores: a softmax "
+                "over one logit is constant 1 and gives the router no gradient; set pre_softmax=True"
+            )
+        for name in ("top_k_scaling_factor", "input_jitter_eps", "z_loss_coeff"):
+            value = getattr(self, name)
+            if value is not None and (not _is_number(value) or value < 0):
+                raise ValueError(
+                    f"RouterConfig.{name}={value!r} is invalid: it must be None or a number >= 0"
+                )
+        for name in ("expert_bias_update_rate", "init_std"):
+            value = getattr(self, name)
+            if not _is_number(value) or value < 0:
+                raise ValueError(
+                    f"RouterConfig.{name}={value!r} is invalid: it must be a number >= 0"
+                )
+
+    def _check_losses(self) -> None:
+        lb = self.load_balancing_type
+        if isinstance(lb, list):
+            lb = tuple(lb)
+            object.__setattr__(self, "load_balancing_type", lb)
+        if isinstance(self.aux_loss_coeff, list):
+            object.__setattr__(self, "aux_loss_coeff", tuple(self.aux_loss_coeff))
+        coeff = self.aux_loss_coeff
+        if isinstance(lb, str):
+            if lb not in LOAD_BALANCING_TYPES:
+                raise ValueError(
+                    f"RouterConfig.load_balancing_type={lb!r} is invalid: use one of "
+                    f"{LOAD_BALANCING_TYPES} or a tuple of {AUX_LOSS_TYPES}"
+                )
+            if not _is_number(coeff) or coeff < 0:
+                raise ValueError(
+                    f"RouterConfig.aux_loss_coeff={coeff!r} is invalid: with a single "
+                    "load_balancing_type it must be one number >= 0"
+                )
+            if lb == "sinkhorn" and coeff != 0:
+                raise ValueError(
+                    f"RouterConfig.aux_loss_coeff={coeff!r} is invalid with load_balancing_type="
+                    "'sinkhorn': sinkhorn balances without a loss, set it to 0"
+                )
+            return
+        if (
+            not isinstance(lb, tuple)
+            or not lb
+            or any(t not in (*AUX_LOSS_TYPES, "none") for t in lb)
+        ):
+            raise ValueError(
+                f"RouterConfig.load_balancing_type={lb!r} is invalid: a tuple must be non-empty and "
+                f"list only {(*AUX_LOSS_TYPES, 'none')}"
+            )
+        if len(set(lb)) != len(lb):
+            raise ValueError(
+                f"RouterConfig.load_balancing_type={lb!r} is invalid: it repeats a type"
+            )
+        if (
+            not isinstance(coeff, tuple)
+            or len(coeff) != len(lb)
+            or any(not _is_number(c) or c < 0 for c in coeff)
+        ):
+            raise ValueError(
+                f"RouterConfig.aux_loss_coeff={coeff!r} is invalid: with load_balancing_type={lb!r} "
+                f"it must be a tuple of {len(lb)} numbers >= 0, one per type"
+            )
+
+    def _check_capacity(self) -> None:
+        cf = self.capacity_factor
+        if cf is not None:
+            if not _is_number(cf) or cf <= 0:
+                raise ValueError(
+                    f"RouterConfig.capacity_factor={cf!r} is invalid: it must be None or a number > 0"
+                )
+            if self.load_balancing_type == "sinkhorn":
+                raise ValueError(
+                    f"RouterConfig.capacity_factor={cf!r} is invalid with load_balancing_type="
+                    "'sinkhorn': token dropping needs top-k routing"
+                )
+        if self.pad_to_capacity and cf is None:
+            raise ValueError(
+                "RouterConfig.pad_to_capacity=True is invalid without capacity_factor: set a capacity"
+            )
+
+    def aux_loss_coeff_for(self, loss_type: str) -> float:
+        """Coefficient of ``loss_type`` (``aux_loss``, ``seq_aux_loss``, ``global_aux_loss``); 0 if unused."""
+        return self._coeffs.get(loss_type, 0.0)
+
+    @property
+    def aux_loss_enabled(self) -> bool:
+        """True when any load-balancing loss has a positive coefficient."""
+        return any(c > 0 for c in self._coeffs.values())

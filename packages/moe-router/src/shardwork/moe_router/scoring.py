@@ -1,0 +1,222 @@
+"""Scores, top-k selection and capacity: the pure tensor functions behind :class:`TopKRouter`.
+
+Legend: T tokens, E experts, K = top_k, G groups.
+
+- ``topk_routing``: logits_TE -> (probs_TE, routing_map_TE) for softmax (pre- or post-top-k),
+  sigmoid and sqrtsoftplus scores, with group-limited selection, expert bias (selection only)
+  and a scaling factor. Scores are computed in fp32, or fp64 when the logits are fp64
+  (Megatron-Core computes its softmax in fp32 even for fp64 logits), and cast back to the
+  logits' dtype.
+- ``aux_loss_scores``: the dense scores and plain top-k map that load-balancing losses use.
+- ``sinkhorn``: Sinkhorn-Knopp balancing of exp(logits).
+- ``drop_to_capacity``: token dropping by probability or by position, optional padding.
+- No Python loop over tokens or experts anywhere: everything is a handful of batched ops.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def score_dtype(logits: torch.Tensor) -> torch.dtype:
+    """fp64 logits keep fp64 scores; anything else is scored in fp32."""
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def _activate(logits_TE: torch.Tensor, score_function: str) -> torch.Tensor:
+    x = logits_TE.to(score_dtype(logits_TE))
+    if score_function == "sigmoid":
+        return torch.sigmoid(x)
+    if score_function == "sqrtsoftplus":
+        return torch.nn.functional.softplus(x).sqrt()
+    raise ValueError(f"score_function={score_function!r} is not an elementwise score function")
+
+
+def group_limited_topk(
+    scores_TE: torch.Tensor, top_k: int, *, num_groups: int, group_top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k restricted to the ``group_top_k`` best of ``num_groups`` equal expert groups.
+
+    A group's rank is the sum of its best ``top_k // group_top_k`` scores (DeepSeek-V2/V3
+    device- and node-limited routing). Returns (values_TK, indices_TK).
+    """
+    num_tokens, num_experts = scores_TE.shape
+    grouped_TGe = scores_TE.view(num_tokens, num_groups, num_experts // num_groups)
+    group_scores_TG = grouped_TGe.topk(top_k // group_top_k, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores_TG, k=group_top_k, dim=-1, sorted=False)[1]
+    keep_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, group_idx, True)
+    keep_TE = keep_TG.unsqueeze(-1).expand_as(grouped_TGe).reshape(num_tokens, num_experts)
+    masked_TE = scores_TE.masked_fill(~keep_TE, float("-inf"))
+    return torch.topk(masked_TE, k=top_k, dim=-1)
+
+
+def _select(
+    scores_TE: torch.Tensor, top_k: int, num_groups: int | None, group_top_k: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if group_top_k:
+        return group_limited_topk(scores_TE, top_k, num_groups=num_groups, group_top_k=group_top_k)
+    return torch.topk(scores_TE, k=top_k, dim=1)
+
+
+def topk_routing(
+    logits_TE: torch.Tensor,
+    top_k: int,
+    *,
+    score_function: str = "softmax",
+    pre_softmax: bool = False,
+    num_groups: int | None = None,
+    group_top_k: int | None = None,
+    scaling_factor: float | None = None,
+    expert_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Select K experts per token and their combine weights.
+
+    - softmax, pre_softmax: p = softmax(logits) over E, keep the top K values.
+    - softmax, post: keep the top K logits, p = softmax over those K.
+    - sigmoid / sqrtsoftplus: s = f(logits); select on s + expert_bias (bias never reaches the
+      weights); p = s_k / (sum_k s_k + 1e-20) when K > 1, p = s when K = 1.
+    - then p *= scaling_factor.
+
+    Returns (probs_TE, routing_map_TE bool, top_indices_TK); probs are zero off the map and
+    have the logits' dtype.
+    """
+    num_tokens = logits_TE.shape[0]
+    dtype = score_dtype(logits_TE)
+    if score_function == "softmax":
+        if pre_softmax:
+            scores_TE = torch.softmax(logits_TE, dim=-1, dtype=dtype)
+            probs_TK, top_TK = _select(scores_TE, top_k, num_groups, group_top_k)
+        else:
+            top_logits_TK, top_TK = _select(logits_TE, top_k, num_groups, group_top_k)
+            probs_TK = torch.softmax(top_logits_TK, dim=-1, dtype=dtype)
+    else:
+        scores_TE = _activate(logits_TE, score_function)
+        if expert_bias is not None:
+            _, top_TK = _select(scores_TE + expert_bias.to(dtype), top_k, num_groups, group_top_k)
+            probs_TK = torch.gather(scores_TE, 1, top_TK)
+        else:
+            probs_TK, top_TK = _select(scores_TE, top_k, num_groups, group_top_k)
+        if top_k > 1:
+            probs_TK = probs_TK / (probs_TK.sum(dim=-1, keepdim=True) + 1e-20)
+    if scaling_factor:
+        probs_TK = probs_TK * scaling_factor
+    probs_TK = probs_TK.to(logits_TE.dtype)
+    probs_TE = torch.zeros_like(logits_TE).scatter(1, top_TK, probs_TK)
+    routing_map_TE = torch.zeros(
+        (num_tokens, logits_TE.shape[1]), dtype=torch.bool, device=logits_TE.device
+    ).scatter_(1, top_TK, True)
+    return probs_TE, routing_map_TE, top_TK
+
+
+def aux_loss_scores(
+    logits_TE: torch.Tensor, top_k: int, score_function: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense scores and plain top-k map used by the load-balancing losses.
+
+    Softmax scores are softmax(logits); sigmoid/sqrtsoftplus scores are normalised to sum to 1
+    per token. The map is the top-K of those scores, with no group limit and no expert bias
+    (the losses measure the router's own preference). Returns (routing_map_TE, scores_TE).
+    """
+    if score_function == "softmax":
+        scores_TE = torch.softmax(logits_TE, dim=-1, dtype=score_dtype(logits_TE))
+    else:
+        scores_TE = _activate(logits_TE, score_function)
+        scores_TE = scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + 1e-20)
+    top_TK = torch.topk(scores_TE, k=top_k, dim=1)[1]
+    routing_map_TE = torch.zeros(
+        logits_TE.shape, dtype=torch.bool, device=logits_TE.device
+    ).scatter_(1, top_TK, True)
+    return routing_map_TE, scores_TE
+
+
+def sinkhorn(cost_TE: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
+    """Sinkhorn-Knopp: scale rows and columns of exp(cost) towards uniform marginals.
+
+    Iterates d0 = 1/(T * (exp(C) d1)), d1 = 1/(E * (d0^T exp(C))) until the mean change of
+    d1 is below ``tol``; returns diag(d0) exp(C) diag(d1). Runs without autograd.
+    """
+    cost = torch.exp(cost_TE)
+    d0 = torch.ones(cost.shape[0], device=cost.device, dtype=cost.dtype)
+    d1 = torch.ones(cost.shape[1], device=cost.device, dtype=cost.dtype)
+    eps = 1e-8
+    error = 1e9
+    d1_old = d1
+    while error > tol:
+        d0 = (1 / d0.shape[0]) * 1 / (torch.sum(d1 * cost, 1) + eps)
+        d1 = (1 / d1.shape[0]) * 1 / (torch.sum(d0.unsqueeze(1) * cost, 0) + eps)
+        error = torch.mean(torch.abs(d1_old - d1))
+        d1_old = d1
+    return d1 * cost * d0.unsqueeze(1)
+
+
+def sinkhorn_routing(
+    logits_TE: torch.Tensor, top_k: int, *, training: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sinkhorn routing (BASE layers): select on the balanced plan while training, weight by
+    sigmoid (K = 1) or softmax (K > 1) of the logits. Returns (probs_TE, routing_map_TE)."""
+
+    def activation(x: torch.Tensor) -> torch.Tensor:
+        if top_k == 1:
+            return torch.sigmoid(x)
+        return torch.softmax(x, dim=-1, dtype=torch.float32).type_as(x)
+
+    if training:
+        with torch.no_grad():
+            plan_TE = sinkhorn(logits_TE.to(torch.float32))
+            top_TK = torch.topk(plan_TE, k=top_k, dim=1)[1]
+        scores_TE = activation(logits_TE)
+    else:
+        scores_TE = activation(logits_TE)
+        top_TK = torch.topk(scores_TE, k=top_k, dim=1)[1]
+    routing_map_TE = torch.zeros(
+        logits_TE.shape, dtype=torch.bool, device=logits_TE.device
+    ).scatter_(1, top_TK, True)
+    return scores_TE * routing_map_TE, routing_map_TE
+
+
+def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
+    """Slots per expert: ceil(num_tokens * top_k / num_experts * capacity_factor)."""
+    return math.ceil((num_tokens * top_k / num_experts) * capacity_factor)
+
+
+def _first_by_position(mask_TE: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
+    """Keep, per expert column, the first ``count`` True entries in token order."""
+    return mask_TE & (torch.cumsum(mask_TE.to(torch.int32), dim=0) <= count)
+
+
+def drop_to_capacity(
+    probs_TE: torch.Tensor,
+    routing_map_TE: torch.Tensor,
+    *,
+    top_k: int,
+    capacity_factor: float,
+    drop_policy: str = "probs",
+    pad_to_capacity: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Enforce expert capacity; returns (probs_TE, routing_map_TE) after dropping.
+
+    ``probs``: an expert keeps its ``capacity`` highest-probability tokens (same top-k over the
+    token axis as Megatron-Core, so results agree exactly). ``position``: it keeps its earliest
+    routed tokens (Megatron-Core uses top-k over an integer map here, whose tie-breaking keeps
+    an arbitrary subset; this keeps the first ones, as the policy's name says).
+    With ``pad_to_capacity`` every expert column holds exactly ``capacity`` slots (zero
+    probability where padded) when capacity <= T.
+    """
+    num_tokens, num_experts = probs_TE.shape
+    capacity = expert_capacity(num_tokens, num_experts, top_k, capacity_factor)
+    if capacity > num_tokens:
+        keep_TE = torch.ones_like(routing_map_TE)
+    elif drop_policy == "probs":
+        idx = torch.topk(probs_TE, k=capacity, dim=0, sorted=False)[1]
+        keep_TE = torch.zeros_like(routing_map_TE).scatter_(0, idx, True)
+    elif drop_policy == "position":
+        keep_TE = _first_by_position(routing_map_TE, capacity)
+        if pad_to_capacity:
+            free_E = capacity - keep_TE.sum(dim=0)
+            keep_TE = keep_TE | _first_by_position(~routing_map_TE, free_E)
+    else:
+        raise ValueError(f"drop_policy={drop_policy!r} is invalid: use 'probs' or 'position'")
+    final_map_TE = keep_TE if pad_to_capacity else routing_map_TE & keep_TE
+    return probs_TE * final_map_TE, final_map_TE
