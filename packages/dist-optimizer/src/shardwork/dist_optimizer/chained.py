@@ -1,0 +1,96 @@
+"""``ChainedOptimizer``: several distributed optimizers (dense + expert) stepping as one.
+
+- The parts keep their own data-parallel groups (dense: dp×cp, expert: edp); the chain runs
+  :func:`~shardwork.dist_optimizer.step_flow.run_step` over all of them, so the inf/nan check,
+  the global gradient norm (``sqrt(Σ_parts Σ g²)``), the clipping coefficient and the
+  zero count are shared, and either every part steps or none does.
+- A part with no parameters on this rank (a pipeline stage without MoE layers) still joins
+  its statistics all-reduce, so every rank must build the same list of parts.
+- One loss scaler for the whole chain (fp16); the parts' own scalers are not used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from shardwork.dist_optimizer.distributed_optimizer import OptimizerConfig
+from shardwork.dist_optimizer.step_flow import StepResult, run_step
+
+__all__ = ["ChainedOptimizer"]
+
+
+class ChainedOptimizer:
+    """Step ``parts`` (DistributedOptimizer / LayerWiseDistributedOptimizer) together.
+
+    ``config`` (default: the first part's) gives clipping, inf/nan skipping and zero
+    counting; ``loss_scaler`` (default: the first part's) scales the whole chain.
+    """
+
+    def __init__(
+        self,
+        parts: Sequence[Any],
+        *,
+        config: OptimizerConfig | None = None,
+        loss_scaler: Any = None,
+    ) -> None:
+        parts = list(parts)
+        if not parts:
+            raise ValueError("ChainedOptimizer(parts=[]); valid: at least one optimizer")
+        if len({id(p) for p in parts}) != len(parts):
+            raise ValueError("ChainedOptimizer: a part appears twice; valid: each optimizer once")
+        owned: set[int] = set()
+        for i, part in enumerate(parts):
+            for mp in getattr(part, "pieces", ()):
+                if id(mp.param) in owned and not getattr(part, "shares_params", False):
+                    raise ValueError(
+                        f"ChainedOptimizer: parameter {mp.name!r} of part {i} is already "
+                        "owned by an earlier part; valid: disjoint parameter sets"
+                    )
+            owned |= {id(mp.param) for mp in getattr(part, "pieces", ())}
+        self.parts = parts
+        self.config = config or parts[0].config
+        self.loss_scaler = loss_scaler if loss_scaler is not None else parts[0].loss_scaler
+        self.last_result: StepResult | None = None
+
+    def step(self) -> StepResult:
+        """One step of every part; returns ``(update_successful, grad_norm, num_zeros)``."""
+        self.last_result = run_step(
+            self.parts,
+            clip_grad=self.config.clip_grad,
+            loss_scaler=self.loss_scaler,
+            skip_nonfinite=self.config.skip_nonfinite,
+            count_zeros=self.config.count_zeros,
+        )
+        return self.last_result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """Every part's param groups, concatenated (set ``"lr"`` here)."""
+        return [g for part in self.parts for g in part.param_groups]
+
+    @property
+    def loss_scale(self) -> float:
+        return 1.0 if self.loss_scaler is None else float(self.loss_scaler.scale)
+
+    def get_grad_norm(self) -> float | None:
+        return None if self.last_result is None else self.last_result.grad_norm
+
+    def sharded_state_dict(self, **kwargs: Any) -> dict[str, Any]:
+        """``{"0": part0 state, "1": part1 state, ...}`` plus the chain's loss scaler."""
+        out: dict[str, Any] = {
+            str(i): p.sharded_state_dict(**kwargs) for i, p in enumerate(self.parts)
+        }
+        if self.loss_scaler is not None:
+            out["loss_scaler"] = self.loss_scaler.state_dict()
+        return out
+
+    def load_sharded_state_dict(self, state: Mapping[str, Any], **kwargs: Any) -> None:
+        for i, part in enumerate(self.parts):
+            part.load_sharded_state_dict(state[str(i)], **kwargs)
+        if self.loss_scaler is not None and "loss_scaler" in state:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
