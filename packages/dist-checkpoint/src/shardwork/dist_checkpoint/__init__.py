@@ -2,9 +2,31 @@
 
 Describe what each rank holds with `ShardedTensor` / `ShardedObject` (nested in dicts/lists:
 a "sharded state dict"); `save` / `load` on torch.distributed.checkpoint reshard between any
-layouts; `CheckpointManager` adds atomic commit, retention and integrity checks.
+layouts; `CheckpointManager` adds step directories, atomic commit, retention, granular loads
+and integrity checks. DCP's files are the format: plain ``torch.distributed.checkpoint.load``
+reads a shardwork checkpoint.
 """
 
+from shardwork.dist_checkpoint.load import load
+from shardwork.dist_checkpoint.metadata import (
+    CheckpointCorruptError,
+    IncompleteCheckpointError,
+    is_committed,
+    read_info,
+)
+from shardwork.dist_checkpoint.save import AsyncSave, CheckpointSaveError, SaveResult, save
 from shardwork.dist_checkpoint.sharded import ShardedObject, ShardedTensor
 
-__all__ = ["ShardedObject", "ShardedTensor"]
+__all__ = [
+    "AsyncSave",
+    "CheckpointCorruptError",
+    "CheckpointSaveError",
+    "IncompleteCheckpointError",
+    "SaveResult",
+    "ShardedObject",
+    "ShardedTensor",
+    "is_committed",
+    "load",
+    "read_info",
+    "save",
+]

@@ -1,0 +1,275 @@
+"""Save planning: what every rank holds, global validation, and who writes what.
+
+- `collect_local` turns a sharded state dict into this rank's pieces: every `ShardedTensor`
+  becomes one or more rectangles (several when it is a flat range, see `boxes`), every
+  `ShardedObject` one grid cell, every other leaf a plain value.
+- `summarize` reduces that to a small picklable description; all ranks all-gather the
+  descriptions once, so `build_global_plan` runs the same deterministic computation on every
+  rank and every rank raises the same `ValueError` before anything is written.
+- Validation: per key the kind, dtype and global shape agree on all ranks; the primary pieces
+  (``replica_id == 0``) tile the global tensor exactly (no overlap, nothing missing); every
+  object cell has exactly one primary.
+- Writer choice: each distinct rectangle is written once. Candidates are the ranks holding the
+  identical rectangle (primary or replica); rectangles are taken largest first and given to the
+  candidate with the fewest bytes assigned so far, so data-parallel replicas share the writing
+  instead of one rank writing everything. Objects are written by their primary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shardwork.dist_checkpoint.boxes import Box, boxes_overlap, flat_range_boxes
+from shardwork.dist_checkpoint.sharded import ShardedObject, ShardedTensor
+from shardwork.dist_checkpoint.tree import Path, iter_leaves, path_str
+
+__all__ = [
+    "COMMON_KEY",
+    "GlobalPlan",
+    "LocalState",
+    "build_global_plan",
+    "collect_local",
+    "summarize",
+]
+
+#: DCP key of the pickled dict of plain values (written by the first rank only).
+COMMON_KEY = "_shardwork/common"
+RESERVED_PREFIX = "_shardwork/"
+_MAX_ERRORS = 12
+
+
+@dataclass
+class TensorPiece:
+    """One rectangle of a global tensor held by this rank, as a view of the local data."""
+
+    key: str
+    box: Box
+    view: torch.Tensor
+
+
+@dataclass
+class LocalState:
+    """This rank's leaves, split by kind."""
+
+    tensors: list[tuple[Path, ShardedTensor, list[TensorPiece]]] = field(default_factory=list)
+    objects: list[tuple[Path, ShardedObject]] = field(default_factory=list)
+    plain: list[tuple[Path, Any]] = field(default_factory=list)
+
+
+def tensor_pieces(st: ShardedTensor) -> list[TensorPiece]:
+    """Rectangles (global coordinates) of ``st`` with views into ``st.data``."""
+    assert st.local_shape is not None
+    if st.flattened_range is None:
+        return [TensorPiece(st.key, (st.global_offset, st.local_shape), st.data)]
+    start, stop = st.flattened_range
+    if not st.data.is_contiguous():
+        raise ValueError(
+            f"{st.key!r}: flattened data with stride {st.data.stride()} is not valid; "
+            f"valid: a contiguous 1-D tensor"
+        )
+    pieces = []
+    for (off, sizes), flat in flat_range_boxes(st.local_shape, start, stop):
+        numel = math.prod(sizes)
+        view = st.data[flat - start : flat - start + numel].view(sizes)
+        goff = tuple(g + o for g, o in zip(st.global_offset, off))
+        pieces.append(TensorPiece(st.key, (goff, sizes), view))
+    return pieces
+
+
+def collect_local(state: Any) -> LocalState:
+    """Sort the leaves of a sharded state dict into tensors, objects and plain values."""
+    local = LocalState()
+    for path, leaf in iter_leaves(state):
+        if isinstance(leaf, ShardedTensor):
+            _check_reserved(leaf.key)
+            local.tensors.append((path, leaf, tensor_pieces(leaf)))
+        elif isinstance(leaf, ShardedObject):
+            _check_reserved(leaf.key)
+            local.objects.append((path, leaf))
+        else:
+            local.plain.append((path, leaf))
+    return local
+
+
+def _check_reserved(key: str) -> None:
+    if key.startswith(RESERVED_PREFIX):
+        raise ValueError(
+            f"key={key!r} starts with the reserved prefix {RESERVED_PREFIX!r}; "
+            f"valid: any other name"
+        )
+
+
+def summarize(local: LocalState) -> dict[str, Any]:
+    """Small picklable description of ``local`` for the all-gather."""
+    return {
+        "tensors": [
+            (
+                st.key,
+                str(st.data.dtype).removeprefix("torch."),
+                st.global_shape,
+                st.replica_id,
+                path_str(path),
+                [p.box for p in pieces],
+            )
+            for path, st, pieces in local.tensors
+        ],
+        "objects": [
+            (obj.key, obj.global_shape, obj.global_offset, obj.replica_id, path_str(path))
+            for path, obj in local.objects
+        ],
+        "plain": [path_str(path) for path, _ in local.plain],
+    }
+
+
+@dataclass
+class GlobalPlan:
+    """Outcome of planning, identical on every rank except the ``mine_*`` fields."""
+
+    #: key -> {"kind", "dtype", "global_shape", "paths", "num_chunks"} for the metadata file.
+    catalogue: dict[str, dict[str, Any]]
+    #: (key, offsets) of the rectangles this rank writes.
+    mine_tensors: set[tuple[str, tuple[int, ...]]]
+    #: unique keys of the objects this rank writes.
+    mine_objects: set[str]
+    #: keys of zero-element tensors this rank records (one rank per key).
+    mine_empty: set[str]
+    #: bytes each rank writes (for logs and the load-balancing test).
+    bytes_per_rank: list[int]
+    #: paths of plain values (taken from the first rank).
+    plain_paths: list[str]
+
+
+def _dtype_itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def _find_overlap(boxes: list[tuple[Box, int]]) -> tuple[tuple[Box, int], tuple[Box, int]] | None:
+    """First pair of overlapping boxes (sweep over dim 0), or None."""
+    if not boxes:
+        return None
+    if not boxes[0][0][0]:  # 0-d tensor: every box is the whole scalar
+        return (boxes[0], boxes[1]) if len(boxes) > 1 else None
+    order = sorted(boxes, key=lambda b: (b[0][0][0], b[0][0]))
+    active: list[tuple[Box, int]] = []
+    for item in order:
+        start = item[0][0][0]
+        active = [a for a in active if a[0][0][0] + a[0][1][0] > start]
+        for other in active:
+            if boxes_overlap(item[0], other[0]):
+                return other, item
+        active.append(item)
+    return None
+
+
+def build_global_plan(summaries: list[dict[str, Any]], rank: int) -> GlobalPlan:
+    """Validate all ranks' summaries and choose writers. Raises ValueError naming keys."""
+    errors: list[str] = []
+    info: dict[str, dict[str, Any]] = {}
+    primaries: dict[str, list[tuple[Box, int]]] = defaultdict(list)
+    holders: dict[tuple[str, Box], set[int]] = defaultdict(set)
+
+    def note(key: str, kind: str, dtype: str | None, gshape: tuple, r: int, path: str) -> bool:
+        entry = info.setdefault(
+            key,
+            {"kind": kind, "dtype": dtype, "global_shape": gshape, "paths": set(), "rank": r},
+        )
+        entry["paths"].add(path)
+        for field_name, value in (("kind", kind), ("dtype", dtype), ("global_shape", gshape)):
+            if entry[field_name] != value:
+                errors.append(
+                    f"key {key!r}: {field_name} differs across ranks: rank {entry['rank']} has "
+                    f"{entry[field_name]!r}, rank {r} has {value!r}; valid: the same on every rank"
+                )
+                return False
+        return True
+
+    for r, summary in enumerate(summaries):
+        for key, dtype, gshape, replica_id, path, boxes in summary["tensors"]:
+            if not note(key, "tensor", dtype, tuple(gshape), r, path):
+                continue
+            for box in boxes:
+                if math.prod(box[1]) == 0:
+                    continue
+                holders[(key, box)].add(r)
+                if replica_id == 0:
+                    primaries[key].append((box, r))
+        for key, gshape, goff, replica_id, path in summary["objects"]:
+            if not note(key, "object", None, tuple(gshape), r, path):
+                continue
+            cell = (tuple(goff), (1,) * len(goff))
+            holders[(key, cell)].add(r)
+            if replica_id == 0:
+                primaries[key].append((cell, r))
+
+    for key, entry in info.items():
+        boxes = primaries.get(key, [])
+        total = math.prod(entry["global_shape"])
+        if entry["kind"] == "tensor" and total == 0:
+            continue
+        covered = sum(math.prod(b[1]) for b, _ in boxes)
+        pair = _find_overlap(boxes)
+        what = "object cell" if entry["kind"] == "object" else "shard"
+        if pair is not None:
+            (b0, r0), (b1, r1) = pair
+            errors.append(
+                f"key {key!r}: {what} at offset {b0[0]} size {b0[1]} on rank {r0} overlaps "
+                f"{what} at offset {b1[0]} size {b1[1]} on rank {r1}, both with replica_id=0; "
+                f"valid: exactly one rank holds each element with replica_id=0 "
+                f"(mark copies with replica_id > 0)"
+            )
+        elif covered != total:
+            errors.append(
+                f"key {key!r}: primary {what}s (replica_id=0) cover {covered} of {total} "
+                f"elements of global_shape {entry['global_shape']} (held by ranks "
+                f"{sorted({r for _, r in boxes})}); valid: replica_id=0 pieces that tile the "
+                f"whole tensor"
+            )
+    if errors:
+        more = f"\n... and {len(errors) - _MAX_ERRORS} more" if len(errors) > _MAX_ERRORS else ""
+        raise ValueError("invalid sharded state dict:\n" + "\n".join(errors[:_MAX_ERRORS]) + more)
+
+    load = [0] * len(summaries)
+    mine_tensors: set[tuple[str, tuple[int, ...]]] = set()
+    mine_objects: set[str] = set()
+    units = []
+    for key, boxes in primaries.items():
+        entry = info[key]
+        for box, primary in boxes:
+            if entry["kind"] == "object":
+                if primary == rank:
+                    obj = ShardedObject(key, None, entry["global_shape"], box[0])
+                    mine_objects.add(obj.unique_key)
+                continue
+            nbytes = math.prod(box[1]) * _dtype_itemsize(entry["dtype"])
+            units.append((nbytes, key, box))
+    units.sort(key=lambda u: (-u[0], u[1], u[2]))
+    for nbytes, key, box in units:
+        writer = min(holders[(key, box)], key=lambda r: (load[r], r))
+        load[writer] += nbytes
+        if writer == rank:
+            mine_tensors.add((key, box[0]))
+    # a zero-element tensor has nothing to tile: its first holder records it in the metadata
+    mine_empty = {
+        key
+        for key, e in info.items()
+        if e["kind"] == "tensor" and math.prod(e["global_shape"]) == 0 and e["rank"] == rank
+    }
+
+    catalogue = {
+        key: {
+            "kind": e["kind"],
+            "dtype": e["dtype"],
+            "global_shape": list(e["global_shape"]),
+            "paths": sorted(e["paths"]),
+            "num_chunks": len(primaries.get(key, [])),
+        }
+        for key, e in sorted(info.items())
+    }
+    return GlobalPlan(
+        catalogue, mine_tensors, mine_objects, mine_empty, load, list(summaries[0]["plain"])
+    )

@@ -1,0 +1,388 @@
+"""`save`: write a sharded state dict with torch.distributed.checkpoint, sync or async.
+
+Phases (each timed, see `SaveResult.timings`):
+
+1. **plan** (training thread, ``group``): sort the leaves, all-gather a small description of
+   every rank's pieces, validate globally (`plan.build_global_plan`, the same `ValueError` on
+   every rank before anything is touched), choose one writer per distinct rectangle; then the
+   first rank clears the target directory (only an incomplete one, or a complete one with
+   ``overwrite=True``) and everyone passes a barrier.
+2. **stage** (async only, training thread): copy this rank's write pieces to host memory
+   (pinned for CUDA tensors) and pickle its objects. After this the caller may modify the state.
+3. **write**: `torch.distributed.checkpoint.save` with a planner that writes exactly the chosen
+   pieces (`planners.PlannedSavePlanner`) and a writer that checksums every file inline
+   (`storage.ShardworkWriter`). Async: on a background thread whose DCP collectives use a
+   dedicated gloo group, never the training group.
+4. **finalize** (training thread): all ranks exchange success/failure and file checksums; only
+   if every rank succeeded does the first rank write ``shardwork.json`` and then the
+   ``COMMITTED`` marker; the outcome is broadcast so every rank returns or raises together.
+   For async saves this runs in `AsyncSave.finalize`; a background failure is raised there.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+import traceback
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from shardwork.dist_checkpoint import metadata as md
+from shardwork.dist_checkpoint.comm import (
+    GroupInfo,
+    all_gather_object,
+    barrier,
+    broadcast_object,
+    resolve_group,
+)
+from shardwork.dist_checkpoint.faults import fault_point
+from shardwork.dist_checkpoint.plan import (
+    COMMON_KEY,
+    GlobalPlan,
+    build_global_plan,
+    collect_local,
+    summarize,
+)
+from shardwork.dist_checkpoint.planners import PlannedSavePlanner
+from shardwork.dist_checkpoint.storage import ShardworkWriter, file_crc32
+from shardwork.dist_checkpoint.tree import path_str
+
+__all__ = ["AsyncSave", "CheckpointSaveError", "SaveResult", "save"]
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save failed on at least one rank; the checkpoint was not committed."""
+
+
+@dataclass
+class SaveResult:
+    """Outcome of a committed save, the same object on every rank except the byte counts.
+
+    Attributes:
+        path: the checkpoint directory.
+        timings: seconds per phase on this rank: ``plan``, ``stage``, ``write``, ``finalize``,
+            and ``blocking`` (time the caller's thread was blocked in `save`).
+        bytes_written: bytes of tensor data this rank wrote.
+        bytes_per_rank: bytes of tensor data each rank wrote.
+    """
+
+    path: Path
+    timings: dict[str, float]
+    bytes_written: int
+    bytes_per_rank: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Job:
+    """Everything a save needs after planning (shared by the sync path and the thread)."""
+
+    path: Path
+    g: GroupInfo
+    write_g: GroupInfo
+    plan: GlobalPlan
+    items: list[WriteItem]
+    data: dict[tuple[str, Any], Any]
+    thread_count: int
+    sync_files: bool
+    info: dict[str, Any]
+    timings: dict[str, float]
+    owned_group: Any = None
+    error: str | None = None
+    checksums: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+def _inspect_target(path: Path, overwrite: bool) -> str | None:
+    """Error text if ``path`` must not be written (checked by the first rank only)."""
+    if path.exists() and not path.is_dir():
+        return f"path={str(path)!r} exists and is not a directory; valid: a directory path"
+    if md.is_committed(path) and not overwrite:
+        return (
+            f"path={str(path)!r} already holds a committed checkpoint; valid: a new or "
+            f"incomplete directory, or overwrite=True"
+        )
+    return None
+
+
+def _clear_target(path: Path) -> None:
+    """Make ``path`` an empty directory; drop the commit marker first so a crash mid-way
+    leaves a directory that is recognisably incomplete."""
+    if path.exists():
+        marker = path / md.COMMIT_MARKER
+        if marker.exists():
+            marker.unlink()
+        shutil.rmtree(path)
+    path.mkdir(parents=True, exist_ok=True)
+
+
+def _write_items(local: Any, plan: GlobalPlan, rank: int) -> tuple[list, dict]:
+    """This rank's DCP write items and the data behind each."""
+    items: list[WriteItem] = []
+    data: dict[tuple[str, Any], Any] = {}
+    wanted = set(plan.mine_tensors)
+    for _, st, pieces in local.tensors:
+        dtype = st.data.dtype
+        size = torch.Size(st.global_shape)
+        if st.key in plan.mine_empty:
+            plan.mine_empty.discard(st.key)
+            offsets = torch.Size([0] * len(size))
+            pieces_to_write = [(offsets, size, torch.empty(size, dtype=dtype))]
+        else:
+            pieces_to_write = []
+            for piece in pieces:
+                ident = (st.key, piece.box[0])
+                if ident in wanted:
+                    wanted.discard(ident)
+                    pieces_to_write.append(
+                        (torch.Size(piece.box[0]), torch.Size(piece.box[1]), piece.view)
+                    )
+        for offsets, sizes, view in pieces_to_write:
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(st.key, offsets),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                        properties=TensorProperties(dtype=dtype),
+                        size=size,
+                    ),
+                )
+            )
+            data[(st.key, tuple(offsets))] = view
+    assert not wanted, f"planned pieces not found locally: {sorted(wanted)[:3]}"
+    for _, obj in local.objects:
+        if obj.unique_key in plan.mine_objects:
+            plan.mine_objects.discard(obj.unique_key)
+            items.append(WriteItem(index=MetadataIndex(obj.unique_key), type=WriteItemType.BYTE_IO))
+            data[(obj.unique_key, None)] = obj.data
+    if rank == 0:
+        common = {path_str(path): value for path, value in local.plain}
+        items.append(WriteItem(index=MetadataIndex(COMMON_KEY), type=WriteItemType.BYTE_IO))
+        data[(COMMON_KEY, None)] = common
+    return items, data
+
+
+def _stage(data: dict[tuple[str, Any], Any]) -> dict[tuple[str, Any], Any]:
+    """Host copies of tensors (pinned when on CUDA) and serialised objects."""
+    import io
+
+    staged: dict[tuple[str, Any], Any] = {}
+    pending_cuda = False
+    for key, value in data.items():
+        if isinstance(value, torch.Tensor):
+            value = value.detach()
+            if value.is_cuda:
+                host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+                host.copy_(value, non_blocking=True)
+                pending_cuda = True
+            else:
+                host = value.clone(memory_format=torch.contiguous_format)
+            staged[key] = host
+        else:
+            buffer = io.BytesIO()
+            torch.save(value, buffer)
+            staged[key] = buffer.getvalue()
+    if pending_cuda:
+        torch.cuda.synchronize()
+    return staged
+
+
+def _run_write(job: _Job) -> None:
+    """Phase 3; records an error instead of raising (it may run on a background thread)."""
+    start = time.perf_counter()
+    writer = ShardworkWriter(
+        job.path, rank=job.g.rank, thread_count=job.thread_count, sync_files=job.sync_files
+    )
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(
+                {},
+                storage_writer=writer,
+                planner=PlannedSavePlanner(job.items, job.data),
+                process_group=job.write_g.pg,
+                no_dist=not job.write_g.distributed,
+            )
+    except BaseException as exc:  # reported to all ranks at finalize
+        job.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"
+    job.checksums = dict(writer.fs.checksums)
+    job.data = {}  # drop staged copies as soon as they are on disk
+    job.timings["write"] = time.perf_counter() - start
+
+
+def _finalize(job: _Job, agree_g: GroupInfo) -> SaveResult:
+    """Phase 4 (training thread): agree, commit on the first rank, broadcast the outcome."""
+    start = time.perf_counter()
+    mine = {
+        "error": job.error,
+        "files": job.checksums,
+        "timings": {k: job.timings.get(k, 0.0) for k in ("plan", "stage", "write")},
+    }
+    everyone = all_gather_object(mine, agree_g)
+    failed = {r: m["error"] for r, m in enumerate(everyone) if m["error"]}
+    if failed:
+        text = "\n".join(f"--- rank {r} ---\n{err}" for r, err in sorted(failed.items()))
+        raise CheckpointSaveError(
+            f"save to {str(job.path)!r} failed on ranks {sorted(failed)}; the checkpoint was "
+            f"not committed:\n{text}"
+        )
+    outcome: str | None = None
+    if agree_g.rank == 0:
+        try:
+            fault_point("before_commit", job.g.rank)
+            files: dict[str, dict[str, int]] = {}
+            for m in everyone:
+                files.update(m["files"])
+            size, crc = file_crc32(job.path / md.DCP_METADATA_FILE)
+            files[md.DCP_METADATA_FILE] = {"size": size, "crc32": crc}
+            phases = {k: max(m["timings"][k] for m in everyone) for k in ("plan", "stage", "write")}
+            md.write_commit(job.path, {**job.info, "files": files, "timings": phases})
+        except Exception as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+    outcome = broadcast_object(outcome, agree_g)
+    if outcome is not None:
+        raise CheckpointSaveError(f"commit of {str(job.path)!r} failed on rank 0: {outcome}")
+    if job.owned_group is not None:
+        dist.destroy_process_group(job.owned_group)
+        job.owned_group = None
+    job.timings["finalize"] = time.perf_counter() - start
+    return SaveResult(
+        job.path,
+        dict(job.timings),
+        job.plan.bytes_per_rank[job.g.rank],
+        list(job.plan.bytes_per_rank),
+    )
+
+
+class AsyncSave:
+    """Handle of an async save whose write runs on a background thread.
+
+    Call `finalize` on the training thread (on every rank of the group) to wait for the
+    write, agree across ranks and commit; it raises `CheckpointSaveError` if any rank's
+    background write failed. `done` tells, without blocking, whether this rank's write ended.
+    """
+
+    def __init__(self, job: _Job) -> None:
+        self._job = job
+        self._result: SaveResult | None = None
+        self._thread = threading.Thread(
+            target=_run_write, args=(job,), name="shardwork-ckpt-writer", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def path(self) -> Path:
+        return self._job.path
+
+    def done(self) -> bool:
+        """Whether this rank's background write has ended (successfully or not)."""
+        return not self._thread.is_alive()
+
+    def finalize(self) -> SaveResult:
+        """Block until the write ended, agree across ranks and commit. Idempotent."""
+        if self._result is None:
+            self._thread.join()
+            self._result = _finalize(self._job, self._job.write_g)
+        return self._result
+
+
+def save(
+    state: Any,
+    path: str | os.PathLike,
+    *,
+    group: Any = None,
+    async_save: bool = False,
+    thread_count: int = 1,
+    async_group: Any = None,
+    content_version: int | str | None = None,
+    layout: Mapping[str, Any] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    sync_files: bool = True,
+) -> SaveResult | AsyncSave:
+    """Save a sharded state dict to the directory ``path`` (collective over ``group``).
+
+    Args:
+        state: nested dicts/lists of `ShardedTensor`, `ShardedObject` and plain values. Plain
+            values are taken from the group's first rank.
+        path: checkpoint directory; must be new, incomplete, or ``overwrite=True``.
+        group: the ranks that hold the state (None: world, or one process without
+            torch.distributed). Used on the calling thread only.
+        async_save: return an `AsyncSave` right after staging; the write runs in background.
+        thread_count: writer threads (and data files) per rank.
+        async_group: a gloo group over the same ranks for the background collectives; when
+            None one is created (``new_group``, local synchronisation) and destroyed at
+            finalize. `CheckpointManager` creates one and reuses it.
+        content_version, layout, metadata: recorded in ``shardwork.json`` (``layout``: the
+            parallel layout the state was saved at, e.g. ``{"tp": 2, "pp": 2, "dp": 2}``).
+        overwrite: allow replacing a committed checkpoint at ``path``.
+        sync_files: fsync data files (needed for crash safety; off only for benchmarks).
+
+    Returns:
+        `SaveResult` once committed (sync), or an `AsyncSave` handle (async).
+    """
+    if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
+        raise ValueError(f"thread_count={thread_count!r} is not valid; valid: an int >= 1")
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path={path!r} is not valid; valid: a str or os.PathLike directory")
+    path = Path(path)
+    g = resolve_group(group)
+    blocking_start = time.perf_counter()
+    timings: dict[str, float] = {"stage": 0.0}
+
+    local = collect_local(state)
+    summary = summarize(local)
+    summary["target_error"] = _inspect_target(path, overwrite) if g.rank == 0 else None
+    summaries = all_gather_object(summary, g)
+    if summaries[0]["target_error"]:
+        raise ValueError(summaries[0]["target_error"])
+    plan = build_global_plan(summaries, g.rank)
+    if g.rank == 0:
+        _clear_target(path)
+    barrier(g)
+    items, data = _write_items(local, plan, g.rank)
+    timings["plan"] = time.perf_counter() - blocking_start
+
+    info = {
+        "content_version": content_version,
+        "layout": dict(layout) if layout is not None else None,
+        "user_metadata": dict(metadata) if metadata is not None else None,
+        "world_size": g.size,
+        "thread_count": thread_count,
+        "keys": plan.catalogue,
+        "plain_paths": plan.plain_paths,
+        "bytes_per_rank": plan.bytes_per_rank,
+    }
+    job = _Job(path, g, g, plan, items, data, thread_count, sync_files, info, timings)
+    if not async_save:
+        _run_write(job)
+        result = _finalize(job, g)
+        result.timings["blocking"] = time.perf_counter() - blocking_start
+        return result
+
+    stage_start = time.perf_counter()
+    job.data = _stage(data)
+    timings["stage"] = time.perf_counter() - stage_start
+    if g.distributed:
+        if async_group is None:
+            ranks = dist.get_process_group_ranks(g.pg)
+            async_group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+            job.owned_group = async_group
+        job.write_g = resolve_group(async_group)
+    handle = AsyncSave(job)
+    timings["blocking"] = time.perf_counter() - blocking_start
+    return handle
