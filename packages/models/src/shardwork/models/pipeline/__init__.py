@@ -1,0 +1,41 @@
+"""shardwork.models.pipeline: pipeline parallelism that any trainer can drive.
+
+- Schedules with Megatron's calling convention: :func:`forward_backward_no_pipelining`,
+  :func:`forward_backward_1f1b`, :func:`forward_backward_interleaved_1f1b`, chosen by
+  :func:`get_schedule`; each returns per-microbatch :class:`MicrobatchLoss` on the last
+  stage. :func:`reduce_loss` gives the true global per-token mean.
+- :func:`finalize_model_grads`: DP sync (duck-typed), sequence-parallel and shared-embedding
+  reductions, MoE tracker/hooks, and division by the global token count.
+- :func:`layer_split` / :func:`stage_layers` split a model's layers over pp × vpp stages.
+- Schedules are plans computed ahead of time (``plan.py``) and executed with batched
+  point-to-point exchanges that cannot deadlock (``p2p.py``).
+"""
+
+from shardwork.models.pipeline.finalize import all_reduce_coalesced, finalize_model_grads
+from shardwork.models.pipeline.losses import MicrobatchLoss, loss_totals, reduce_loss
+from shardwork.models.pipeline.plan import Action, plan_ticks, schedule_orders
+from shardwork.models.pipeline.schedules import (
+    forward_backward_1f1b,
+    forward_backward_interleaved_1f1b,
+    forward_backward_no_pipelining,
+    get_schedule,
+)
+from shardwork.models.pipeline.split import layer_split, layers_per_rank, stage_layers
+
+__all__ = [
+    "Action",
+    "MicrobatchLoss",
+    "all_reduce_coalesced",
+    "finalize_model_grads",
+    "forward_backward_1f1b",
+    "forward_backward_interleaved_1f1b",
+    "forward_backward_no_pipelining",
+    "get_schedule",
+    "layer_split",
+    "layers_per_rank",
+    "loss_totals",
+    "plan_ticks",
+    "reduce_loss",
+    "schedule_orders",
+    "stage_layers",
+]

@@ -1,0 +1,124 @@
+"""Which transformer layers each pipeline stage (and virtual chunk) holds.
+
+- ``pp`` ranks × ``vpp`` chunks = ``pp·vpp`` virtual stages; chunk ``c`` of rank ``r`` is
+  virtual stage ``c·pp + r`` and the layers run in virtual-stage order.
+- Uneven ends (Megatron's ``num_layers_in_first/last_pipeline_stage``): the first and/or
+  last *rank* may hold a given number of layers (e.g. fewer, to make room for the
+  embedding or the LM head and loss), spread evenly over that rank's ``vpp`` chunks; the
+  other ranks share the rest evenly. Counts that do not divide evenly raise ValueError
+  naming the field and what would be valid. A stage may hold zero layers.
+"""
+
+from __future__ import annotations
+
+
+def _check(name: str, value: object, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name}={value!r} is invalid: it must be an integer >= {minimum}")
+
+
+def layers_per_rank(
+    num_layers: int,
+    pp_size: int,
+    *,
+    vpp: int | None = None,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+) -> list[int]:
+    """Number of layers on each pipeline rank (all its chunks together)."""
+    _check("num_layers", num_layers, 1)
+    _check("pp_size", pp_size, 1)
+    v = 1 if vpp is None else vpp
+    _check("vpp", v, 1)
+    counts: list[int | None] = [None] * pp_size
+    for name, value, rank in (
+        ("first_stage_layers", first_stage_layers, 0),
+        ("last_stage_layers", last_stage_layers, pp_size - 1),
+    ):
+        if value is None:
+            continue
+        _check(name, value, 0)
+        if pp_size == 1:
+            raise ValueError(f"{name}={value} needs pp_size > 1 (got pp_size=1)")
+        if value % v != 0:
+            raise ValueError(
+                f"{name}={value} is invalid with vpp={v}: it must be a multiple of vpp "
+                "(the rank's layers are spread evenly over its chunks)"
+            )
+        counts[rank] = value
+    fixed = sum(c for c in counts if c is not None)
+    free = [r for r, c in enumerate(counts) if c is None]
+    rest = num_layers - fixed
+    if rest < 0 or (not free and rest != 0):
+        raise ValueError(
+            f"first_stage_layers={first_stage_layers} and last_stage_layers={last_stage_layers} "
+            f"do not fit num_layers={num_layers} over pp_size={pp_size}"
+        )
+    if free and rest % (len(free) * v) != 0:
+        raise ValueError(
+            f"num_layers={num_layers} is invalid for pp_size={pp_size}, vpp={v}"
+            + (
+                f" with first_stage_layers={first_stage_layers}, last_stage_layers={last_stage_layers}"
+                if fixed
+                else ""
+            )
+            + f": the {rest} remaining layers must split evenly over {len(free)} ranks × {v} chunks"
+        )
+    for r in free:
+        counts[r] = rest // len(free)
+    return [int(c) for c in counts]  # type: ignore[arg-type]
+
+
+def layer_split(
+    num_layers: int,
+    pp_size: int,
+    *,
+    vpp: int | None = None,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+) -> list[list[range]]:
+    """``split[pp_rank][chunk]``: the global layer indices of every stage and chunk."""
+    v = 1 if vpp is None else vpp
+    per_rank = layers_per_rank(
+        num_layers,
+        pp_size,
+        vpp=vpp,
+        first_stage_layers=first_stage_layers,
+        last_stage_layers=last_stage_layers,
+    )
+    split: list[list[range]] = [[range(0)] * v for _ in range(pp_size)]
+    start = 0
+    for c in range(v):
+        for r in range(pp_size):
+            size = per_rank[r] // v
+            split[r][c] = range(start, start + size)
+            start += size
+    assert start == num_layers
+    return split
+
+
+def stage_layers(
+    num_layers: int,
+    pp_size: int,
+    pp_rank: int,
+    *,
+    vpp: int | None = None,
+    vp_chunk: int | None = None,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+) -> range:
+    """Global layer indices held by chunk ``vp_chunk`` (default 0) of rank ``pp_rank``."""
+    v = 1 if vpp is None else vpp
+    chunk = 0 if vp_chunk is None else vp_chunk
+    if not isinstance(pp_rank, int) or not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank={pp_rank!r} is invalid: it must be in [0, {pp_size})")
+    if not isinstance(chunk, int) or not 0 <= chunk < v:
+        raise ValueError(f"vp_chunk={vp_chunk!r} is invalid: it must be in [0, {v}) for vpp={vpp}")
+    split = layer_split(
+        num_layers,
+        pp_size,
+        vpp=vpp,
+        first_stage_layers=first_stage_layers,
+        last_stage_layers=last_stage_layers,
+    )
+    return split[pp_rank][chunk]
