@@ -1,0 +1,146 @@
+"""Self-attention: MHA/GQA, fused QKV, QK-norm, RoPE, causal/document masks, context parallel.
+
+Shapes: ``s`` local sequence, ``b`` batch, ``nq``/``nkv`` query/key-value heads on this TP
+rank, ``d`` head dim.
+
+- ``linear_qkv`` is column-parallel with blocks [Q | K | V] (global sizes ``nq·d, nkv·d,
+  nkv·d``); each TP rank holds whole heads of each block (checkpoint keys ``.q .k .v``).
+- QK-norm (Qwen3) is an RMSNorm over ``d`` before RoPE; RoPE uses
+  ``shardwork.fused_kernels.apply_rotary`` with half-split pairing (the HF convention).
+- Core attention is torch SDPA. The plain causal case uses ``is_causal``; packed sequences
+  and context parallelism pass an explicit boolean mask built from global positions.
+- Context parallelism: K/V are all-gathered over the cp group with a differentiable gather
+  (backward reduce-scatters), queries stay local.
+- Attention dropout draws from the model's TP-distinct RNG stream (heads are TP-sharded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from shardwork.fused_kernels import apply_rotary
+from shardwork.models.config import GPTConfig
+from shardwork.models.module import ShardedModule
+from shardwork.models.norm import RMSNorm
+from shardwork.models.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from shardwork.models.recompute import checkpoint
+from shardwork.models.rng import TENSOR_PARALLEL, RNGTracker
+from shardwork.parallel_state import ProcessGroups, gather_from_sequence_region
+
+__all__ = ["Attention", "AttentionInputs"]
+
+
+@dataclass
+class AttentionInputs:
+    """Per-forward tensors shared by every layer: RoPE tables and the mask.
+
+    ``cos``/``sin``: ``[s_local, 1, d]`` for this rank's (global) query positions.
+    ``mask``: boolean ``[s_local, s_keys]`` (True = attend), or None for plain causal.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: torch.Tensor | None
+
+
+class Attention(ShardedModule):
+    """Grouped-query self-attention with tensor and context parallelism."""
+
+    def __init__(
+        self,
+        config: GPTConfig,
+        groups: ProcessGroups,
+        *,
+        rng: RNGTracker,
+        device: str | torch.device | None = None,
+    ) -> None:
+        super().__init__(groups)
+        tp = groups.size("tp")
+        d = config.kv_channels
+        self.head_dim = d
+        self.num_heads = config.num_attention_heads // tp
+        self.num_kv_heads = config.kv_heads // tp
+        self.dropout = config.attention_dropout
+        self.selective_recompute = config.recompute == "selective"
+        self.backend = config.kernel_backend
+        self.rng = rng
+        q_size, kv_size = config.num_attention_heads * d, config.kv_heads * d
+        self.linear_qkv = ColumnParallelLinear(
+            config.hidden_size,
+            q_size + 2 * kv_size,
+            groups=groups,
+            bias=config.add_qkv_bias,
+            sequence_parallel=config.sequence_parallel,
+            partition_sizes=(q_size, kv_size, kv_size),
+            block_names=("q", "k", "v"),
+            params_dtype=config.params_dtype,
+            device=device,
+        )
+        if config.qk_layernorm:
+            kw = dict(
+                groups=groups,
+                eps=config.norm_epsilon,
+                backend=config.kernel_backend,
+                partial_grad=tp > 1,
+                params_dtype=config.params_dtype,
+                device=device,
+            )
+            self.q_layernorm = RMSNorm(d, **kw)
+            self.k_layernorm = RMSNorm(d, **kw)
+        else:
+            self.q_layernorm = self.k_layernorm = None
+        self.linear_proj = RowParallelLinear(
+            q_size,
+            config.hidden_size,
+            groups=groups,
+            sequence_parallel=config.sequence_parallel,
+            params_dtype=config.params_dtype,
+            device=device,
+        )
+
+    def _core(self, q, k, v, mask):
+        """SDPA on ``q [s, b, nq, d]``, ``k/v [sk, b, nkv, d]`` -> ``[s, b, nq·d]``."""
+        groups = self.num_heads // self.num_kv_heads
+        q = q.permute(1, 2, 0, 3)
+        k = k.permute(1, 2, 0, 3).repeat_interleave(groups, dim=1)
+        v = v.permute(1, 2, 0, 3).repeat_interleave(groups, dim=1)
+        p = self.dropout if self.training else 0.0
+        kwargs = dict(attn_mask=mask, is_causal=mask is None, dropout_p=p)
+        if p > 0:
+            with self.rng.fork(TENSOR_PARALLEL):
+                out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        s, b = out.shape[2], out.shape[0]
+        return out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
+
+    def forward(self, hidden: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
+        """``hidden [s(/tp under SP), b, h]`` -> same shape."""
+        qkv = self.linear_qkv(hidden)
+        s, b = qkv.shape[0], qkv.shape[1]
+        d = self.head_dim
+        q_len, kv_len = self.num_heads * d, self.num_kv_heads * d
+        q, k, v = qkv.split((q_len, kv_len, kv_len), dim=-1)
+        q = q.reshape(s, b, self.num_heads, d)
+        k = k.reshape(s, b, self.num_kv_heads, d)
+        v = v.reshape(s, b, self.num_kv_heads, d)
+        if self.q_layernorm is not None:
+            q = self.q_layernorm(q)
+            k = self.k_layernorm(k)
+        cos, sin = inputs.cos.to(q.dtype), inputs.sin.to(q.dtype)
+        q = apply_rotary(q, cos, sin, backend=self.backend)
+        k = apply_rotary(k, cos, sin, backend=self.backend)
+        if self.groups.size("cp") > 1:
+            k = gather_from_sequence_region(k, self.groups.cp, dim=0, grad_is_partial=True)
+            v = gather_from_sequence_region(v, self.groups.cp, dim=0, grad_is_partial=True)
+        mask = inputs.mask
+        if mask is not None:
+            mask = mask.to(q.device)
+        if self.selective_recompute and self.training:
+            out = checkpoint(lambda q_, k_, v_: self._core(q_, k_, v_, mask), self.rng, q, k, v)
+        else:
+            out = self._core(q, k, v, mask)
+        return self.linear_proj(out)

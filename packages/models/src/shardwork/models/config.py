@@ -1,0 +1,234 @@
+"""``GPTConfig``: the shape and precision of a dense decoder-only transformer, validated on construction.
+
+- One frozen, keyword-only dataclass; each field carries its docstring. Invalid values raise
+  ``ValueError`` naming the field, the value and what would be valid.
+- Layout-dependent checks (heads divisible by tp, vocab rows divisible by tp, sequence
+  length vs. tp/cp) live in :meth:`GPTConfig.check_layout`, which takes a
+  :class:`~shardwork.parallel_state.ParallelConfig`, so they run before any process group exists.
+- The vocabulary is padded to a multiple of ``make_vocab_size_divisible_by`` only (not of tp):
+  the padded size, and therefore logits and checkpoints, do not depend on the layout.
+- ``params_dtype`` is the storage dtype of parameters, ``compute_dtype`` the dtype activations
+  are computed in (weights are cast on the fly when they differ). Softmax and the loss run in
+  at least float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardwork.fused_kernels import Llama3RopeScaling, YarnRopeScaling
+
+__all__ = ["RECOMPUTE_MODES", "GPTConfig"]
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+_BACKENDS = ("auto", "torch", "triton", "te")
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"GPTConfig.{name}={value!r} is invalid: it must be an integer >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """A dense GPT / Llama / Qwen-style decoder (pre-norm, RMSNorm, SwiGLU, RoPE)."""
+
+    num_layers: int
+    """Number of transformer layers."""
+    hidden_size: int
+    """Model width ``h``."""
+    num_attention_heads: int
+    """Query heads."""
+    ffn_hidden_size: int
+    """SwiGLU intermediate size (each of gate and up)."""
+    vocab_size: int
+    """Real vocabulary size (rows of the embedding that are saved and exported)."""
+    num_query_groups: int | None = None
+    """Key/value heads (grouped-query attention); None means equal to ``num_attention_heads``."""
+    head_dim: int | None = None
+    """Per-head width; None means ``hidden_size // num_attention_heads``."""
+    make_vocab_size_divisible_by: int = 128
+    """The embedding/head rows are padded to a multiple of this (layout-independent)."""
+    max_position_embeddings: int = 4096
+    """Longest sequence the model is meant for (informational; RoPE has no table limit)."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    rope_scaling: Llama3RopeScaling | YarnRopeScaling | None = None
+    """RoPE frequency scaling (Llama 3.1 / YaRN), from ``shardwork.fused_kernels``."""
+    norm_epsilon: float = 1e-5
+    """RMSNorm epsilon."""
+    qk_layernorm: bool = False
+    """RMSNorm over each query/key head before RoPE (Qwen3)."""
+    add_qkv_bias: bool = False
+    """Bias on the fused QKV projection (Qwen2)."""
+    tie_word_embeddings: bool = False
+    """LM head reuses the input embedding (kept in sync across pipeline stages)."""
+    hidden_dropout: float = 0.0
+    """Dropout on the embedding output and on each sub-layer output before the residual add."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+    init_method_std: float = 0.02
+    """Std of the normal init; output projections (attention out, MLP down) use
+    ``std / sqrt(2 * num_layers)``."""
+    init_seed: int = 1234
+    """Base seed of the layout-independent initialisation (each parameter gets its own seed)."""
+    dropout_seed: int = 1234
+    """Seed of the model's RNG tracker (dropout)."""
+    params_dtype: torch.dtype = torch.float32
+    """Storage dtype of parameters."""
+    compute_dtype: torch.dtype | None = None
+    """Activation dtype; None means ``params_dtype``."""
+    sequence_parallel: bool = False
+    """Shard activations along the sequence between TP regions (needs tp > 1)."""
+    recompute: str = "none"
+    """Activation recompute: "none", "selective" (core attention) or "full" (whole layers)."""
+    kernel_backend: str = "auto"
+    """Backend of every fused-kernels op in this model: "auto", "torch", "triton" or "te"."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size"):
+            _positive_int(name, getattr(self, name))
+        _positive_int("vocab_size", self.vocab_size)
+        _positive_int("make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
+        _positive_int("max_position_embeddings", self.max_position_embeddings)
+        if self.num_query_groups is not None:
+            _positive_int("num_query_groups", self.num_query_groups)
+            if self.num_attention_heads % self.num_query_groups != 0:
+                raise ValueError(
+                    f"GPTConfig.num_query_groups={self.num_query_groups} is invalid: it must "
+                    f"divide num_attention_heads={self.num_attention_heads}"
+                )
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads != 0:
+                raise ValueError(
+                    f"GPTConfig.hidden_size={self.hidden_size} is not divisible by "
+                    f"num_attention_heads={self.num_attention_heads}: set head_dim explicitly "
+                    "or choose a multiple"
+                )
+        else:
+            _positive_int("head_dim", self.head_dim)
+        if self.kv_channels % 2 != 0:
+            raise ValueError(
+                f"GPTConfig.head_dim={self.kv_channels} is invalid: RoPE needs an even head_dim"
+            )
+        if not self.rope_theta > 1:
+            raise ValueError(f"GPTConfig.rope_theta={self.rope_theta} is invalid: it must be > 1")
+        if self.rope_scaling is not None and not isinstance(
+            self.rope_scaling, (Llama3RopeScaling, YarnRopeScaling)
+        ):
+            raise ValueError(
+                f"GPTConfig.rope_scaling={self.rope_scaling!r} is invalid: valid are None, "
+                "Llama3RopeScaling(...) or YarnRopeScaling(...)"
+            )
+        if not self.norm_epsilon > 0:
+            raise ValueError(f"GPTConfig.norm_epsilon={self.norm_epsilon} must be > 0")
+        for name in ("hidden_dropout", "attention_dropout"):
+            p = getattr(self, name)
+            if not 0.0 <= p < 1.0:
+                raise ValueError(f"GPTConfig.{name}={p} is invalid: it must be in [0, 1)")
+        if not self.init_method_std > 0:
+            raise ValueError(f"GPTConfig.init_method_std={self.init_method_std} must be > 0")
+        for name in ("params_dtype", "compute_dtype"):
+            dt = getattr(self, name)
+            if dt is None and name == "compute_dtype":
+                continue
+            if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+                raise ValueError(
+                    f"GPTConfig.{name}={dt!r} is invalid: it must be a floating torch.dtype "
+                    "(torch.float32, torch.bfloat16, torch.float16, torch.float64)"
+                )
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(
+                f"GPTConfig.recompute={self.recompute!r} is invalid: valid are {RECOMPUTE_MODES}"
+            )
+        if self.kernel_backend not in _BACKENDS:
+            raise ValueError(
+                f"GPTConfig.kernel_backend={self.kernel_backend!r} is invalid: valid are {_BACKENDS}"
+            )
+
+    # ---- derived sizes -------------------------------------------------------------------
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (``num_query_groups`` or ``num_attention_heads``)."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def kv_channels(self) -> int:
+        """Per-head width."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """``vocab_size`` rounded up to a multiple of ``make_vocab_size_divisible_by``."""
+        m = self.make_vocab_size_divisible_by
+        return -(-self.vocab_size // m) * m
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        return self.compute_dtype or self.params_dtype
+
+    def replace(self, **changes: Any) -> GPTConfig:
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    # ---- layout checks -------------------------------------------------------------------
+    def check_layout(self, parallel: Any, *, seq_length: int | None = None) -> None:
+        """Raise ``ValueError`` if this model cannot run on ``parallel`` (a ParallelConfig).
+
+        Checks heads, query groups and vocabulary rows against tp, sequence parallelism
+        against tp, layers against pp (and vpp), and ``seq_length`` (if given) against
+        tp (sequence parallel) and 2·cp (context parallel load balancing).
+        """
+        tp, cp, pp = parallel.tp, parallel.cp, parallel.pp
+        vpp = parallel.vpp or 1
+        if self.num_attention_heads % tp != 0:
+            raise ValueError(
+                f"GPTConfig.num_attention_heads={self.num_attention_heads} is not divisible by "
+                f"tp={tp}: choose tp among the divisors of the head count"
+            )
+        if self.kv_heads % tp != 0:
+            raise ValueError(
+                f"GPTConfig.num_query_groups={self.kv_heads} is not divisible by tp={tp}: "
+                "each tensor-parallel rank needs whole key/value heads"
+            )
+        if self.ffn_hidden_size % tp != 0:
+            raise ValueError(
+                f"GPTConfig.ffn_hidden_size={self.ffn_hidden_size} is not divisible by tp={tp}"
+            )
+        if self.padded_vocab_size % tp != 0:
+            raise ValueError(
+                f"GPTConfig.make_vocab_size_divisible_by={self.make_vocab_size_divisible_by} "
+                f"gives padded_vocab_size={self.padded_vocab_size}, not divisible by tp={tp}: "
+                "use a multiple of tp for make_vocab_size_divisible_by"
+            )
+        if self.sequence_parallel and tp == 1:
+            raise ValueError(
+                "GPTConfig.sequence_parallel=True needs tp > 1 (got tp=1): set "
+                "sequence_parallel=False or use tensor parallelism"
+            )
+        if self.num_layers < pp * vpp:
+            raise ValueError(
+                f"GPTConfig.num_layers={self.num_layers} is smaller than pp*vpp={pp * vpp}: "
+                "every pipeline stage needs at least one layer"
+            )
+        if seq_length is not None:
+            check_sequence_length(self, seq_length, tp=tp, cp=cp)
+
+
+def check_sequence_length(config: GPTConfig, seq_length: int, *, tp: int, cp: int) -> None:
+    """ValueError unless ``seq_length`` (global, per sample) fits sequence/context parallelism."""
+    if cp > 1 and seq_length % (2 * cp) != 0:
+        raise ValueError(
+            f"seq_length={seq_length} is not divisible by 2*cp={2 * cp}: context parallelism "
+            "splits the sequence into 2·cp load-balanced chunks"
+        )
+    local = seq_length // cp
+    if config.sequence_parallel and local % tp != 0:
+        raise ValueError(
+            f"seq_length={seq_length} (per context-parallel rank {local}) is not divisible by "
+            f"tp={tp}: sequence parallelism splits the sequence across tensor-parallel ranks"
+        )

@@ -1,0 +1,225 @@
+"""``GPTModel``: embedding, a range of transformer layers, final norm and LM head, at any layout.
+
+- ``GPTModel(config, groups, layer_range=, pre_process=, post_process=)`` builds one pipeline
+  stage (or virtual chunk): the layers ``[start, stop)`` of the global stack; the embedding
+  when ``pre_process`` (default: ``start == 0``); final norm and head when ``post_process``
+  (default: ``stop == num_layers``). A stage that is not ``pre_process`` takes
+  ``hidden_states [s(/tp under SP), b, h]`` from the previous stage instead of token ids.
+- Parameters are created on ``device``; on ``"meta"`` nothing is allocated (a 70B preset for a
+  64-GPU layout builds in milliseconds) and :meth:`materialize` allocates and initialises the
+  local shards later. Initialisation is layout-independent (see ``sharding.init_from_shards``).
+- Forward inputs are this rank's tokens ``[b, s_local]``: with cp > 1 the two load-balanced
+  chunks from :func:`~shardwork.models.context_parallel.slice_for_context_parallel`.
+  RoPE positions and the attention mask come from global positions. Packed sequences
+  (``cu_seqlens``, batch 1) get a document-causal mask and positions restarting per document;
+  packed + cp > 1 is rejected.
+- Outputs: hidden states (not ``post_process``), vocab-split logits ``[s, b, V_pad/tp]`` (no
+  labels), or ``(loss_sum, num_tokens)`` over this rank's tokens (labels given); see
+  :mod:`shardwork.models.loss` for the dp×cp reduction.
+- The model owns its :class:`~shardwork.models.rng.RNGTracker` (``model.rng_tracker``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from shardwork.fused_kernels import packed_positions, rotary_cos_sin, rotary_inv_freq
+from shardwork.models.attention import AttentionInputs
+from shardwork.models.config import GPTConfig, check_sequence_length
+from shardwork.models.context_parallel import (
+    attention_mask,
+    document_ids,
+    gathered_positions,
+    local_positions,
+)
+from shardwork.models.embedding import LMHead, VocabParallelEmbedding
+from shardwork.models.loss import token_loss
+from shardwork.models.module import ShardedModule
+from shardwork.models.rng import RNGTracker
+from shardwork.models.sharding import init_from_shards
+from shardwork.models.transformer_layer import TransformerBlock, hidden_dropout
+from shardwork.parallel_state import ProcessGroups
+
+__all__ = ["GPTModel"]
+
+
+class GPTModel(ShardedModule):
+    """A dense decoder (or one pipeline stage of it) at the layout given by ``groups``."""
+
+    def __init__(
+        self,
+        config: GPTConfig,
+        groups: ProcessGroups | None = None,
+        *,
+        layer_range: tuple[int, int] | None = None,
+        pre_process: bool | None = None,
+        post_process: bool | None = None,
+        device: str | torch.device | None = None,
+        mlp_factory: Callable[[int], torch.nn.Module] | None = None,
+    ) -> None:
+        groups = ProcessGroups.single() if groups is None else groups
+        config.check_layout(groups.config)
+        if layer_range is None:
+            if groups.size("pp") > 1:
+                raise ValueError(
+                    f"GPTModel with pp={groups.size('pp')} needs layer_range=(start, stop): "
+                    "build stages with shardwork.models.pipeline.build_stage"
+                )
+            layer_range = (0, config.num_layers)
+        start, stop = layer_range
+        if not 0 <= start <= stop <= config.num_layers:
+            raise ValueError(
+                f"layer_range={layer_range} is invalid: need 0 <= start <= stop <= "
+                f"num_layers={config.num_layers}"
+            )
+        super().__init__(groups)
+        self.config = config
+        self.pre_process = start == 0 if pre_process is None else pre_process
+        self.post_process = stop == config.num_layers if post_process is None else post_process
+        device = torch.device("cpu") if device is None else torch.device(device)
+        rng_device = "cpu" if device.type == "meta" else device
+        self.rng_tracker = RNGTracker(
+            config.dropout_seed,
+            tp_rank=groups.rank("tp"),
+            pp_rank=groups.rank("pp"),
+            device=rng_device,
+        )
+        self.embedding = (
+            VocabParallelEmbedding(config, groups, device=device) if self.pre_process else None
+        )
+        self.decoder = TransformerBlock(
+            config,
+            groups,
+            layer_range=(start, stop),
+            final_norm=self.post_process,
+            rng=self.rng_tracker,
+            mlp_factory=mlp_factory,
+            device=device,
+        )
+        if self.post_process:
+            own = not (config.tie_word_embeddings and self.pre_process)
+            self.output_layer = LMHead(config, groups, own_weight=own, device=device)
+        else:
+            self.output_layer = None
+        if device.type != "meta":
+            self.init_parameters()
+
+    # ---- parameters ------------------------------------------------------------------------
+    def _child_prefix(self, name: str, index: int | None = None) -> str:
+        return "embedding.word_embeddings" if name == "embedding" else name
+
+    @torch.no_grad()
+    def init_parameters(self) -> None:
+        """(Re)initialise every local parameter from its global key (layout-independent)."""
+        cfg = self.config
+        for key, param, module in self.named_param_keys():
+            init_from_shards(
+                param,
+                key,
+                module.shard_ctx,
+                init_seed=cfg.init_seed,
+                std=cfg.init_method_std,
+                num_layers=cfg.num_layers,
+            )
+
+    def materialize(self, device: str | torch.device) -> GPTModel:
+        """Allocate a meta-built model's local shards on ``device`` and initialise them."""
+        self.to_empty(device=device)
+        self.rng_tracker.to(device)
+        self.init_parameters()
+        return self
+
+    # ---- forward ---------------------------------------------------------------------------
+    def _attention_inputs(
+        self, local_len: int, cu_seqlens: torch.Tensor | None, device: torch.device
+    ) -> AttentionInputs:
+        cfg, g = self.config, self.groups
+        cp, cp_rank = g.size("cp"), g.rank("cp")
+        mask = None
+        if cu_seqlens is not None:
+            if cp > 1:
+                raise ValueError(
+                    f"packed sequences (cu_seqlens) with cp={cp} are not supported: use cp=1 or "
+                    "unpacked batches"
+                )
+            cu = cu_seqlens.to(device)
+            positions = packed_positions(cu)
+            if positions.numel() != local_len:
+                raise ValueError(
+                    f"cu_seqlens[-1]={positions.numel()} must equal the sequence length {local_len}"
+                )
+            docs = document_ids(cu, local_len)
+            index = torch.arange(local_len, device=device)
+            mask = attention_mask(index, index, q_doc=docs, k_doc=docs)
+        else:
+            positions = local_positions(local_len, cp_rank=cp_rank, cp_size=cp, device=device)
+            if cp > 1:
+                keys = gathered_positions(local_len, cp_size=cp, device=device)
+                mask = attention_mask(positions, keys)
+        inv_freq = rotary_inv_freq(cfg.kv_channels, base=cfg.rope_theta, scaling=cfg.rope_scaling)
+        table_dtype = torch.float64 if cfg.activation_dtype == torch.float64 else torch.float32
+        cos, sin = rotary_cos_sin(
+            positions, inv_freq.to(device), scaling=cfg.rope_scaling, dtype=table_dtype
+        )
+        return AttentionInputs(cos=cos.unsqueeze(1), sin=sin.unsqueeze(1), mask=mask)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        *,
+        labels: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
+    ):
+        """Run this stage.
+
+        Args:
+            input_ids: ``[b, s_local]`` token ids (needed when ``pre_process``).
+            labels: ``[b, s_local]`` target ids (-100 = ignored); with ``post_process`` the
+                result is ``(loss_sum, num_tokens)``.
+            loss_mask: ``[b, s_local]`` 0/1 weights of tokens in the loss.
+            cu_seqlens: ``[num_docs + 1]`` boundaries of packed documents (batch size 1).
+            hidden_states: ``[s_local(/tp under SP), b, h]`` from the previous stage.
+        """
+        cfg, g = self.config, self.groups
+        sp_factor = g.size("tp") if cfg.sequence_parallel else 1
+        if self.pre_process:
+            if input_ids is None:
+                raise ValueError("input_ids is required on the first pipeline stage")
+            local_len = input_ids.shape[1]
+            check_sequence_length(cfg, local_len * g.size("cp"), tp=g.size("tp"), cp=g.size("cp"))
+            if cu_seqlens is not None and input_ids.shape[0] != 1:
+                raise ValueError(
+                    f"packed sequences need batch size 1, got input_ids.shape={tuple(input_ids.shape)}"
+                )
+            hidden = self.embedding(input_ids).to(cfg.activation_dtype)
+            hidden = hidden_dropout(
+                hidden,
+                cfg.hidden_dropout,
+                training=self.training,
+                rng=self.rng_tracker,
+                sp=cfg.sequence_parallel,
+            )
+        else:
+            if hidden_states is None:
+                raise ValueError("hidden_states is required on a stage that is not pre_process")
+            hidden = hidden_states
+            local_len = hidden.shape[0] * sp_factor
+        inputs = self._attention_inputs(local_len, cu_seqlens, hidden.device)
+        hidden = self.decoder(hidden, inputs)
+        if not self.post_process:
+            return hidden
+        tied = self.embedding.weight if self.output_layer.linear.weight is None else None
+        logits = self.output_layer(hidden, tied)
+        if labels is None:
+            return logits
+        return token_loss(
+            logits,
+            labels,
+            loss_mask=loss_mask,
+            tp_group=g.tp,
+            backend=cfg.kernel_backend,
+        )

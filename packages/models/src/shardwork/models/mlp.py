@@ -1,0 +1,55 @@
+"""SwiGLU MLP: column-parallel fused [gate | up], ``shardwork.fused_kernels.swiglu``, row-parallel down.
+
+``fc1`` has blocks ``gate`` and ``up`` (each ``ffn_hidden_size``); a TP rank holds its slice of
+each, laid out ``[gate_local | up_local]`` which is exactly the fused layout ``swiglu`` takes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardwork.fused_kernels import swiglu
+from shardwork.models.config import GPTConfig
+from shardwork.models.module import ShardedModule
+from shardwork.models.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from shardwork.parallel_state import ProcessGroups
+
+__all__ = ["SwiGLUMLP"]
+
+
+class SwiGLUMLP(ShardedModule):
+    """``fc2(silu(gate(x)) * up(x))`` with tensor (and sequence) parallelism."""
+
+    def __init__(
+        self,
+        config: GPTConfig,
+        groups: ProcessGroups,
+        *,
+        ffn_hidden_size: int | None = None,
+        device: str | torch.device | None = None,
+    ) -> None:
+        super().__init__(groups)
+        ffn = ffn_hidden_size or config.ffn_hidden_size
+        self.backend = config.kernel_backend
+        self.fc1 = ColumnParallelLinear(
+            config.hidden_size,
+            2 * ffn,
+            groups=groups,
+            sequence_parallel=config.sequence_parallel,
+            partition_sizes=(ffn, ffn),
+            block_names=("gate", "up"),
+            params_dtype=config.params_dtype,
+            device=device,
+        )
+        self.fc2 = RowParallelLinear(
+            ffn,
+            config.hidden_size,
+            groups=groups,
+            sequence_parallel=config.sequence_parallel,
+            params_dtype=config.params_dtype,
+            device=device,
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[s(/tp), b, h]`` -> same shape."""
+        return self.fc2(swiglu(self.fc1(hidden), backend=self.backend))

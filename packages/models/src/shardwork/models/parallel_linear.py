@@ -1,0 +1,154 @@
+"""Column- and row-parallel linear layers over the TP group, with optional sequence parallelism.
+
+Activations are ``[s, b, h]`` (sequence first). With sequence parallelism the sequence dim
+is split over TP outside the TP regions:
+
+- ColumnParallelLinear: ``W [out/tp, in]`` (TP axis 0). Input is copied into the TP region
+  (gradient all-reduced) or, under SP, all-gathered along the sequence (gradient
+  reduce-scattered). Output stays split along its last dim unless ``gather_output``.
+  ``partition_sizes`` describes fused outputs ([Q|K|V], [gate|up]): each rank holds its slice
+  of every block, concatenated in block order.
+- RowParallelLinear: ``W [out, in/tp]`` (TP axis 1) on a split input; the partial outputs are
+  all-reduced or, under SP, reduce-scattered along the sequence. The bias (replicated) is
+  added after the reduction; under SP its gradient comes from sequence shards, so it is
+  marked ``sequence_parallel`` in its ParamMeta.
+- Weights are cast to the activation dtype on the fly (``params_dtype`` vs ``compute_dtype``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from shardwork.models.module import ShardedModule
+from shardwork.models.sharding import describe_param
+from shardwork.parallel_state import (
+    ParamMeta,
+    ProcessGroups,
+    copy_to_tp_region,
+    gather_from_sequence_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_region,
+)
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+
+
+def _param(shape, *, dtype, device) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+
+
+class ColumnParallelLinear(ShardedModule):
+    """``y = x Wᵀ + b`` with the output features split over TP (see module docstring)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        groups: ProcessGroups,
+        bias: bool = False,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        partition_sizes: tuple[int, ...] | None = None,
+        block_names: tuple[str, ...] | None = None,
+        init: str = "normal",
+        params_dtype: torch.dtype = torch.float32,
+        device: str | torch.device | None = None,
+    ) -> None:
+        super().__init__(groups)
+        tp = groups.size("tp")
+        sizes = partition_sizes or (output_size,)
+        if sum(sizes) != output_size:
+            raise ValueError(f"partition_sizes={sizes} must sum to output_size={output_size}")
+        for s in sizes:
+            if s % tp != 0:
+                raise ValueError(
+                    f"output block of size {s} is not divisible by tp={tp}; "
+                    "each tensor-parallel rank needs an equal slice"
+                )
+        self.input_size, self.output_size = input_size, output_size
+        self.local_output_size = output_size // tp
+        self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel
+        meta = ParamMeta(tp_axis=0, tp_partition_sizes=partition_sizes)
+        self.weight = describe_param(
+            _param((self.local_output_size, input_size), dtype=params_dtype, device=device),
+            meta,
+            init=init,
+            blocks=block_names,
+        )
+        if bias:
+            self.bias = describe_param(
+                _param((self.local_output_size,), dtype=params_dtype, device=device),
+                meta,
+                init="zeros",
+                blocks=block_names,
+            )
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [s(/tp under SP), b, in]`` -> ``[s, b, out/tp]`` (or ``out`` if gathered).
+
+        ``weight`` overrides the own weight (a tied LM head passes the embedding's).
+        """
+        tp = self.groups.tp
+        if self.sequence_parallel:
+            x = gather_from_sequence_region(x, tp, dim=0, grad_is_partial=True)
+        else:
+            x = copy_to_tp_region(x, tp)
+        w = self.weight if weight is None else weight
+        b = None if self.bias is None else self.bias.to(x.dtype)
+        y = F.linear(x, w.to(x.dtype), b)
+        if self.gather_output:
+            y = gather_from_tp_region(y, tp)
+        return y
+
+
+class RowParallelLinear(ShardedModule):
+    """``y = x Wᵀ + b`` with the input features split over TP (see module docstring)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        groups: ProcessGroups,
+        bias: bool = False,
+        sequence_parallel: bool = False,
+        init: str = "scaled_normal",
+        params_dtype: torch.dtype = torch.float32,
+        device: str | torch.device | None = None,
+    ) -> None:
+        super().__init__(groups)
+        tp = groups.size("tp")
+        if input_size % tp != 0:
+            raise ValueError(f"input_size={input_size} is not divisible by tp={tp}")
+        self.input_size, self.output_size = input_size, output_size
+        self.sequence_parallel = sequence_parallel
+        self.weight = describe_param(
+            _param((output_size, input_size // tp), dtype=params_dtype, device=device),
+            ParamMeta(tp_axis=1),
+            init=init,
+        )
+        if bias:
+            self.bias = describe_param(
+                _param((output_size,), dtype=params_dtype, device=device),
+                ParamMeta(sequence_parallel=sequence_parallel),
+                init="zeros",
+            )
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [s, b, in/tp]`` -> ``[s(/tp under SP), b, out]``, summed over TP."""
+        y = F.linear(x, self.weight.to(x.dtype))
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_region(y, self.groups.tp, dim=0)
+        else:
+            y = reduce_from_tp_region(y, self.groups.tp)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y

@@ -1,0 +1,225 @@
+"""Presets with the real families' shapes, and tiny CPU twins with the same structure.
+
+Each preset is a function returning a :class:`GPTConfig` (keyword overrides allowed, e.g.
+``llama3_8b(params_dtype=torch.bfloat16, sequence_parallel=True)``). ``PRESETS`` maps names to
+them. Published parameter counts (``PUBLISHED_PARAMS``) are checked against the calculator
+and the meta-device model in the tests.
+
+Tiny twins (``tiny_<name>``) keep the family's features (GQA ratio, tied embeddings, QKV bias,
+QK-norm, RoPE scaling) at widths that run in milliseconds on a CPU, with a vocabulary that
+is *not* a multiple of ``make_vocab_size_divisible_by`` so padding is exercised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from shardwork.fused_kernels import Llama3RopeScaling
+from shardwork.models.config import GPTConfig
+
+__all__ = ["PRESETS", "PUBLISHED_PARAMS", "preset"]
+
+
+def _llama31_scaling(factor: float = 8.0) -> Llama3RopeScaling:
+    return Llama3RopeScaling(
+        factor=factor,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    )
+
+
+def llama2_7b(**kw: Any) -> GPTConfig:
+    base = dict(
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        ffn_hidden_size=11008,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        norm_epsilon=1e-5,
+    )
+    return GPTConfig(**(base | kw))
+
+
+def llama3_8b(**kw: Any) -> GPTConfig:
+    base = dict(
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_query_groups=8,
+        ffn_hidden_size=14336,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        norm_epsilon=1e-5,
+    )
+    return GPTConfig(**(base | kw))
+
+
+def llama31_8b(**kw: Any) -> GPTConfig:
+    return llama3_8b(
+        **({"rope_scaling": _llama31_scaling(), "max_position_embeddings": 131072} | kw)
+    )
+
+
+def llama3_70b(**kw: Any) -> GPTConfig:
+    base = dict(
+        num_layers=80,
+        hidden_size=8192,
+        num_attention_heads=64,
+        num_query_groups=8,
+        ffn_hidden_size=28672,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        norm_epsilon=1e-5,
+    )
+    return GPTConfig(**(base | kw))
+
+
+def llama31_70b(**kw: Any) -> GPTConfig:
+    return llama3_70b(
+        **({"rope_scaling": _llama31_scaling(), "max_position_embeddings": 131072} | kw)
+    )
+
+
+def llama32_1b(**kw: Any) -> GPTConfig:
+    base = dict(
+        num_layers=16,
+        hidden_size=2048,
+        num_attention_heads=32,
+        num_query_groups=8,
+        head_dim=64,
+        ffn_hidden_size=8192,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        norm_epsilon=1e-5,
+        rope_scaling=_llama31_scaling(32.0),
+    )
+    return GPTConfig(**(base | kw))
+
+
+def llama32_3b(**kw: Any) -> GPTConfig:
+    base = dict(
+        num_layers=28,
+        hidden_size=3072,
+        num_attention_heads=24,
+        num_query_groups=8,
+        head_dim=128,
+        ffn_hidden_size=8192,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        norm_epsilon=1e-5,
+        rope_scaling=_llama31_scaling(32.0),
+    )
+    return GPTConfig(**(base | kw))
+
+
+def qwen25_7b(**kw: Any) -> GPTConfig:
+    base = dict(
+        num_layers=28,
+        hidden_size=3584,
+        num_attention_heads=28,
+        num_query_groups=4,
+        ffn_hidden_size=18944,
+        vocab_size=152064,
+        add_qkv_bias=True,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        norm_epsilon=1e-6,
+    )
+    return GPTConfig(**(base | kw))
+
+
+def qwen3_8b(**kw: Any) -> GPTConfig:
+    base = dict(
+        num_layers=36,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_query_groups=8,
+        head_dim=128,
+        ffn_hidden_size=12288,
+        vocab_size=151936,
+        qk_layernorm=True,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        norm_epsilon=1e-6,
+    )
+    return GPTConfig(**(base | kw))
+
+
+_TINY = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    ffn_hidden_size=96,
+    vocab_size=250,
+    make_vocab_size_divisible_by=16,
+    max_position_embeddings=256,
+)
+
+
+def _tiny(big: Callable[..., GPTConfig], **extra: Any) -> Callable[..., GPTConfig]:
+    def make(**kw: Any) -> GPTConfig:
+        ref = big()
+        feat = dict(
+            num_query_groups=2 if ref.kv_heads < ref.num_attention_heads else None,
+            tie_word_embeddings=ref.tie_word_embeddings,
+            add_qkv_bias=ref.add_qkv_bias,
+            qk_layernorm=ref.qk_layernorm,
+            rope_theta=ref.rope_theta,
+            rope_scaling=None
+            if ref.rope_scaling is None
+            else Llama3RopeScaling(
+                factor=ref.rope_scaling.factor,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+            norm_epsilon=ref.norm_epsilon,
+        )
+        return GPTConfig(**(_TINY | feat | extra | kw))
+
+    make.__doc__ = f"Tiny CPU twin of {big.__name__} (same features, toy sizes)."
+    return make
+
+
+PRESETS: dict[str, Callable[..., GPTConfig]] = {
+    "llama2-7b": llama2_7b,
+    "llama3-8b": llama3_8b,
+    "llama3.1-8b": llama31_8b,
+    "llama3-70b": llama3_70b,
+    "llama3.1-70b": llama31_70b,
+    "llama3.2-1b": llama32_1b,
+    "llama3.2-3b": llama32_3b,
+    "qwen2.5-7b": qwen25_7b,
+    "qwen3-8b": qwen3_8b,
+}
+PRESETS |= {f"tiny-{name}": _tiny(fn) for name, fn in list(PRESETS.items())}
+
+#: Published parameter counts (model cards / safetensors totals).
+PUBLISHED_PARAMS: dict[str, int] = {
+    "llama2-7b": 6_738_415_616,
+    "llama3-8b": 8_030_261_248,
+    "llama3.1-8b": 8_030_261_248,
+    "llama3-70b": 70_553_706_496,
+    "llama3.1-70b": 70_553_706_496,
+    "llama3.2-1b": 1_235_814_400,
+    "llama3.2-3b": 3_212_749_824,
+    "qwen2.5-7b": 7_615_616_512,
+    "qwen3-8b": 8_190_735_360,
+}
+
+
+def preset(name: str, **overrides: Any) -> GPTConfig:
+    """The config of preset ``name`` with ``overrides`` applied."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; valid: {', '.join(sorted(PRESETS))}")
+    return PRESETS[name](**overrides)
