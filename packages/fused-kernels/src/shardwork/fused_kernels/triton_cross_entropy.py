@@ -1,0 +1,93 @@
+"""Triton kernels of the (vocab-parallel) cross entropy: streaming row statistics and the gradient.
+
+- ``stats``: one program per token streams its vocab shard in ``BLOCK_V`` chunks with
+  an online max / rescaled sum of exponentials (and the plain sum for label
+  smoothing), all float32 in registers; the label's logit is a torch gather (N
+  elements). Output ``[N, 4]`` float32, the layout ``cross_entropy`` combines over TP.
+- ``grad``: 2-D grid (token, vocab chunk) writes
+  ``g·(exp(x - lse) - ε/V - (1-ε)·[v = label])`` straight into a logits-dtype
+  tensor: the only logits-sized buffer is the gradient itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from shardwork.fused_kernels.triton_launch import launch, next_pow2
+
+__all__ = ["grad", "stats"]
+
+
+@triton.jit
+def _ce_stats(X, STATS, V, stride_x, SMOOTH: tl.constexpr, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = X + row * stride_x
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.zeros([], dtype=tl.float32)
+    total = tl.zeros([], dtype=tl.float32)
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        mask = cols < V
+        x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        new_m = tl.maximum(m, tl.max(x, axis=0))
+        s = s * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), axis=0)
+        m = new_m
+        if SMOOTH:
+            total += tl.sum(tl.where(mask, x, 0.0), axis=0)
+    tl.store(STATS + row * 4, m)
+    tl.store(STATS + row * 4 + 1, s)
+    tl.store(STATS + row * 4 + 3, total)
+
+
+@triton.jit
+def _ce_grad(X, DX, LSE, G, LBL, V, stride_x, smoothing, vocab_total, SMOOTH: tl.constexpr,
+             BLOCK_V: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = cols < V
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    lse = tl.load(LSE + row)
+    g = tl.load(G + row)
+    label = tl.load(LBL + row)
+    p = tl.exp(x - lse)
+    if SMOOTH:
+        p = p - smoothing / vocab_total
+    p = tl.where(cols == label, p - (1.0 - smoothing), p)
+    tl.store(DX + row * V + cols, (p * g).to(DX.dtype.element_ty), mask=mask)
+
+
+def _block_v(v: int) -> int:
+    return min(4096, next_pow2(v))
+
+
+def stats(
+    logits: torch.Tensor, local_labels: torch.Tensor, in_shard: torch.Tensor, *, smoothing: bool
+) -> torch.Tensor:
+    """Per-row float32 ``[N, 4]``: (max, Σ exp(x - max), label logit or 0, Σ x) of this vocab shard."""
+    n, v = logits.shape
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    out = torch.zeros(n, 4, dtype=torch.float32, device=logits.device)
+    launch("cross_entropy_stats", _ce_stats, (n,), logits, out, v, logits.stride(0),
+           SMOOTH=smoothing, BLOCK_V=_block_v(v), num_warps=8)  # fmt: skip
+    picked = logits.gather(1, local_labels.clamp(0, v - 1).unsqueeze(-1)).squeeze(-1)
+    out[:, 2] = torch.where(in_shard, picked.float(), 0.0)
+    return out
+
+
+def grad(
+    logits, local_labels, in_shard, lse, grad_rows, *, smoothing: float, vocab_total: int
+) -> torch.Tensor:
+    """Gradient of the per-token losses (weighted by ``grad_rows``) w.r.t. ``logits``, in ``logits.dtype``."""
+    n, v = logits.shape
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    dx = torch.empty((n, v), dtype=logits.dtype, device=logits.device)
+    labels = torch.where(in_shard, local_labels, -1).contiguous()
+    block_v = _block_v(v)
+    launch("cross_entropy_grad", _ce_grad, (n, triton.cdiv(v, block_v)), logits, dx,
+           lse.contiguous(), grad_rows.contiguous(), labels, v, logits.stride(0), float(smoothing),
+           float(vocab_total), SMOOTH=smoothing > 0, BLOCK_V=block_v, num_warps=8)  # fmt: skip
+    return dx
