@@ -16,8 +16,10 @@ from shardwork.dist_optimizer.adamw import AdamW
 from shardwork.dist_optimizer.chained import ChainedOptimizer
 from shardwork.dist_optimizer.ddp import DDPConfig, DistributedDataParallel
 from shardwork.dist_optimizer.distributed_optimizer import DistributedOptimizer, OptimizerConfig
+from shardwork.dist_optimizer.layerwise import LayerWiseDistributedOptimizer
 from shardwork.dist_optimizer.layout import BufferKey, BufferLayout, ParamIndexMap, ShardPiece
 from shardwork.dist_optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler
+from shardwork.dist_optimizer.muon import Muon
 from shardwork.dist_optimizer.step_flow import StepResult
 
 __version__ = "0.1.0"
@@ -32,6 +34,8 @@ __all__ = [
     "DistributedDataParallel",
     "DistributedOptimizer",
     "DynamicLossScaler",
+    "LayerWiseDistributedOptimizer",
+    "Muon",
     "OptimizerConfig",
     "ParamIndexMap",
     "ShardPiece",
