@@ -14,7 +14,7 @@ import torch
 from shardwork.dist_checkpoint import ShardedObject, ShardedTensor, load, read_info, save
 
 pytest.importorskip("shardwork.parallel_state")
-from shardwork.parallel_state.testing import run_on_ranks  # noqa: E402
+from shardwork.parallel_state.testing import run_on_ranks
 
 SHAPES = {
     "w2d": (8, 6),
