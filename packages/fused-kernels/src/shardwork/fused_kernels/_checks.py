@@ -25,3 +25,8 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
     devices = {n: t.device for n, t in tensors.items() if t is not None}
     if len(set(devices.values())) > 1:
         raise ValueError(f"tensors must be on one device, got {devices}")
+
+
+def acc_dtype(t: torch.Tensor) -> torch.dtype:
+    """Arithmetic dtype of the references: float64 for float64 inputs, float32 otherwise."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32

@@ -5,7 +5,7 @@
 - ``token_weights [...]`` or ``[..., 1]`` multiplies each token's output (an MoE
   expert applies its routing probability here, so the probability receives a
   gradient without a separate multiply kernel).
-- Arithmetic in float32; output in ``x.dtype``; the token-weight gradient in the
+- Arithmetic in float32 (float64 for float64 input); output in ``x.dtype``; the token-weight gradient in the
   token weights' dtype.
 - GeGLU uses the tanh approximation of GELU by default (as Megatron and TE do);
   ``approximate="none"`` gives the erf form.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shardwork.fused_kernels._checks import check_float, check_same_device
+from shardwork.fused_kernels._checks import acc_dtype, check_float, check_same_device
 from shardwork.fused_kernels.backend import resolve_backend
 
 __all__ = ["geglu", "geglu_reference", "swiglu", "swiglu_reference"]
@@ -33,10 +33,10 @@ def _weights_column(x: torch.Tensor, token_weights: torch.Tensor) -> torch.Tenso
 
 def swiglu_reference(x: torch.Tensor, *, token_weights: torch.Tensor | None = None) -> torch.Tensor:
     """Plain-torch SwiGLU: ``silu(gate) * up (* token_weights)`` in float32, cast to ``x.dtype``."""
-    gate, up = x.float().chunk(2, dim=-1)
+    gate, up = x.to(acc_dtype(x)).chunk(2, dim=-1)
     y = F.silu(gate) * up
     if token_weights is not None:
-        y = y * _weights_column(x, token_weights).float()
+        y = y * _weights_column(x, token_weights).to(y.dtype)
     return y.to(x.dtype)
 
 
@@ -44,10 +44,10 @@ def geglu_reference(
     x: torch.Tensor, *, token_weights: torch.Tensor | None = None, approximate: str = "tanh"
 ) -> torch.Tensor:
     """Plain-torch GeGLU: ``gelu(gate) * up (* token_weights)`` in float32, cast to ``x.dtype``."""
-    gate, up = x.float().chunk(2, dim=-1)
+    gate, up = x.to(acc_dtype(x)).chunk(2, dim=-1)
     y = F.gelu(gate, approximate=approximate) * up
     if token_weights is not None:
-        y = y * _weights_column(x, token_weights).float()
+        y = y * _weights_column(x, token_weights).to(y.dtype)
     return y.to(x.dtype)
 
 
@@ -72,7 +72,7 @@ def swiglu(
 ) -> torch.Tensor:
     """SwiGLU of the fused projection ``x [..., 2*I]`` -> ``[..., I]``, times ``token_weights`` if given."""
     _validate(x, token_weights)
-    chosen = resolve_backend("swiglu", backend, x.device)
+    chosen = resolve_backend("swiglu", backend, x.device, dtype=x.dtype)
     if chosen == "triton":
         from shardwork.fused_kernels import triton_activations
 
@@ -95,7 +95,7 @@ def geglu(
     _validate(x, token_weights)
     if approximate not in _APPROXIMATE:
         raise ValueError(f"approximate={approximate!r}; valid: {', '.join(_APPROXIMATE)}")
-    chosen = resolve_backend("geglu", backend, x.device)
+    chosen = resolve_backend("geglu", backend, x.device, dtype=x.dtype)
     if chosen == "triton":
         from shardwork.fused_kernels import triton_activations
 

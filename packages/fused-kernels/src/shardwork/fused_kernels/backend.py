@@ -4,7 +4,8 @@
   (this package's Triton kernels), ``"te"`` (Transformer Engine, where it offers the op).
   ``"auto"`` picks Triton on CUDA when Triton is importable, Transformer Engine
   instead when the default was set with ``prefer_te=True`` and TE offers the op,
-  and torch everywhere else (CPU included, even under the Triton interpreter).
+  and torch everywhere else (CPU included, even under the Triton interpreter, and
+  for float64 inputs, which the kernels do not compute in).
 - A per-call ``backend=`` wins over the process-wide default
   (:func:`set_default_backend`). The default is a setting read at each call, not
   parallel state; changing it is logged.
@@ -153,11 +154,19 @@ def _check_te(op: str, device: torch.device) -> None:
         )
 
 
-def resolve_backend(op_name: str, backend: str | None, device: torch.device | str) -> str:
+def resolve_backend(
+    op_name: str,
+    backend: str | None,
+    device: torch.device | str,
+    *,
+    dtype: torch.dtype | None = None,
+) -> str:
     """Return the backend (``"torch"``, ``"triton"`` or ``"te"``) that runs ``op_name`` on ``device``.
 
-    ``backend=None`` reads the process-wide default. Raises ``ValueError`` for an
-    unknown op or backend and :class:`BackendUnavailableError` when a named
+    ``backend=None`` reads the process-wide default. ``dtype`` is the op's input
+    dtype when known: float64 runs on torch under ``auto`` (the kernels compute in
+    float32) and is refused by a named ``triton``/``te``. Raises ``ValueError`` for
+    an unknown op or backend and :class:`BackendUnavailableError` when a named
     backend cannot run here.
     """
     if op_name not in OPS:
@@ -167,7 +176,12 @@ def resolve_backend(op_name: str, backend: str | None, device: torch.device | st
     if requested not in BACKENDS:
         raise ValueError(f"backend={requested!r} is not a backend; valid: {', '.join(BACKENDS)}")
     device = torch.device(device)
-    if requested == "torch":
+    if dtype == torch.float64 and requested in ("triton", "te"):
+        raise BackendUnavailableError(
+            f"backend={requested!r} for {op_name}: float64 input is not supported (the kernels "
+            "compute in float32); use backend='torch' or 'auto'"
+        )
+    if requested == "torch" or dtype == torch.float64:
         chosen = "torch"
     elif requested == "triton":
         _check_triton(op_name, device)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardwork.fused_kernels._checks import check_float, check_same_device
+from shardwork.fused_kernels._checks import acc_dtype, check_float, check_same_device
 from shardwork.fused_kernels.backend import resolve_backend
 
 __all__ = ["cross_entropy", "cross_entropy_stats_torch"]
@@ -40,17 +40,17 @@ def cross_entropy_stats_torch(
 ) -> torch.Tensor:
     """Per-row float32 ``[N, 4]``: (max, sum exp(x - max), label logit or 0, sum of x) of this shard."""
     n, vocab = logits.shape
-    stats = torch.zeros(n, 4, dtype=torch.float32, device=logits.device)
+    stats = torch.zeros(n, 4, dtype=acc_dtype(logits), device=logits.device)
     step = _rows_per_chunk(vocab)
     for a in range(0, n, step):
-        xf = logits[a : a + step].float()
+        xf = logits[a : a + step].to(stats.dtype)
         m = xf.max(dim=-1).values
         stats[a : a + step, 0] = m
         stats[a : a + step, 1] = (xf - m.unsqueeze(-1)).exp_().sum(dim=-1)
         if smoothing:
             stats[a : a + step, 3] = xf.sum(dim=-1)
     picked = logits.gather(1, local_labels.clamp(0, vocab - 1).unsqueeze(-1)).squeeze(-1)
-    stats[:, 2] = torch.where(in_shard, picked.float(), 0.0)
+    stats[:, 2] = torch.where(in_shard, picked.to(stats.dtype), 0.0)
     return stats
 
 
@@ -61,7 +61,7 @@ def _grad_torch(logits, local_labels, in_shard, lse, grad_rows, *, smoothing, vo
     rows = torch.arange(n, device=logits.device)
     for a in range(0, n, step):
         b = min(n, a + step)
-        p = (logits[a:b].float() - lse[a:b].unsqueeze(-1)).exp_()
+        p = (logits[a:b].to(lse.dtype) - lse[a:b].unsqueeze(-1)).exp_()
         if smoothing:
             p -= smoothing / vocab_total
         hit = in_shard[a:b]
@@ -119,7 +119,7 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_valid):
         logits, local_labels, in_shard, valid, lse = ctx.saved_tensors
-        grad_rows = torch.where(valid, grad_loss.float(), 0.0)
+        grad_rows = torch.where(valid, grad_loss.to(lse.dtype), 0.0)
         kwargs = {"smoothing": ctx.smoothing, "vocab_total": ctx.vocab_total}
         if ctx.impl == "triton":
             from shardwork.fused_kernels import triton_cross_entropy
@@ -144,7 +144,7 @@ def cross_entropy(
 ) -> torch.Tensor:
     """Cross entropy of ``logits [N, V_local]`` (vocab sharded over ``tp_group``) against ``labels [N]``.
 
-    ``reduction="none"`` returns float32 per-token losses ``[N]`` (0 where
+    ``reduction="none"`` returns float32 (float64 for float64 logits) per-token losses ``[N]`` (0 where
     ``labels == ignore_index``); ``"sum"`` their sum; ``"mean"`` their sum over
     the number of non-ignored tokens. Every rank of ``tp_group`` gets the same
     value. ``backend="te"`` is Transformer Engine's ``parallel_cross_entropy``.
@@ -163,7 +163,7 @@ def cross_entropy(
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
     check_same_device(logits=logits, labels=labels)
-    chosen = resolve_backend("cross_entropy", backend, logits.device)
+    chosen = resolve_backend("cross_entropy", backend, logits.device, dtype=logits.dtype)
     labels = labels.long()
     if chosen == "te":
         from shardwork.fused_kernels import te_ops

@@ -1,7 +1,7 @@
 """RMSNorm and LayerNorm over the last dim: public ops, torch references and backend dispatch.
 
-- Statistics (mean, variance, 1/rms) are computed in float32 whatever the input
-  dtype; the output has ``x.dtype``. The weight (and bias) may be float32 beside
+- Statistics (mean, variance, 1/rms) are computed in float32 (float64 for float64
+  input); the output has ``x.dtype``. The weight (and bias) may be float32 beside
   bf16/fp16 activations; their gradients come back in their own dtype.
 - ``zero_centered_gamma=True`` stores the scale as ``weight`` with the effective
   scale ``1 + weight`` (weight initialised at zero, decayed towards zero).
@@ -13,7 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from shardwork.fused_kernels._checks import check_float, check_last_dim, check_same_device
+from shardwork.fused_kernels._checks import (
+    acc_dtype,
+    check_float,
+    check_last_dim,
+    check_same_device,
+)
 from shardwork.fused_kernels.backend import resolve_backend
 
 __all__ = ["layer_norm", "layer_norm_reference", "rms_norm", "rms_norm_reference"]
@@ -23,9 +28,9 @@ def rms_norm_reference(
     x: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6, zero_centered_gamma: bool = False
 ) -> torch.Tensor:
     """Plain-torch RMSNorm: ``x / sqrt(mean(x²) + eps) * w`` in float32, cast to ``x.dtype``."""
-    xf = x.float()
+    xf = x.to(acc_dtype(x))
     rstd = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
-    w = weight.float() + 1.0 if zero_centered_gamma else weight.float()
+    w = weight.to(xf.dtype) + 1.0 if zero_centered_gamma else weight.to(xf.dtype)
     return (xf * rstd * w).to(x.dtype)
 
 
@@ -38,14 +43,14 @@ def layer_norm_reference(
     zero_centered_gamma: bool = False,
 ) -> torch.Tensor:
     """Plain-torch LayerNorm: ``(x - mean) / sqrt(var + eps) * w + b`` in float32, cast to ``x.dtype``."""
-    xf = x.float()
+    xf = x.to(acc_dtype(x))
     mean = xf.mean(dim=-1, keepdim=True)
     xc = xf - mean
     rstd = torch.rsqrt(xc.pow(2).mean(dim=-1, keepdim=True) + eps)
-    w = weight.float() + 1.0 if zero_centered_gamma else weight.float()
+    w = weight.to(xf.dtype) + 1.0 if zero_centered_gamma else weight.to(xf.dtype)
     y = xc * rstd * w
     if bias is not None:
-        y = y + bias.float()
+        y = y + bias.to(xf.dtype)
     return y.to(x.dtype)
 
 
@@ -79,7 +84,7 @@ def rms_norm(
     ``backend``: ``"auto" | "torch" | "triton" | "te"`` or None for the process default.
     """
     _validate(x, weight, None, eps)
-    chosen = resolve_backend("rms_norm", backend, x.device)
+    chosen = resolve_backend("rms_norm", backend, x.device, dtype=x.dtype)
     if chosen == "triton":
         from shardwork.fused_kernels import triton_norms
 
@@ -104,7 +109,7 @@ def layer_norm(
 ) -> torch.Tensor:
     """LayerNorm of ``x [..., hidden]`` with ``weight [hidden]`` and optional ``bias [hidden]``."""
     _validate(x, weight, bias, eps)
-    chosen = resolve_backend("layer_norm", backend, x.device)
+    chosen = resolve_backend("layer_norm", backend, x.device, dtype=x.dtype)
     if chosen == "triton":
         from shardwork.fused_kernels import triton_norms
 

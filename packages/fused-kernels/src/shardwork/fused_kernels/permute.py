@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwork.fused_kernels._checks import check_float, check_same_device
+from shardwork.fused_kernels._checks import acc_dtype, check_float, check_same_device
 from shardwork.fused_kernels.backend import resolve_backend
 
 __all__ = ["permute_tokens", "sort_by_expert", "unpermute_tokens"]
@@ -60,7 +60,7 @@ def permute_tokens(
     if num_out_tokens is not None and not 0 <= num_out_tokens <= total:
         raise ValueError(f"num_out_tokens={num_out_tokens} must be in [0, N*E={total}]")
     check_same_device(tokens=tokens, routing_map=routing_map, probs=probs)
-    chosen = resolve_backend("permute", backend, tokens.device)
+    chosen = resolve_backend("permute", backend, tokens.device, dtype=tokens.dtype)
     flat = sort_by_expert(routing_map, num_out_tokens)
     sorted_indices = flat % tokens.shape[0]
     permuted_probs = None if probs is None else probs.T.reshape(-1)[flat]
@@ -107,14 +107,14 @@ def unpermute_tokens(
             f"probs.shape={tuple(probs.shape)} must be ({permuted.shape[0]},) or [N, E]"
         )
     check_same_device(permuted=permuted, sorted_indices=sorted_indices, probs=probs)
-    chosen = resolve_backend("unpermute", backend, permuted.device)
+    chosen = resolve_backend("unpermute", backend, permuted.device, dtype=permuted.dtype)
     if chosen == "triton":
         from shardwork.fused_kernels import triton_permute
 
         return triton_permute.scatter_rows(permuted, sorted_indices, probs, restore_shape[0])
-    rows = permuted.float()
+    rows = permuted.to(acc_dtype(permuted))
     if probs is not None:
-        rows = rows * probs.float().unsqueeze(-1)
-    out = torch.zeros(restore_shape, dtype=torch.float32, device=permuted.device)
+        rows = rows * probs.to(rows.dtype).unsqueeze(-1)
+    out = torch.zeros(restore_shape, dtype=rows.dtype, device=permuted.device)
     out = out.index_add(0, sorted_indices, rows)
     return out.to(permuted.dtype)

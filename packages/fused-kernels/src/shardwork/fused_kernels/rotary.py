@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwork.fused_kernels._checks import check_float, check_same_device
+from shardwork.fused_kernels._checks import acc_dtype, check_float, check_same_device
 from shardwork.fused_kernels.backend import resolve_backend
 
 __all__ = ["apply_rotary", "apply_rotary_reference"]
@@ -38,8 +38,8 @@ def apply_rotary_reference(
 ) -> torch.Tensor:
     """Plain-torch rotary embedding in float32, cast to ``x.dtype`` (a new tensor)."""
     rotary_dim = cos.shape[-1]
-    xr = x[..., :rotary_dim].float()
-    c, s = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
+    xr = x[..., :rotary_dim].to(acc_dtype(x))
+    c, s = cos.unsqueeze(-2).to(xr.dtype), sin.unsqueeze(-2).to(xr.dtype)
     out = (xr * c + _rotate(xr, interleaved) * s).to(x.dtype)
     if rotary_dim == x.shape[-1]:
         return out
@@ -90,7 +90,7 @@ def apply_rotary(
     Returns a new tensor, or ``x`` itself (modified) when ``inplace=True``.
     """
     _validate(x, cos, sin, inplace)
-    chosen = resolve_backend("rotary", backend, x.device)
+    chosen = resolve_backend("rotary", backend, x.device, dtype=x.dtype)
     if chosen == "triton":
         from shardwork.fused_kernels import triton_rotary
 

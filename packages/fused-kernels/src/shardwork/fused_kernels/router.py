@@ -15,7 +15,8 @@ imports moe-router or Megatron):
   stay eligible.
 - ``scaling_factor`` multiplies the probs last; probs come back in ``logits.dtype``.
 - Aux-loss statistics: ``scores_for_aux`` = softmax of all logits (softmax), or sigmoid
-  scores divided by their row sum (sigmoid), float32 and differentiable;
+  scores divided by their row sum (sigmoid), float32 (float64 for float64 logits,
+  where Megatron would compute in float32) and differentiable;
   ``tokens_per_expert`` counts, per expert, the tokens whose plain top-k of
   ``scores_for_aux`` (no groups, no bias) contains it — what Megatron's aux losses
   use. The counts of the actual routing are ``routing_map.sum(0)``.
@@ -29,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from shardwork.fused_kernels._checks import check_float, check_same_device
+from shardwork.fused_kernels._checks import acc_dtype, check_float, check_same_device
 from shardwork.fused_kernels.backend import resolve_backend
 
 __all__ = ["RouterTopK", "router_topk", "router_topk_reference"]
@@ -80,6 +81,7 @@ def router_topk_reference(
     """Plain-torch router top-k (the oracle for the other backends); differentiable by autograd."""
     if normalize is None:
         normalize = _default_normalize(score_function, topk)
+    cd = acc_dtype(logits)
 
     def select(scores_NE):
         if group_topk:
@@ -88,16 +90,16 @@ def router_topk_reference(
 
     if score_function == "softmax":
         if pre_softmax:
-            probs, idx = select(torch.softmax(logits, dim=-1, dtype=torch.float32))
+            probs, idx = select(torch.softmax(logits, dim=-1, dtype=cd))
         else:
             top_logits, idx = select(logits)
-            probs = torch.softmax(top_logits, dim=-1, dtype=torch.float32)
+            probs = torch.softmax(top_logits, dim=-1, dtype=cd)
         if normalize and pre_softmax:
             probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
     else:
-        scores = torch.sigmoid(logits.float())
+        scores = torch.sigmoid(logits.to(cd))
         if expert_bias is not None:
-            idx = select(scores + expert_bias.float()).indices
+            idx = select(scores + expert_bias.to(cd)).indices
             probs = scores.gather(1, idx)
         else:
             probs, idx = select(scores)
@@ -109,9 +111,9 @@ def router_topk_reference(
     dense = torch.zeros_like(logits).scatter(1, idx, probs)
     routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, idx, True)
     if score_function == "softmax":
-        aux = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        aux = torch.softmax(logits, dim=-1, dtype=cd)
     else:
-        aux = torch.sigmoid(logits.float())
+        aux = torch.sigmoid(logits.to(cd))
         aux = aux / (aux.sum(dim=-1, keepdim=True) + 1e-20)
     aux_idx = aux.detach().topk(topk, dim=-1).indices
     counts = torch.zeros(logits.shape[1], dtype=torch.int64, device=logits.device)
@@ -187,7 +189,7 @@ def router_topk(
         scaling_factor=scaling_factor,
         normalize=normalize,
     )
-    chosen = resolve_backend("router_topk", backend, logits.device)
+    chosen = resolve_backend("router_topk", backend, logits.device, dtype=logits.dtype)
     if chosen == "triton":
         from shardwork.fused_kernels import triton_router
 

@@ -41,43 +41,43 @@ def _act(g, KIND: tl.constexpr):
 
 
 @triton.jit
-def _glu_fwd(X, TW, Y, M, I, KIND: tl.constexpr, HAS_TW: tl.constexpr, BLOCK_M: tl.constexpr,
+def _glu_fwd(X, TW, Y, M, NI, KIND: tl.constexpr, HAS_TW: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < M
-    mask = rmask[:, None] & (cols < I)[None, :]
+    mask = rmask[:, None] & (cols < NI)[None, :]
     rows64 = rows.to(tl.int64)
-    xoff = rows64[:, None] * (2 * I) + cols[None, :]
+    xoff = rows64[:, None] * (2 * NI) + cols[None, :]
     g = tl.load(X + xoff, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(X + xoff + I, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(X + xoff + NI, mask=mask, other=0.0).to(tl.float32)
     a, _ = _act(g, KIND)
     y = a * u
     if HAS_TW:
         y = y * tl.load(TW + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
-    tl.store(Y + rows64[:, None] * I + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + rows64[:, None] * NI + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _glu_bwd(X, TW, DY, DX, DTW, M, I, NUM_COL_BLOCKS, KIND: tl.constexpr, HAS_TW: tl.constexpr,
+def _glu_bwd(X, TW, DY, DX, DTW, M, NI, NUM_COL_BLOCKS, KIND: tl.constexpr, HAS_TW: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cb = tl.program_id(1)
     cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < M
-    mask = rmask[:, None] & (cols < I)[None, :]
+    mask = rmask[:, None] & (cols < NI)[None, :]
     rows64 = rows.to(tl.int64)
-    xoff = rows64[:, None] * (2 * I) + cols[None, :]
+    xoff = rows64[:, None] * (2 * NI) + cols[None, :]
     g = tl.load(X + xoff, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(X + xoff + I, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(DY + rows64[:, None] * I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(X + xoff + NI, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + rows64[:, None] * NI + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     a, da = _act(g, KIND)
     if HAS_TW:
         tw = tl.load(TW + rows, mask=rmask, other=0.0).to(tl.float32)
         tl.store(DTW + rows64 * NUM_COL_BLOCKS + cb, tl.sum(dy * a * u, axis=1), mask=rmask)
         dy = dy * tw[:, None]
     tl.store(DX + xoff, (dy * u * da).to(DX.dtype.element_ty), mask=mask)
-    tl.store(DX + xoff + I, (dy * a).to(DX.dtype.element_ty), mask=mask)
+    tl.store(DX + xoff + NI, (dy * a).to(DX.dtype.element_ty), mask=mask)
 
 
 def _blocks(i: int) -> tuple[int, int]:
