@@ -11,7 +11,16 @@
 """
 
 from shardwork.moe_router.aux_loss import AuxLossScale, attach_aux_loss, switch_aux_loss, z_loss
+from shardwork.moe_router.block import MoEBlock
 from shardwork.moe_router.config import RouterConfig
+from shardwork.moe_router.dispatcher import (
+    AllGatherDispatcher,
+    AllToAllDispatcher,
+    Dispatched,
+    DispatchHandle,
+)
+from shardwork.moe_router.experts import GroupedMLP
+from shardwork.moe_router.permute import pad_routing_map, permute, unpermute
 from shardwork.moe_router.router import TopKRouter, update_expert_bias
 from shardwork.moe_router.scoring import (
     aux_loss_scores,
@@ -25,8 +34,14 @@ from shardwork.moe_router.tracker import LOSS_NAMES, AuxLossTracker
 
 __all__ = [
     "LOSS_NAMES",
+    "AllGatherDispatcher",
+    "AllToAllDispatcher",
     "AuxLossScale",
     "AuxLossTracker",
+    "DispatchHandle",
+    "Dispatched",
+    "GroupedMLP",
+    "MoEBlock",
     "RouterConfig",
     "TopKRouter",
     "attach_aux_loss",
@@ -34,9 +49,12 @@ __all__ = [
     "drop_to_capacity",
     "expert_capacity",
     "group_limited_topk",
+    "pad_routing_map",
+    "permute",
     "sinkhorn",
     "switch_aux_loss",
     "topk_routing",
+    "unpermute",
     "update_expert_bias",
     "z_loss",
 ]

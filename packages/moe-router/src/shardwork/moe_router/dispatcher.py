@@ -1,0 +1,219 @@
+"""Token dispatchers for expert parallelism (EP) combined with expert tensor parallelism (ETP).
+
+Legend: T local tokens, H hidden, E experts, L = E / ep local experts, N rows for local experts.
+
+Layout: EP rank r holds experts [r*L, (r+1)*L); the ETP ranks of an EP rank hold slices of
+those experts' ffn dimension and hold *different tokens* (as with sequence parallelism).
+Both dispatchers have the same two calls::
+
+    dispatched, handle = dispatcher.dispatch(hidden, probs_TE, routing_map_TE)
+    expert_out_NH = experts(dispatched.tokens, dispatched.tokens_per_expert)
+    out = dispatcher.combine(expert_out_NH, handle)     # probs applied here
+
+- ``AllGatherDispatcher``: all-gather tokens, probs and map over ETP then EP, keep the rows for
+  local experts; combine = unpermute then reduce-scatter over EP then ETP (which also sums the
+  ETP partial outputs). Simple, static shapes; moves every token to every rank.
+- ``AllToAllDispatcher``: permute by expert, exchange token counts (one small all-gather over
+  ETP and EP, a host sync), all-to-all over EP, all-gather (uneven) over ETP, sort rows by
+  local expert; combine runs the exact reverse (reduce-scatter over ETP sums the partials).
+- ``tp_group`` (optional): a dense tensor-parallel group over which ``hidden`` is *replicated*
+  (no sequence parallelism). Each TP rank then dispatches only its 1/TP share of the tokens and
+  the output is all-gathered back; gradients stay exact.
+- The handle keeps per-call state, so several micro-batches can be in flight.
+- Only torch.distributed collectives, wrapped in the autograd ops of ``comm.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shardwork.moe_router.comm import (
+    all_gather_rows,
+    all_to_all_rows,
+    gather_rows_replicated,
+    group_rank,
+    group_size,
+    reduce_scatter_rows,
+    split_rows,
+)
+from shardwork.moe_router.permute import permute, unpermute
+
+
+@dataclass
+class Dispatched:
+    """What the local experts receive."""
+
+    tokens: torch.Tensor
+    """[N, H] token copies, grouped by local expert (expert-major)."""
+    tokens_per_expert: torch.Tensor
+    """[L] int64 rows per local expert (on CPU)."""
+
+
+@dataclass
+class DispatchHandle:
+    """Per-call state that ``combine`` needs (opaque to callers)."""
+
+    hidden_shape: torch.Size
+    num_rows: int
+    sorted_indices: torch.Tensor
+    permuted_probs: torch.Tensor
+    ep_input_sizes: list[int] | None = None
+    ep_output_sizes: list[int] | None = None
+    etp_sizes: list[int] | None = None
+    row_order: torch.Tensor | None = None
+
+
+class _Dispatcher:
+    def __init__(self, num_experts: int, *, ep_group=None, etp_group=None, tp_group=None) -> None:
+        ep = group_size(ep_group)
+        if not isinstance(num_experts, int) or num_experts < 1 or num_experts % ep:
+            raise ValueError(
+                f"num_experts={num_experts!r} is invalid: it must be a positive multiple of the "
+                f"ep_group size ({ep})"
+            )
+        self.num_experts = num_experts
+        self.ep_group, self.etp_group, self.tp_group = ep_group, etp_group, tp_group
+        self.ep_size, self.ep_rank = ep, group_rank(ep_group)
+        self.etp_size, self.etp_rank = group_size(etp_group), group_rank(etp_group)
+        self.num_local_experts = num_experts // ep
+        self.local_start = self.ep_rank * self.num_local_experts
+
+    @property
+    def local_expert_indices(self) -> range:
+        """Global indices of the experts this rank holds."""
+        return range(self.local_start, self.local_start + self.num_local_experts)
+
+    def _flatten(self, hidden, probs_TE, routing_map_TE):
+        if routing_map_TE.shape != probs_TE.shape or probs_TE.shape[-1] != self.num_experts:
+            raise ValueError(
+                f"probs {tuple(probs_TE.shape)} / routing_map {tuple(routing_map_TE.shape)} are "
+                f"invalid: both must be [T, num_experts={self.num_experts}]"
+            )
+        h = hidden.reshape(-1, hidden.shape[-1])
+        if h.shape[0] != probs_TE.shape[0]:
+            raise ValueError(
+                f"hidden has {h.shape[0]} tokens but probs has {probs_TE.shape[0]} rows"
+            )
+        if self.tp_group is not None and group_size(self.tp_group) > 1:
+            h = split_rows(h, self.tp_group)
+            probs_TE = split_rows(probs_TE, self.tp_group)
+            routing_map_TE = routing_map_TE.chunk(group_size(self.tp_group))[
+                group_rank(self.tp_group)
+            ]
+        return h, probs_TE, routing_map_TE
+
+    def _finish(self, out_TH: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        if self.tp_group is not None:
+            out_TH = gather_rows_replicated(out_TH, self.tp_group)
+        return out_TH.view(handle.hidden_shape)
+
+
+class AllGatherDispatcher(_Dispatcher):
+    """All-gather based dispatch over ETP × EP (see module docstring)."""
+
+    def dispatch(
+        self, hidden: torch.Tensor, probs_TE: torch.Tensor, routing_map_TE: torch.Tensor
+    ) -> tuple[Dispatched, DispatchHandle]:
+        """Gather all tokens of the ETP×EP ranks and keep those routed to local experts."""
+        h, probs_TE, map_TE = self._flatten(hidden, probs_TE, routing_map_TE)
+        h = all_gather_rows(all_gather_rows(h, self.etp_group), self.ep_group)
+        probs_TE = all_gather_rows(all_gather_rows(probs_TE, self.etp_group), self.ep_group)
+        with torch.no_grad():
+            m = map_TE.to(torch.uint8)
+            map_TE = all_gather_rows(all_gather_rows(m, self.etp_group), self.ep_group).bool()
+        local = slice(self.local_start, self.local_start + self.num_local_experts)
+        permuted, pprobs, idx, counts = permute(h, map_TE[:, local], probs_TE=probs_TE[:, local])
+        handle = DispatchHandle(hidden.shape, h.shape[0], idx, pprobs)
+        return Dispatched(permuted, counts.cpu()), handle
+
+    def combine(
+        self, expert_out_NH: torch.Tensor, handle: DispatchHandle, *, apply_probs: bool = True
+    ) -> torch.Tensor:
+        """Weight by probs, sum back to tokens, reduce-scatter over EP then ETP."""
+        out = unpermute(
+            expert_out_NH,
+            handle.sorted_indices,
+            num_tokens=handle.num_rows,
+            probs_N=handle.permuted_probs if apply_probs else None,
+        )
+        out = reduce_scatter_rows(reduce_scatter_rows(out, self.ep_group), self.etp_group)
+        return self._finish(out, handle)
+
+
+class AllToAllDispatcher(_Dispatcher):
+    """All-to-all over EP plus all-gather over ETP (see module docstring)."""
+
+    def _counts(self, counts_E: torch.Tensor) -> torch.Tensor:
+        """[ep, etp, E] token counts of every rank of the ETP×EP grid (host copy)."""
+        with torch.no_grad():
+            c = all_gather_rows(counts_E.view(1, -1), self.etp_group)
+            c = all_gather_rows(c, self.ep_group)
+        return c.view(self.ep_size, self.etp_size, self.num_experts).cpu()
+
+    def dispatch(
+        self, hidden: torch.Tensor, probs_TE: torch.Tensor, routing_map_TE: torch.Tensor
+    ) -> tuple[Dispatched, DispatchHandle]:
+        """Send each token copy to the EP rank of its expert, share rows across ETP."""
+        h, probs_TE, map_TE = self._flatten(hidden, probs_TE, routing_map_TE)
+        permuted, pprobs, idx, counts_E = permute(h, map_TE, probs_TE=probs_TE)
+        handle = DispatchHandle(hidden.shape, h.shape[0], idx, pprobs)
+        L = self.num_local_experts
+        if self.ep_size == 1 and self.etp_size == 1:
+            return Dispatched(permuted, counts_E.cpu()), handle
+        C = self._counts(counts_E)  # [ep, etp, E]
+        local = C[:, :, self.local_start : self.local_start + L]  # [ep, etp, L]
+        handle.ep_input_sizes = counts_E.cpu().view(self.ep_size, L).sum(1).tolist()
+        handle.ep_output_sizes = local[:, self.etp_rank].sum(-1).tolist()
+        handle.etp_sizes = local.sum(dim=(0, 2)).tolist()
+        x = all_to_all_rows(
+            permuted,
+            self.ep_group,
+            output_sizes=handle.ep_output_sizes,
+            input_sizes=handle.ep_input_sizes,
+        )
+        x = all_gather_rows(x, self.etp_group, handle.etp_sizes)
+        # Rows arrive as chunks ordered (src etp, src ep, local expert); reorder to
+        # (local expert, src etp, src ep) with one stable sort of a per-row key.
+        sizes_iJl = local.permute(1, 0, 2).reshape(-1)
+        new_order = torch.arange(sizes_iJl.numel()).view(self.etp_size, self.ep_size, L)
+        chunk_key = _rank_of(new_order.permute(2, 0, 1).reshape(-1))
+        row_key = torch.repeat_interleave(chunk_key, sizes_iJl)
+        order = torch.argsort(row_key, stable=True).to(x.device)
+        handle.row_order = order
+        x = x.index_select(0, order)
+        return Dispatched(x, local.sum(dim=(0, 1))), handle
+
+    def combine(
+        self, expert_out_NH: torch.Tensor, handle: DispatchHandle, *, apply_probs: bool = True
+    ) -> torch.Tensor:
+        """Reverse of dispatch; probs are applied on the way back to the source tokens."""
+        y = expert_out_NH
+        if handle.row_order is not None:
+            inverse = torch.empty_like(handle.row_order)
+            inverse[handle.row_order] = torch.arange(
+                handle.row_order.numel(), device=inverse.device
+            )
+            y = y.index_select(0, inverse)
+            y = reduce_scatter_rows(y, self.etp_group, handle.etp_sizes)
+            y = all_to_all_rows(
+                y,
+                self.ep_group,
+                output_sizes=handle.ep_input_sizes,
+                input_sizes=handle.ep_output_sizes,
+            )
+        out = unpermute(
+            y,
+            handle.sorted_indices,
+            num_tokens=handle.num_rows,
+            probs_N=handle.permuted_probs if apply_probs else None,
+        )
+        return self._finish(out, handle)
+
+
+def _rank_of(order: torch.Tensor) -> torch.Tensor:
+    """``rank[order[k]] = k``: the position each chunk takes in the new order."""
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel())
+    return rank

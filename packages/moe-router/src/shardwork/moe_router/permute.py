@@ -1,0 +1,86 @@
+"""Token permutation: group token copies by expert, and the exact inverse (with probabilities).
+
+Legend: T tokens, H hidden, E experts, N routed (token, expert) pairs = routing_map.sum().
+
+- ``permute``: rows of the output are expert-major, token order inside each expert (the
+  order Megatron-Core uses). Works for dropless maps, maps with dropped tokens and maps padded
+  to capacity (padded slots are just extra True entries with zero probability).
+- ``unpermute``: scatter-adds each copy back to its token, optionally weighted by its
+  probability (computed in the probabilities' dtype, result cast back).
+- Both are index_select / index_add, so autograd gives exact gradients (no approximations,
+  no custom backward).
+- ``pad_routing_map`` rounds each expert's count up to a multiple (FP8/FP4 GEMM alignment)
+  by marking the earliest unrouted tokens as zero-probability slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def permute(
+    tokens_TH: torch.Tensor,
+    routing_map_TE: torch.Tensor,
+    *,
+    probs_TE: torch.Tensor | None = None,
+    num_out_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Group token copies by expert.
+
+    Args:
+        tokens_TH: token vectors.
+        routing_map_TE: bool map, True where token t goes to expert e.
+        probs_TE: optional combine weights; the selected ones are returned in permuted order.
+        num_out_tokens: N when known (e.g. T*K when dropless): avoids a host sync by using a
+            stable argsort instead of nonzero.
+
+    Returns:
+        (permuted_NH, permuted_probs_N or None, sorted_indices_N (source token of each row),
+        tokens_per_expert_E (int64)).
+    """
+    num_tokens = routing_map_TE.shape[0]
+    map_ET = routing_map_TE.bool().t().contiguous()
+    if num_out_tokens is None:
+        flat = map_ET.reshape(-1).nonzero().squeeze(1)
+    else:
+        flat = map_ET.reshape(-1).to(torch.int8).argsort(descending=True, stable=True)
+        flat = flat[:num_out_tokens]
+    sorted_indices = flat % num_tokens
+    permuted_probs = None
+    if probs_TE is not None:
+        permuted_probs = probs_TE.t().reshape(-1).index_select(0, flat)
+    permuted = tokens_TH.index_select(0, sorted_indices)
+    return permuted, permuted_probs, sorted_indices, map_ET.sum(dim=1)
+
+
+def unpermute(
+    permuted_NH: torch.Tensor,
+    sorted_indices_N: torch.Tensor,
+    *,
+    num_tokens: int,
+    probs_N: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Sum each token's expert outputs back into token order, weighted by ``probs_N`` if given.
+
+    With probabilities the products are formed in the probabilities' dtype (fp32 when the
+    router runs in fp32) and the sum is cast back to ``permuted_NH``'s dtype.
+    """
+    dtype = permuted_NH.dtype
+    x = permuted_NH
+    if probs_N is not None:
+        x = x * probs_N.unsqueeze(-1)
+    out = x.new_zeros((num_tokens, *x.shape[1:]))
+    out = out.index_add(0, sorted_indices_N, x)
+    return out.to(dtype)
+
+
+def pad_routing_map(routing_map_TE: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Round every expert's token count up to a multiple of ``multiple`` (extra slots are the
+    earliest tokens not routed to that expert; their probability is zero)."""
+    if multiple < 1:
+        raise ValueError(f"multiple={multiple} is invalid: it must be >= 1")
+    routed = routing_map_TE.bool()
+    need_E = (-routed.sum(dim=0)) % multiple
+    free = ~routed
+    extra = free & (torch.cumsum(free.to(torch.int32), dim=0) <= need_E)
+    return routed | extra

@@ -1,0 +1,187 @@
+"""Dispatchers at EP=2, EP=4 and EP=2×ETP=2 (and a TP-replicated input) on real gloo ranks.
+
+Every rank holds different tokens (as with sequence parallelism); the MoE block's outputs and
+gradients must equal the single-process dense computation of the same experts over all ranks'
+tokens (float64, no stochastic parts, no capacity so routing is per token).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardwork.moe_router import GroupedMLP, MoEBlock, RouterConfig
+from shardwork.moe_router.testing import dense_moe_reference
+
+ps = pytest.importorskip("shardwork.parallel_state")
+testing = pytest.importorskip("shardwork.parallel_state.testing")
+
+E, H, F, S, B = 8, 6, 8, 4, 2
+
+
+def _data(world: int, top_k: int):
+    g = torch.Generator().manual_seed(1234)
+    dd = {"dtype": torch.float64}
+    return {
+        "router": torch.randn(E, H, generator=g, **dd) * 0.5,
+        "w_up": torch.randn(E, H, F, generator=g, **dd) * 0.3,
+        "w_gate": torch.randn(E, H, F, generator=g, **dd) * 0.3,
+        "w_down": torch.randn(E, F, H, generator=g, **dd) * 0.3,
+        "x": torch.randn(world, S, B, H, generator=g, **dd),
+        "grad": torch.randn(world, S, B, H, generator=g, **dd),
+    }
+
+
+def _config(top_k: int) -> RouterConfig:
+    return RouterConfig(
+        num_experts=E,
+        hidden_size=H,
+        top_k=top_k,
+        load_balancing_type="none",
+        pre_softmax=top_k == 1,
+    )
+
+
+def _reference(world: int, top_k: int, cfg: RouterConfig):
+    from shardwork.moe_router import TopKRouter
+
+    d = _data(world, top_k)
+    router = TopKRouter(cfg).double()
+    router.weight.data.copy_(d["router"])
+    w = {k: d[k].clone().requires_grad_(True) for k in ("w_up", "w_gate", "w_down")}
+    x = d["x"].clone().requires_grad_(True)
+    outs = []
+    for r in range(world):
+        probs, _ = router(x[r])
+        outs.append(dense_moe_reference(x[r].reshape(-1, H), probs, **w).view(S, B, H))
+    out = torch.stack(outs)
+    (out * d["grad"]).sum().backward()
+    return out.detach(), x.grad, {k: v.grad for k, v in w.items()}, router.weight.grad
+
+
+def _run_block(dispatcher: str, ep: int, etp: int, top_k: int):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    pg = ps.init_process_groups(ps.ParallelConfig(tp=etp, ep=ep, etp=etp))
+    cfg = _config(top_k)
+    block = MoEBlock(
+        cfg, ffn_hidden_size=F, dispatcher=dispatcher, ep_group=pg.ep, etp_group=pg.etp
+    ).double()
+    d = _data(world, top_k)
+    ep_rank, etp_rank = ps.group_rank(pg.ep), ps.group_rank(pg.etp)
+    with torch.no_grad():
+        block.router.weight.copy_(d["router"])
+        shard = GroupedMLP.from_full(
+            d["w_up"],
+            d["w_down"],
+            d["w_gate"],
+            ep_rank=ep_rank,
+            ep_size=ep,
+            etp_rank=etp_rank,
+            etp_size=etp,
+        )
+        block.experts.load_state_dict(shard.state_dict())
+    x = d["x"][rank].clone().requires_grad_(True)
+    out = block(x)
+    (out * d["grad"][rank]).sum().backward()
+    router_grad = block.router.weight.grad.clone()
+    dist.all_reduce(router_grad)  # each rank saw its own tokens; the sum is the full gradient
+    grads = {n: p.grad for n, p in block.experts.named_parameters()}
+    return {
+        "out": out.detach(),
+        "x_grad": x.grad,
+        "expert_grads": grads,
+        "router_grad": router_grad,
+        "ep_rank": ep_rank,
+        "etp_rank": etp_rank,
+    }
+
+
+LAYOUTS = [
+    pytest.param("alltoall", 2, 1, 2, id="a2a-ep2"),
+    pytest.param("alltoall", 4, 1, 2, id="a2a-ep4"),
+    pytest.param("alltoall", 2, 2, 2, id="a2a-ep2-etp2"),
+    pytest.param("allgather", 2, 1, 2, id="ag-ep2"),
+    pytest.param("allgather", 4, 1, 1, id="ag-ep4-top1"),
+    pytest.param("allgather", 2, 2, 2, id="ag-ep2-etp2"),
+]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("dispatcher,ep,etp,top_k", LAYOUTS)
+def test_block_equals_single_rank(dispatcher, ep, etp, top_k):
+    world = ep * etp
+    results = testing.run_on_ranks(_run_block, world, args=(dispatcher, ep, etp, top_k))
+    out, x_grad, w_grads, router_grad = _reference(world, top_k, _config(top_k))
+    tol = {"rtol": 1e-10, "atol": 1e-12}
+    L, f = E // ep, F // etp
+    for rank, res in enumerate(results):
+        torch.testing.assert_close(res["out"], out[rank], **tol)
+        torch.testing.assert_close(res["x_grad"], x_grad[rank], **tol)
+        torch.testing.assert_close(res["router_grad"], router_grad, **tol)
+        e_sl = slice(res["ep_rank"] * L, (res["ep_rank"] + 1) * L)
+        f_sl = slice(res["etp_rank"] * f, (res["etp_rank"] + 1) * f)
+        torch.testing.assert_close(
+            res["expert_grads"]["w_up"], w_grads["w_up"][e_sl, :, f_sl], **tol
+        )
+        torch.testing.assert_close(
+            res["expert_grads"]["w_gate"], w_grads["w_gate"][e_sl, :, f_sl], **tol
+        )
+        torch.testing.assert_close(
+            res["expert_grads"]["w_down"], w_grads["w_down"][e_sl, f_sl, :], **tol
+        )
+
+
+def _run_block_tp_replicated(dispatcher: str, ep: int):
+    """hidden replicated over a dense TP group of 2 (no sequence parallelism), EP over it."""
+    pg = ps.init_process_groups(ps.ParallelConfig(tp=2, ep=ep, etp=1))
+    cfg = _config(2)
+    block = MoEBlock(
+        cfg, ffn_hidden_size=F, dispatcher=dispatcher, ep_group=pg.ep, tp_group=pg.tp
+    ).double()
+    num_sets = dist.get_world_size() // 2
+    d = _data(num_sets, 2)
+    ep_rank, dp_rank = ps.group_rank(pg.ep), ps.group_rank(pg.dp)
+    with torch.no_grad():
+        block.router.weight.copy_(d["router"])
+        shard = GroupedMLP.from_full(
+            d["w_up"], d["w_down"], d["w_gate"], ep_rank=ep_rank, ep_size=ep
+        )
+        block.experts.load_state_dict(shard.state_dict())
+    x = d["x"][dp_rank].clone().requires_grad_(True)
+    out = block(x)
+    (out * d["grad"][dp_rank]).sum().backward()
+    grads = {}
+    for n, p in block.experts.named_parameters():
+        grads[n] = p.grad.clone()
+        if pg.edp is not None:
+            dist.all_reduce(grads[n], group=pg.edp)  # expert replicas saw different tokens
+    router_grad = block.router.weight.grad.clone()
+    if pg.dp is not None:
+        dist.all_reduce(router_grad, group=pg.dp)
+    return {
+        "out": out.detach(),
+        "x_grad": x.grad,
+        "expert_grads": grads,
+        "router_grad": router_grad,
+        "ep_rank": ep_rank,
+        "dp_rank": dp_rank,
+    }
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+@pytest.mark.parametrize("ep", [1, 2])
+def test_tp_replicated_input(dispatcher, ep):
+    world = 2 * ep
+    results = testing.run_on_ranks(_run_block_tp_replicated, world, args=(dispatcher, ep))
+    out, x_grad, w_grads, router_grad = _reference(world // 2, 2, _config(2))
+    tol = {"rtol": 1e-10, "atol": 1e-12}
+    L = E // ep
+    for res in results:
+        torch.testing.assert_close(res["out"], out[res["dp_rank"]], **tol)
+        torch.testing.assert_close(res["x_grad"], x_grad[res["dp_rank"]], **tol)
+        torch.testing.assert_close(res["router_grad"], router_grad, **tol)
+        e_sl = slice(res["ep_rank"] * L, (res["ep_rank"] + 1) * L)
+        for n in ("w_up", "w_gate", "w_down"):
+            torch.testing.assert_close(res["expert_grads"][n], w_grads[n][e_sl], **tol)
