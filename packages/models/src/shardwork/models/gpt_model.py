@@ -36,7 +36,7 @@ from shardwork.models.context_parallel import (
 )
 from shardwork.models.embedding import LMHead, VocabParallelEmbedding
 from shardwork.models.loss import token_loss
-from shardwork.models.module import ShardedModule
+from shardwork.models.module import ShardedModule, to_empty_keep_meta
 from shardwork.models.rng import RNGTracker
 from shardwork.models.sharding import init_from_shards
 from shardwork.models.transformer_layer import TransformerBlock, hidden_dropout
@@ -126,7 +126,7 @@ class GPTModel(ShardedModule):
 
     def materialize(self, device: str | torch.device) -> GPTModel:
         """Allocate a meta-built model's local shards on ``device`` and initialise them."""
-        self.to_empty(device=device)
+        to_empty_keep_meta(self, device)
         self.rng_tracker.to(device)
         self.init_parameters()
         return self

@@ -90,3 +90,20 @@ class ShardedModule(torch.nn.Module):
                 yield prefix + name, param, self
         for segment, child in self._sharded_children():
             yield from child.named_param_keys(f"{prefix}{segment}.")
+
+
+def to_empty_keep_meta(module: torch.nn.Module, device: str | torch.device) -> None:
+    """Like ``Module.to_empty`` but keeps each parameter's Python attributes (its ParamMeta
+    and checkpoint/init description), which ``to_empty`` drops when leaving the meta device."""
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is None:
+                continue
+            new = torch.nn.Parameter(
+                torch.empty_like(param, device=device), requires_grad=param.requires_grad
+            )
+            new.__dict__.update(param.__dict__)
+            sub._parameters[name] = new
+        for name, buf in list(sub._buffers.items()):
+            if buf is not None:
+                sub._buffers[name] = torch.empty_like(buf, device=device)

@@ -1,0 +1,155 @@
+"""Import a Hugging Face checkpoint folder into a GPTModel at any layout; export one back.
+
+- :func:`load_hf_weights` fills every local piece of ``model.sharded_state_dict()`` from the
+  folder's safetensors (single file or sharded with ``model.safetensors.index.json``) using
+  ``safe_open(...).get_slice``: each rank reads only the rows/columns it holds.
+- :func:`from_pretrained` reads ``config.json``, builds the model (or pipeline stage) on the
+  meta device, allocates only the local shards and loads them (no random init first).
+- :func:`save_pretrained` assembles full tensors (:func:`~shardwork.models.full_state.full_state_dict`,
+  one all-reduce per tensor over ``group``) and the first rank writes safetensors files of at
+  most ``max_shard_bytes`` each, an index when there are several, and ``config.json`` that
+  transformers loads. Meant for models that fit one host's memory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from shardwork.models.full_state import full_state_dict
+from shardwork.models.gpt_model import GPTModel
+from shardwork.models.hf.config_map import gpt_config_from_hf, hf_config_from_gpt, read_hf_config
+from shardwork.models.hf.keys import to_hf_key
+from shardwork.models.module import to_empty_keep_meta
+from shardwork.parallel_state import ProcessGroups
+
+__all__ = ["from_pretrained", "load_hf_weights", "save_pretrained"]
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+
+
+def _weight_files(folder: Path) -> dict[str, Path]:
+    """HF tensor name -> file holding it."""
+    index = folder / _INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    single = folder / _SINGLE
+    if not single.is_file():
+        raise ValueError(f"{folder!s} holds neither {_INDEX} nor {_SINGLE}")
+    with safe_open(single, framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+@torch.no_grad()
+def load_hf_weights(model: GPTModel, folder: str | Path) -> GPTModel:
+    """Copy the HF checkpoint in ``folder`` into ``model``'s local shards (in place)."""
+    folder = Path(folder)
+    files = _weight_files(folder)
+    by_file: dict[Path, list[tuple[str, Any]]] = {}
+    for key, st in model.sharded_state_dict().items():
+        name = to_hf_key(key)
+        if name not in files:
+            raise ValueError(
+                f"{folder!s} has no tensor {name!r} (for {key!r}); check tie_word_embeddings "
+                "and the model family"
+            )
+        by_file.setdefault(files[name], []).append((name, st))
+    for path, items in by_file.items():
+        with safe_open(path, framework="pt") as f:
+            for name, st in items:
+                piece = f.get_slice(name)
+                shape = tuple(piece.get_shape())
+                if shape != tuple(st.global_shape):
+                    raise ValueError(
+                        f"{name!r} has shape {shape} in {path.name}, expected {st.global_shape} "
+                        f"for {st.key!r}"
+                    )
+                index = tuple(slice(o, o + s) for o, s in zip(st.global_offset, st.data.shape))
+                st.data.copy_(piece[index].to(st.data.dtype))
+    return model
+
+
+def from_pretrained(
+    folder: str | Path,
+    groups: ProcessGroups | None = None,
+    *,
+    device: str | torch.device = "cpu",
+    layer_range: tuple[int, int] | None = None,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+    **overrides: Any,
+) -> GPTModel:
+    """Build a GPTModel (stage) from a HF checkpoint folder, reading only local shards.
+
+    ``overrides`` go to the GPTConfig (e.g. ``params_dtype``, ``sequence_parallel``).
+    """
+    config = gpt_config_from_hf(read_hf_config(folder), **overrides)
+    model = GPTModel(
+        config,
+        groups,
+        layer_range=layer_range,
+        pre_process=pre_process,
+        post_process=post_process,
+        device="meta",
+    )
+    to_empty_keep_meta(model, device)
+    model.rng_tracker.to(device)
+    with torch.no_grad():  # padding rows are not in the checkpoint: zero everything first
+        for p in model.parameters():
+            p.zero_()
+    return load_hf_weights(model, folder)
+
+
+def _shard(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    return shards
+
+
+def save_pretrained(
+    model: GPTModel,
+    folder: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    group=None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> None:
+    """Write ``model`` (all its ranks and stages, which must all call this) as a HF folder."""
+    full = full_state_dict(model, group=group, dtype=dtype)
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    if rank != 0:
+        return
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {to_hf_key(k): v.contiguous() for k, v in full.items()}
+    shards = _shard(dict(sorted(tensors.items())), max_shard_bytes)
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / _SINGLE), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        total = 0
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(folder / fname), metadata={"format": "pt"})
+            for name, t in shard.items():
+                weight_map[name] = fname
+                total += t.numel() * t.element_size()
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (folder / _INDEX).write_text(json.dumps(index, indent=2))
+    hf = hf_config_from_gpt(model.config, dtype=dtype)
+    (folder / "config.json").write_text(json.dumps(hf, indent=2))
