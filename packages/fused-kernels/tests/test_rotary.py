@@ -1,0 +1,224 @@
+"""Rotary: frequencies vs Hugging Face, apply vs independent formulas, Triton vs reference, in place."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import shardwork.fused_kernels as fk
+from shardwork.fused_kernels.launches import count_launches
+
+
+def _hf_inv_freq(rope_parameters: dict, head_dim: int, max_pos: int = 4096):
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = transformers.LlamaConfig(
+        hidden_size=head_dim * 4,
+        num_attention_heads=4,
+        head_dim=head_dim,
+        max_position_embeddings=max_pos,
+        rope_parameters=rope_parameters,
+    )
+    kind = rope_parameters["rope_type"]
+    return ROPE_INIT_FUNCTIONS[kind](config, "cpu") if kind != "default" else None
+
+
+def test_base_inv_freq_formula():
+    inv = fk.rotary_inv_freq(64, base=500000.0)
+    expect = torch.tensor([500000.0 ** (-2 * i / 64) for i in range(32)], dtype=torch.float64)
+    torch.testing.assert_close(inv.double(), expect, rtol=1e-6, atol=0)
+
+
+def test_llama3_matches_transformers():
+    params = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    hf_inv, hf_scale = _hf_inv_freq(params, 128)
+    ours = fk.rotary_inv_freq(
+        128,
+        base=500000.0,
+        scaling=fk.Llama3RopeScaling(
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+    )
+    torch.testing.assert_close(ours, hf_inv.float())
+    assert hf_scale == 1.0
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"mscale": 1.0, "mscale_all_dim": 1.0},
+        {"mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 16},
+    ],
+)
+def test_yarn_matches_transformers(extra):
+    params = {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 40.0,
+        "original_max_position_embeddings": 4096,
+        **extra,
+    }
+    hf_inv, hf_scale = _hf_inv_freq(params, 64, max_pos=163840)
+    scaling = fk.YarnRopeScaling(
+        factor=40.0,
+        original_max_position_embeddings=4096,
+        beta_fast=extra.get("beta_fast", 32.0),
+        mscale=extra.get("mscale"),
+        mscale_all_dim=extra.get("mscale_all_dim"),
+    )
+    torch.testing.assert_close(fk.rotary_inv_freq(64, scaling=scaling), hf_inv.float())
+    assert scaling.attention_factor() == pytest.approx(hf_scale)
+    cos, sin = fk.rotary_cos_sin(
+        torch.arange(5), fk.rotary_inv_freq(64, scaling=scaling), scaling=scaling
+    )
+    torch.testing.assert_close(cos.pow(2) + sin.pow(2), torch.full((5, 64), hf_scale**2))
+
+
+def test_yarn_softmax_scale_is_deepseek_mscale_squared():
+    s = fk.YarnRopeScaling(
+        factor=40.0, original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0
+    )
+    assert s.softmax_scale_factor() == pytest.approx((0.1 * math.log(40.0) + 1.0) ** 2)
+
+
+def test_packed_positions_restart_per_sequence():
+    cu = torch.tensor([0, 3, 3, 8, 9])
+    expect = torch.tensor([0, 1, 2, 0, 1, 2, 3, 4, 0])
+    assert torch.equal(fk.packed_positions(cu), expect)
+    with pytest.raises(ValueError, match="must start at 0 and be non-decreasing"):
+        fk.packed_positions(torch.tensor([0, 5, 4]))
+
+
+def test_half_split_matches_transformers_apply():
+    pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    q = torch.randn(2, 7, 4, 16, dtype=torch.float64)  # [b, s, h, d]
+    cos, sin = fk.rotary_cos_sin(torch.arange(7), fk.rotary_inv_freq(16), dtype=torch.float64)
+    hf_q, _ = apply_rotary_pos_emb(q, q, cos[None], sin[None], unsqueeze_dim=2)
+    torch.testing.assert_close(fk.apply_rotary(q, cos, sin, backend="torch"), hf_q)
+
+
+def test_interleaved_is_complex_multiplication_and_partial_passes_through():
+    x = torch.randn(6, 3, 20, dtype=torch.float64)  # rotary_dim 12 of head_dim 20
+    inv = fk.rotary_inv_freq(12)
+    pos = torch.arange(6)
+    cos, sin = fk.rotary_cos_sin(pos, inv, interleaved=True, dtype=torch.float64)
+    angles = pos[:, None].double() * inv.double()[None]
+    rot = (
+        torch.view_as_complex(x[..., :12].reshape(6, 3, 6, 2).contiguous())
+        * torch.polar(torch.ones_like(angles), angles)[:, None]
+    )
+    expect = torch.cat((torch.view_as_real(rot).reshape(6, 3, 12), x[..., 12:]), dim=-1)
+    torch.testing.assert_close(
+        fk.apply_rotary(x, cos, sin, interleaved=True, backend="torch"), expect
+    )
+
+
+# x [T..., H, D] with rotary dim R: H=20 spans two head blocks of 16 (second partial).
+CASES = [((3, 2), 20, 12, 8), ((5,), 20, 16, 16), ((1,), 3, 6, 4)]
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("lead", "heads", "head_dim", "rdim"), CASES)
+def test_triton_matches_reference(
+    interleaved, dtype, lead, heads, head_dim, rdim, triton_device, tol, poison
+):
+    torch.manual_seed(0)
+    dev = triton_device
+    x = torch.randn(*lead, heads, head_dim, device=dev).to(dtype).requires_grad_(True)
+    # positions per token: packed sequences along the last leading dim
+    pos = (
+        fk.packed_positions(torch.tensor([0, 1, lead[-1]])).to(dev)
+        if lead[-1] > 1
+        else torch.zeros(1, dtype=torch.long)
+    )
+    cos, sin = fk.rotary_cos_sin(
+        pos.to(dev), fk.rotary_inv_freq(rdim).to(dev), interleaved=interleaved
+    )
+    gy = torch.randn(x.shape, device=dev).to(dtype)
+
+    def run(backend):
+        y = fk.apply_rotary(x, cos, sin, interleaved=interleaved, backend=backend)
+        return y, torch.autograd.grad(y, [x], gy)[0]
+
+    with count_launches() as launches:
+        y, g = run("triton")
+    assert launches["rotary_fwd"] == 1 and launches["rotary_bwd"] == 1
+    y_ref, g_ref = run("torch")
+    torch.testing.assert_close(y.float(), y_ref.float(), **tol(dtype))
+    torch.testing.assert_close(g.float(), g_ref.float(), **tol(dtype))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_in_place_on_a_strided_slice_with_autograd(backend, triton_device, tol):
+    dev = triton_device
+    qkv = torch.randn(4, 2, 7, 16, device=dev, requires_grad=True)  # [s, b, q+k+v heads, d]
+    cos, sin = fk.rotary_cos_sin(torch.arange(4, device=dev), fk.rotary_inv_freq(16).to(dev))
+    cos, sin = cos[:, None], sin[:, None]  # broadcast over batch
+    gy = torch.randn(4, 2, 7, 16, device=dev)
+
+    h = qkv * 1.0
+    out = fk.apply_rotary(h[:, :, :5], cos, sin, inplace=True, backend=backend)
+    assert out.data_ptr() == h.data_ptr()
+    h.backward(gy)
+
+    ref_leaf = qkv.detach().clone().requires_grad_(True)
+    rotated = fk.apply_rotary(ref_leaf[:, :, :5], cos, sin, backend="torch")
+    ref = torch.cat((rotated, ref_leaf[:, :, 5:]), dim=2)
+    ref.backward(gy)
+    torch.testing.assert_close(h.detach(), ref.detach(), **tol(torch.float32))
+    torch.testing.assert_close(qkv.grad, ref_leaf.grad, **tol(torch.float32))
+
+
+def test_bad_inputs_name_the_field():
+    x = torch.randn(3, 2, 8)
+    c = torch.randn(3, 6)
+    with pytest.raises(ValueError, match="rotary_dim"):
+        fk.apply_rotary(x, torch.randn(3, 10), torch.randn(3, 10))
+    with pytest.raises(ValueError, match="must equal sin.shape"):
+        fk.apply_rotary(x, c, torch.randn(3, 4))
+    with pytest.raises(ValueError, match="must broadcast"):
+        fk.apply_rotary(x, torch.randn(4, 6), torch.randn(4, 6))
+    with pytest.raises(ValueError, match="leaf tensor"):
+        fk.apply_rotary(x.requires_grad_(True), c, c, inplace=True)
+    with pytest.raises(ValueError, match="rotary_dim=7"):
+        fk.rotary_inv_freq(7)
+    with pytest.raises(ValueError, match="beta_fast > beta_slow"):
+        fk.YarnRopeScaling(
+            factor=4.0, original_max_position_embeddings=10, beta_fast=1.0, beta_slow=2.0
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_triton_bf16_on_gpu(interleaved, cuda_device, tol):
+    x = torch.randn(2048, 2, 32, 128, device=cuda_device, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = fk.rotary_cos_sin(
+        torch.arange(2048, device=cuda_device),
+        fk.rotary_inv_freq(64).to(cuda_device),
+        interleaved=interleaved,
+    )
+    cos, sin = cos[:, None], sin[:, None]
+    gy = torch.randn_like(x)
+    out = {}
+    for backend in ("triton", "torch"):
+        y = fk.apply_rotary(x, cos, sin, interleaved=interleaved, backend=backend)
+        out[backend] = (y, torch.autograd.grad(y, [x], gy)[0])
+    for a, b in zip(out["triton"], out["torch"]):
+        torch.testing.assert_close(a.float(), b.float(), **tol(torch.bfloat16))
