@@ -191,7 +191,7 @@ def test_bad_inputs_name_the_field():
     c = torch.randn(3, 6)
     with pytest.raises(ValueError, match="rotary_dim"):
         fk.apply_rotary(x, torch.randn(3, 10), torch.randn(3, 10))
-    with pytest.raises(ValueError, match="must equal sin.shape"):
+    with pytest.raises(ValueError, match=r"must equal sin\.shape"):
         fk.apply_rotary(x, c, torch.randn(3, 4))
     with pytest.raises(ValueError, match="must broadcast"):
         fk.apply_rotary(x, torch.randn(4, 6), torch.randn(4, 6))
