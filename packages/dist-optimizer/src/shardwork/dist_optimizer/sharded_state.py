@@ -1,0 +1,338 @@
+"""Optimizer state in global parameter coordinates, as dist-checkpoint ``ShardedTensor`` s.
+
+Representation of a ZeRO shard (chosen: *flat ranges*, no gather)
+  A rank's piece of a parameter is a flat range ``[a, b)`` of the parameter's row-major
+  flattening — generally not a rectangle. Each piece is described as a ``ShardedTensor`` with
+  ``flattened_range`` over the rectangle that the local (TP) parameter occupies in the global
+  tensor; dist-checkpoint splits such a range into rectangles itself and reshards on load
+  (another DP size, TP size, ...). Memory cost at save time: none for the common case (the
+  data are views of the fp32 masters and moments); only a parameter that is several TP
+  blocks split along an axis other than 0 (fused blocks on a row-parallel axis) needs a
+  copy of its piece. The alternative (all-gather over DP to TP-local tensors) would need the
+  whole TP-local optimizer state, ``DP×`` the shard, on every rank at save time.
+- A local parameter may map to several global rectangles (fused [gate | up] or QKV blocks
+  split over TP, ``ParamMeta.tp_partition_sizes``): one :class:`ParamRect` per block. The
+  intersection of a flat range with any sub-box is again a flat range of that box
+  (row-major order restricted to a box is the box's own row-major order).
+- Keys: ``f"{prefix}{rect.key}.{state}"`` with state ``fp32_param`` (master weights),
+  ``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``, ... — every tensor state with the
+  parameter's element count. Scalar states (Adam's ``step``) must be equal for all
+  parameters and are saved once as plain values, with the loss scaler's state.
+- Default rectangles come from ``ParamMeta`` and the TP rank: key = the parameter's name,
+  TP-split axes offset by rank, TP-replicated parameters marked ``replica_id = tp_rank``.
+  Pipeline stages and expert-parallel ranks hold different parameters whose names may
+  collide (local layer/expert numbering): pass ``param_rects`` (e.g. built by the model's own
+  ``sharded_state_dict``) to give global keys and offsets.
+- Loading: build the template with :func:`zero_sharded_state_dict` on the new layout, call
+  ``dist_checkpoint.load`` and hand the result to the ``load_*`` function, which copies every
+  tensor into place. Optimizer state that does not exist yet (no step taken) is created by
+  one step of the local optimizer with zero gradients and ``lr = 0`` (parameters unchanged).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardwork.parallel_state import get_param_meta, group_rank, group_size
+
+__all__ = [
+    "ParamRect",
+    "default_param_rects",
+    "layerwise_sharded_state_dict",
+    "load_layerwise_sharded_state_dict",
+    "load_zero_sharded_state_dict",
+    "zero_sharded_state_dict",
+]
+
+
+@dataclass(frozen=True)
+class ParamRect:
+    """The local parameter's slice ``[start, stop)`` along ``axis`` (all of it if ``axis`` is
+    None) is the box of global tensor ``key`` at ``global_offset``."""
+
+    key: str
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+    axis: int | None = None
+    start: int = 0
+    stop: int | None = None
+    replica_id: int = 0
+
+
+ParamRectsFn = Callable[[str, torch.nn.Parameter], Sequence[ParamRect]]
+
+
+def default_param_rects(
+    name: str, param: torch.Tensor, *, tp_rank: int, tp_size: int
+) -> list[ParamRect]:
+    """Rectangles of a parameter from its ``ParamMeta`` (TP split, fused blocks) alone."""
+    meta = get_param_meta(param)
+    shape = tuple(param.shape)
+    if meta.tp_axis is None or tp_size == 1:
+        return [
+            ParamRect(
+                name, shape, (0,) * len(shape), replica_id=tp_rank if meta.tp_axis is None else 0
+            )
+        ]
+    axis = meta.tp_axis
+    gshape = list(shape)
+    gshape[axis] = shape[axis] * tp_size
+    blocks = meta.tp_partition_sizes or (gshape[axis],)
+    rects, local_start, global_start = [], 0, 0
+    for size in blocks:
+        local = size // tp_size
+        offset = [0] * len(shape)
+        offset[axis] = global_start + tp_rank * local
+        rects.append(
+            ParamRect(name, tuple(gshape), tuple(offset), axis, local_start, local_start + local)
+        )
+        local_start += local
+        global_start += size
+    return rects
+
+
+def _box(rect: ParamRect, shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """(axis, lo, hi) of the rect's box in the local parameter."""
+    if rect.axis is None:
+        return 0, 0, shape[0] if shape else 1
+    return rect.axis, rect.start, rect.stop if rect.stop is not None else shape[rect.axis]
+
+
+def _count_before(shape: tuple[int, ...], axis: int, lo: int, hi: int, p: int) -> int:
+    """Number of elements of the box ``lo <= idx[axis] < hi`` with flat index < p."""
+    inner = math.prod(shape[axis + 1 :])
+    n = shape[axis] if shape else 1
+    outer, rem = divmod(p, n * inner)
+    b, i = divmod(rem, inner)
+    width = hi - lo
+    within = 0 if b < lo else width * inner if b >= hi else (b - lo) * inner + i
+    return outer * width * inner + within
+
+
+def _piece_entries(
+    rects: Sequence[ParamRect], shape: tuple[int, ...], a: int, b: int
+) -> list[tuple[ParamRect, tuple[int, ...], tuple[int, int], Any]]:
+    """For each rect meeting the flat range [a, b): (rect, box shape, flat range in the box,
+    selector into the piece: a slice, or a bool mask when the elements are not contiguous)."""
+    out = []
+    for rect in rects:
+        axis, lo, hi = _box(rect, shape)
+        bshape = list(shape) or [1]
+        bshape[axis] = hi - lo
+        fa, fb = _count_before(shape, axis, lo, hi, a), _count_before(shape, axis, lo, hi, b)
+        if fa == fb:
+            continue
+        if math.prod(shape[:axis]) == 1:  # box is contiguous in flat order
+            inner = math.prod(shape[axis + 1 :])
+            s, e = max(a, lo * inner), min(b, hi * inner)
+            selector: Any = slice(s - a, e - a)
+        else:
+            inner = math.prod(shape[axis + 1 :])
+            coord = (torch.arange(a, b) // inner) % shape[axis]
+            selector = (coord >= lo) & (coord < hi)
+        out.append((rect, tuple(bshape), (fa, fb), selector))
+    return out
+
+
+def _tensor_states(
+    optimizer: torch.optim.Optimizer | None, master: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    states = {"fp32_param": master}
+    if optimizer is not None:
+        for name, value in optimizer.state.get(master, {}).items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.numel() == master.numel():
+                states[name] = value
+    return states
+
+
+def _scalar_states(optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    if optimizer is None:
+        return found
+    for state in optimizer.state.values():
+        for name, value in state.items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                continue
+            v = value.item() if torch.is_tensor(value) else value
+            if name in found and found[name] != v:
+                raise ValueError(f"optimizer scalar state {name!r} differs between parameters")
+            found[name] = v
+    return found
+
+
+def _ensure_state(optimizer: torch.optim.Optimizer | None, masters: Sequence[torch.Tensor]) -> None:
+    """Create lazily-initialised optimizer state by one zero-gradient step with lr 0."""
+    if optimizer is None or all(m in optimizer.state and optimizer.state[m] for m in masters):
+        return
+    fresh = [m for m in masters if not optimizer.state.get(m)]
+    saved_grads = [m.grad for m in masters]
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for m in masters:
+        m.grad = torch.zeros_like(m)
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+    for m, g in zip(masters, saved_grads):
+        m.grad = g
+    for m in fresh:  # a step counter of 0 with zero moments is a fresh state
+        for name, value in optimizer.state[m].items():
+            if torch.is_tensor(value) and value.dim() == 0:
+                optimizer.state[m][name] = torch.zeros_like(value)
+
+
+def _entries(opt: Any, prefix: str, param_rects: ParamRectsFn | None):
+    """(path, ShardedTensor args, target tensor, selector) for every saved tensor piece."""
+    tp_rank, tp_size = group_rank(opt.tp_group), group_size(opt.tp_group)
+    for item in _items(opt):
+        name, param, master, a, b = item
+        rects = (
+            param_rects(name, param)
+            if param_rects is not None
+            else default_param_rects(name, param, tp_rank=tp_rank, tp_size=tp_size)
+        )
+        shape = tuple(param.shape)
+        for state_name, tensor in _tensor_states(opt.optimizer, master).items():
+            flat = tensor.view(-1)
+            for rect, bshape, frange, selector in _piece_entries(rects, shape, a, b):
+                key = f"{prefix}{rect.key}.{state_name}"
+                yield (
+                    key,
+                    rect,
+                    bshape,
+                    frange,
+                    flat,
+                    selector,
+                    (a, b) == (0, math.prod(shape) or 1),
+                )
+
+
+def _items(opt: Any):
+    if hasattr(opt, "pieces"):
+        for mp in opt.pieces:
+            yield mp.name, mp.param, mp.master, mp.piece.param_start, mp.piece.param_end
+    else:
+        for op in opt.owned:
+            yield op.name, op.param, op.master, 0, op.param.numel()
+
+
+def _build(opt: Any, prefix: str, param_rects: ParamRectsFn | None):
+    from shardwork.dist_checkpoint import ShardedTensor
+
+    tensors: dict[str, Any] = {}
+    targets: dict[str, tuple[torch.Tensor, Any]] = {}
+    for key, rect, bshape, frange, flat, selector, whole in _entries(opt, prefix, param_rects):
+        data = flat[selector]
+        path = f"{key}@{','.join(map(str, rect.global_offset))}"
+        if whole and frange == (0, math.prod(bshape)) and isinstance(selector, slice):
+            # the whole box: a plain rectangle (layer-wise optimizer, or a piece = a parameter)
+            st = ShardedTensor(
+                key,
+                data.view(bshape),
+                rect.global_shape,
+                rect.global_offset,
+                replica_id=rect.replica_id,
+            )
+        else:
+            st = ShardedTensor.from_flattened(
+                key,
+                data.contiguous(),
+                local_shape=bshape,
+                global_shape=rect.global_shape,
+                global_offset=rect.global_offset,
+                flattened_range=frange,
+                replica_id=rect.replica_id,
+            )
+        tensors[path] = st
+        targets[path] = (flat, selector)
+    return tensors, targets
+
+
+def _state_dict(opt: Any, prefix: str, param_rects: ParamRectsFn | None) -> dict[str, Any]:
+    tensors, _ = _build(opt, prefix, param_rects)
+    out: dict[str, Any] = {"tensors": tensors, "scalars": _scalar_states(opt.optimizer)}
+    if opt.loss_scaler is not None:
+        out["loss_scaler"] = opt.loss_scaler.state_dict()
+    return out
+
+
+def _load(
+    opt: Any, state: Mapping[str, Any], prefix: str, param_rects: ParamRectsFn | None
+) -> None:
+    _, targets = _build(opt, prefix, param_rects)
+    with torch.no_grad():
+        for path, (flat, selector) in targets.items():
+            value = state["tensors"][path]
+            flat[selector] = value.reshape(-1).to(flat.dtype)
+    if opt.optimizer is not None:
+        for s in opt.optimizer.state.values():
+            for name, value in state.get("scalars", {}).items():
+                if name in s:
+                    s[name] = torch.tensor(float(value)) if torch.is_tensor(s[name]) else value
+    if opt.loss_scaler is not None and "loss_scaler" in state:
+        opt.loss_scaler.load_state_dict(state["loss_scaler"])
+
+
+def zero_sharded_state_dict(
+    opt: Any, *, prefix: str = "optimizer.", param_rects: ParamRectsFn | None = None
+) -> dict[str, Any]:
+    """Sharded state dict of a :class:`DistributedOptimizer` (flat-range ShardedTensors).
+
+    Creates the optimizer state first if no step has run, so the same call gives the
+    template for loading.
+    """
+    opt.models[0].finish_param_sync()
+    _ensure_state(opt.optimizer, [mp.master for mp in opt.pieces])
+    return _state_dict(opt, prefix, param_rects)
+
+
+def load_zero_sharded_state_dict(
+    opt: Any,
+    state: Mapping[str, Any],
+    *,
+    prefix: str = "optimizer.",
+    param_rects: ParamRectsFn | None = None,
+) -> None:
+    """Copy a loaded state dict (from ``dist_checkpoint.load`` of the template) into
+    masters and optimizer state, and the masters into the model parameters."""
+    _ensure_state(opt.optimizer, [mp.master for mp in opt.pieces])
+    _load(opt, state, prefix, param_rects)
+    with torch.no_grad():
+        for mp in opt.pieces:
+            if not mp.master_is_view:
+                mp.param_view.copy_(mp.master)
+    for m in opt.models:
+        m.start_param_sync(overlap=False, expert=opt.expert)
+
+
+def layerwise_sharded_state_dict(
+    opt: Any, *, prefix: str = "optimizer.", param_rects: ParamRectsFn | None = None
+) -> dict[str, Any]:
+    """Sharded state dict of a :class:`LayerWiseDistributedOptimizer` (owner ranks only)."""
+    opt.finish_param_sync()
+    _ensure_state(opt.optimizer, [op.master for op in opt.owned])
+    return _state_dict(opt, prefix, param_rects)
+
+
+def load_layerwise_sharded_state_dict(
+    opt: Any,
+    state: Mapping[str, Any],
+    *,
+    prefix: str = "optimizer.",
+    param_rects: ParamRectsFn | None = None,
+) -> None:
+    """Copy a loaded state dict into the owned masters and state, then re-broadcast params."""
+    _ensure_state(opt.optimizer, [op.master for op in opt.owned])
+    _load(opt, state, prefix, param_rects)
+    with torch.no_grad():
+        for op in opt.owned:
+            if not op.master_is_view:
+                op.param.data.copy_(op.master)
+    opt.finish_step()
+    opt.finish_param_sync()
