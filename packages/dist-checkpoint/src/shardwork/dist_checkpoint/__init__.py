@@ -8,6 +8,7 @@ reads a shardwork checkpoint.
 """
 
 from shardwork.dist_checkpoint.load import load
+from shardwork.dist_checkpoint.manager import CheckpointManager
 from shardwork.dist_checkpoint.metadata import (
     CheckpointCorruptError,
     IncompleteCheckpointError,
@@ -16,10 +17,12 @@ from shardwork.dist_checkpoint.metadata import (
 )
 from shardwork.dist_checkpoint.save import AsyncSave, CheckpointSaveError, SaveResult, save
 from shardwork.dist_checkpoint.sharded import ShardedObject, ShardedTensor
+from shardwork.dist_checkpoint.verify import verify
 
 __all__ = [
     "AsyncSave",
     "CheckpointCorruptError",
+    "CheckpointManager",
     "CheckpointSaveError",
     "IncompleteCheckpointError",
     "SaveResult",
@@ -29,4 +32,5 @@ __all__ = [
     "load",
     "read_info",
     "save",
+    "verify",
 ]

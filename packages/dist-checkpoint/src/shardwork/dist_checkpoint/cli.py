@@ -1,0 +1,125 @@
+"""``shardwork-ckpt``: look into and check checkpoints without torch.distributed.
+
+- ``shardwork-ckpt inspect PATH [--json]``: versions, the layout and world size it was saved
+  at, total size, and per key: kind, dtype, global shape, number of chunks. For a
+  `CheckpointManager` root it lists the steps (complete or interrupted) and inspects the latest.
+- ``shardwork-ckpt verify PATH``: re-checksums every file; exit status 1 naming the corrupt
+  files, 2 if the directory is not a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from shardwork.dist_checkpoint import metadata as md
+from shardwork.dist_checkpoint.verify import verify
+
+__all__ = ["main"]
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    return sorted(p for p in root.glob("step_*") if p.is_dir())
+
+
+def _inspect(path: Path, as_json: bool) -> int:
+    if not (path / md.INFO_FILE).exists() and _step_dirs(path):
+        steps = _step_dirs(path)
+        complete = [p for p in steps if md.is_committed(p)]
+        if not as_json:
+            for p in steps:
+                print(f"{p.name}  {'complete' if md.is_committed(p) else 'INCOMPLETE'}")
+        if not complete:
+            return 2
+        if not as_json:
+            print(f"\nlatest complete: {complete[-1].name}\n")
+        path = complete[-1]
+    try:
+        info = md.read_info(path)
+    except md.IncompleteCheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if as_json:
+        print(json.dumps(info, indent=1, sort_keys=True))
+        return 0
+    total = sum(rec["size"] for rec in info.get("files", {}).values())
+    print(f"checkpoint      {path}")
+    print(f"format          {info['format']} v{info['format_version']}")
+    print(f"shardwork       {info['shardwork_version']}   torch {info['torch_version']}")
+    print(f"content version {info.get('content_version')}")
+    print(f"saved at        world size {info['world_size']}, layout {info.get('layout')}")
+    print(f"size            {_human(total)} in {len(info.get('files', {}))} files")
+    if info.get("user_metadata"):
+        print(f"metadata        {info['user_metadata']}")
+    timings = info.get("timings", {})
+    if timings:
+        print("timings (s)     " + ", ".join(f"{k} {v:.3f}" for k, v in timings.items()))
+    rows: list[tuple[str, ...]] = [("key", "kind", "dtype", "global shape", "chunks", "size")]
+    for key, e in info["keys"].items():
+        numel = math.prod(e["global_shape"])
+        size = "" if e["kind"] == "object" else _human(numel * _itemsize(e["dtype"]))
+        rows.append(
+            (
+                key,
+                e["kind"],
+                e["dtype"] or "-",
+                str(tuple(e["global_shape"])),
+                str(e["num_chunks"]),
+                size,
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    return 0
+
+
+def _itemsize(dtype: str) -> int:
+    import torch
+
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def _verify(path: Path) -> int:
+    try:
+        summary: dict[str, Any] = verify(path)
+    except md.IncompleteCheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except md.CheckpointCorruptError as exc:
+        print(f"CORRUPT: {exc}", file=sys.stderr)
+        return 1
+    print(f"ok: {summary['files']} files, {_human(summary['bytes'])} match their checksums")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="shardwork-ckpt", description="Inspect and verify shardwork checkpoints."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_inspect = sub.add_parser("inspect", help="tensors, dtypes, shapes, layout, size")
+    p_inspect.add_argument("path", type=Path)
+    p_inspect.add_argument("--json", action="store_true", help="print shardwork.json")
+    p_verify = sub.add_parser("verify", help="re-checksum every file")
+    p_verify.add_argument("path", type=Path)
+    args = parser.parse_args(argv)
+    if args.command == "inspect":
+        return _inspect(args.path, args.json)
+    return _verify(args.path)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

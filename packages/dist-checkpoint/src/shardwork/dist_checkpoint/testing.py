@@ -1,0 +1,126 @@
+"""Test helpers: a small example state and a save that is killed at a fault point.
+
+- `example_state(rank, world, ...)`: a sharded state dict with a row-sharded matrix, a tensor
+  replicated on every rank, ZeRO-style flat shards and per-rank objects; values are a function
+  of ``seed`` only, so any layout can be checked against `example_global`.
+- `run_killed_save(...)`: starts ``world_size`` fresh processes (forkserver, torch preloaded)
+  that save through a `CheckpointManager` with ``SHARDWORK_CKPT_FAULT`` set, waits until a
+  process dies of SIGKILL at the fault point, then kills the survivors (they block in a
+  collective waiting for the dead rank), as a job launcher would.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import tempfile
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from shardwork.dist_checkpoint.faults import FAULT_ENV
+from shardwork.dist_checkpoint.sharded import ShardedObject, ShardedTensor
+
+__all__ = ["example_global", "example_state", "run_killed_save"]
+
+_ROWS, _COLS = 8, 6
+_FLAT_SHAPE = (5, 7)
+
+
+def example_global(seed: int) -> dict[str, torch.Tensor]:
+    """Global tensors of `example_state` for ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "matrix": torch.randn(_ROWS, _COLS, generator=gen),
+        "replicated": torch.randn(11, generator=gen),
+        "moment": torch.randn(*_FLAT_SHAPE, generator=gen),
+    }
+
+
+def example_state(rank: int, world: int, *, seed: int, fill: bool = True) -> dict[str, Any]:
+    """This rank's sharded state dict; ``fill=False`` gives a NaN template of the same layout.
+
+    ``world`` must divide 8 (the matrix rows)."""
+    if _ROWS % world:
+        raise ValueError(f"world={world} is not valid; valid: a divisor of {_ROWS}")
+    g = example_global(seed)
+
+    def data(t: torch.Tensor) -> torch.Tensor:
+        return t.clone() if fill else torch.full_like(t, float("nan"))
+
+    rows = _ROWS // world
+    numel = g["moment"].numel()
+    start, stop = numel * rank // world, numel * (rank + 1) // world
+    return {
+        "model": {
+            "matrix": ShardedTensor.from_rank_offsets(
+                "matrix", data(g["matrix"][rank * rows : (rank + 1) * rows]), (0, rank, world)
+            ),
+            "replicated": ShardedTensor.from_rank_offsets(
+                "replicated", data(g["replicated"]), replica_id=rank
+            ),
+        },
+        "optimizer": {
+            "moment": ShardedTensor.from_flattened(
+                "moment",
+                data(g["moment"].flatten()[start:stop]),
+                local_shape=_FLAT_SHAPE,
+                global_shape=_FLAT_SHAPE,
+                global_offset=(0, 0),
+                flattened_range=(start, stop),
+            ),
+            "step": seed,
+        },
+        "rng": ShardedObject(
+            "rng", {"rank": rank, "seed": seed} if fill else None, (world,), (rank,)
+        ),
+    }
+
+
+def _child(root: str, step: int, rank: int, world: int, store_path: str, fault: str) -> None:
+    import torch.distributed as dist
+
+    from shardwork.dist_checkpoint.manager import CheckpointManager
+
+    os.environ[FAULT_ENV] = fault
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    manager = CheckpointManager(root)
+    manager.save(step, example_state(rank, world, seed=step))
+    dist.destroy_process_group()
+
+
+def run_killed_save(
+    root: str, step: int, *, world_size: int, fault: str, timeout: float = 60.0
+) -> list[int | None]:
+    """Save ``example_state(seed=step)`` as ``step`` on ``world_size`` new processes with
+    ``SHARDWORK_CKPT_FAULT=fault``; return each process's exit code (``-SIGKILL`` for the
+    rank killed at the fault point and for the survivors killed afterwards)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint"])
+    with tempfile.TemporaryDirectory(prefix="shardwork-fault-") as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_child, args=(root, step, r, world_size, store_path, fault))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(p.exitcode is not None for p in procs):
+                break
+            time.sleep(0.05)
+        time.sleep(0.2)  # let a rank that exits normally do so
+        for p in procs:
+            if p.exitcode is None:
+                os.kill(p.pid, signal.SIGKILL)
+        for p in procs:
+            p.join(timeout=10)
+        return [p.exitcode for p in procs]

@@ -1,0 +1,139 @@
+"""Async save: same files as a sync save, the state may change right after `save` returns,
+a training-style loop with async saves, and background failures raised at finalize."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from shardwork.dist_checkpoint import (
+    AsyncSave,
+    CheckpointManager,
+    CheckpointSaveError,
+    load,
+    save,
+)
+from shardwork.dist_checkpoint.faults import FAULT_ENV
+from shardwork.dist_checkpoint.testing import example_global, example_state
+
+pytest.importorskip("shardwork.parallel_state")
+from shardwork.parallel_state.testing import run_on_ranks
+
+
+def _rank_world():
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _files(path):
+    with open(os.path.join(path, "shardwork.json")) as f:
+        files = json.load(f)["files"]
+    return {name: rec for name, rec in files.items() if name.endswith(".distcp")}
+
+
+def _check(out, seed, rank, world):
+    ref = example_global(seed)
+    rows = 8 // world
+    numel = ref["moment"].numel()
+    start, stop = numel * rank // world, numel * (rank + 1) // world
+    return (
+        torch.equal(out["model"]["matrix"], ref["matrix"][rank * rows : (rank + 1) * rows])
+        and torch.equal(out["model"]["replicated"], ref["replicated"])
+        and torch.equal(out["optimizer"]["moment"], ref["moment"].flatten()[start:stop])
+        and out["optimizer"]["step"] == seed
+        and out["rng"] == {"rank": rank, "seed": seed}
+    )
+
+
+def _sync_vs_async(root):
+    rank, world = _rank_world()
+    state = example_state(rank, world, seed=3)
+    sync_path, async_path = os.path.join(root, "sync"), os.path.join(root, "async")
+    save(state, sync_path)
+    handle = save(state, async_path, async_save=True)
+    assert isinstance(handle, AsyncSave)
+    # the caller owns the state again as soon as save() returns: scribble over it
+    for leaf in (
+        state["model"]["matrix"],
+        state["model"]["replicated"],
+        state["optimizer"]["moment"],
+    ):
+        leaf.data.add_(1000.0)
+    result = handle.finalize()
+    assert set(result.timings) >= {"plan", "stage", "write", "finalize", "blocking"}
+    out = load(example_state(rank, world, seed=3, fill=False), async_path)
+    return _check(out, 3, rank, world)
+
+
+@pytest.mark.multirank
+def test_async_save_writes_the_same_files_as_sync(tmp_path):
+    assert run_on_ranks(_sync_vs_async, 2, args=(str(tmp_path),)) == [True, True]
+    sync_files, async_files = _files(tmp_path / "sync"), _files(tmp_path / "async")
+    assert sync_files == async_files and len(sync_files) == 2
+
+
+def _training_loop(root):
+    rank, world = _rank_world()
+    manager = CheckpointManager(root, async_save=True, keep_last=2)
+    state = example_state(rank, world, seed=0)
+    for step in range(1, 6):
+        # "train": the state at step s is example_state(seed=s)
+        fresh = example_state(rank, world, seed=step)
+        for section, name in (
+            ("model", "matrix"),
+            ("model", "replicated"),
+            ("optimizer", "moment"),
+        ):
+            state[section][name].data.copy_(fresh[section][name].data)
+        state["optimizer"]["step"] = step
+        state["rng"] = fresh["rng"]
+        manager.save(step, state)
+        # a non-blocking poll from the loop never raises and may or may not commit
+        manager.finalize(blocking=False)
+    manager.close()
+    ok = []
+    for step in manager.list():
+        out = manager.load(example_state(rank, world, seed=step, fill=False), step=step)
+        ok.append(_check(out, step, rank, world))
+    return manager.list(), manager.latest(), ok, sorted(manager.last_timings)
+
+
+@pytest.mark.multirank
+def test_training_loop_with_async_saves_and_retention(tmp_path):
+    results = run_on_ranks(_training_loop, 2, args=(str(tmp_path),))
+    for steps, latest, ok, timings in results:
+        assert steps == [4, 5] and latest == 5 and ok == [True, True]
+        assert timings == ["blocking", "finalize", "plan", "stage", "write"]
+    assert sorted(os.listdir(tmp_path)) == ["step_000000004", "step_000000005"]
+
+
+def _background_failure(root):
+    rank, world = _rank_world()
+    manager = CheckpointManager(root, async_save=True)
+    manager.save(1, example_state(rank, world, seed=1))
+    manager.finalize()
+    os.environ[FAULT_ENV] = "mid_file@1:raise"
+    try:
+        manager.save(2, example_state(rank, world, seed=2))  # returns: the failure is later
+        manager.finalize()
+    except CheckpointSaveError as exc:
+        message = str(exc)
+    else:
+        message = None
+    finally:
+        del os.environ[FAULT_ENV]
+    after = (manager.latest(), [p.name for p in manager.incomplete()])
+    manager.save(3, example_state(rank, world, seed=3))
+    manager.close()
+    return message, after, manager.list(), manager.incomplete()
+
+
+@pytest.mark.multirank
+def test_background_failure_surfaces_at_finalize(tmp_path):
+    results = run_on_ranks(_background_failure, 2, args=(str(tmp_path),))
+    for message, after, steps, incomplete in results:
+        assert message is not None and "injected fault at 'mid_file' on rank 1" in message
+        assert after == (1, ["step_000000002"])
+        assert steps == [1, 3] and incomplete == []
