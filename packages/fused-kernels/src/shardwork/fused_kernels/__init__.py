@@ -23,7 +23,7 @@ from shardwork.fused_kernels.backend import (
     resolve_backend,
     set_default_backend,
 )
-from shardwork.fused_kernels.cross_entropy import cross_entropy
+from shardwork.fused_kernels.cross_entropy_op import cross_entropy
 from shardwork.fused_kernels.norms import layer_norm, rms_norm
 from shardwork.fused_kernels.permute import permute_tokens, unpermute_tokens
 from shardwork.fused_kernels.rotary import apply_rotary

@@ -1,0 +1,149 @@
+"""Cross entropy: vs F.cross_entropy (every reduction, smoothing, ignore), Triton vs reference,
+and vocab-parallel on 2 and 4 gloo ranks equal to the single-rank result."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shardwork.fused_kernels as fk
+from shardwork.fused_kernels import cross_entropy_op as ce_mod
+from shardwork.fused_kernels.launches import count_launches
+
+REDUCTIONS = ["mean", "sum", "none"]
+
+
+def _data(n, v, dtype, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(n, v, generator=g) * 3).to(dtype).to(device)
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[torch.randperm(n, generator=g)[: max(1, n // 4)]] = -100
+    return logits, labels.to(device)
+
+
+def _loss_and_grad(fn, logits, labels, reduction, **kw):
+    x = logits.detach().clone().requires_grad_(True)
+    loss = fn(x, labels, reduction=reduction, **kw)
+    gy = torch.rand(loss.shape, generator=torch.Generator().manual_seed(3)).to(loss)
+    (grad,) = torch.autograd.grad(loss, [x], gy)
+    return loss, grad
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_torch_backend_matches_torch_functional(reduction, smoothing, monkeypatch):
+    monkeypatch.setattr(ce_mod, "_CHUNK_ELEMENTS", 3 * 50)  # force several row chunks
+    logits, labels = _data(11, 50, torch.float64)
+    ours = _loss_and_grad(fk.cross_entropy, logits, labels, reduction, label_smoothing=smoothing, backend="torch")
+    ref = _loss_and_grad(F.cross_entropy, logits, labels, reduction, label_smoothing=smoothing)
+    torch.testing.assert_close(ours[0], ref[0])
+    torch.testing.assert_close(ours[1], ref[1])
+
+
+def test_low_precision_logits_give_fp32_losses_and_logits_dtype_grads():
+    logits, labels = _data(8, 40, torch.float16)
+    loss, grad = _loss_and_grad(fk.cross_entropy, logits, labels, "none", backend="torch")
+    assert loss.dtype == torch.float32 and grad.dtype == torch.float16
+    ref = F.cross_entropy(logits.double(), labels, reduction="none")
+    torch.testing.assert_close(loss.double(), ref, atol=1e-5, rtol=1e-5)
+    assert bool((loss[labels == -100] == 0).all())
+
+
+def test_all_ignored_mean_is_nan_like_torch():
+    logits = torch.randn(3, 5)
+    labels = torch.full((3,), -100)
+    assert fk.cross_entropy(logits, labels, backend="torch").isnan()
+    assert F.cross_entropy(logits, labels).isnan()
+
+
+# V=4200: two 4096-wide vocab chunks (second partial) per row in the streaming kernel and
+# two vocab programs per row in the gradient kernel; 6 rows; a single row.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("n", "v"), [(6, 4200), (1, 77)])
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+def test_triton_matches_reference(dtype, n, v, smoothing, triton_device, tol, poison):
+    logits, labels = _data(n, v, dtype, device=triton_device)
+    if n == 1:
+        labels[:] = 5
+    for reduction in ("none", "mean"):
+        with count_launches() as launches:
+            loss, grad = _loss_and_grad(
+                fk.cross_entropy, logits, labels, reduction, label_smoothing=smoothing, backend="triton"
+            )
+        assert launches["cross_entropy_stats"] == 1 and launches["cross_entropy_grad"] == 1
+        ref_loss, ref_grad = _loss_and_grad(
+            F.cross_entropy, logits.float(), labels, reduction, label_smoothing=smoothing
+        )
+        torch.testing.assert_close(loss, ref_loss, **tol(torch.float32))
+        assert grad.dtype == dtype
+        torch.testing.assert_close(grad.float(), ref_grad, **tol(dtype))
+
+
+def _vocab_parallel(backend, reduction, smoothing, n, v):
+    if backend == "triton":
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch.distributed as dist
+
+    from shardwork.parallel_state import ParallelConfig, init_process_groups
+
+    world = dist.get_world_size()
+    groups = init_process_groups(ParallelConfig(tp=world))
+    rank = groups.rank("tp")
+    logits, labels = _data(n, v, torch.float32, seed=7)
+    shard = logits.chunk(world, dim=1)[rank].contiguous().requires_grad_(True)
+    loss = fk.cross_entropy(
+        shard, labels, tp_group=groups.tp, reduction=reduction, label_smoothing=smoothing, backend=backend
+    )
+    gy = torch.rand(loss.shape, generator=torch.Generator().manual_seed(3))
+    (grad,) = torch.autograd.grad(loss, [shard], gy)
+    return loss.detach(), grad
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize(
+    ("backend", "reduction", "smoothing"),
+    [("torch", "none", 0.1), ("torch", "mean", 0.0), ("torch", "sum", 0.1), ("triton", "mean", 0.1)],
+)
+def test_vocab_parallel_equals_single_rank(world, backend, reduction, smoothing):
+    run_on_ranks = pytest.importorskip("shardwork.parallel_state.testing").run_on_ranks
+    pytest.importorskip("triton") if backend == "triton" else None
+    n, v = 9, 48
+    results = run_on_ranks(_vocab_parallel, world, args=(backend, reduction, smoothing, n, v))
+    logits, labels = _data(n, v, torch.float32, seed=7)
+    ref_loss, ref_grad = _loss_and_grad(F.cross_entropy, logits, labels, reduction, label_smoothing=smoothing)
+    for loss, _ in results:
+        torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([g for _, g in results], dim=1), ref_grad, atol=1e-6, rtol=1e-5)
+
+
+def test_bad_inputs_name_the_field():
+    logits = torch.randn(4, 10)
+    with pytest.raises(ValueError, match="reduction='avg'"):
+        fk.cross_entropy(logits, torch.zeros(4, dtype=torch.long), reduction="avg")
+    with pytest.raises(ValueError, match=r"labels.shape=\(3,\)"):
+        fk.cross_entropy(logits, torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="label_smoothing=1.5"):
+        fk.cross_entropy(logits, torch.zeros(4, dtype=torch.long), label_smoothing=1.5)
+    with pytest.raises(ValueError, match="labels must be an int64/int32"):
+        fk.cross_entropy(logits, torch.zeros(4))
+
+
+@pytest.mark.gpu
+def test_triton_bf16_on_gpu_has_no_extra_logits_buffer(cuda_device, tol):
+    n, v = 4096, 32768
+    logits = torch.randn(n, v, device=cuda_device, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, v, (n,), device=cuda_device)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss = fk.cross_entropy(logits, labels, backend="triton")
+    loss.backward()
+    peak_extra = torch.cuda.max_memory_allocated() - base
+    # the gradient itself is one logits-sized bf16 buffer; allow 10% slack, never an fp32 copy
+    assert peak_extra < 1.1 * logits.numel() * logits.element_size()
+    ref = F.cross_entropy(logits.detach().float(), labels)
+    torch.testing.assert_close(loss, ref, atol=1e-4, rtol=1e-4)
