@@ -6,7 +6,8 @@
   stage. :func:`reduce_loss` gives the true global per-token mean.
 - :func:`finalize_model_grads`: DP sync (duck-typed), sequence-parallel and shared-embedding
   reductions, MoE tracker/hooks, and division by the global token count.
-- :func:`layer_split` / :func:`stage_layers` split a model's layers over pp × vpp stages.
+- :func:`layer_split` / :func:`stage_layers` split a model's layers over pp × vpp stages;
+  :func:`build_stage` / :func:`build_model_chunks` build GPT chunks (:class:`GPTStage`).
 - Schedules are plans computed ahead of time (``plan.py``) and executed with batched
   point-to-point exchanges that cannot deadlock (``p2p.py``).
 """
@@ -21,11 +22,15 @@ from shardwork.models.pipeline.schedules import (
     get_schedule,
 )
 from shardwork.models.pipeline.split import layer_split, layers_per_rank, stage_layers
+from shardwork.models.pipeline.stage import GPTStage, build_model_chunks, build_stage
 
 __all__ = [
     "Action",
+    "GPTStage",
     "MicrobatchLoss",
     "all_reduce_coalesced",
+    "build_model_chunks",
+    "build_stage",
     "finalize_model_grads",
     "forward_backward_1f1b",
     "forward_backward_interleaved_1f1b",
