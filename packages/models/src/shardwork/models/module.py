@@ -38,7 +38,12 @@ def layout_groups(parallel: ParallelConfig, world_size: int, rank: int) -> Proce
     layout = RankLayout.build(parallel, world_size)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is not in [0, world_size={world_size})")
-    members = MappingProxyType({name: tuple(layout.group_of(name, rank)) for name in GROUP_NAMES})
+    members = {}
+    for name in GROUP_NAMES:
+        for group in layout.groups[name]:
+            if rank in group:  # middle pipeline stages are in no embedding group
+                members[name] = tuple(group)
+    members = MappingProxyType(members)
     handles = MappingProxyType(dict.fromkeys(GROUP_NAMES))
     gloo = MappingProxyType({n: None for n in ("dp", "dp_cp", "edp")})
     return ProcessGroups(layout.config, rank, members, handles, gloo)
