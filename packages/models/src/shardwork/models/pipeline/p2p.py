@@ -57,6 +57,33 @@ def _run(ops: list) -> None:
             work.wait()
 
 
+def check_activation(
+    tensor: object,
+    tensor_shape: tuple[int, ...] | None,
+    dtype: torch.dtype,
+    *,
+    chunk: int,
+    microbatch: int,
+) -> None:
+    """Raise ValueError if a stage output cannot be sent as promised to the next stage."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(
+            f"forward_step_func returned output of type {type(tensor).__name__} for chunk "
+            f"{chunk}, microbatch {microbatch} on a non-last pipeline stage: it must be a tensor"
+        )
+    if tensor_shape is not None and (tuple(tensor.shape) != tensor_shape or tensor.dtype != dtype):
+        raise ValueError(
+            f"stage output of chunk {chunk}, microbatch {microbatch} has shape "
+            f"{tuple(tensor.shape)} and dtype {tensor.dtype}, but tensor_shape="
+            f"{tensor_shape} and dtype={dtype} were promised to the next stage"
+        )
+    if tensor_shape is None and (tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPES):
+        raise ValueError(
+            f"stage output with shape {tuple(tensor.shape)} and dtype {tensor.dtype} cannot be "
+            f"sent without tensor_shape: at most {_MAX_DIMS} dims and a dtype in {_DTYPES}"
+        )
+
+
 class P2PExchange:
     """Sends and receives the tensors of one pipeline rank over the pp group.
 
@@ -80,24 +107,7 @@ class P2PExchange:
 
     def check_activation(self, tensor: object, *, chunk: int, microbatch: int) -> None:
         """Raise ValueError if a stage output cannot be sent as an activation."""
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(
-                f"forward_step_func returned output of type {type(tensor).__name__} for chunk "
-                f"{chunk}, microbatch {microbatch} on a non-last pipeline stage: it must be a tensor"
-            )
-        if self.tensor_shape is not None and (
-            tuple(tensor.shape) != self.tensor_shape or tensor.dtype != self.dtype
-        ):
-            raise ValueError(
-                f"stage output of chunk {chunk}, microbatch {microbatch} has shape "
-                f"{tuple(tensor.shape)} and dtype {tensor.dtype}, but tensor_shape="
-                f"{self.tensor_shape} and dtype={self.dtype} were promised to the next stage"
-            )
-        if self.tensor_shape is None and (tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPES):
-            raise ValueError(
-                f"stage output with shape {tuple(tensor.shape)} and dtype {tensor.dtype} cannot be "
-                f"sent without tensor_shape: at most {_MAX_DIMS} dims and a dtype in {_DTYPES}"
-            )
+        check_activation(tensor, self.tensor_shape, self.dtype, chunk=chunk, microbatch=microbatch)
 
     def exchange(
         self,

@@ -150,9 +150,9 @@ def _pipelined(
     grad_scale: float,
 ) -> list[MicrobatchLoss]:
     _check_microbatches(num_microbatches)
+    iterators = _iterators(data_iterator, len(chunks))
     if pp_group is None:
         raise ValueError("pp_group=None is invalid for a pipelined schedule: pass the pp group")
-    iterators = _iterators(data_iterator, len(chunks))
     param = _first_param(chunks)
     if dtype is None:
         dtype = param.dtype if param is not None else torch.get_default_dtype()
