@@ -1,5 +1,6 @@
 """GPT sample index, splits, blending, per-rank micro-batches and the bigram baseline."""
 
+import itertools
 import math
 from types import SimpleNamespace
 
@@ -129,7 +130,7 @@ def test_bigram_entropy_matches_direct_formula():
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 7, size=5000)
     counts = np.zeros((7, 7))
-    for a, b in zip(tokens[:-1], tokens[1:]):
+    for a, b in itertools.pairwise(tokens):
         counts[a, b] += 1
     total = counts.sum()
     want = 0.0

@@ -19,12 +19,13 @@ ScalarValue = int | float | bool | str
 
 DEMO_MODEL = {
     "num_layers": 4,
-    "hidden_size": 192,
-    "num_attention_heads": 6,
-    "num_query_groups": 6,
-    "ffn_hidden_size": 512,
+    "hidden_size": 128,
+    "num_attention_heads": 4,
+    "num_query_groups": 4,
+    "ffn_hidden_size": 352,
+    "make_vocab_size_divisible_by": 64,
 }
-"""Architecture of the demo GPT (about 2 M parameters with the byte vocabulary)."""
+"""Architecture of the demo GPT (about 0.87 M parameters with the byte vocabulary)."""
 
 
 @dataclass(kw_only=True)
@@ -44,9 +45,9 @@ class ModelConfig:
     ffn_hidden_size: int | None = None
     """MLP inner width; None: the preset's (or the demo's) value."""
     vocab_size: int | None = None
-    """Vocabulary rows; None: the tokenizer's vocabulary padded to make_vocab_size_divisible_by × tp."""
-    make_vocab_size_divisible_by: int = 64
-    """Pad the tokenizer's vocabulary to a multiple of this times tp (ignored if vocab_size is set)."""
+    """Real vocabulary size; None: the tokenizer's."""
+    make_vocab_size_divisible_by: int | None = None
+    """Embedding/head rows are padded to a multiple of this; None: the preset's (or the demo's: 64)."""
     overrides: dict[str, ScalarValue] = field(default_factory=dict)
     """Any other GPTConfig field by name, e.g. {'rotary_base': 500000, 'num_moe_experts': 8}."""
 
@@ -93,13 +94,14 @@ class PrecisionConfig:
 
 @dataclass(kw_only=True)
 class OptimizerConfig:
-    """Optimizer (shardwork.dist_optimizer) and its weight-decay schedule."""
+    """Optimizer (shardwork.dist_optimizer's ZeRO-1 DistributedOptimizer: fp32 master weights and
+    optimizer state sharded over data-parallel ranks) and its weight-decay schedule."""
 
-    name: Literal["adamw", "muon"] = "adamw"
-    """adamw for every parameter, or muon for matrices with adamw for the rest."""
-    lr: float = 2e-3
+    name: Literal["adamw"] = "adamw"
+    """The update rule (AdamW, decoupled weight decay; 1-D parameters get no decay)."""
+    lr: float = 3e-3
     """Peak learning rate."""
-    min_lr: float = 1e-4
+    min_lr: float = 3e-4
     """Learning rate at the end of the decay."""
     weight_decay: float = 0.1
     """Weight decay at step 0 (decoupled, AdamW style)."""
@@ -115,14 +117,10 @@ class OptimizerConfig:
     """Adam epsilon."""
     clip_grad: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
-    muon_momentum: float = 0.95
-    """Muon momentum (name='muon')."""
-    distributed: bool = False
-    """ZeRO-1: shard optimizer state and fp32 master weights over data-parallel ranks."""
     overlap_grad_reduce: bool = False
     """Overlap the data-parallel gradient reduction with the backward pass."""
     overlap_param_gather: bool = False
-    """ZeRO-1: overlap the parameter all-gather with the next forward pass."""
+    """Overlap the parameter all-gather with the next forward pass."""
     bucket_size_mb: float = 40.0
     """Gradient bucket size for the data-parallel reduction."""
 
@@ -131,7 +129,7 @@ class OptimizerConfig:
 class ScheduleConfig:
     """Steps, batch sizes and the learning-rate schedule."""
 
-    train_steps: int = 350
+    train_steps: int = 300
     """Optimizer steps to train."""
     global_batch_size: int = 16
     """Sequences per optimizer step, over all data-parallel ranks."""
@@ -141,7 +139,7 @@ class ScheduleConfig:
     """(step, global batch size) pairs: from that step on, that batch size (before the first: global_batch_size)."""
     lr_schedule: Literal["constant", "linear", "cosine", "inverse_sqrt", "wsd"] = "cosine"
     """Learning-rate schedule after warmup."""
-    warmup_steps: int = 30
+    warmup_steps: int = 20
     """Linear warmup steps: lr = lr * (step + 1) / warmup_steps."""
     lr_decay_steps: int | None = None
     """Step at which the decay reaches min_lr; None: train_steps."""
@@ -223,6 +221,8 @@ class LoggingConfig:
     """Every rank writes its own metrics file (default: rank 0 only)."""
     plot: bool = True
     """Write PNG plots into RUN_DIR at the end."""
+    peak_tflops: float | None = None
+    """Peak TFLOP/s of one device for MFU; None: known GPU table, or a measured matmul rate on CPU."""
 
 
 @dataclass(kw_only=True)

@@ -44,9 +44,8 @@ def resolve_config(config: TrainConfig) -> TrainConfig:
         if getattr(model, name) is None and base.get(name) is not None:
             updates[name] = base[name]
     if model.vocab_size is None:
-        vocab = load_tokenizer(config.data.tokenizer, eod_token=config.data.eod_token).vocab_size
-        multiple = model.make_vocab_size_divisible_by * config.parallel.tp
-        updates["vocab_size"] = -(-vocab // multiple) * multiple
+        tokenizer = load_tokenizer(config.data.tokenizer, eod_token=config.data.eod_token)
+        updates["vocab_size"] = tokenizer.vocab_size
     run_dir = config.logging.run_dir or str(Path("runs") / config.logging.name)
     checkpoint_dir = config.checkpoint.dir or str(Path(run_dir) / "checkpoints")
     return dataclasses.replace(
@@ -89,32 +88,18 @@ def _check_parallel(config: TrainConfig, world_size: int, problems: list[str]) -
 
 
 def _check_model(config: TrainConfig, problems: list[str]) -> None:
-    m, p = config.model, config.parallel
-    for name in (*DEMO_MODEL, "vocab_size"):
-        _positive(problems, f"model.{name}", getattr(m, name))
-    _positive(problems, "model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by)
-    if any(p_ for p_ in problems if p_.startswith("model.")):
+    """Build the GPTConfig and check it against the layout (shardwork.models does the checking)."""
+    from shardwork.trainer.model_factory import gpt_config
+
+    try:
+        model = gpt_config(config)
+    except (ValueError, TypeError) as exc:
+        problems.append(f"model: {exc}")
         return
-    if m.hidden_size % m.num_attention_heads:
-        problems.append(
-            f"model.hidden_size={m.hidden_size}: must be divisible by "
-            f"model.num_attention_heads={m.num_attention_heads}"
-        )
-    if m.num_attention_heads % m.num_query_groups:
-        problems.append(
-            f"model.num_query_groups={m.num_query_groups}: must divide "
-            f"model.num_attention_heads={m.num_attention_heads}"
-        )
-    for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size"):
-        if getattr(m, name) % p.tp:
-            problems.append(
-                f"model.{name}={getattr(m, name)}: must be divisible by parallel.tp={p.tp}"
-            )
-    chunks = p.pp * (p.vpp or 1)
-    if m.num_layers % chunks:
-        problems.append(
-            f"model.num_layers={m.num_layers}: must be divisible by parallel.pp × vpp = {chunks}"
-        )
+    try:
+        model.check_layout(parallel_config(config), seq_length=config.data.seq_length)
+    except ValueError as exc:
+        problems.append(f"model/parallel: {exc}")
 
 
 def _check_optimizer(config: TrainConfig, problems: list[str]) -> None:
@@ -132,7 +117,7 @@ def _check_optimizer(config: TrainConfig, problems: list[str]) -> None:
         )
     if o.weight_decay_end is not None and o.weight_decay_end < 0:
         problems.append(f"optimizer.weight_decay_end={o.weight_decay_end}: must be >= 0")
-    for name in ("beta1", "beta2", "muon_momentum"):
+    for name in ("beta1", "beta2"):
         if not 0 <= getattr(o, name) < 1:
             problems.append(f"optimizer.{name}={getattr(o, name)}: must be in [0, 1)")
     if not o.eps > 0:
@@ -141,10 +126,6 @@ def _check_optimizer(config: TrainConfig, problems: list[str]) -> None:
         problems.append(f"optimizer.clip_grad={o.clip_grad}: must be >= 0 (0 disables clipping)")
     if o.bucket_size_mb <= 0:
         problems.append(f"optimizer.bucket_size_mb={o.bucket_size_mb}: must be > 0")
-    if o.overlap_param_gather and not o.distributed:
-        problems.append(
-            "optimizer.overlap_param_gather=True needs optimizer.distributed=True (ZeRO-1)"
-        )
 
 
 def _check_schedule(config: TrainConfig, dp: int, problems: list[str]) -> None:

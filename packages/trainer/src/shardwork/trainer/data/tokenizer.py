@@ -47,13 +47,13 @@ class HFTokenizer:
 
     def __init__(self, path: str | Path, *, eod_token: str | None = None) -> None:
         try:
-            from tokenizers import Tokenizer as _HF
+            from tokenizers import Tokenizer as HFTokenizerImpl
         except ImportError as exc:  # optional extra
             raise ImportError(
                 "a tokenizer JSON needs the `tokenizers` package: install "
                 "shardwork-trainer[tokenizers] or use data.tokenizer='byte'"
             ) from exc
-        self._tok = _HF.from_file(str(path))
+        self._tok = HFTokenizerImpl.from_file(str(path))
         self.name = str(path)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         candidates = (eod_token,) if eod_token else _EOD_CANDIDATES

@@ -1,0 +1,49 @@
+"""``shardwork-train`` (also ``python -m shardwork.trainer``, e.g. under torchrun).
+
+Parses and validates the whole configuration before any process group is
+created; a bad value exits with status 2 and one line per problem.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+
+def quiet_cpu_threads() -> None:
+    """Let idle OpenMP threads sleep instead of spinning (set before torch loads OpenMP).
+
+    On a CPU shared with other processes, spinning intra-op threads made a training
+    step 4x slower (6.6 s vs 1.6 s measured on a loaded 2-core machine); on an idle
+    machine passive waiting costs nothing measurable. An explicit setting wins.
+    """
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def train_main(argv: Sequence[str] | None = None) -> int:
+    quiet_cpu_threads()
+    from shardwork.trainer.config.cli import parse_train_args
+    from shardwork.trainer.config.load import ConfigError, config_to_toml
+    from shardwork.trainer.config.validate import validate_config
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        config, print_config = parse_train_args(argv)
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        resolved = validate_config(config, world_size=world_size)
+    except ConfigError as exc:
+        print(f"shardwork-train: {exc}", file=sys.stderr)
+        return 2
+    if print_config:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(config_to_toml(resolved), end="")
+        return 0
+    from shardwork.trainer.run.trainer import NonFiniteLossError, train
+
+    try:
+        result = train(resolved)
+    except NonFiniteLossError as exc:
+        print(f"shardwork-train: {exc}", file=sys.stderr)
+        return 3
+    return 0

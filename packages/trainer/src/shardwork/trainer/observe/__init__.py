@@ -1,0 +1,1 @@
+"""Observability: metrics files, progress display, throughput/MFU/memory, plots."""

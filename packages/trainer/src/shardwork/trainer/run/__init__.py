@@ -1,0 +1,1 @@
+"""The training run: process setup, model/optimizer assembly, the loop, evaluation, checkpoints."""

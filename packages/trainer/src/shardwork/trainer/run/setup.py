@@ -1,0 +1,152 @@
+"""Process setup and assembly: device, process groups, model chunks, DDP, optimizer.
+
+- One process without torchrun gets ``ProcessGroups.single()`` and no
+  torch.distributed at all; under torchrun (WORLD_SIZE > 1) every group is
+  created once by shardwork.parallel_state with the configured timeout.
+- The model comes from shardwork.models, wrapped per chunk in
+  shardwork.dist_optimizer's DistributedDataParallel (summing gradients:
+  the loss is a token sum, and finalize_model_grads divides by the global
+  token count), and optimised by its ZeRO-1 DistributedOptimizer (at
+  dp = 1 that is an ordinary optimizer over fp32 masters).
+- Biases and norm weights (1-D parameters) get no weight decay; every other
+  parameter group carries ``wd_mult = 1`` so the weight-decay schedule can
+  set ``weight_decay = wd · wd_mult`` each step.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardwork.parallel_state import ProcessGroups, init_process_groups
+from shardwork.trainer.config.sections import TrainConfig
+from shardwork.trainer.config.validate import parallel_config
+
+
+@dataclass
+class Runtime:
+    """Where this rank runs and which groups it belongs to."""
+
+    groups: ProcessGroups
+    device: torch.device
+    rank: int
+    world_size: int
+    owns_distributed: bool
+    """True when this run initialised torch.distributed (and must destroy it)."""
+
+    @property
+    def is_logging_rank(self) -> bool:
+        return self.rank == 0
+
+
+def init_runtime(config: TrainConfig) -> Runtime:
+    """Pick the device and create the process groups (after the config was validated)."""
+    want = config.precision.device
+    use_cuda = want == "cuda" or (want == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 and not dist.is_initialized():
+        return Runtime(ProcessGroups.single(), device, 0, 1, owns_distributed=False)
+    backend = config.parallel.backend
+    if backend == "auto":
+        backend = "nccl" if use_cuda else "gloo"
+    owns = not dist.is_initialized()
+    groups = init_process_groups(
+        parallel_config(config),
+        backend=backend,
+        timeout=timedelta(minutes=config.parallel.timeout_minutes),
+        gloo_twins=True,
+    )
+    return Runtime(groups, device, dist.get_rank(), dist.get_world_size(), owns_distributed=owns)
+
+
+def _param_group_fn(name: str, param: torch.nn.Parameter) -> dict[str, Any]:
+    return {"wd_mult": 0.0 if param.ndim < 2 else 1.0}
+
+
+@dataclass
+class Assembly:
+    """The model chunks (DDP-wrapped), their unwrapped modules, and the optimizer."""
+
+    model_config: Any
+    chunks: list
+    modules: list
+    optimizer: Any
+    num_params: int
+    """Parameters of the whole model (all ranks), counted by the model's own config."""
+
+
+def build_assembly(config: TrainConfig, runtime: Runtime) -> Assembly:
+    from shardwork.dist_optimizer import (
+        DDPConfig,
+        DistributedDataParallel,
+        DistributedOptimizer,
+        DynamicLossScaler,
+    )
+    from shardwork.dist_optimizer import OptimizerConfig as DistOptimizerConfig
+    from shardwork.trainer.model_factory import build_model_chunks, gpt_config
+
+    model_config = gpt_config(config)
+    modules = build_model_chunks(
+        model_config, runtime.groups, device=runtime.device, vpp=config.parallel.vpp
+    )
+    o = config.optimizer
+    ddp_config = DDPConfig(
+        bucket_size=max(1, int(o.bucket_size_mb * 2**20 / 4)),
+        overlap_grad_reduce=o.overlap_grad_reduce,
+        use_distributed_optimizer=True,
+        average_gradients=False,
+        grad_reduce_in_fp32=config.precision.grad_reduce_in_fp32,
+    )
+    chunks = [
+        DistributedDataParallel(m, config=ddp_config, process_groups=runtime.groups)
+        for m in modules
+    ]
+
+    def factory(param_groups):
+        return torch.optim.AdamW(
+            param_groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
+        )
+
+    scaler = None
+    if config.precision.dtype == "fp16":
+        scaler = DynamicLossScaler(initial_scale=config.precision.initial_loss_scale)
+    optimizer = DistributedOptimizer(
+        chunks,
+        factory,
+        config=DistOptimizerConfig(
+            clip_grad=o.clip_grad, overlap_param_gather=o.overlap_param_gather
+        ),
+        process_groups=runtime.groups,
+        param_group_fn=_param_group_fn,
+        loss_scaler=scaler,
+    )
+    num_params = _count_params(modules, runtime)
+    return Assembly(model_config, chunks, modules, optimizer, num_params)
+
+
+def _count_params(modules, runtime: Runtime) -> int:
+    """Global parameter count from the sharded state dicts' global shapes (each key once)."""
+    shapes: dict[str, int] = {}
+    for m in modules:
+        for key, sharded in m.sharded_state_dict().items():
+            numel = 1
+            for size in sharded.global_shape:
+                numel *= size
+            shapes[key] = numel
+    if runtime.world_size > 1:
+        gathered: list[Any] = [None] * runtime.world_size
+        dist.all_gather_object(gathered, shapes)
+        for part in gathered:
+            shapes.update(part)
+    return sum(shapes.values())

@@ -1,0 +1,246 @@
+"""One training step and one evaluation pass, driven by shardwork.models.pipeline.
+
+- The schedule is ``get_schedule(pp, vpp)``: gradient accumulation without
+  pipelining, 1F1B, or interleaved 1F1B; it calls :func:`forward_step` once
+  per micro-batch and chunk.
+- Only the first pipeline stage reads input ids and only the last reads
+  labels; middle stages read nothing (their micro-batch iterator yields
+  empty dicts). With vpp chunks each chunk gets its own iterator over the
+  same micro-batches.
+- Loss: the model returns ``(loss_sum, num_tokens)``; backward starts from
+  the sum (times the fp16 loss scale), ``finalize_model_grads`` finishes the
+  reductions and divides every gradient by the global token count, so the
+  gradient is exactly that of the global per-token mean.
+- A collective that times out is re-raised as :class:`CollectiveTimeoutError`
+  naming the phase and the groups it communicates over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from shardwork.trainer.data.builder import micro_batch
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective did not complete within parallel.timeout_minutes."""
+
+
+@contextlib.contextmanager
+def collective_phase(phase: str, groups, names: tuple[str, ...], *, timeout_minutes: float):
+    """Re-raise a timeout inside the block naming ``phase`` and the groups ``names``."""
+    try:
+        yield
+    except RuntimeError as exc:
+        text = str(exc).lower()
+        if "timed out" not in text and "timeout" not in text:
+            raise
+        members = ", ".join(f"{n}={list(groups.members.get(n, ()))}" for n in names)
+        raise CollectiveTimeoutError(
+            f"rank {groups.global_rank}: a collective in '{phase}' did not finish within "
+            f"parallel.timeout_minutes={timeout_minutes}; it communicates over groups {members}. "
+            f"A rank of one of these groups has died, hung or diverged. Original error: {exc}"
+        ) from exc
+
+
+def micro_batches(
+    dataset,
+    *,
+    consumed: int,
+    count: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    first_stage: bool,
+    last_stage: bool,
+    device: torch.device,
+) -> Iterator[dict]:
+    """The ``count`` micro-batches of this rank: ``{"input_ids", "labels"}`` as the stage needs."""
+    for index in range(count):
+        if not (first_stage or last_stage):
+            yield {}
+            continue
+        rows = micro_batch(
+            dataset,
+            consumed=consumed,
+            index=index,
+            micro_batch_size=micro_batch_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+        ).to(device, non_blocking=True)
+        batch = {}
+        if first_stage:
+            batch["input_ids"] = rows[:, :-1]
+        if last_stage:
+            batch["labels"] = rows[:, 1:]
+        yield batch
+
+
+def _loss_fn(output):
+    loss_sum, num_tokens = output
+    return loss_sum, num_tokens, {}
+
+
+def forward_step(data_iterator, chunk):
+    """Megatron-style forward step: run ``chunk`` on the next micro-batch."""
+    batch = next(data_iterator)
+    output = chunk(input_ids=batch.get("input_ids"), labels=batch.get("labels"))
+    return output, _loss_fn
+
+
+@dataclass
+class StepOutput:
+    loss: float
+    """Global mean loss (nats/token) of this step's batch."""
+    num_tokens: int
+    grad_norm: float | None
+    update_successful: bool
+
+
+def activation_shape(config, *, seq_length: int, micro_batch_size: int, groups) -> list[int]:
+    """Shape of the activation sent between pipeline stages: ``[s/cp(/tp under SP), b, h]``."""
+    local = seq_length // groups.size("cp")
+    if config.sequence_parallel:
+        local //= groups.size("tp")
+    return [local, micro_batch_size, config.hidden_size]
+
+
+def run_schedule(
+    assembly,
+    runtime,
+    dataset,
+    *,
+    consumed: int,
+    num_microbatches: int,
+    micro_batch_size: int,
+    seq_length: int,
+    vpp: int | None,
+    forward_only: bool,
+    grad_scale: float = 1.0,
+):
+    """Run the pipeline schedule over ``num_microbatches``; returns the MicrobatchLoss list."""
+    from shardwork.models.pipeline import get_schedule
+
+    groups = runtime.groups
+    schedule = get_schedule(groups.size("pp"), vpp)
+
+    def iterator():
+        return micro_batches(
+            dataset,
+            consumed=consumed,
+            count=num_microbatches,
+            micro_batch_size=micro_batch_size,
+            dp_rank=groups.rank("dp"),
+            dp_size=groups.size("dp"),
+            first_stage=groups.is_first_pp_stage,
+            last_stage=groups.is_last_pp_stage,
+            device=runtime.device,
+        )
+
+    chunks = assembly.chunks
+    data = iterator() if len(chunks) == 1 else [iterator() for _ in chunks]
+    model = chunks[0] if len(chunks) == 1 else chunks
+    return schedule(
+        forward_step_func=forward_step,
+        data_iterator=data,
+        model=model,
+        num_microbatches=num_microbatches,
+        pp_group=groups.pp,
+        tensor_shape=activation_shape(
+            assembly.model_config,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            groups=groups,
+        ),
+        dtype=assembly.model_config.activation_dtype,
+        device=runtime.device,
+        forward_only=forward_only,
+        grad_scale=grad_scale,
+    )
+
+
+def train_step(
+    assembly, runtime, dataset, *, consumed: int, global_batch_size: int, config
+) -> StepOutput:
+    """Forward/backward over one global batch, finalize gradients, optimizer step."""
+    from shardwork.models.pipeline import finalize_model_grads, loss_totals, reduce_loss
+
+    groups = runtime.groups
+    mbs = config.schedule.micro_batch_size
+    num_micro = global_batch_size // (mbs * groups.size("dp"))
+    timeout = config.parallel.timeout_minutes
+    for m in assembly.modules:
+        m.train()
+    assembly.optimizer.zero_grad()
+    with collective_phase(
+        "forward/backward", groups, ("pp", "tp", "cp", "dp_cp"), timeout_minutes=timeout
+    ):
+        losses = run_schedule(
+            assembly,
+            runtime,
+            dataset,
+            consumed=consumed,
+            num_microbatches=num_micro,
+            micro_batch_size=mbs,
+            seq_length=config.data.seq_length,
+            vpp=config.parallel.vpp,
+            forward_only=False,
+            grad_scale=assembly.optimizer.loss_scale,
+        )
+    with collective_phase(
+        "gradient finalisation",
+        groups,
+        ("dp_cp", "tp", "pp", "embedding"),
+        timeout_minutes=timeout,
+    ):
+        _, local_tokens = loss_totals(losses, device=runtime.device)
+        finalize_model_grads(assembly.chunks, groups, num_tokens=local_tokens)
+    with collective_phase("optimizer step", groups, ("dp_cp", "mp"), timeout_minutes=timeout):
+        result = assembly.optimizer.step()
+    with collective_phase("loss reduction", groups, ("pp", "dp_cp"), timeout_minutes=timeout):
+        mean, _, tokens = reduce_loss(
+            losses, pp_group=groups.pp, dp_cp_group=groups.group("dp_cp"), device=runtime.device
+        )
+    return StepOutput(
+        loss=float(mean),
+        num_tokens=int(tokens),
+        grad_norm=result.grad_norm,
+        update_successful=bool(result.update_successful),
+    )
+
+
+@torch.no_grad()
+def evaluate(assembly, runtime, dataset, *, num_microbatches: int, config) -> tuple[float, int]:
+    """Mean loss (nats/token) over ``num_microbatches`` per data-parallel rank of ``dataset``."""
+    from shardwork.models.pipeline import reduce_loss
+
+    groups = runtime.groups
+    for m in assembly.modules:
+        m.eval()
+    with collective_phase(
+        "evaluation",
+        groups,
+        ("pp", "tp", "cp", "dp_cp"),
+        timeout_minutes=config.parallel.timeout_minutes,
+    ):
+        losses = run_schedule(
+            assembly,
+            runtime,
+            dataset,
+            consumed=0,
+            num_microbatches=num_microbatches,
+            micro_batch_size=config.schedule.micro_batch_size,
+            seq_length=config.data.seq_length,
+            vpp=config.parallel.vpp,
+            forward_only=True,
+        )
+        mean, _, tokens = reduce_loss(
+            losses, pp_group=groups.pp, dp_cp_group=groups.group("dp_cp"), device=runtime.device
+        )
+    for m in assembly.modules:
+        m.train()
+    return float(mean), int(tokens)

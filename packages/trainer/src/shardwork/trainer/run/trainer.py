@@ -1,0 +1,359 @@
+"""The training run: set up, resume, loop, evaluate, checkpoint, report.
+
+The loop is deliberately plain; everything heavy lives in the packages:
+``train_step`` drives shardwork.models.pipeline's schedule and
+finalize_model_grads and shardwork.dist_optimizer's step; checkpoints go
+through shardwork.dist_checkpoint. Per step it:
+
+1. sets the learning rate and weight decay of the step on the optimizer,
+2. runs forward/backward over the step's global batch (size from the
+   batch-size schedule), finalises gradients and steps,
+3. handles a non-finite loss or gradient (skip the step or stop),
+4. logs (every ``logging.interval``), evaluates (every ``eval.interval``),
+   checks data-parallel replicas (every ``reliability.check_dp_params_interval``),
+   checkpoints (every ``checkpoint.interval``),
+5. stops cleanly, with a checkpoint, when any rank received SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardwork.trainer.config.load import config_to_toml
+from shardwork.trainer.config.sections import TrainConfig
+from shardwork.trainer.data.baseline import bigram_entropy, nats_to_bits
+from shardwork.trainer.data.builder import build_blend, build_eval_set, split_components
+from shardwork.trainer.observe.metrics import MetricsWriter
+from shardwork.trainer.observe.progress import Progress, format_duration
+from shardwork.trainer.observe.throughput import memory_gib, peak_tflops
+from shardwork.trainer.run.checkpointing import Checkpointer
+from shardwork.trainer.run.params_check import check_dp_replicas
+from shardwork.trainer.run.rng import derived_seed, rank_role, seed_everything
+from shardwork.trainer.run.setup import build_assembly, init_runtime
+from shardwork.trainer.run.signals import StopRequest
+from shardwork.trainer.run.step import evaluate, train_step
+from shardwork.trainer.schedules import (
+    batch_size,
+    consumed_samples,
+    learning_rate,
+    weight_decay,
+)
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training stopped on a NaN/Inf loss or gradient (reliability.on_nan='stop')."""
+
+
+@dataclass
+class RunResult:
+    """What a finished (or stopped) run reports."""
+
+    final_step: int
+    train_losses: dict[int, float] = field(default_factory=dict)
+    """Global mean loss of every step taken in this process, by step index."""
+    valid_losses: dict[int, float] = field(default_factory=dict)
+    bigram_nats: float | None = None
+    checkpoint: str | None = None
+    run_dir: str | None = None
+    stopped_by: str | None = None
+    skipped_steps: int = 0
+    seconds: float = 0.0
+
+
+def _train_samples(config: TrainConfig) -> int:
+    s = config.schedule
+    return consumed_samples(
+        s.train_steps, global_batch_size=s.global_batch_size, ramp=s.batch_size_ramp
+    )
+
+
+def _baseline(components, runtime) -> float | None:
+    """Bigram entropy (nats/token) of the training corpus, computed on the logging rank."""
+    if not runtime.is_logging_rank or not components:
+        return None
+    import numpy as np
+
+    from shardwork.trainer.data.indexed import IndexedDataset
+
+    parts = []
+    for c in components:
+        ds = IndexedDataset(c.prefix)
+        parts += [ds[int(d)] for d in range(len(ds))]
+    if sum(p.size for p in parts) > 200_000_000:
+        return None  # too large to count here; the baseline is for small corpora
+    return bigram_entropy(np.concatenate(parts))
+
+
+class Trainer:
+    """One training run for a resolved, validated :class:`TrainConfig`."""
+
+    def __init__(self, config: TrainConfig, *, stream=None) -> None:
+        self.config = config
+        self.stream = stream or sys.stderr
+
+    def say(self, text: str) -> None:
+        if self.runtime.is_logging_rank:
+            if getattr(self, "progress", None) is not None:
+                self.progress.write(text)
+            else:
+                print(text, file=self.stream, flush=True)
+
+    def run(self) -> RunResult:
+        config = self.config
+        t_start = time.perf_counter()
+        self.runtime = runtime = init_runtime(config)
+        try:
+            return self._run(config, runtime, t_start)
+        finally:
+            if runtime.owns_distributed and dist.is_initialized():
+                dist.destroy_process_group()
+
+    def _run(self, config: TrainConfig, runtime, t_start: float) -> RunResult:
+        groups = runtime.groups
+        run_dir = Path(config.logging.run_dir)
+        seed_everything(derived_seed(config.seed, 0, rank_role(groups)), runtime.device)
+
+        comps = split_components(config.data)
+        seq = config.data.seq_length
+        train_set = build_blend(
+            comps["train"],
+            size=_train_samples(config),
+            seq_length=seq,
+            seed=config.seed,
+            shuffle=config.data.shuffle,
+        )
+        dp, mbs = groups.size("dp"), config.schedule.micro_batch_size
+        eval_samples = None if config.eval.steps is None else config.eval.steps * mbs * dp
+        valid_set = build_eval_set(comps["valid"], seq_length=seq, num_samples=eval_samples)
+        eval_micro = 0 if valid_set is None else max(1, len(valid_set) // (mbs * dp))
+
+        assembly = build_assembly(config, runtime)
+        writer = None
+        if runtime.is_logging_rank or config.logging.per_rank:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            writer = MetricsWriter(
+                run_dir,
+                rank=None
+                if runtime.is_logging_rank and not config.logging.per_rank
+                else runtime.rank,
+                tensorboard=config.logging.tensorboard and runtime.is_logging_rank,
+            )
+            if runtime.is_logging_rank:
+                (run_dir / "config.toml").write_text(config_to_toml(config))
+
+        result = RunResult(final_step=0, run_dir=str(run_dir))
+        checkpointer = Checkpointer(config, runtime, assembly)
+        start_step = checkpointer.maybe_resume(say=self.say)
+        result.final_step = start_step
+
+        baseline = _baseline(comps["train"] + comps["valid"], runtime)
+        result.bigram_nats = baseline
+        flops_per_token = _flops_per_token(assembly.model_config, seq)
+        peak, peak_source = peak_tflops(runtime.device, override=config.logging.peak_tflops)
+        if runtime.is_logging_rank:
+            tokens_total = _train_samples(config) * seq
+            self.say(
+                f"shardwork-train: {assembly.num_params / 1e6:.2f} M parameters, "
+                f"{runtime.world_size} rank(s) {_layout_text(groups)} on {runtime.device.type}, "
+                f"{config.schedule.train_steps} steps × {config.schedule.global_batch_size} × "
+                f"{seq} tokens ({tokens_total / 1e6:.2f} M tokens)"
+            )
+            if baseline is not None:
+                self.say(
+                    f"corpus bigram-entropy baseline: {baseline:.4f} nats/token "
+                    f"({nats_to_bits(baseline):.4f} bits/token); the validation loss should end below it"
+                )
+                if writer is not None:
+                    writer.write("event", start_step, {"bigram_nats": baseline})
+        self.progress = (
+            Progress(
+                total_steps=config.schedule.train_steps,
+                start_step=start_step,
+                mode=config.logging.progress,
+                stream=self.stream,
+            )
+            if runtime.is_logging_rank
+            else None
+        )
+        s, o, r = config.schedule, config.optimizer, config.reliability
+        consecutive_skips = 0
+        window_tokens, window_t0 = 0, time.perf_counter()
+        step = start_step
+        stop = StopRequest(enabled=config.checkpoint.save_on_signal)
+        with stop:
+            while step < s.train_steps:
+                gbs = batch_size(
+                    step, global_batch_size=s.global_batch_size, ramp=s.batch_size_ramp
+                )
+                lr = learning_rate(step, s, o)
+                wd = weight_decay(step, o, train_steps=s.train_steps)
+                for group in assembly.optimizer.param_groups:
+                    group["lr"] = lr
+                    group["weight_decay"] = wd * group.get("wd_mult", 1.0)
+                consumed = consumed_samples(
+                    step, global_batch_size=s.global_batch_size, ramp=s.batch_size_ramp
+                )
+                out = train_step(
+                    assembly,
+                    runtime,
+                    train_set,
+                    consumed=consumed,
+                    global_batch_size=gbs,
+                    config=config,
+                )
+                finite = math.isfinite(out.loss) and out.update_successful
+                if not finite:
+                    what = (
+                        f"loss {out.loss}"
+                        if not math.isfinite(out.loss)
+                        else "non-finite gradients"
+                    )
+                    if r.on_nan == "stop":
+                        raise NonFiniteLossError(
+                            f"step {step}: {what} (the optimizer did not update). Stopping because "
+                            "reliability.on_nan='stop'; lower optimizer.lr, enable clipping or set "
+                            "reliability.on_nan='skip'"
+                        )
+                    consecutive_skips += 1
+                    result.skipped_steps += 1
+                    self.say(f"step {step}: {what}: step skipped (no update)")
+                    if consecutive_skips >= r.max_consecutive_skips:
+                        raise NonFiniteLossError(
+                            f"step {step}: {consecutive_skips} consecutive steps had {what}; "
+                            f"stopping (reliability.max_consecutive_skips={r.max_consecutive_skips})"
+                        )
+                else:
+                    consecutive_skips = 0
+                result.train_losses[step] = out.loss
+                step += 1
+                result.final_step = step
+                window_tokens += gbs * seq
+
+                log_now = step % config.logging.interval == 0 or step == s.train_steps
+                values = {"loss": out.loss, "lr": lr}
+                if log_now:
+                    elapsed = time.perf_counter() - window_t0
+                    tps = window_tokens / max(elapsed, 1e-9)
+                    window_tokens, window_t0 = 0, time.perf_counter()
+                    values.update(
+                        grad_norm=out.grad_norm if out.grad_norm is not None else float("nan"),
+                        weight_decay=wd,
+                        batch_size=gbs,
+                        tokens_per_s=tps,
+                        memory_gib=memory_gib(runtime.device),
+                        consumed_samples=consumed + gbs,
+                    )
+                    if flops_per_token is not None:
+                        values["mfu"] = tps * flops_per_token / (peak * 1e12 * runtime.world_size)
+                    if writer is not None:
+                        writer.write("train", step, values)
+                if self.progress is not None:
+                    self.progress.update(step, values, log_line=log_now)
+
+                if (
+                    r.check_dp_params_interval is not None
+                    and step % r.check_dp_params_interval == 0
+                ):
+                    check_dp_replicas(assembly.modules, groups, step=step)
+                evaluate_now = valid_set is not None and (
+                    (config.eval.interval is not None and step % config.eval.interval == 0)
+                    or (step == s.train_steps and config.eval.at_end)
+                )
+                if evaluate_now:
+                    val, _ = evaluate(
+                        assembly, runtime, valid_set, num_microbatches=eval_micro, config=config
+                    )
+                    result.valid_losses[step] = val
+                    if writer is not None:
+                        writer.write("valid", step, {"loss": val})
+                    note = ""
+                    if baseline is not None:
+                        note = f" ({'below' if val < baseline else 'above'} bigram {baseline:.4f})"
+                    self.say(f"step {step}: validation loss {val:.4f} nats/token{note}")
+                stopping = (
+                    stop.agreed(device=runtime.device)
+                    if runtime.world_size > 1
+                    else (stop.signal_name is not None)
+                )
+                if (
+                    config.checkpoint.interval is not None
+                    and step % config.checkpoint.interval == 0
+                    and step < s.train_steps
+                    and not stopping
+                ):
+                    checkpointer.save(step)
+                if stopping:
+                    result.stopped_by = stop.signal_name
+                    self.say(
+                        f"received {stop.signal_name}: saving a checkpoint at step {step} and exiting"
+                    )
+                    break
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None
+        if result.stopped_by is not None or config.checkpoint.save_at_end:
+            result.checkpoint = checkpointer.save(step, final=True)
+        checkpointer.close()
+        if writer is not None:
+            writer.close()
+        result.seconds = time.perf_counter() - t_start
+        if runtime.is_logging_rank:
+            plots = []
+            if config.logging.plot:
+                from shardwork.trainer.observe.plot import plot_run
+
+                plots = plot_run(run_dir)
+            self._report(result, plots, writer)
+        return result
+
+    def _report(self, result: RunResult, plots, writer) -> None:
+        lines = [f"done: {result.final_step} steps in {format_duration(result.seconds)}"]
+        if result.valid_losses:
+            last = result.valid_losses[max(result.valid_losses)]
+            line = f"final validation loss {last:.4f} nats/token"
+            if result.bigram_nats is not None:
+                verdict = "below" if last < result.bigram_nats else "NOT below"
+                line += f", {verdict} the bigram baseline {result.bigram_nats:.4f} nats/token"
+            lines.append(line)
+        if writer is not None:
+            lines.append(f"metrics:    {writer.path}")
+            if writer.tensorboard_dir is not None:
+                lines.append(f"tensorboard: {writer.tensorboard_dir}")
+        if plots:
+            lines.append(f"plots:      {plots[0].parent}/ ({', '.join(p.name for p in plots)})")
+        if result.checkpoint:
+            lines.append(f"checkpoint: {result.checkpoint}")
+            lines.append(f"sample:     shardwork-generate {result.checkpoint} --prompt 'The '")
+        for line in lines:
+            print(line, file=self.stream, flush=True)
+
+
+def _layout_text(groups) -> str:
+    c = groups.config
+    parts = [f"{n}={getattr(c, n)}" for n in ("tp", "pp", "cp", "ep", "dp") if getattr(c, n)]
+    return "(" + " ".join(parts) + ")"
+
+
+def _flops_per_token(model_config, seq_length: int) -> float | None:
+    """Training FLOPs per token from shardwork.models' calculator (None if it is absent)."""
+    try:
+        from shardwork.models import calculator
+    except ImportError:
+        return None
+    fn = getattr(calculator, "training_flops_per_token", None)
+    if fn is None:
+        return None
+    return float(fn(model_config, seq_length=seq_length))
+
+
+def train(config: TrainConfig, *, stream=None) -> RunResult:
+    """Run training for a resolved, validated config (see shardwork.trainer.config)."""
+    torch.set_float32_matmul_precision("high")
+    return Trainer(config, stream=stream).run()

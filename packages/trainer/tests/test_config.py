@@ -1,0 +1,150 @@
+"""Config: TOML loading, CLI overrides, whole-config validation (a table of bad inputs)."""
+
+import dataclasses
+
+import pytest
+
+from shardwork.trainer.config.cli import parse_train_args
+from shardwork.trainer.config.load import ConfigError, config_from_dict, config_to_toml, load_config
+from shardwork.trainer.config.sections import TrainConfig
+from shardwork.trainer.config.validate import validate_config
+
+
+def _with(**sections):
+    """TrainConfig with fields replaced: _with(optimizer={"lr": 0})."""
+    config = TrainConfig()
+    for name, values in sections.items():
+        if isinstance(values, dict):
+            config = dataclasses.replace(
+                config, **{name: dataclasses.replace(getattr(config, name), **values)}
+            )
+        else:
+            config = dataclasses.replace(config, **{name: values})
+    return config
+
+
+def test_defaults_are_valid_and_resolved(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDWORK_CACHE", str(tmp_path))
+    resolved = validate_config(TrainConfig(), world_size=1)
+    assert resolved.model.num_layers == 4 and resolved.model.vocab_size == 257
+    assert resolved.logging.run_dir == "runs/demo"
+    assert resolved.checkpoint.dir == "runs/demo/checkpoints"
+
+
+def test_toml_roundtrip(tmp_path):
+    config = _with(
+        optimizer={"lr": 3e-4, "weight_decay_end": None},
+        schedule={"batch_size_ramp": [(0, 4), (10, 16)], "lr_schedule": "wsd"},
+        model={"overrides": {"rope_theta": 500000.0, "qk_layernorm": True}},
+        eval={"interval": None},
+    )
+    path = tmp_path / "c.toml"
+    path.write_text(config_to_toml(config))
+    assert load_config(path) == config
+
+
+def test_cli_overrides_win_over_toml(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[optimizer]\nlr = 0.1\nbeta2 = 0.99\n[schedule]\ntrain_steps = 7\n")
+    config, show = parse_train_args(
+        ["--config", str(path), "--optimizer.lr", "3e-4", "--eval.at_end", "false"]
+    )
+    assert config.optimizer.lr == 3e-4 and config.optimizer.beta2 == 0.99
+    assert config.schedule.train_steps == 7 and config.eval.at_end is False and not show
+    _, show = parse_train_args(["--print-config"])
+    assert show
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ({"optimizer": {"lrr": 1}}, "optimizer.lrr: unknown key; valid keys in [optimizer]: "),
+        ({"optimizer": {"lr": "fast"}}, "optimizer.lr='fast': invalid type; valid: float"),
+        ({"schedule": {"lr_schedule": "step"}}, "valid: one of 'constant', 'linear', 'cosine'"),
+        ({"schedule": {"train_steps": 1.5}}, "schedule.train_steps=1.5: invalid type; valid: int"),
+        ({"optimizer": 3}, "optimizer=3: must be a table"),
+        ({"nonsense": {}}, "nonsense: unknown key"),
+        ({"schedule": {"batch_size_ramp": [[1, 2, 3]]}}, "schedule.batch_size_ramp="),
+    ],
+)
+def test_toml_type_errors(table, message):
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(table)
+    assert message in str(err.value)
+
+
+CASES = [
+    # (sections, world_size, expected fragment naming field, value and what is valid)
+    ({"optimizer": {"lr": 0.0}}, 1, "optimizer.lr=0.0: must be > 0"),
+    ({"optimizer": {"min_lr": 1.0}}, 1, "optimizer.min_lr=1.0: must be in [0, optimizer.lr=0.003]"),
+    ({"optimizer": {"beta2": 1.0}}, 1, "optimizer.beta2=1.0: must be in [0, 1)"),
+    ({"optimizer": {"weight_decay_schedule": "linear"}}, 1, "needs optimizer.weight_decay_end"),
+    (
+        {"schedule": {"global_batch_size": 24, "micro_batch_size": 16}},
+        1,
+        "schedule.global_batch_size=24: must be a multiple of micro_batch_size × dp = 16 × 1 = 16",
+    ),
+    (
+        {"schedule": {"global_batch_size": 16, "micro_batch_size": 4}},
+        8,
+        "micro_batch_size × dp = 4 × 8 = 32",
+    ),
+    ({"schedule": {"batch_size_ramp": [(5, 16), (3, 32)]}}, 1, "steps must be >= 0 and increasing"),
+    (
+        {"schedule": {"warmup_steps": 1000}},
+        1,
+        "schedule.warmup_steps=1000: must be in [0, train_steps=300]",
+    ),
+    ({"schedule": {"pipeline_schedule": "interleaved"}}, 1, "needs parallel.vpp > 1"),
+    ({"schedule": {"wsd_decay_steps": 5000}}, 1, "schedule.wsd_decay_steps=5000"),
+    ({"parallel": {"tp": 3}}, 4, "not divisible by tp*cp*pp"),
+    ({"parallel": {"tp": 8}}, 8, "num_attention_heads=4 is not divisible by tp=8"),
+    (
+        {"parallel": {"sequence_parallel": True}},
+        1,
+        "parallel.sequence_parallel=True needs parallel.tp > 1",
+    ),
+    ({"parallel": {"pp": 8}}, 8, "num_layers=4 is smaller than pp*vpp=8"),
+    (
+        {"model": {"hidden_size": 102}},
+        1,
+        "hidden_size=102 is not divisible by num_attention_heads=4",
+    ),
+    ({"model": {"preset": "gpt-17"}}, 1, "model.preset='gpt-17': unknown preset"),
+    ({"data": {"split": "90,10"}}, 1, "data.split='90,10': must be three non-negative numbers"),
+    ({"data": {"split": "100,0,0"}}, 1, "has no validation part but evaluation is on"),
+    (
+        {"data": {"corpus": "shakespeare"}},
+        1,
+        "data.corpus='shakespeare': not built in; valid: ['pydoc']",
+    ),
+    ({"data": {"prefixes": ["/nonexistent/x"]}}, 1, "'/nonexistent/x' has no /nonexistent/x.bin"),
+    ({"data": {"weights": [1.0]}}, 1, "data.weights has 1 entries but data.prefixes has 0"),
+    ({"data": {"tokenizer": "/no/tok.json"}}, 1, "data.tokenizer='/no/tok.json': must be 'byte'"),
+    ({"checkpoint": {"keep_last": 0}}, 1, "checkpoint.keep_last=0: must be an integer >= 1"),
+    (
+        {"checkpoint": {"resume": "/no/ckpt"}},
+        1,
+        "checkpoint.resume='/no/ckpt': must be 'auto', 'none'",
+    ),
+    ({"eval": {"interval": 0}}, 1, 'eval.interval=0: must be an integer >= 1 or "none"'),
+    ({"reliability": {"max_consecutive_skips": 0}}, 1, "reliability.max_consecutive_skips=0"),
+    ({"seed": -1}, 1, "seed=-1: must be an integer >= 0"),
+]
+
+
+@pytest.mark.parametrize(("sections", "world", "message"), CASES)
+def test_validation_errors_name_field_value_and_valid(
+    sections, world, message, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("SHARDWORK_CACHE", str(tmp_path))
+    with pytest.raises(ConfigError) as err:
+        validate_config(_with(**sections), world_size=world)
+    assert message in str(err.value), str(err.value)
+
+
+def test_all_problems_reported_together(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDWORK_CACHE", str(tmp_path))
+    with pytest.raises(ConfigError) as err:
+        validate_config(_with(optimizer={"lr": -1.0, "eps": 0.0}, seed=-3), world_size=1)
+    assert len(err.value.problems) >= 3
