@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -219,7 +220,7 @@ def load(
                 process_group=g.pg,
                 no_dist=not g.distributed,
             )
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:
         problems = _size_problems(path, info)
         if problems:
             raise md.CheckpointCorruptError(

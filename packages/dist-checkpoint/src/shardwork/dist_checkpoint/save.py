@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
@@ -217,7 +218,7 @@ def _run_write(job: _Job) -> None:
                 process_group=job.write_g.pg,
                 no_dist=not job.write_g.distributed,
             )
-    except BaseException as exc:  # reported to all ranks at finalize
+    except (Exception, CheckpointException) as exc:  # reported to all ranks at finalize
         job.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"
     job.checksums = dict(writer.fs.checksums)
     job.data = {}  # drop staged copies as soon as they are on disk

@@ -1,0 +1,120 @@
+"""CheckpointManager in one process: retention, granular loads, strictness and key errors."""
+
+import pytest
+import torch
+
+from shardwork.dist_checkpoint import CheckpointManager, ShardedObject, ShardedTensor
+from shardwork.dist_checkpoint.testing import example_global, example_state
+
+
+def _save_steps(manager, steps):
+    for step in steps:
+        manager.save(step, example_state(0, 1, seed=step))
+
+
+@pytest.mark.parametrize(
+    ("keep_last", "keep_every", "kept"),
+    [
+        (2, None, [6, 7]),
+        (2, 3, [3, 6, 7]),
+        (1, 5, [5, 7]),
+        (None, None, [1, 2, 3, 4, 5, 6, 7]),
+    ],
+)
+def test_retention(tmp_path, keep_last, keep_every, kept):
+    manager = CheckpointManager(tmp_path, keep_last=keep_last, keep_every=keep_every)
+    _save_steps(manager, range(1, 8))
+    assert manager.list() == kept
+    assert manager.latest() == 7
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"step_{s:09d}" for s in kept]
+
+
+def test_retention_never_deletes_the_latest_and_skips_incomplete(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_last=1, keep_every=10)
+    _save_steps(manager, [10, 20])
+    # an interrupted save at a later step is not "latest" and is removed by the next save
+    partial = manager.step_path(30)
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"partial")
+    assert manager.latest() == 20 and manager.incomplete() == [partial]
+    _save_steps(manager, [25])
+    assert manager.list() == [10, 20, 25] or manager.list() == [10, 20, 25][::1]
+    assert not partial.exists()
+
+
+def test_granular_loads(tmp_path):
+    manager = CheckpointManager(tmp_path, layout={"tp": 1}, content_version=3)
+    _save_steps(manager, [5])
+    ref = example_global(5)
+
+    # model only: a template holding only the model section loads strictly
+    model_only = {"model": example_state(0, 1, seed=0, fill=False)["model"]}
+    out = manager.load(model_only, include=("model",))
+    assert torch.equal(out["model"]["matrix"], ref["matrix"])
+
+    # no optimizer: optimizer leaves come back as the template had them (NaN), others loaded
+    full = example_state(0, 1, seed=0, fill=False)
+    out = manager.load(full, exclude=("optimizer",))
+    assert torch.isnan(out["optimizer"]["moment"]).all() and out["optimizer"]["step"] == 0
+    assert torch.equal(out["model"]["replicated"], ref["replicated"])
+    assert out["rng"] == {"rank": 0, "seed": 5}
+
+    # no RNG
+    out = manager.load(example_state(0, 1, seed=0, fill=False), exclude=("rng",))
+    assert out["rng"] is None and out["optimizer"]["step"] == 5
+
+    # explicit key filter
+    out = manager.load(
+        example_state(0, 1, seed=0, fill=False), key_filter=lambda path, key: key == "moment"
+    )
+    assert torch.equal(out["optimizer"]["moment"], ref["moment"].flatten())
+    assert torch.isnan(out["model"]["matrix"]).all()
+
+    # without a filter a model-only template has unexpected keys
+    with pytest.raises(ValueError, match="unexpected.*'moment'"):
+        manager.load(model_only)
+    out = manager.load(model_only, strict="missing")
+    assert torch.equal(out["model"]["matrix"], ref["matrix"])
+
+
+def test_key_errors_name_the_keys(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    _save_steps(manager, [1])
+    template = example_state(0, 1, seed=0, fill=False)
+    template["model"]["extra"] = ShardedTensor.from_rank_offsets("decoder.extra", torch.zeros(2))
+    with pytest.raises(ValueError, match="missing from the checkpoint: 'decoder.extra'"):
+        manager.load(template)
+    out = manager.load(template, strict=False)
+    assert torch.equal(out["model"]["extra"], torch.zeros(2))
+    assert torch.equal(out["model"]["matrix"], example_global(1)["matrix"])
+
+    bad_shape = example_state(0, 1, seed=0, fill=False)
+    bad_shape["model"]["matrix"] = ShardedTensor.from_rank_offsets("matrix", torch.zeros(4, 6))
+    with pytest.raises(
+        ValueError, match=r"'matrix': saved global_shape \(8, 6\), template \(4, 6\)"
+    ):
+        manager.load(bad_shape, strict=False)
+
+    grid = example_state(0, 1, seed=0, fill=False)
+    grid["rng"] = ShardedObject("rng", None, (2,), (0,))
+    with pytest.raises(ValueError, match="'rng': saved as an object grid"):
+        manager.load(grid)
+
+    with pytest.raises(ValueError, match="strict="):
+        manager.load(template, strict="sometimes")
+    with pytest.raises(ValueError, match="step=9"):
+        manager.load(template, step=9)
+    with pytest.raises(ValueError, match="include="):
+        manager.load(template, include="model")
+
+
+def test_manager_argument_checks(tmp_path):
+    with pytest.raises(ValueError, match="keep_last=0"):
+        CheckpointManager(tmp_path, keep_last=0)
+    with pytest.raises(ValueError, match="keep_every"):
+        CheckpointManager(tmp_path, keep_every=True)
+    manager = CheckpointManager(tmp_path)
+    with pytest.raises(ValueError, match="step=-1"):
+        manager.save(-1, {})
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        manager.load({})
