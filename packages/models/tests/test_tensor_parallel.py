@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwork.models.testing import compare_with_single_rank
+from shardwork.models import REPLICATED, TENSOR_PARALLEL, GPTModel, gather_logits, preset
+from shardwork.models.testing import compare_with_single_rank, random_batch
+from shardwork.parallel_state import ParallelConfig, init_process_groups
 from shardwork.parallel_state.testing import run_on_ranks
 
 pytestmark = pytest.mark.multirank
@@ -49,3 +51,25 @@ def test_tp2_sp_matches_single_rank_fp32():
             {"tp": 2, "sequence_parallel": True, "dtype": torch.float32, "rtol": 1e-4},
         ),
     )
+
+
+def _dropout_streams():
+    groups = init_process_groups(ParallelConfig(tp=2))
+    cfg = preset("tiny-llama3-8b", hidden_dropout=0.3, attention_dropout=0.3)
+    model = GPTModel(cfg, groups).train()
+    ids, _ = random_batch(cfg.vocab_size)
+    logits = gather_logits(model(ids), tp_group=groups.tp, vocab_size=cfg.vocab_size)
+    with model.rng_tracker.fork(REPLICATED):
+        replicated = torch.rand(8)
+    with model.rng_tracker.fork(TENSOR_PARALLEL):
+        sharded = torch.rand(8)
+    return logits.detach(), replicated, sharded
+
+
+def test_tp_dropout_replicated_where_activations_are_replicated():
+    (la, ra, sa), (lb, rb, sb) = run_on_ranks(_dropout_streams, 2)
+    # the residual stream is whole on both TP ranks: its dropout masks must agree, so the
+    # (gathered) logits are identical; attention dropout on local heads uses distinct streams
+    assert torch.equal(la, lb)
+    assert torch.equal(ra, rb)
+    assert not torch.equal(sa, sb)

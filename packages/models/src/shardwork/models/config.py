@@ -16,11 +16,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardwork.fused_kernels import Llama3RopeScaling, YarnRopeScaling
+
+if TYPE_CHECKING:
+    from shardwork.models.mla import MLAConfig
+    from shardwork.models.moe.config import MoEConfig
+    from shardwork.models.mtp import MTPConfig
 
 __all__ = ["RECOMPUTE_MODES", "GPTConfig"]
 
@@ -88,6 +93,13 @@ class GPTConfig:
     """Activation recompute: "none", "selective" (core attention) or "full" (whole layers)."""
     kernel_backend: str = "auto"
     """Backend of every fused-kernels op in this model: "auto", "torch", "triton" or "te"."""
+    moe: MoEConfig | None = None
+    """Mixture of experts (``shardwork.models.moe.MoEConfig``); None: dense MLPs only."""
+    mla: MLAConfig | None = None
+    """Multi-head latent attention (``shardwork.models.mla.MLAConfig``); None: standard
+    grouped-query attention."""
+    mtp: MTPConfig | None = None
+    """Multi-token prediction (``shardwork.models.mtp.MTPConfig``); None: no MTP depths."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size"):
@@ -149,6 +161,10 @@ class GPTConfig:
             raise ValueError(
                 f"GPTConfig.kernel_backend={self.kernel_backend!r} is invalid: valid are {_BACKENDS}"
             )
+        for name in ("moe", "mla", "mtp"):  # MoE / DeepSeek parts validate themselves
+            part = getattr(self, name)
+            if part is not None:
+                part.validate(self)
 
     # ---- derived sizes -------------------------------------------------------------------
     @property
@@ -215,6 +231,9 @@ class GPTConfig:
                 f"GPTConfig.num_layers={self.num_layers} is smaller than pp*vpp={pp * vpp}: "
                 "every pipeline stage needs at least one layer"
             )
+        for part in (self.moe, self.mla, self.mtp):
+            if part is not None:
+                part.check_layout(parallel)
         if seq_length is not None:
             check_sequence_length(self, seq_length, tp=tp, cp=cp)
 

@@ -37,6 +37,10 @@ INIT_RULES = ("normal", "scaled_normal", "ones", "zeros")
 _BLOCKS = "_shardwork_blocks"
 _ROWS = "_shardwork_real_rows"
 _INIT = "_shardwork_init"
+_CUSTOM = "_shardwork_custom_shards"
+"""Optional object with ``param_shards(param, key, *, replica_offset, source)`` and
+``init_param(param, key, *, init_seed, std, num_layers)`` overriding the TP description
+(stacked MoE experts, split over ep and etp: ``shardwork.models.moe.ExpertShards``)."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,9 @@ def param_shards(
     copy of a tied embedding on the last pipeline stage). ``source`` (same shape as
     ``param``, e.g. its gradient) is described instead of the parameter's own data.
     """
+    custom = getattr(param, _CUSTOM, None)
+    if custom is not None:  # e.g. stacked MoE experts: one key per expert
+        return custom.param_shards(param, key, replica_offset=replica_offset, source=source)
     rows = getattr(param, _ROWS, None)
     out = []
     for suffix, view, gshape, goff, split in _tp_blocks(param, ctx, source):
@@ -158,6 +165,10 @@ def init_from_shards(
     Normal draws use a CPU generator in float32 and are cast to the parameter dtype, so the
     same config gives the same values in float32 and float64.
     """
+    custom = getattr(param, _CUSTOM, None)
+    if custom is not None:
+        custom.init_param(param, key, init_seed=init_seed, std=std, num_layers=num_layers)
+        return
     rule = getattr(param, _INIT, "normal")
     if rule == "ones":
         param.fill_(1.0)

@@ -2,8 +2,9 @@
 
 :func:`compare_with_single_rank` runs, inside a ``run_on_ranks`` worker, a tiny preset at a
 given tp/cp layout and the same config at world size 1 (built on every rank; the
-layout-independent init gives both the same weights), and asserts that the global mean loss
-and every parameter's full gradient agree to ``rtol``.
+layout-independent init gives both the same weights), and asserts that the parameters are
+bit-identical (layout-independent init) and that the global mean loss and every parameter's
+full gradient agree to ``rtol``.
 
 - Gradients are finalised as ``finalize_model_grads`` would for a plain module: parameters
   marked ``sequence_parallel`` summed over TP, everything summed over dp×cp, and backward
@@ -95,10 +96,14 @@ def compare_with_single_rank(
     ref = GPTModel(cfg.replace(sequence_parallel=False), single)
     ref_loss = _step(ref, single, ids, labels, cu_seqlens)
     ref_grads = full_state_dict(ref, grads=True, group=dist.new_group([dist.get_rank()]))
+    ref_params = full_state_dict(ref, group=dist.new_group([dist.get_rank()]))
     model = GPTModel(cfg, groups)
+    params = full_state_dict(model)
+    for key, value in ref_params.items():  # initialisation does not depend on the layout
+        assert torch.equal(params[key], value), key
     loss = _step(model, groups, ids, labels, cu_seqlens)
     grads = full_state_dict(model, grads=True)
-    assert set(grads) == set(ref_grads), sorted(set(grads) ^ set(ref_grads))
+    assert set(grads) == set(ref_grads) == set(params), sorted(set(grads) ^ set(ref_grads))
     torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=0)
     for key, ref_grad in ref_grads.items():
         torch.testing.assert_close(

@@ -1,0 +1,220 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) with tensor, sequence and context parallelism.
+
+Legend: ``n`` heads (``n/tp`` per rank), ``dn`` = qk_nope_head_dim, ``dr`` = qk_rope_head_dim,
+``dv`` = v_head_dim, ``rq`` / ``rkv`` the query / key-value latent (LoRA) ranks.
+
+- Queries: ``x → linear_q_down_proj [rq, h] → q_layernorm → linear_q_up_proj [n·(dn+dr), rq]``
+  (or one ``linear_q_proj`` when ``q_lora_rank`` is None). Keys/values:
+  ``x → linear_kv_down_proj [rkv+dr, h]`` → split into the latent (``kv_layernorm`` then
+  ``linear_kv_up_proj [n·(dn+dv), rkv]``) and one shared rope key of ``dr`` features.
+- The down projections and latent norms are replicated over TP (small); the up projections
+  are column-parallel by heads and ``linear_proj`` row-parallel, so each TP rank runs whole
+  heads. Under sequence parallelism the layer input is all-gathered once (backward keeps the
+  own chunk: everything downstream has complete gradients) and the output reduce-scattered.
+  The shared rope key enters the TP region with ``copy_to_tp_region`` (its gradient is summed
+  over the heads of every rank).
+- Decoupled RoPE on the ``dr`` part only, neighbouring-pair (interleaved) rotation via
+  ``shardwork.fused_kernels.apply_rotary(interleaved=True)`` with tables built by the model
+  (``GPTModel`` uses ``dr`` and interleaved layout when ``config.mla`` is set). This equals
+  HF's de-interleave + rotate-half formulation up to the same permutation of q and k features,
+  which leaves every attention score unchanged.
+- Softmax scale ``(dn+dr)^-1/2``, times ``YarnRopeScaling.softmax_scale_factor()`` under YaRN
+  (DeepSeek's ``mscale_all_dim``); YaRN's cos/sin attention factor is in the tables.
+- Context parallelism: keys and values all-gathered over cp like :class:`Attention`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from shardwork.fused_kernels import YarnRopeScaling, apply_rotary
+from shardwork.models.attention import AttentionInputs
+from shardwork.models.module import ShardedModule
+from shardwork.models.norm import RMSNorm
+from shardwork.models.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from shardwork.models.recompute import checkpoint
+from shardwork.models.rng import TENSOR_PARALLEL, RNGTracker
+from shardwork.models.sharding import describe_param
+from shardwork.parallel_state import (
+    ParamMeta,
+    ProcessGroups,
+    copy_to_tp_region,
+    gather_from_sequence_region,
+)
+
+__all__ = ["MLAConfig", "MLAttention", "ReplicatedLinear"]
+
+
+def _positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"MLAConfig.{name}={value!r} is invalid: it must be an integer >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLAConfig:
+    """Shapes of multi-head latent attention (``GPTConfig.mla``)."""
+
+    kv_lora_rank: int
+    """Key/value latent width ``rkv`` (DeepSeek-V3: 512)."""
+    qk_nope_head_dim: int
+    """Per-head query/key features without position (DeepSeek-V3: 128)."""
+    qk_rope_head_dim: int
+    """Per-head query/key features with RoPE; the key part is shared by all heads (64)."""
+    v_head_dim: int
+    """Per-head value width (128)."""
+    q_lora_rank: int | None = None
+    """Query latent width ``rq`` (DeepSeek-V3: 1536); None: one full query projection (V2-Lite)."""
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            _positive(name, getattr(self, name))
+        if self.q_lora_rank is not None:
+            _positive("q_lora_rank", self.q_lora_rank)
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(
+                f"MLAConfig.qk_rope_head_dim={self.qk_rope_head_dim} is invalid: RoPE needs an "
+                "even width"
+            )
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def validate(self, config: Any) -> None:
+        """Checks against the enclosing ``GPTConfig``."""
+        if config.num_query_groups not in (None, config.num_attention_heads):
+            raise ValueError(
+                f"GPTConfig.num_query_groups={config.num_query_groups} is invalid with MLA: latent "
+                "attention has one key/value head per query head (leave it None)"
+            )
+        if config.qk_layernorm or config.add_qkv_bias:
+            raise ValueError("GPTConfig.qk_layernorm / add_qkv_bias do not apply to MLA: set False")
+
+    def check_layout(self, parallel: Any) -> None:
+        """Nothing beyond GPTConfig's head-count checks (heads split over tp)."""
+
+    def replace(self, **changes: Any) -> MLAConfig:
+        return dataclasses.replace(self, **changes)
+
+
+class ReplicatedLinear(ShardedModule):
+    """``y = x Wᵀ`` with ``W [out, in]`` replicated over TP, fed the full (gathered) sequence."""
+
+    def __init__(self, in_features, out_features, *, groups, params_dtype, device) -> None:
+        super().__init__(groups)
+        self.weight = describe_param(
+            torch.nn.Parameter(
+                torch.empty((out_features, in_features), dtype=params_dtype, device=device)
+            ),
+            ParamMeta(),
+            init="normal",
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype))
+
+
+class MLAttention(ShardedModule):
+    """Multi-head latent attention (see module docstring); same call as :class:`Attention`."""
+
+    def __init__(
+        self,
+        config,
+        groups: ProcessGroups,
+        *,
+        rng: RNGTracker,
+        device: str | torch.device | None = None,
+    ) -> None:
+        super().__init__(groups)
+        mla: MLAConfig = config.mla
+        tp = groups.size("tp")
+        n, h = config.num_attention_heads, config.hidden_size
+        self.mla = mla
+        self.num_heads = n // tp
+        self.sp = config.sequence_parallel
+        self.dropout = config.attention_dropout
+        self.selective_recompute = config.recompute == "selective"
+        self.backend = config.kernel_backend
+        self.rng = rng
+        scale = mla.qk_head_dim**-0.5
+        if isinstance(config.rope_scaling, YarnRopeScaling):
+            scale *= config.rope_scaling.softmax_scale_factor()
+        self.softmax_scale = scale
+        common = dict(groups=groups, params_dtype=config.params_dtype, device=device)
+        norm = dict(
+            groups=groups,
+            eps=config.norm_epsilon,
+            backend=config.kernel_backend,
+            partial_grad=False,
+            params_dtype=config.params_dtype,
+            device=device,
+        )
+        q_out = n * mla.qk_head_dim
+        if mla.q_lora_rank is None:
+            self.linear_q_proj = ColumnParallelLinear(h, q_out, **common)
+            self.linear_q_down_proj = self.q_layernorm = self.linear_q_up_proj = None
+        else:
+            self.linear_q_proj = None
+            self.linear_q_down_proj = ReplicatedLinear(h, mla.q_lora_rank, **common)
+            self.q_layernorm = RMSNorm(mla.q_lora_rank, **norm)
+            self.linear_q_up_proj = ColumnParallelLinear(mla.q_lora_rank, q_out, **common)
+        self.linear_kv_down_proj = ReplicatedLinear(
+            h, mla.kv_lora_rank + mla.qk_rope_head_dim, **common
+        )
+        self.kv_layernorm = RMSNorm(mla.kv_lora_rank, **norm)
+        self.linear_kv_up_proj = ColumnParallelLinear(
+            mla.kv_lora_rank, n * (mla.qk_nope_head_dim + mla.v_head_dim), **common
+        )
+        self.linear_proj = RowParallelLinear(
+            n * mla.v_head_dim, h, sequence_parallel=config.sequence_parallel, **common
+        )
+
+    def _core(self, q, k, v, mask):
+        """SDPA on ``q/k [s(k), b, n, dn+dr]``, ``v [sk, b, n, dv]`` -> ``[s, b, n·dv]``."""
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        p = self.dropout if self.training else 0.0
+        kw = dict(attn_mask=mask, is_causal=mask is None, dropout_p=p, scale=self.softmax_scale)
+        if p > 0:
+            with self.rng.fork(TENSOR_PARALLEL):
+                out = F.scaled_dot_product_attention(q, k, v, **kw)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, **kw)
+        return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+
+    def forward(self, hidden: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
+        """``hidden [s(/tp under SP), b, h]`` -> same shape."""
+        mla, tp = self.mla, self.groups.tp
+        if self.sp:
+            hidden = gather_from_sequence_region(hidden, tp, dim=0, grad_is_partial=False)
+        s, b = hidden.shape[0], hidden.shape[1]
+        dn, dr, dv = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+        if self.linear_q_proj is not None:
+            q = self.linear_q_proj(hidden)
+        else:
+            q = self.linear_q_up_proj(self.q_layernorm(self.linear_q_down_proj(hidden)))
+        q = q.reshape(s, b, self.num_heads, dn + dr)
+        q_nope, q_rot = q.split((dn, dr), dim=-1)
+        latent, k_rot = self.linear_kv_down_proj(hidden).split((mla.kv_lora_rank, dr), dim=-1)
+        kv = self.linear_kv_up_proj(self.kv_layernorm(latent))
+        k_nope, v = kv.reshape(s, b, self.num_heads, dn + dv).split((dn, dv), dim=-1)
+        k_rot = copy_to_tp_region(k_rot, tp).reshape(s, b, 1, dr)
+        cos, sin = inputs.cos.to(q.dtype), inputs.sin.to(q.dtype)
+        q_rot = apply_rotary(q_rot, cos, sin, interleaved=True, backend=self.backend)
+        k_rot = apply_rotary(k_rot, cos, sin, interleaved=True, backend=self.backend)
+        q = torch.cat((q_nope, q_rot), dim=-1)
+        k = torch.cat((k_nope, k_rot.expand(s, b, self.num_heads, dr)), dim=-1)
+        v = v.contiguous()
+        if self.groups.size("cp") > 1:
+            k = gather_from_sequence_region(k, self.groups.cp, dim=0, grad_is_partial=True)
+            v = gather_from_sequence_region(v, self.groups.cp, dim=0, grad_is_partial=True)
+        mask = None if inputs.mask is None else inputs.mask.to(q.device)
+        if self.selective_recompute and self.training:
+            out = checkpoint(lambda q_, k_, v_: self._core(q_, k_, v_, mask), self.rng, q, k, v)
+        else:
+            out = self._core(q, k, v, mask)
+        return self.linear_proj(out)
