@@ -37,7 +37,9 @@ def _loss_and_grad(fn, logits, labels, reduction, **kw):
 def test_torch_backend_matches_torch_functional(reduction, smoothing, monkeypatch):
     monkeypatch.setattr(ce_mod, "_CHUNK_ELEMENTS", 3 * 50)  # force several row chunks
     logits, labels = _data(11, 50, torch.float64)
-    ours = _loss_and_grad(fk.cross_entropy, logits, labels, reduction, label_smoothing=smoothing, backend="torch")
+    ours = _loss_and_grad(
+        fk.cross_entropy, logits, labels, reduction, label_smoothing=smoothing, backend="torch"
+    )
     ref = _loss_and_grad(F.cross_entropy, logits, labels, reduction, label_smoothing=smoothing)
     torch.testing.assert_close(ours[0], ref[0])
     torch.testing.assert_close(ours[1], ref[1])
@@ -71,7 +73,12 @@ def test_triton_matches_reference(dtype, n, v, smoothing, triton_device, tol, po
     for reduction in ("none", "mean"):
         with count_launches() as launches:
             loss, grad = _loss_and_grad(
-                fk.cross_entropy, logits, labels, reduction, label_smoothing=smoothing, backend="triton"
+                fk.cross_entropy,
+                logits,
+                labels,
+                reduction,
+                label_smoothing=smoothing,
+                backend="triton",
             )
         assert launches["cross_entropy_stats"] == 1 and launches["cross_entropy_grad"] == 1
         ref_loss, ref_grad = _loss_and_grad(
@@ -95,7 +102,12 @@ def _vocab_parallel(backend, reduction, smoothing, n, v):
     logits, labels = _data(n, v, torch.float32, seed=7)
     shard = logits.chunk(world, dim=1)[rank].contiguous().requires_grad_(True)
     loss = fk.cross_entropy(
-        shard, labels, tp_group=groups.tp, reduction=reduction, label_smoothing=smoothing, backend=backend
+        shard,
+        labels,
+        tp_group=groups.tp,
+        reduction=reduction,
+        label_smoothing=smoothing,
+        backend=backend,
     )
     gy = torch.rand(loss.shape, generator=torch.Generator().manual_seed(3))
     (grad,) = torch.autograd.grad(loss, [shard], gy)
@@ -106,7 +118,12 @@ def _vocab_parallel(backend, reduction, smoothing, n, v):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize(
     ("backend", "reduction", "smoothing"),
-    [("torch", "none", 0.1), ("torch", "mean", 0.0), ("torch", "sum", 0.1), ("triton", "mean", 0.1)],
+    [
+        ("torch", "none", 0.1),
+        ("torch", "mean", 0.0),
+        ("torch", "sum", 0.1),
+        ("triton", "mean", 0.1),
+    ],
 )
 def test_vocab_parallel_equals_single_rank(world, backend, reduction, smoothing):
     run_on_ranks = pytest.importorskip("shardwork.parallel_state.testing").run_on_ranks
@@ -114,10 +131,14 @@ def test_vocab_parallel_equals_single_rank(world, backend, reduction, smoothing)
     n, v = 9, 48
     results = run_on_ranks(_vocab_parallel, world, args=(backend, reduction, smoothing, n, v))
     logits, labels = _data(n, v, torch.float32, seed=7)
-    ref_loss, ref_grad = _loss_and_grad(F.cross_entropy, logits, labels, reduction, label_smoothing=smoothing)
+    ref_loss, ref_grad = _loss_and_grad(
+        F.cross_entropy, logits, labels, reduction, label_smoothing=smoothing
+    )
     for loss, _ in results:
         torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(torch.cat([g for _, g in results], dim=1), ref_grad, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        torch.cat([g for _, g in results], dim=1), ref_grad, atol=1e-6, rtol=1e-5
+    )
 
 
 def test_bad_inputs_name_the_field():
@@ -126,7 +147,7 @@ def test_bad_inputs_name_the_field():
         fk.cross_entropy(logits, torch.zeros(4, dtype=torch.long), reduction="avg")
     with pytest.raises(ValueError, match=r"labels.shape=\(3,\)"):
         fk.cross_entropy(logits, torch.zeros(3, dtype=torch.long))
-    with pytest.raises(ValueError, match="label_smoothing=1.5"):
+    with pytest.raises(ValueError, match=r"label_smoothing=1\.5"):
         fk.cross_entropy(logits, torch.zeros(4, dtype=torch.long), label_smoothing=1.5)
     with pytest.raises(ValueError, match="labels must be an int64/int32"):
         fk.cross_entropy(logits, torch.zeros(4))

@@ -46,13 +46,13 @@ def _router_fwd(L, BIAS, PROBS, MAP, AUX, COUNTS, N, E, scaling, TOPK: tl.conste
     x = tl.load(L + offs, mask=mask, other=0.0).to(tl.float32)
     x = tl.where(cmask[None, :], x, float("-inf"))
     if SIGMOID:
-        sc = tl.where(mask, tl.sigmoid(x), 0.0)
+        sc = tl.where(cmask[None, :], tl.sigmoid(x), 0.0)
         aux = sc / (tl.sum(sc, axis=1)[:, None] + 1e-20)
         sel = sc
         if HAS_BIAS:
             sel = sc + tl.load(BIAS + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     else:
-        ex = tl.where(mask, tl.exp(x - tl.max(x, axis=1)[:, None]), 0.0)
+        ex = tl.where(cmask[None, :], tl.exp(x - tl.max(x, axis=1)[:, None]), 0.0)
         sc = ex / tl.sum(ex, axis=1)[:, None]
         aux = sc
         if PRE_SOFTMAX:
@@ -122,7 +122,7 @@ def _router_bwd(L, MAP, GP, GA, DX, N, E, scaling, SIGMOID: tl.constexpr, PRE_SO
     gp = tl.where(picked, tl.load(GP + offs, mask=mask, other=0.0).to(tl.float32) * scaling, 0.0)
     ga = tl.load(GA + offs, mask=mask, other=0.0).to(tl.float32)
     if SIGMOID:
-        sc = tl.where(mask, tl.sigmoid(x), 0.0)
+        sc = tl.where(cmask[None, :], tl.sigmoid(x), 0.0)
         if NORMALIZE:
             v = tl.where(picked, sc, 0.0)
             den = tl.sum(v, axis=1)[:, None] + 1e-20
@@ -134,7 +134,7 @@ def _router_bwd(L, MAP, GP, GA, DX, N, E, scaling, SIGMOID: tl.constexpr, PRE_SO
         ds = dv + (ga - tl.sum(ga * sc, axis=1)[:, None] / aden) / aden
         dx = ds * sc * (1.0 - sc)
     else:
-        ex = tl.where(mask, tl.exp(x - tl.max(x, axis=1)[:, None]), 0.0)
+        ex = tl.where(cmask[None, :], tl.exp(x - tl.max(x, axis=1)[:, None]), 0.0)
         sm = ex / tl.sum(ex, axis=1)[:, None]
         if PRE_SOFTMAX:
             if NORMALIZE:
@@ -147,7 +147,7 @@ def _router_bwd(L, MAP, GP, GA, DX, N, E, scaling, SIGMOID: tl.constexpr, PRE_SO
             dx = sm * (dsm - tl.sum(dsm * sm, axis=1)[:, None])
         else:
             ps = tl.where(picked, ex, 0.0)
-            ps = ps / tl.sum(ps, axis=1)[:, None]
+            ps = ps / tl.maximum(tl.sum(ps, axis=1), 1e-30)[:, None]  # padded rows pick nothing
             dx = tl.where(picked, ps * (gp - tl.sum(gp * ps, axis=1)[:, None]), 0.0)
             dx += sm * (ga - tl.sum(ga * sm, axis=1)[:, None])
     tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)

@@ -1,0 +1,143 @@
+"""Router top-k: torch and Triton backends vs a Megatron-Core 0.19 fixture, Triton vs reference."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+
+import shardwork.fused_kernels as fk
+from shardwork.fused_kernels.launches import count_launches
+
+FIXTURE = pathlib.Path(__file__).parent / "data" / "mcore_router.pt"
+MCORE_CASES = torch.load(FIXTURE, weights_only=True)["cases"]
+
+
+def _route_and_grad(logits, backend, grad_probs, grad_aux, **kw):
+    x = logits.detach().clone().requires_grad_(True)
+    out = fk.router_topk(x, backend=backend, **kw)
+    (grad,) = torch.autograd.grad(
+        [out.probs, out.scores_for_aux], [x], [grad_probs.to(out.probs), grad_aux]
+    )
+    return out, grad
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize(
+    "case", range(len(MCORE_CASES)), ids=lambda i: str(MCORE_CASES[i]["config"])
+)
+def test_matches_megatron_core(case, backend, request):
+    if backend == "triton":
+        request.getfixturevalue("triton_device")
+        request.getfixturevalue("poison")
+    c = MCORE_CASES[case]
+    out, grad = _route_and_grad(
+        c["logits"],
+        backend,
+        c["grad_probs"],
+        c["grad_aux"],
+        expert_bias=c["expert_bias"],
+        **c["config"],
+    )
+    assert torch.equal(out.routing_map, c["routing_map"])
+    torch.testing.assert_close(out.probs, c["probs"], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(out.scores_for_aux, c["aux_scores"], atol=1e-6, rtol=1e-5)
+    assert torch.equal(out.tokens_per_expert, c["tokens_per_expert"].long())
+    torch.testing.assert_close(grad, c["grad_logits"], atol=1e-5, rtol=1e-5)
+
+
+def _distinct_logits(n, e, dtype, seed=0):
+    """Rows of distinct values exactly representable in fp16 (no top-k ties)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.stack([torch.randperm(e, generator=g) for _ in range(n)]).float()
+    return ((rows - e / 2) / 4).to(dtype)
+
+
+CONFIGS = [
+    {"topk": 3},
+    {"topk": 2, "pre_softmax": True, "normalize": True, "scaling_factor": 2.0},
+    {"topk": 4, "num_groups": 6, "group_topk": 3},
+    {"topk": 3, "score_function": "sigmoid", "normalize": False},
+    {"topk": 4, "score_function": "sigmoid", "num_groups": 4, "group_topk": 2, "bias": True},
+]
+
+
+# 21 tokens × 24 experts: 16-token blocks -> 2 programs (second partial), 24 of 32 expert lanes.
+@pytest.mark.parametrize("cfg", CONFIGS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n", [21, 1])
+def test_triton_matches_reference(cfg, dtype, n, triton_device, tol, poison):
+    e = 24
+    kw = {k: v for k, v in cfg.items() if k != "bias"}
+    if cfg.get("bias"):
+        kw["expert_bias"] = (torch.randn(e, generator=torch.Generator().manual_seed(5)) * 0.05).to(
+            triton_device
+        )
+    logits = _distinct_logits(n, e, dtype).to(triton_device)
+    gp = torch.randn(n, e, generator=torch.Generator().manual_seed(1)).to(triton_device)
+    ga = torch.randn(n, e, generator=torch.Generator().manual_seed(2)).to(triton_device)
+    with count_launches() as launches:
+        out, grad = _route_and_grad(logits, "triton", gp, ga, **kw)
+    assert launches["router_topk_fwd"] == 1 and launches["router_topk_bwd"] == 1
+    ref, ref_grad = _route_and_grad(logits, "torch", gp, ga, **kw)
+    assert torch.equal(out.routing_map, ref.routing_map)
+    assert bool((out.routing_map.sum(1) == kw["topk"]).all())
+    assert torch.equal(out.tokens_per_expert, ref.tokens_per_expert)
+    torch.testing.assert_close(out.probs.float(), ref.probs.float(), **tol(dtype))
+    torch.testing.assert_close(out.scores_for_aux, ref.scores_for_aux, **tol(torch.float32))
+    torch.testing.assert_close(grad.float(), ref_grad.float(), **tol(dtype))
+
+
+def test_group_limit_keeps_routes_inside_chosen_groups():
+    logits = torch.randn(50, 32)
+    out = fk.router_topk(logits, topk=4, num_groups=8, group_topk=2, backend="torch")
+    groups_used = out.routing_map.view(50, 8, 4).any(dim=-1).sum(dim=-1)
+    assert bool((groups_used <= 2).all())
+
+
+def test_expert_bias_steers_selection_not_probs():
+    logits = torch.randn(30, 8)
+    bias = torch.zeros(8)
+    bias[3] = 100.0
+    out = fk.router_topk(
+        logits, topk=2, score_function="sigmoid", expert_bias=bias, backend="torch"
+    )
+    assert bool(out.routing_map[:, 3].all())
+    s = torch.sigmoid(logits)
+    expect = torch.where(out.routing_map, s, 0.0)
+    torch.testing.assert_close(out.probs, expect / expect.sum(-1, keepdim=True))
+
+
+def test_bad_inputs_name_the_field():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="topk=9"):
+        fk.router_topk(x, topk=9)
+    with pytest.raises(ValueError, match="score_function='relu'"):
+        fk.router_topk(x, topk=2, score_function="relu")
+    with pytest.raises(ValueError, match="num_groups=3"):
+        fk.router_topk(x, topk=2, num_groups=3, group_topk=1)
+    with pytest.raises(ValueError, match="must be given together"):
+        fk.router_topk(x, topk=2, num_groups=2)
+    with pytest.raises(ValueError, match="expert_bias is used with score_function='sigmoid' only"):
+        fk.router_topk(x, topk=2, expert_bias=torch.zeros(8))
+
+
+@pytest.mark.gpu
+def test_triton_bf16_on_gpu(cuda_device, tol):
+    logits = torch.randn(8192, 64, device=cuda_device).to(torch.bfloat16)
+    bias = torch.randn(64, device=cuda_device) * 0.01
+    kw = {
+        "topk": 8,
+        "score_function": "sigmoid",
+        "num_groups": 8,
+        "group_topk": 4,
+        "expert_bias": bias,
+    }
+    out = fk.router_topk(logits, backend="triton", **kw)
+    ref = fk.router_topk(logits, backend="torch", **kw)
+    same = (out.routing_map == ref.routing_map).all(dim=1)
+    assert same.float().mean() > 0.999  # bf16 logits may tie; ties may break differently
+    torch.testing.assert_close(
+        out.probs[same].float(), ref.probs[same].float(), **tol(torch.bfloat16)
+    )
