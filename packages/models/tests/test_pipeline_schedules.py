@@ -303,3 +303,42 @@ def _ddp_case(pp, vpp, num_microbatches):
 def test_ddp_wrapper_syncs_once_per_chunk():
     assert run_on_ranks(_ddp_case, 2, args=(1, None, 3)) == [1, 1]  # no pipelining, dp=2
     assert run_on_ranks(_ddp_case, 4, args=(2, 2, 4)) == [2] * 4  # interleaved, dp=2
+
+
+def _moe_case():
+    from shardwork.moe_router.tracker import AuxLossTracker
+
+    groups = init_process_groups(ParallelConfig(pp=2))
+    tracker = AuxLossTracker(num_layers=2, num_experts=3)
+    stage = groups.rank("pp")  # layer i lives on stage i
+    tracker.record_loss("load_balancing_loss", stage, torch.tensor(1.5 + stage))
+    tracker.record_tokens(stage, torch.tensor([1.0, 2.0, 3.0]) * (stage + 1))
+    calls = []
+    finalize_model_grads(
+        nn.Linear(2, 2), groups, moe_tracker=tracker, moe_hooks=[lambda: calls.append(stage)]
+    )
+    return calls, tracker.losses[0].tolist(), tracker.tokens_per_expert.tolist()
+
+
+@pytest.mark.multirank
+def test_moe_tracker_reduction_joins_every_stage():
+    results = run_on_ranks(_moe_case, 2)
+    assert [calls for calls, _, _ in results] == [[0], [1]]  # each rank's hook ran once
+    for _, losses, tokens in results:  # both stages hold both layers' values
+        assert losses == [1.5, 2.5]
+        assert tokens == [[1.0, 2.0, 3.0], [2.0, 4.0, 6.0]]
+
+
+class _AveragingDDP(nn.Module):
+    class config:  # noqa: N801 - mimics DDPConfig's attribute
+        average_gradients = True
+
+    grad_divisor = 2
+
+    def finish_grad_sync(self):
+        raise AssertionError("must be rejected before any reduction")
+
+
+def test_token_scaling_rejects_an_averaging_ddp():
+    with pytest.raises(ValueError, match="average_gradients=False"):
+        finalize_model_grads([_AveragingDDP()], None, num_tokens=10)

@@ -18,7 +18,8 @@ In this order, every rank of the layout calling it:
 5. Token scaling: with ``num_tokens`` (this rank's token count: the schedule's total on
    the last stage, 0 elsewhere) the global count is summed over pp and dp×cp and every
    gradient is divided by it, so gradients are those of the global per-token mean loss
-   when backward started from loss sums.
+   when backward started from loss sums. The data-parallel reduction must then *sum*
+   (shardwork's DDP: ``DDPConfig(average_gradients=False)``; an averaging wrapper raises).
 
 Gradients are read from ``param.main_grad`` when a parameter has one, else ``param.grad``;
 the collectives are coalesced per (group, dtype, device) into one flat buffer.
@@ -105,6 +106,16 @@ def finalize_model_grads(
     ``num_tokens`` itself) and the MoE hooks apply.
     """
     chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
+    if num_tokens is not None:
+        for chunk in chunks:
+            averaging = getattr(getattr(chunk, "config", None), "average_gradients", False)
+            if averaging is True and getattr(chunk, "grad_divisor", 1) > 1:
+                raise ValueError(
+                    f"num_tokens={num_tokens!r} divides gradients by the global token count, but "
+                    f"model chunk {type(chunk).__name__} averages them over "
+                    f"{chunk.grad_divisor} data-parallel replicas too: build it with "
+                    "DDPConfig(average_gradients=False), or pass num_tokens=None"
+                )
     if groups is None:
         groups = ProcessGroups.single()
     params = _unique_params(chunks)
