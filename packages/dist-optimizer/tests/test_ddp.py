@@ -1,0 +1,108 @@
+"""DistributedDataParallel: reduced gradients, overlap with backward, accumulation, fp32 rule."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+
+from shardwork.dist_optimizer import DDPConfig, DistributedDataParallel
+from shardwork.parallel_state import ParallelConfig, init_process_groups
+from shardwork.parallel_state.testing import run_on_ranks
+
+WIDTH, LAYERS, BATCH = 6, 4, 3
+
+
+def build_model(dtype=torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(LAYERS):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+    return nn.Sequential(*layers).to(dtype)
+
+
+def data(dp: int, accum: int):
+    g = torch.Generator().manual_seed(4)
+    return torch.randn(accum, dp * BATCH, WIDTH, generator=g), torch.randn(
+        accum, dp * BATCH, WIDTH, generator=g
+    )
+
+
+def _run_ddp(overlap: bool, accum: int):
+    pg = init_process_groups(ParallelConfig())
+    dp, rank = pg.size("dp"), pg.rank("dp")
+    model = build_model()
+    # one bucket per layer (42 elements each)
+    ddp = DistributedDataParallel(
+        model, config=DDPConfig(bucket_size=40, overlap_grad_reduce=overlap), process_groups=pg
+    )
+    x, y = data(dp, accum)
+    local = slice(rank * BATCH, (rank + 1) * BATCH)
+    seen = []
+    ddp.zero_grad_buffer()
+    for m in range(accum):
+        inp = x[m, local].clone().requires_grad_(True)
+        if m == accum - 1:
+            inp.register_hook(lambda g: seen.append(len(ddp.grad_sync_launch_log)))
+        ctx = ddp.no_sync() if m < accum - 1 else contextlib.nullcontext()
+        with ctx:
+            (nn.functional.mse_loss(ddp(inp), y[m, local]) / accum).backward()
+    launched_during_backward = seen[0]
+    ddp.finish_grad_sync()
+    num_buckets = sum(len(b.buckets) for b in ddp.buffers.values())
+    return launched_during_backward, num_buckets, [p.main_grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(("overlap", "accum"), [(True, 1), (False, 1), (True, 3)])
+def test_allreduce_ddp_gradients_and_overlap(overlap, accum):
+    results = run_on_ranks(_run_ddp, 2, args=(overlap, accum))
+    ref = build_model()
+    x, y = data(2, accum)
+    for m in range(accum):
+        (nn.functional.mse_loss(ref(x[m]), y[m]) / accum).backward()
+    for launched, num_buckets, grads in results:
+        assert num_buckets == LAYERS
+        for got, p in zip(grads, ref.parameters()):
+            torch.testing.assert_close(got, p.grad, rtol=1e-5, atol=1e-7)
+        if overlap:
+            # the buckets of layers 2..4 were launched while layer 1's backward was still to run
+            assert launched >= LAYERS - 1
+        else:
+            assert launched == 0
+
+
+def test_bf16_params_accumulate_in_fp32_by_default_and_by_rule():
+    model = build_model(torch.bfloat16)
+    ddp = DistributedDataParallel(model)
+    assert {p.main_grad.dtype for p in model.parameters()} == {torch.float32}
+    model = build_model(torch.bfloat16)
+    ddp = DistributedDataParallel(
+        model, config=DDPConfig(grad_reduce_in_fp32=False, fp32_grad_params=("0.*",))
+    )
+    dtypes = {n: p.main_grad.dtype for n, p in model.named_parameters()}
+    assert dtypes["0.weight"] == dtypes["0.bias"] == torch.float32
+    assert dtypes["2.weight"] == torch.bfloat16
+    assert len(ddp.buffers) == 2
+    # accumulation: main_grad holds the sum of micro-batch gradients
+    x = torch.randn(4, WIDTH, dtype=torch.bfloat16)
+    for _ in range(2):
+        ddp(x).float().square().sum().backward()
+    ref = build_model(torch.bfloat16)
+    for _ in range(2):
+        ref(x).float().square().sum().backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad is None
+        torch.testing.assert_close(p.main_grad.float(), q.grad.float(), rtol=2e-2, atol=1e-2, msg=n)
+
+
+def test_frozen_parameters_stay_out_of_buffers():
+    model = build_model()
+    model[0].weight.requires_grad_(False)
+    ddp = DistributedDataParallel(model)
+    in_buffers = {id(p) for b in ddp.buffers.values() for p in b.params}
+    assert id(model[0].weight) not in in_buffers and id(model[0].bias) in in_buffers
+    ddp(torch.randn(2, WIDTH)).sum().backward()
+    assert model[0].weight.grad is None and not hasattr(model[0].weight, "main_grad")
