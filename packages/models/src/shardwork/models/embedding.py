@@ -52,7 +52,8 @@ class VocabParallelEmbedding(ShardedModule):
         self.rows_per_rank = config.padded_vocab_size // tp
         self.vocab_start = self.rows_per_rank * groups.rank("tp")
         self.sequence_parallel = config.sequence_parallel
-        shared = config.tie_word_embeddings and groups.size("pp") > 1
+        # MTP on the last stage holds a copy of the embedding too (shardwork.models.mtp)
+        shared = (config.tie_word_embeddings or config.mtp is not None) and groups.size("pp") > 1
         self.weight = describe_param(
             torch.nn.Parameter(
                 torch.empty(

@@ -86,6 +86,11 @@ class GPTModel(ShardedModule):
             pp_rank=groups.rank("pp"),
             device=rng_device,
         )
+        self.aux_loss_tracker = self.aux_loss_scale = None
+        if config.moe is not None and mlp_factory is None:  # MoE layers (shardwork.models.moe)
+            from shardwork.models.moe.state import attach_moe
+
+            mlp_factory = attach_moe(self, config, groups, device=device)
         self.embedding = (
             VocabParallelEmbedding(config, groups, device=device) if self.pre_process else None
         )
@@ -103,6 +108,20 @@ class GPTModel(ShardedModule):
             self.output_layer = LMHead(config, groups, own_weight=own, device=device)
         else:
             self.output_layer = None
+        self.mtp = None
+        if config.mtp is not None and self.post_process:  # multi-token prediction (mtp.py)
+            from shardwork.models.mtp import MultiTokenPrediction
+            from shardwork.moe_router import AuxLossScale
+
+            self.mtp = MultiTokenPrediction(
+                config,
+                groups,
+                rng=self.rng_tracker,
+                own_embedding=not self.pre_process and not config.tie_word_embeddings,
+                mlp_factory=mlp_factory,
+                device=device,
+            )
+            self.mtp_loss_scale = AuxLossScale(1.0)
         if device.type != "meta":
             self.init_parameters()
 
@@ -123,6 +142,10 @@ class GPTModel(ShardedModule):
                 std=cfg.init_method_std,
                 num_layers=cfg.num_layers,
             )
+        for module in self.modules():  # buffers such as the MoE expert bias
+            reset = getattr(module, "reset_buffers", None)
+            if callable(reset):
+                reset()
 
     def materialize(self, device: str | torch.device) -> GPTModel:
         """Allocate a meta-built model's local shards on ``device`` and initialise them."""
@@ -158,10 +181,15 @@ class GPTModel(ShardedModule):
             if cp > 1:
                 keys = gathered_positions(local_len, cp_size=cp, device=device)
                 mask = attention_mask(positions, keys)
-        inv_freq = rotary_inv_freq(cfg.kv_channels, base=cfg.rope_theta, scaling=cfg.rope_scaling)
+        rope_dim = cfg.kv_channels if cfg.mla is None else cfg.mla.qk_rope_head_dim
+        inv_freq = rotary_inv_freq(rope_dim, base=cfg.rope_theta, scaling=cfg.rope_scaling)
         table_dtype = torch.float64 if cfg.activation_dtype == torch.float64 else torch.float32
         cos, sin = rotary_cos_sin(
-            positions, inv_freq.to(device), scaling=cfg.rope_scaling, dtype=table_dtype
+            positions,
+            inv_freq.to(device),
+            scaling=cfg.rope_scaling,
+            interleaved=cfg.mla is not None,  # MLA rotates neighbouring pairs
+            dtype=table_dtype,
         )
         return AttentionInputs(cos=cos.unsqueeze(1), sin=sin.unsqueeze(1), mask=mask)
 
@@ -216,6 +244,28 @@ class GPTModel(ShardedModule):
         logits = self.output_layer(hidden, tied)
         if labels is None:
             return logits
+        if self.mtp is not None:
+            if input_ids is None:
+                raise ValueError("input_ids is required on the last stage of a model with MTP")
+            emb = (
+                self.embedding.weight
+                if self.embedding is not None
+                else self.output_layer.linear.weight
+            )
+            mtp_loss = self.mtp(
+                hidden,
+                input_ids=input_ids,
+                labels=labels,
+                loss_mask=loss_mask,
+                cu_seqlens=cu_seqlens,
+                inputs=inputs,
+                embedding_weight=emb,
+                head=self.output_layer,
+                head_weight=tied,
+            )
+            from shardwork.moe_router import attach_aux_loss
+
+            logits = attach_aux_loss(logits, mtp_loss, self.mtp_loss_scale)
         return token_loss(
             logits,
             labels,

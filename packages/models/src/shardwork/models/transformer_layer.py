@@ -68,7 +68,12 @@ class TransformerLayer(ShardedModule):
         self.dropout = config.hidden_dropout
         self.sp = config.sequence_parallel
         self.input_layernorm = _norm(config, groups, device)
-        self.self_attention = Attention(config, groups, rng=rng, device=device)
+        if config.mla is not None:  # multi-head latent attention (DeepSeek)
+            from shardwork.models.mla import MLAttention
+
+            self.self_attention = MLAttention(config, groups, rng=rng, device=device)
+        else:
+            self.self_attention = Attention(config, groups, rng=rng, device=device)
         self.pre_mlp_layernorm = _norm(config, groups, device)
         self.mlp = mlp if mlp is not None else SwiGLUMLP(config, groups, device=device)
 

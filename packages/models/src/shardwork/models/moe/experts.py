@@ -1,0 +1,228 @@
+"""Grouped SwiGLU experts with expert (EP) and expert-tensor (ETP) parallelism.
+
+Legend: E experts, L = E/ep local experts, H hidden, F expert ffn width, f = F/etp, N rows.
+
+- Weights are stacked per layer: ``linear_fc1.weight [L, 2f, H]`` (this rank's ``[gate | up]``
+  ffn slice of each local expert, the layout of transformers 5's ``gate_up_proj``) and
+  ``linear_fc2.weight [L, H, f]``. Both carry ``ParamMeta(is_expert=True, tp_axis=1|2)``:
+  the TP axis is split over the *etp* group, gradients reduce over *edp*.
+- Checkpoint keys are per expert (``...experts.linear_fc1.weight.<e>.gate``, global ``[F, H]``;
+  ``...linear_fc2.weight.<e>``, ``[H, F]``), so a checkpoint loads at any ep/etp and maps one to
+  one onto Hugging Face's per-expert tensors. :class:`ExpertShards` produces those
+  ShardedTensors and the layout-independent init (one seed per expert key); it is attached to
+  the parameter and used by ``shardwork.models.sharding``'s ``param_shards``/``init_from_shards``.
+- GEMMs: torch's grouped matmul (``torch.nn.functional.grouped_mm``) over contiguous row
+  blocks when the dtype and strides allow it, else a padded batched ``bmm``; never a loop
+  over tokens. The SwiGLU is ``shardwork.fused_kernels.swiglu`` on the fused ``[gate | up]``.
+- With ETP > 1 the output is a partial sum over this rank's ffn slice; the dispatcher's
+  combine reduces it over the etp group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from shardwork.dist_checkpoint import ShardedTensor
+from shardwork.fused_kernels import swiglu
+from shardwork.models.module import ShardedModule
+from shardwork.models.sharding import describe_param, key_seed
+from shardwork.parallel_state import ParamMeta, ProcessGroups
+
+__all__ = ["ExpertShards", "GroupedExperts", "grouped_linear"]
+
+SHARDS_ATTRIBUTE = "_shardwork_custom_shards"
+_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class ExpertShards:
+    """Where a stacked expert parameter ``[L, ...]`` sits in the per-expert global tensors."""
+
+    first_expert: int
+    """Global index of local expert 0 (``ep_rank · L``)."""
+    ffn_axis: int
+    """Axis of the ffn dimension in the stacked parameter (1 for fc1, 2 for fc2)."""
+    ffn_size: int
+    """Global F of one block."""
+    etp_rank: int
+    etp_size: int
+    replica_rank: int
+    """Rank in the expert-data-parallel group (0 holds the primary copy)."""
+    blocks: tuple[str, ...] | None
+    """Fused blocks along the ffn axis (``("gate", "up")`` for fc1)."""
+    init: str
+    """``normal`` or ``scaled_normal``."""
+
+    def _pieces(self, tensor: torch.Tensor, key: str):
+        """(key, local view, global shape, global offset) per expert (and block)."""
+        f = self.ffn_size // self.etp_size
+        axis = self.ffn_axis - 1  # axis within one expert's matrix
+        for local in range(tensor.shape[0]):
+            mat = tensor[local]
+            e = self.first_expert + local
+            names = self.blocks or (None,)
+            for b, name in enumerate(names):
+                view = mat.narrow(axis, b * f, f)
+                gshape = list(view.shape)
+                gshape[axis] = self.ffn_size
+                off = [0, 0]
+                off[axis] = self.etp_rank * f
+                suffix = f".{e}" if name is None else f".{e}.{name}"
+                yield key + suffix, view, tuple(gshape), tuple(off)
+
+    def param_shards(
+        self,
+        param: torch.Tensor,
+        key: str,
+        *,
+        replica_offset: int = 0,
+        source: torch.Tensor | None = None,
+    ) -> list[ShardedTensor]:
+        """ShardedTensors (views) of ``param`` (or of ``source``, e.g. its gradient)."""
+        src = param if source is None else source
+        rid = self.replica_rank + replica_offset
+        return [
+            ShardedTensor(k, v.data, gshape, off, replica_id=rid)
+            for k, v, gshape, off in self._pieces(src, key)
+        ]
+
+    @torch.no_grad()
+    def init_param(
+        self, param: torch.Tensor, key: str, *, init_seed: int, std: float, num_layers: int
+    ) -> None:
+        """Normal init of every expert from a generator seeded by its own key."""
+        scale = std / (2.0 * num_layers) ** 0.5 if self.init == "scaled_normal" else std
+        for k, view, gshape, off in self._pieces(param, key):
+            gen = torch.Generator(device="cpu").manual_seed(key_seed(init_seed, k))
+            full = torch.randn(gshape, generator=gen, dtype=torch.float32) * scale
+            index = tuple(slice(o, o + s) for o, s in zip(off, view.shape))
+            view.copy_(full[index].to(view.dtype))
+
+
+def _use_grouped_mm(mode: str, x: torch.Tensor, w: torch.Tensor) -> bool:
+    fn = getattr(F, "grouped_mm", None)
+    if mode == "batched" or fn is None:
+        return False
+    ok = (
+        x.dtype in _GROUPED_DTYPES
+        and (x.shape[-1] * x.element_size()) % 16 == 0
+        and (w.shape[1] * w.element_size()) % 16 == 0
+    )
+    if mode == "grouped_mm" and not ok:
+        raise ValueError(
+            f"MoEConfig.grouped_gemm='grouped_mm' cannot run dtype {x.dtype} with widths "
+            f"{x.shape[-1]}/{w.shape[1]}: it needs float32/bfloat16/float16 and rows of a "
+            "multiple of 16 bytes; use 'auto' or 'batched'"
+        )
+    return ok
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (grouped_mm needs it)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def grouped_linear(
+    x_NI: torch.Tensor, w_LOI: torch.Tensor, counts_L: torch.Tensor, *, mode: str = "auto"
+) -> torch.Tensor:
+    """``y[rows of group l] = x[rows of group l] @ w[l]ᵀ``; rows grouped contiguously by ``counts``."""
+    n, L = x_NI.shape[0], w_LOI.shape[0]
+    if n == 0:
+        return x_NI.new_zeros((0, w_LOI.shape[1])) + 0 * w_LOI.sum()
+    if _use_grouped_mm(mode, x_NI, w_LOI):
+        offs = torch.cumsum(counts_L.to(device=x_NI.device, dtype=torch.int64), 0).to(torch.int32)
+        y = F.grouped_mm(x_NI.contiguous(), w_LOI.transpose(1, 2), offs=offs)
+        return _ContiguousGrad.apply(y)
+    counts = counts_L.to(device=x_NI.device, dtype=torch.int64)
+    group_N = torch.repeat_interleave(torch.arange(L, device=x_NI.device), counts, output_size=n)
+    starts = torch.cumsum(counts, 0) - counts
+    slot_N = torch.arange(n, device=x_NI.device) - starts[group_N]
+    padded = x_NI.new_zeros((L, int(counts.max()), x_NI.shape[1]))
+    padded = padded.index_put((group_N, slot_N), x_NI)
+    return torch.bmm(padded, w_LOI.transpose(1, 2))[group_N, slot_N]
+
+
+class _ExpertLinear(ShardedModule):
+    """Holds one stacked expert weight (a child so its checkpoint key reads ``linear_fcN.weight``)."""
+
+    def __init__(self, groups, shape, *, dtype, device, meta: ParamMeta, shards: ExpertShards):
+        super().__init__(groups)
+        param = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+        describe_param(param, meta, init=shards.init)
+        setattr(param, SHARDS_ATTRIBUTE, shards)
+        self.weight = param
+
+
+class GroupedExperts(ShardedModule):
+    """This rank's ``L`` SwiGLU experts (ffn slice ``etp_rank`` of ``etp``); see module docstring."""
+
+    def __init__(
+        self,
+        *,
+        num_experts: int,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        groups: ProcessGroups,
+        grouped_gemm: str = "auto",
+        kernel_backend: str = "auto",
+        params_dtype: torch.dtype = torch.float32,
+        device: str | torch.device | None = None,
+    ) -> None:
+        super().__init__(groups)
+        ep, etp = groups.size("ep"), groups.size("etp")
+        if num_experts % ep or ffn_hidden_size % etp:
+            raise ValueError(
+                f"num_experts={num_experts} / ffn_hidden_size={ffn_hidden_size} cannot be split "
+                f"over ep={ep} / etp={etp}"
+            )
+        L, f = num_experts // ep, ffn_hidden_size // etp
+        self.num_local_experts = L
+        self.first_expert = groups.rank("ep") * L
+        self.mode, self.backend = grouped_gemm, kernel_backend
+        common = dict(
+            first_expert=self.first_expert,
+            ffn_size=ffn_hidden_size,
+            etp_rank=groups.rank("etp"),
+            etp_size=etp,
+            replica_rank=groups.rank("edp"),
+        )
+        kw = dict(dtype=params_dtype, device=device)
+        self.linear_fc1 = _ExpertLinear(
+            groups,
+            (L, 2 * f, hidden_size),
+            meta=ParamMeta(
+                tp_axis=1, tp_partition_sizes=(ffn_hidden_size, ffn_hidden_size), is_expert=True
+            ),
+            shards=ExpertShards(ffn_axis=1, blocks=("gate", "up"), init="normal", **common),
+            **kw,
+        )
+        self.linear_fc2 = _ExpertLinear(
+            groups,
+            (L, hidden_size, f),
+            meta=ParamMeta(tp_axis=2, is_expert=True),
+            shards=ExpertShards(ffn_axis=2, blocks=None, init="scaled_normal", **common),
+            **kw,
+        )
+
+    def forward(self, tokens_NH: torch.Tensor, tokens_per_expert_L: torch.Tensor) -> torch.Tensor:
+        """Rows grouped by local expert (counts ``tokens_per_expert_L``) -> ``[N, H]``."""
+        if tokens_per_expert_L.numel() != self.num_local_experts:
+            raise ValueError(
+                f"tokens_per_expert has {tokens_per_expert_L.numel()} entries, expected "
+                f"{self.num_local_experts} local experts"
+            )
+        w1 = self.linear_fc1.weight.to(tokens_NH.dtype)
+        w2 = self.linear_fc2.weight.to(tokens_NH.dtype)
+        h = grouped_linear(tokens_NH, w1, tokens_per_expert_L, mode=self.mode)
+        h = swiglu(h, backend=self.backend)
+        return grouped_linear(h, w2, tokens_per_expert_L, mode=self.mode)

@@ -1,0 +1,114 @@
+"""MoE state owned by a model, and the hooks ``finalize_model_grads`` runs for it.
+
+- :func:`attach_moe` (called by ``GPTModel`` when ``config.moe`` is set) gives the model an
+  :class:`~shardwork.moe_router.AuxLossTracker` (``model.aux_loss_tracker``: per-layer aux
+  losses and per-expert token counts, ``num_layers`` rows on every stage so stages without MoE
+  layers join the same reductions) and an :class:`~shardwork.moe_router.AuxLossScale`
+  (``model.aux_loss_scale``: the factor on aux-loss gradients; the trainer sets it to its
+  main-loss backward scale), and returns the ``mlp_factory`` that builds MoE layers.
+- :func:`moe_finalize_kwargs` returns ``{"moe_tracker": ..., "moe_hooks": [...]}`` for
+  ``finalize_model_grads(chunks, groups, **kwargs)``: the tracker reduction over pp / tp×cp / dp
+  and the aux-loss-free expert-bias update (DeepSeek-V3) from token counts summed over the
+  ranks that routed different tokens. Nothing is module-level: it is all on the model.
+- :func:`expert_load` gives ``[num_layers, E]`` routed token counts for logging.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwork.moe_router import AuxLossScale, AuxLossTracker, update_expert_bias
+from shardwork.parallel_state import ProcessGroups
+
+__all__ = ["attach_moe", "expert_load", "moe_finalize_kwargs", "moe_routers"]
+
+
+def attach_moe(model: nn.Module, config, groups: ProcessGroups, *, device) -> Callable[[int], Any]:
+    """Create ``model.aux_loss_tracker`` / ``model.aux_loss_scale``; return the mlp factory."""
+    from shardwork.models.moe.layer import MoELayer
+
+    moe = config.moe
+    tracker_device = "cpu" if torch.device(device).type == "meta" else device
+    mtp_depths = config.mtp.num_layers if config.mtp is not None else 0
+    model.aux_loss_tracker = AuxLossTracker(
+        num_layers=config.num_layers + mtp_depths,
+        num_experts=moe.num_experts,
+        device=tracker_device,
+    )
+    model.aux_loss_scale = AuxLossScale(1.0)
+
+    def factory(layer: int):
+        if layer < config.num_layers and not moe.is_moe_layer(layer):  # MTP layers: MoE
+            return None  # the layer builds its dense SwiGLU MLP
+        return MoELayer(
+            config,
+            groups,
+            layer_number=layer,
+            tracker=model.aux_loss_tracker,
+            loss_scale=model.aux_loss_scale,
+            device=device,
+        )
+
+    return factory
+
+
+def _unwrap(chunk: nn.Module) -> nn.Module:
+    while not hasattr(chunk, "aux_loss_tracker") and isinstance(
+        getattr(chunk, "module", None), nn.Module
+    ):
+        chunk = chunk.module
+    return chunk
+
+
+def moe_routers(chunks: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
+    """The moe-router ``TopKRouter`` of every MoE layer in ``chunks`` (wrappers looked through)."""
+    from shardwork.models.moe.router import MoERouter
+
+    chunks = [chunks] if isinstance(chunks, nn.Module) else list(chunks)
+    return [m.inner for c in chunks for m in c.modules() if isinstance(m, MoERouter)]
+
+
+class _Trackers:
+    """Several chunks' trackers reduced one after the other (same count on every rank)."""
+
+    def __init__(self, trackers: list[AuxLossTracker]) -> None:
+        self.trackers = trackers
+
+    def reduce(self, **groups: Any) -> None:
+        for t in self.trackers:
+            t.reduce(**groups)
+
+
+def moe_finalize_kwargs(
+    chunks: nn.Module | Sequence[nn.Module], groups: ProcessGroups
+) -> dict[str, Any]:
+    """Keyword arguments for ``finalize_model_grads``: the tracker and the expert-bias hook.
+
+    Every rank of the layout must call ``finalize_model_grads`` with them (chunks of a model
+    without MoE give ``{}``).
+    """
+    chunks = [chunks] if isinstance(chunks, nn.Module) else list(chunks)
+    models = [_unwrap(c) for c in chunks]
+    trackers = [m.aux_loss_tracker for m in models if getattr(m, "aux_loss_tracker", None)]
+    if not trackers:
+        return {}
+    config = models[0].config
+    sp = config.sequence_parallel and groups.size("tp") > 1
+    bias_group = groups.group("tp_dp_cp") if sp else groups.group("dp_cp")
+    routers = moe_routers(models)
+    hooks = []
+    if config.moe.enable_expert_bias:
+        hooks.append(lambda: update_expert_bias(routers, group=bias_group))
+    tracker = trackers[0] if len(trackers) == 1 else _Trackers(trackers)
+    return {"moe_tracker": tracker, "moe_hooks": hooks}
+
+
+def expert_load(chunks: nn.Module | Sequence[nn.Module]) -> torch.Tensor:
+    """``[num_layers, E]`` routed token counts of this step (sum over chunks; reduce first)."""
+    chunks = [chunks] if isinstance(chunks, nn.Module) else list(chunks)
+    trackers = [_unwrap(c).aux_loss_tracker for c in chunks]
+    return torch.stack([t.tokens_per_expert for t in trackers]).sum(0)
