@@ -1,0 +1,281 @@
+"""Benchmark shardwork.dist_checkpoint save/load throughput against the disk's practical limit.
+
+For world sizes 1, 2 and 4 (gloo ranks on this machine, FileStore rendezvous) a state of
+``--size-mb`` unique bytes is saved and loaded back at the same layout:
+
+- half of it as row-sharded 2-D tensors, a quarter replicated on every rank (written once, the
+  writing spread over the ranks), a quarter as ZeRO-style flat shards;
+- save: sync (blocking until committed), async (time the caller is blocked, and the total
+  until finalize), load: into a template of the same layout, page cache dropped first
+  (``posix_fadvise(DONTNEED)`` on every file), so reads come from the disk.
+
+Compared in the same run, in one process: the same bytes written sequentially into one file
+with fsync (the disk's practical limit), ``torch.save`` of the full state + fsync, reading the
+sequential file back and ``torch.load``. Prints a table and writes
+``benchmarks/results/dist_checkpoint.json`` and ``.md``.
+
+Usage: ``uv run python benchmarks/dist_checkpoint.py [--size-mb 256] [--worlds 1 2 4]``
+(``--size-mb 1536`` for the 1-2 GB state of the issue).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TENSOR_MB = 16
+
+
+def evict(path: Path) -> None:
+    """Drop a file or every file under a directory from the page cache."""
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def global_tensors(size_mb: int) -> dict[str, torch.Tensor]:
+    """Deterministic global tensors totalling ``size_mb`` MiB of float32."""
+    gen = torch.Generator().manual_seed(0)
+    numel = TENSOR_MB * 2**20 // 4
+    count = max(4, size_mb // TENSOR_MB)
+    out = {}
+    for i in range(count):
+        kind = "sharded" if i % 4 in (0, 1) else ("replicated" if i % 4 == 2 else "flat")
+        out[f"{kind}.{i}"] = torch.randn(numel // 1024, 1024, generator=gen)
+    return out
+
+
+def rank_state(tensors: dict[str, torch.Tensor], rank: int, world: int, *, fill: bool):
+    from shardwork.dist_checkpoint import ShardedTensor
+
+    state = {}
+    for key, full in tensors.items():
+        if key.startswith("sharded"):
+            rows = full.shape[0] // world
+            data = full[rank * rows : (rank + 1) * rows]
+            st = ShardedTensor.from_rank_offsets(
+                key, data.clone() if fill else torch.zeros_like(data), (0, rank, world)
+            )
+        elif key.startswith("replicated"):
+            st = ShardedTensor.from_rank_offsets(
+                key, full.clone() if fill else torch.zeros_like(full), replica_id=rank
+            )
+        else:
+            numel = full.numel()
+            a, b = numel * rank // world, numel * (rank + 1) // world
+            data = full.flatten()[a:b]
+            st = ShardedTensor.from_flattened(
+                key,
+                data.clone() if fill else torch.zeros_like(data),
+                local_shape=tuple(full.shape),
+                global_shape=tuple(full.shape),
+                global_offset=(0, 0),
+                flattened_range=(a, b),
+            )
+        state[key] = st
+    return {"model": state}
+
+
+def _rank_main(rank, world, store_path, workdir, size_mb, repeats, queue):
+    import torch.distributed as dist
+
+    from shardwork.dist_checkpoint import load, save
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store_path, world),
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=900),
+    )
+    tensors = global_tensors(size_mb)
+    state = rank_state(tensors, rank, world, fill=True)
+    async_group = dist.new_group(backend="gloo")
+    out = {"sync": [], "async_blocking": [], "async_total": [], "load": [], "phases": []}
+    for rep in range(repeats):
+        for mode in ("sync", "async"):
+            path = Path(workdir) / f"{mode}-{rep}"
+            dist.barrier()
+            t0 = time.perf_counter()
+            if mode == "sync":
+                result = save(state, path)
+                elapsed = time.perf_counter() - t0
+                out["sync"].append(elapsed)
+                out["phases"].append(result.timings)
+            else:
+                handle = save(state, path, async_save=True, async_group=async_group)
+                out["async_blocking"].append(time.perf_counter() - t0)
+                handle.finalize()
+                out["async_total"].append(time.perf_counter() - t0)
+        dist.barrier()
+        if rank == 0:
+            evict(Path(workdir) / f"sync-{rep}")
+        dist.barrier()
+        template = rank_state(tensors, rank, world, fill=False)
+        t0 = time.perf_counter()
+        loaded = load(template, Path(workdir) / f"sync-{rep}")
+        out["load"].append(time.perf_counter() - t0)
+        for key, st in state["model"].items():
+            assert torch.equal(loaded["model"][key], st.data), key
+        dist.barrier()
+        if rank == 0:
+            for mode in ("sync", "async"):
+                shutil.rmtree(Path(workdir) / f"{mode}-{rep}")
+    if world > 1:
+        dist.destroy_process_group(async_group)
+    dist.destroy_process_group()
+    queue.put((rank, out))
+
+
+def run_world(world: int, workdir: str, size_mb: int, repeats: int) -> dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(
+                target=_rank_main, args=(r, world, store, workdir, size_mb, repeats, queue)
+            )
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        results = dict(queue.get() for _ in procs)
+        for p in procs:
+            p.join()
+    # per repetition the slowest rank decides; report the best repetition
+    best = {}
+    for metric in ("sync", "async_blocking", "async_total", "load"):
+        per_rep = [max(results[r][metric][i] for r in results) for i in range(repeats)]
+        best[metric] = min(per_rep)
+    best["phases_rank0"] = results[0]["phases"][-1]
+    return best
+
+
+def baselines(workdir: str, size_mb: int, repeats: int) -> dict:
+    tensors = global_tensors(size_mb)
+    flat = torch.cat([t.flatten() for t in tensors.values()])
+    raw = flat.numpy().view("uint8")
+    seq_path = Path(workdir) / "sequential.bin"
+    pt_path = Path(workdir) / "state.pt"
+    out = {"sequential_write": [], "torch_save": [], "sequential_read": [], "torch_load": []}
+    chunk = 64 * 2**20
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        with open(seq_path, "wb") as f:
+            for i in range(0, raw.nbytes, chunk):
+                f.write(raw[i : i + chunk])
+            f.flush()
+            os.fsync(f.fileno())
+        out["sequential_write"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        with open(pt_path, "wb") as f:
+            torch.save(tensors, f)
+            f.flush()
+            os.fsync(f.fileno())
+        out["torch_save"].append(time.perf_counter() - t0)
+        evict(seq_path)
+        evict(pt_path)
+        t0 = time.perf_counter()
+        with open(seq_path, "rb") as f:
+            while f.read(chunk):
+                pass
+        out["sequential_read"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        torch.load(pt_path, weights_only=True)
+        out["torch_load"].append(time.perf_counter() - t0)
+    seq_path.unlink()
+    pt_path.unlink()
+    return {k: min(v) for k, v in out.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size-mb", type=int, default=256, help="unique state size (MiB)")
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--out", default=str(RESULTS / "dist_checkpoint"))
+    args = parser.parse_args()
+    if args.size_mb < 4 * TENSOR_MB:
+        parser.error(f"--size-mb must be >= {4 * TENSOR_MB}")
+
+    workdir = tempfile.mkdtemp(prefix="shardwork-ckpt-bench-", dir=args.dir)
+    try:
+        size_mb = (max(4, args.size_mb // TENSOR_MB)) * TENSOR_MB
+        gb = size_mb / 1024
+        base = baselines(workdir, size_mb, args.repeats)
+        worlds = {w: run_world(w, workdir, size_mb, args.repeats) for w in args.worlds}
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    seq_gbs = gb / base["sequential_write"]
+    read_gbs = gb / base["sequential_read"]
+    rows = [
+        ("sequential write + fsync (1 proc)", f"{seq_gbs:.3f}", "1.00", ""),
+        ("torch.save full state + fsync", f"{gb / base['torch_save']:.3f}",
+         f"{base['sequential_write'] / base['torch_save']:.2f}", ""),
+    ]
+    record = {
+        "size_mb": size_mb,
+        "repeats": args.repeats,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "torch": torch.__version__, "load_avg": os.getloadavg()},
+        "baselines_s": base,
+        "worlds": {},
+    }
+    for w, r in worlds.items():
+        save_gbs = gb / r["sync"]
+        load_gbs = gb / r["load"]
+        frac = r["async_blocking"] / r["sync"]
+        record["worlds"][str(w)] = {
+            **r,
+            "save_GBps": save_gbs,
+            "load_GBps": load_gbs,
+            "save_vs_sequential": save_gbs / seq_gbs,
+            "load_vs_sequential_read": load_gbs / read_gbs,
+            "async_blocking_fraction": frac,
+        }
+        rows.append((f"shardwork save, {w} rank(s)", f"{save_gbs:.3f}",
+                     f"{save_gbs / seq_gbs:.2f}", f"async blocks {100 * frac:.1f}% of sync"))
+    rows.append(("sequential read (cache dropped)", f"{read_gbs:.3f}", "1.00 (read)", ""))
+    rows.append(("torch.load full state", f"{gb / base['torch_load']:.3f}",
+                 f"{base['sequential_read'] / base['torch_load']:.2f}", ""))
+    for w, r in worlds.items():
+        rows.append((f"shardwork load, {w} rank(s)", f"{gb / r['load']:.3f}",
+                     f"{(gb / r['load']) / read_gbs:.2f}", ""))
+    header = ("what", "GB/s", "vs sequential", "note")
+    widths = [max(len(x[i]) for x in [header, *rows]) for i in range(4)]
+    lines = [" | ".join(c.ljust(wd) for c, wd in zip(row, widths)) for row in [header, *rows]]
+    lines.insert(1, "-|-".join("-" * wd for wd in widths))
+    table = "\n".join(lines)
+    print(f"state: {size_mb} MiB, best of {args.repeats}\n{table}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(record, indent=1))
+    out.with_suffix(".md").write_text(
+        f"# dist-checkpoint benchmark\n\nstate {size_mb} MiB, best of {args.repeats}, "
+        f"load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n\n"
+        f"| {table.replace(chr(10), ' |' + chr(10) + '| ')} |\n"
+    )
+
+
+if __name__ == "__main__":
+    main()
