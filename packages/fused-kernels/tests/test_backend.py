@@ -88,7 +88,7 @@ def test_te_is_gated_with_a_reason():
 
 @pytest.mark.parametrize(
     ("version", "op", "expect_none"),
-    [((1, 9), "rms_norm", False), ((2, 5), "router_topk", False), ((2, 6), "router_topk", True)],
+    [((1, 9), "rms_norm", False), ((2, 6), "router_topk", False), ((2, 7), "router_topk", True)],
 )
 def test_te_version_gate_in_one_place(monkeypatch, version, op, expect_none):
     monkeypatch.setattr(te_support, "_load", lambda: (object(), version, None))

@@ -18,12 +18,15 @@ from types import ModuleType
 __all__ = ["MIN_TE_VERSION", "te_module", "te_version", "unavailable_reason"]
 
 MIN_TE_VERSION: dict[str, tuple[int, int]] = {
-    "rms_norm": (2, 0),  # transformer_engine.pytorch.ops.RMSNorm (functional use of the op)
-    "layer_norm": (2, 0),  # transformer_engine.pytorch.ops.LayerNorm
+    "rms_norm": (2, 0),  # transformer_engine_torch.rmsnorm_fwd/bwd, 2.x argument order
+    "layer_norm": (2, 0),  # transformer_engine_torch.layernorm_fwd/bwd, 2.x argument order
     "swiglu": (2, 0),  # transformer_engine.pytorch.ops.SwiGLU
     "geglu": (2, 0),  # transformer_engine.pytorch.ops.GEGLU
-    "cross_entropy": (2, 0),  # cross_entropy.parallel_cross_entropy
-    "router_topk": (2, 6),  # router.fused_topk_with_score_function + aux-loss scores
+    "cross_entropy": (2, 7),  # cross_entropy.parallel_cross_entropy(..., ignore_idx)
+    "router_topk": (
+        2,
+        7,
+    ),  # router.fused_topk_with_score_function + fused_compute_score_for_moe_aux_loss
 }
 """First Transformer Engine version whose API the ``te`` backend uses, per op.
 
