@@ -342,3 +342,54 @@ class _AveragingDDP(nn.Module):
 def test_token_scaling_rejects_an_averaging_ddp():
     with pytest.raises(ValueError, match="average_gradients=False"):
         finalize_model_grads([_AveragingDDP()], None, num_tokens=10)
+
+
+def _real_ddp_case(pp, vpp, num_microbatches):
+    from shardwork.dist_optimizer import DDPConfig, DistributedDataParallel
+
+    groups = init_process_groups(ParallelConfig(pp=pp, vpp=vpp))
+    num_layers = 4
+    full = _full_model(num_layers, True)
+    data = _data(groups.size("dp"), num_microbatches)
+    _, ref_grads = _reference(full, data)
+    v = vpp or 1
+    split = layer_split(num_layers, pp, vpp=vpp)
+    r = groups.rank("pp")
+    config = DDPConfig(average_gradients=False, bucket_size=40)  # several buckets, overlapped
+    chunks = [
+        DistributedDataParallel(
+            _chunk_of(
+                full,
+                split[r][c],
+                pre_process=(c == 0 and r == 0),
+                post_process=(c == v - 1 and r == pp - 1),
+                tied=True,
+                shared=True,
+            ),
+            config=config,
+            process_groups=groups,
+        )
+        for c in range(v)
+    ]
+    losses = get_schedule(pp, vpp)(
+        forward_step_func=_forward_step,
+        data_iterator=[iter(data[groups.rank("dp")]) for _ in chunks],
+        model=chunks,
+        num_microbatches=num_microbatches,
+        pp_group=groups.pp,
+        tensor_shape=(SEQ, MICRO_BATCH, HIDDEN),
+    )
+    finalize_model_grads(chunks, groups, num_tokens=loss_totals(losses)[1])
+    checked = 0
+    for chunk in chunks:
+        for name, p in chunk.module.named_parameters():
+            torch.testing.assert_close(p.main_grad, ref_grads[name], rtol=1e-9, atol=1e-13)
+            checked += 1
+    return checked
+
+
+@pytest.mark.multirank
+def test_with_shardwork_ddp_pp2_dp2_tied():
+    pytest.importorskip("shardwork.dist_optimizer")
+    checked = run_on_ranks(_real_ddp_case, 4, args=(2, None, 3))
+    assert sum(checked) == 2 * (2 + 2 * 4)  # per dp replica: tied embed on both stages, layers
