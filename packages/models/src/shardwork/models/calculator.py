@@ -44,6 +44,10 @@ def _layer_params(c: GPTConfig) -> int:
 
 def num_parameters(config: GPTConfig) -> int:
     """Exact number of (real, unpadded) parameters of the whole model."""
+    if config.moe is not None or config.mla is not None or config.mtp is not None:
+        from shardwork.models.calculator_moe import moe_param_counts
+
+        return moe_param_counts(config).total  # MoE / MLA / MTP: see calculator_moe.py
     n = config.num_layers * _layer_params(config) + config.hidden_size
     n += config.vocab_size * config.hidden_size
     if not config.tie_word_embeddings:
@@ -55,6 +59,11 @@ def flops_per_token(
     config: GPTConfig, seq_length: int, *, causal: bool = True, full_recompute: bool = False
 ) -> float:
     """Training FLOPs per token (forward + backward [+ recomputed forward])."""
+    if config.moe is not None or config.mla is not None or config.mtp is not None:
+        from shardwork.models.calculator_moe import moe_flops_per_token
+
+        fwd_bwd = moe_flops_per_token(config, seq_length, causal=causal)
+        return fwd_bwd * (4 / 3 if full_recompute else 1.0)  # recompute: one more forward
     c = config
     d, a, g, h = c.kv_channels, c.num_attention_heads, c.kv_heads, c.hidden_size
     matmul = c.num_layers * (h * (a + 2 * g) * d + a * d * h + 3 * h * c.ffn_hidden_size)

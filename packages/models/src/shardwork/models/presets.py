@@ -17,6 +17,7 @@ from typing import Any
 
 from shardwork.fused_kernels import Llama3RopeScaling
 from shardwork.models.config import GPTConfig
+from shardwork.models.presets_moe import MOE_PRESETS
 
 __all__ = ["PRESETS", "PUBLISHED_PARAMS", "preset"]
 
@@ -203,6 +204,7 @@ PRESETS: dict[str, Callable[..., GPTConfig]] = {
     "qwen3-8b": qwen3_8b,
 }
 PRESETS |= {f"tiny-{name}": _tiny(fn) for name, fn in list(PRESETS.items())}
+PRESETS |= MOE_PRESETS  # Mixtral, Qwen-MoE, DeepSeek and their tiny twins (presets_moe.py)
 
 #: Published parameter counts (model cards / safetensors totals).
 PUBLISHED_PARAMS: dict[str, int] = {

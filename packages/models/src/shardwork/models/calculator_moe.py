@@ -1,0 +1,145 @@
+"""Parameter and FLOPs counts for MoE / MLA / MTP configs: total vs. active parameters.
+
+Notation as in :mod:`shardwork.models.calculator`, plus ``E`` experts, ``k`` top-k, ``F`` expert
+width, ``S`` shared-expert width, ``n`` heads, ``dn``/``dr``/``dv`` MLA head dims, ``rq``/``rkv``
+MLA latent ranks, ``D`` MTP depths.
+
+Per layer (exact, as the model builds them):
+  attention (GQA)  ``h·(a+2g)·d + a·d·h [+ (a+2g)·d bias] [+ 2d qk-norm]``
+  attention (MLA)  ``[h·rq + rq + rq·n·(dn+dr) | h·n·(dn+dr)] + h·(rkv+dr) + rkv
+                   + rkv·n·(dn+dv) + n·dv·h``
+  norms            ``2h``
+  dense MLP        ``3·h·f``
+  MoE MLP          total ``E·h (router) + E·3·h·F + 3·h·S [+ h gate]``;
+                   active ``E·h + k·3·h·F + 3·h·S [+ h]``
+Model: ``Σ layers + V·h (embedding) [+ V·h untied head] + h (final norm)``; each MTP depth adds
+``2h·h (eh_proj) + 3h (norms) +`` one MoE layer (embedding and head are shared).
+
+Training FLOPs per token: ``3 × forward``, forward ``= 2·(active matmul parameters) +
+attention scores`` where the scores are ``2·s·n·(dq + dv)·c`` per layer (``dq`` the query/key
+head width, ``c = 1/2`` causal), the router ``2·h·E`` is a matmul like any other, and the head
+``2·V_pad·h`` is counted once per prediction depth (main + D).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardwork.models.config import GPTConfig
+
+__all__ = ["ParamCounts", "moe_flops_per_token", "moe_param_counts"]
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Exact parameter counts of a config (real vocabulary rows, no padding)."""
+
+    total: int
+    """All parameters, MTP included."""
+    active: int
+    """Parameters used per token (routed experts counted k of E), MTP included."""
+    mtp: int
+    """Parameters of the MTP depths (already in ``total``)."""
+    router: int
+    """Gating weights of all routers (already in ``total``)."""
+
+    @property
+    def total_without_mtp(self) -> int:
+        return self.total - self.mtp
+
+    @property
+    def active_without_mtp(self) -> int:
+        return self.active - self.mtp_active
+
+    mtp_active: int = 0
+    """Active parameters of the MTP depths."""
+
+
+def _attention(c: GPTConfig) -> int:
+    h, n = c.hidden_size, c.num_attention_heads
+    if c.mla is None:
+        d, g = c.kv_channels, c.kv_heads
+        p = h * (n + 2 * g) * d + n * d * h
+        if c.add_qkv_bias:
+            p += (n + 2 * g) * d
+        if c.qk_layernorm:
+            p += 2 * d
+        return p
+    m = c.mla
+    if m.q_lora_rank is None:
+        q = h * n * m.qk_head_dim
+    else:
+        q = h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * n * m.qk_head_dim
+    kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+    kv += m.kv_lora_rank * n * (m.qk_nope_head_dim + m.v_head_dim)
+    return q + kv + n * m.v_head_dim * h
+
+
+def _moe_mlp(c: GPTConfig) -> tuple[int, int, int]:
+    """(total, active, router) of one MoE MLP."""
+    m, h = c.moe, c.hidden_size
+    router = m.num_experts * h
+    shared = 0
+    if m.shared_expert_ffn_hidden_size is not None:
+        shared = 3 * h * m.shared_expert_ffn_hidden_size + (h if m.shared_expert_gate else 0)
+    per_expert = 3 * h * m.ffn_hidden_size
+    return (
+        router + m.num_experts * per_expert + shared,
+        router + m.top_k * per_expert + shared,
+        router,
+    )
+
+
+def moe_param_counts(config: GPTConfig) -> ParamCounts:
+    """Total and active parameters (see module docstring); works for dense configs too."""
+    c, h = config, config.hidden_size
+    base = _attention(c) + 2 * h
+    total = active = router = 0
+    for layer in range(c.num_layers):
+        if c.moe is not None and c.moe.is_moe_layer(layer):
+            t, a, r = _moe_mlp(c)
+        else:
+            t = a = 3 * h * c.ffn_hidden_size
+            r = 0
+        total += base + t
+        active += base + a
+        router += r
+    emb = c.vocab_size * h * (1 if c.tie_word_embeddings else 2) + h
+    total += emb
+    active += emb
+    mtp = mtp_active = 0
+    if c.mtp is not None:
+        if c.moe is not None:
+            t, a, r = _moe_mlp(c)
+        else:
+            t = a = 3 * h * c.ffn_hidden_size
+            r = 0
+        extra = 2 * h * h + 3 * h + base
+        mtp = c.mtp.num_layers * (extra + t)
+        mtp_active = c.mtp.num_layers * (extra + a)
+        router += c.mtp.num_layers * r
+    return ParamCounts(
+        total=total + mtp,
+        active=active + mtp_active,
+        mtp=mtp,
+        router=router,
+        mtp_active=mtp_active,
+    )
+
+
+def moe_flops_per_token(config: GPTConfig, seq_length: int, *, causal: bool = True) -> float:
+    """Training FLOPs per token (forward + backward) from the active parameters."""
+    c = config
+    counts = moe_param_counts(c)
+    h, n = c.hidden_size, c.num_attention_heads
+    emb_params = c.vocab_size * h * (1 if c.tie_word_embeddings else 2) + h
+    matmul = counts.active - emb_params  # norms are negligible but counted exactly as parameters
+    if c.mla is None:
+        dq = dv = c.kv_channels
+    else:
+        dq, dv = c.mla.qk_head_dim, c.mla.v_head_dim
+    depths = 1 + (c.mtp.num_layers if c.mtp is not None else 0)
+    layers = c.num_layers + depths - 1
+    scores = layers * 2 * seq_length * n * (dq + dv) * (0.5 if causal else 1.0)
+    head = depths * 2 * c.padded_vocab_size * h
+    return 3 * (2 * matmul + scores + head)
