@@ -9,8 +9,8 @@ full gradient agree to ``rtol``.
 - Gradients are finalised as ``finalize_model_grads`` would for a plain module: parameters
   marked ``sequence_parallel`` summed over TP, everything summed over dp×cp, and backward
   started from ``loss_sum / global token count``.
-- float64 runs compute the loss with a plain-torch oracle on TP-gathered logits (the fused
-  cross entropy keeps float32 statistics); float32 runs use the model's own loss path.
+- The loss goes through the model's own (fused, vocab-parallel) path, or with
+  ``oracle_loss=True`` through plain ``F.cross_entropy`` on TP-gathered logits.
 """
 
 from __future__ import annotations
@@ -63,11 +63,11 @@ def _finalize(model, groups):
             dist.all_reduce(p.grad, group=groups.dp_cp)
 
 
-def _step(model, groups, ids, labels, cu_seqlens=None):
+def _step(model, groups, ids, labels, cu_seqlens=None, oracle_loss=False):
     cp, cp_rank = groups.size("cp"), groups.rank("cp")
     ids = slice_for_context_parallel(ids, cp_rank=cp_rank, cp_size=cp, dim=1)
     labels = slice_for_context_parallel(labels, cp_rank=cp_rank, cp_size=cp, dim=1)
-    if model.config.params_dtype == torch.float64:
+    if oracle_loss:
         loss_sum, n = _oracle_loss(model(ids, cu_seqlens=cu_seqlens), labels, groups)
     else:
         loss_sum, n = model(ids, labels=labels, cu_seqlens=cu_seqlens)
@@ -86,6 +86,7 @@ def compare_with_single_rank(
     seq: int = 16,
     batch: int = 2,
     cu_seqlens: torch.Tensor | None = None,
+    oracle_loss: bool = False,
     **overrides: Any,
 ) -> float:
     """Assert loss and gradients at (tp, cp) equal world size 1; returns the loss."""
@@ -94,14 +95,14 @@ def compare_with_single_rank(
     ids, labels = random_batch(cfg.vocab_size, batch=batch, seq=seq)
     single = ProcessGroups.single()
     ref = GPTModel(cfg.replace(sequence_parallel=False), single)
-    ref_loss = _step(ref, single, ids, labels, cu_seqlens)
+    ref_loss = _step(ref, single, ids, labels, cu_seqlens, oracle_loss)
     ref_grads = full_state_dict(ref, grads=True, group=dist.new_group([dist.get_rank()]))
     ref_params = full_state_dict(ref, group=dist.new_group([dist.get_rank()]))
     model = GPTModel(cfg, groups)
     params = full_state_dict(model)
     for key, value in ref_params.items():  # initialisation does not depend on the layout
         assert torch.equal(params[key], value), key
-    loss = _step(model, groups, ids, labels, cu_seqlens)
+    loss = _step(model, groups, ids, labels, cu_seqlens, oracle_loss)
     grads = full_state_dict(model, grads=True)
     assert set(grads) == set(ref_grads) == set(params), sorted(set(grads) ^ set(ref_grads))
     torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=0)
