@@ -42,7 +42,7 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     from shardwork.trainer.run.trainer import NonFiniteLossError, train
 
     try:
-        result = train(resolved)
+        train(resolved)
     except NonFiniteLossError as exc:
         print(f"shardwork-train: {exc}", file=sys.stderr)
         return 3

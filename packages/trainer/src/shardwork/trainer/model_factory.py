@@ -3,9 +3,8 @@
 - :func:`gpt_config` builds the :class:`shardwork.models.GPTConfig`: a preset
   (or the demo dimensions), then the explicit fields, the tokenizer's
   vocabulary, precision and seeds, then ``model.overrides``.
-- :func:`build_model_chunks` builds this rank's model chunks: the whole
-  model at pp = 1, else one pipeline stage per virtual chunk through
-  ``shardwork.models.pipeline.build_stage``.
+- :func:`build_model_chunks` builds this rank's model chunks through
+  ``shardwork.models.pipeline.build_model_chunks`` (one per virtual stage).
 """
 
 from __future__ import annotations
@@ -55,20 +54,11 @@ def gpt_config(config: TrainConfig):
     return GPTConfig(**dims, **m.overrides)
 
 
-def build_model_chunks(model_config, groups, *, device: torch.device, vpp: int | None) -> list:
-    """This rank's model chunks (one per virtual pipeline stage; one at pp = 1)."""
-    from shardwork.models.gpt_model import GPTModel
+def build_model_chunks(model_config, groups, *, device: torch.device) -> list:
+    """This rank's model chunks: one per virtual pipeline stage (one at pp = 1).
 
-    if groups.size("pp") == 1:
-        return [GPTModel(model_config, groups, device=device)]
-    try:
-        from shardwork.models.pipeline import build_stage
-    except ImportError as exc:
-        raise ValueError(
-            f"parallel.pp={groups.size('pp')} needs shardwork.models.pipeline.build_stage, which "
-            "this shardwork-models does not provide yet; use parallel.pp=1"
-        ) from exc
-    return [
-        build_stage(model_config, groups, vp_chunk=c, vpp=vpp, device=device)
-        for c in range(vpp or 1)
-    ]
+    shardwork.models.pipeline.build_model_chunks decides the layers of each chunk.
+    """
+    from shardwork.models.pipeline import build_model_chunks as build
+
+    return build(model_config, groups, device=device)

@@ -1,22 +1,27 @@
 """Checkpoint and resume through shardwork.dist_checkpoint's CheckpointManager.
 
-A checkpoint holds (all in global coordinates, so it loads at any layout):
+A checkpoint (``CHECKPOINT_DIR/step_<step>/``) holds, in global coordinates so
+that it loads at any layout:
 
 - ``model``: every chunk's ``sharded_state_dict()`` (keys are global layer names);
-- ``optimizer``: the distributed optimizer's ``sharded_state_dict()``;
-- ``trainer``: step, consumed samples, seed and the layout it was saved at
-  (the LR / weight-decay / batch-size schedules are pure functions of the
-  step, so the step *is* their state; an fp16 loss scale lives with the optimizer);
-- ``rng``: one object per rank (torch generators and the model's dropout
-  tracker), indexed by global rank.
+- ``optimizer``: the distributed optimizer's ``sharded_state_dict()`` (fp32
+  masters and moments, and the fp16 loss scale when there is one);
+- ``trainer``: step, consumed samples, seed and the layout it was saved at.
+  The LR, weight-decay and batch-size schedules are pure functions of the
+  step, so the step *is* their state;
+- ``rng``: one object per rank (torch generators and the model chunks'
+  dropout trackers), on a grid indexed by global rank.
 
-On resume at the same layout everything is restored. At a different layout
-the RNG grid does not fit: every rank re-derives its RNG from (seed, step,
-rank role) and the run says so.
+At the same layout everything is restored and the run continues bit for bit.
+At a different layout the RNG grid does not fit: ``rng`` is left out of the
+load and each rank re-derives its RNG from (seed, step, rank role), with a
+notice. Saves may be asynchronous; retention (keep last N, every K-th) and
+atomic commits are the manager's.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from shardwork.trainer.run.rng import (
@@ -28,7 +33,7 @@ from shardwork.trainer.run.rng import (
 )
 
 
-def _layout(runtime) -> dict:
+def layout_of(runtime) -> dict:
     c = runtime.groups.config
     return {
         "tp": c.tp,
@@ -43,28 +48,34 @@ def _layout(runtime) -> dict:
     }
 
 
+def locate_checkpoint(path: str | Path) -> tuple[Path, int | None]:
+    """``(root, step)`` for a ``step_*`` checkpoint directory, or ``(root, None)`` for a root."""
+    from shardwork.dist_checkpoint import is_committed
+
+    path = Path(path)
+    match = re.fullmatch(r"step_(\d+)", path.name)
+    if match and is_committed(path):
+        return path.parent, int(match.group(1))
+    return path, None
+
+
 class Checkpointer:
     """Saves and restores the run's state (see module docstring)."""
 
     def __init__(self, config, runtime, assembly) -> None:
+        from shardwork.dist_checkpoint import CheckpointManager
+
         self.config = config
         self.runtime = runtime
         self.assembly = assembly
-        self.directory = Path(config.checkpoint.dir)
-        self._manager = None
-
-    def manager(self):
-        if self._manager is None:
-            from shardwork.dist_checkpoint import CheckpointManager
-
-            c = self.config.checkpoint
-            self._manager = CheckpointManager(
-                self.directory,
-                keep_last=c.keep_last,
-                keep_every=c.keep_every,
-                async_save=c.async_save,
-            )
-        return self._manager
+        c = config.checkpoint
+        self.manager = CheckpointManager(
+            c.dir,
+            keep_last=c.keep_last,
+            keep_every=c.keep_every,
+            async_save=c.async_save,
+            layout=layout_of(runtime),
+        )
 
     # ---- state -------------------------------------------------------------------------------
     def _model_state(self) -> dict:
@@ -77,9 +88,7 @@ class Checkpointer:
         from shardwork.dist_checkpoint import ShardedObject
 
         value = capture_rng(self.runtime.device)
-        value["trackers"] = [
-            m.rng_tracker.get_states() for m in self.assembly.modules if hasattr(m, "rng_tracker")
-        ]
+        value["trackers"] = [m.rng_tracker.get_states() for m in self.assembly.modules]
         return ShardedObject(
             "rng",
             value,
@@ -99,7 +108,7 @@ class Checkpointer:
                     step, global_batch_size=s.global_batch_size, ramp=s.batch_size_ramp
                 ),
                 "seed": self.config.seed,
-                "layout": _layout(self.runtime),
+                "layout": layout_of(self.runtime),
             },
         }
         if include_optimizer:
@@ -109,40 +118,55 @@ class Checkpointer:
         return state
 
     # ---- save / load -------------------------------------------------------------------------
-    def save(self, step: int, *, final: bool = False) -> str:
-        """Save at ``step``; returns the checkpoint's path (async saves finish in ``close``)."""
-        return str(self.manager().save(self.state(step), step=step, layout=_layout(self.runtime)))
+    def save(self, step: int) -> str:
+        """Save at ``step`` (async if configured: committed by the next save or ``close``).
+
+        A step that already has a complete checkpoint (a resumed, finished run) is kept.
+        """
+        from shardwork.trainer.config.load import config_to_toml
+
+        if step not in self.manager.list():
+            self.manager.save(
+                step, self.state(step), metadata={"train_config": config_to_toml(self.config)}
+            )
+        return str(self.manager.step_path(step))
 
     def close(self) -> None:
-        if self._manager is not None:
-            self._manager.close()
+        self.manager.close()
 
     def maybe_resume(self, *, say) -> int:
         """Resume per ``checkpoint.resume``; returns the step to start from (0 for a fresh run)."""
+        from shardwork.dist_checkpoint import CheckpointManager, read_info
+
         c = self.config.checkpoint
         if c.resume == "none":
             return 0
         if c.resume == "auto":
-            if not self.directory.exists():
-                return 0
-            path = self.manager().latest()
-            if path is None:
+            manager, step = self.manager, self.manager.latest()
+            if step is None:
                 return 0
         else:
-            path = Path(c.resume)
-        info = self.manager().read_metadata(path)
-        saved_layout = info.get("layout")
-        same_layout = saved_layout == _layout(self.runtime)
+            root, step = locate_checkpoint(c.resume)
+            manager = CheckpointManager(root)
+            step = manager.latest() if step is None else step
+            if step is None:
+                raise ValueError(f"checkpoint.resume={c.resume!r}: no complete checkpoint there")
+        path = manager.step_path(step)
+        saved_layout = read_info(path).get("layout") or {}
+        same_layout = saved_layout == layout_of(self.runtime)
         load_rng = c.load_rng and same_layout
+        exclude = [] if c.load_optimizer else ["optimizer"]
+        if not load_rng:
+            exclude.append("rng")
         template = self.state(0, include_optimizer=c.load_optimizer, include_rng=load_rng)
-        loaded = self.manager().load(template, path)
+        loaded = manager.load(template, step=step, exclude=exclude)
         step = int(loaded["trainer"]["step"])
         if c.load_optimizer:
             self.assembly.optimizer.load_sharded_state_dict(loaded["optimizer"])
         if load_rng:
             value = loaded["rng"]
             restore_rng(value, self.runtime.device)
-            for module, states in zip(self.assembly.modules, value.get("trackers", [])):
+            for module, states in zip(self.assembly.modules, value["trackers"]):
                 module.rng_tracker.set_states(states)
         else:
             seed_everything(
@@ -151,8 +175,8 @@ class Checkpointer:
             )
             if c.load_rng:
                 say(
-                    f"notice: checkpoint saved at layout {saved_layout}, resuming at "
-                    f"{_layout(self.runtime)}: RNG state cannot be resharded, so each rank's RNG "
+                    f"notice: the checkpoint was saved at layout {saved_layout} and this run is "
+                    f"{layout_of(self.runtime)}: RNG state cannot be resharded, so each rank's RNG "
                     f"is re-derived from (seed={self.config.seed}, step={step}, rank role)"
                 )
         say(f"resumed from {path} at step {step}")

@@ -83,7 +83,7 @@ class Assembly:
     modules: list
     optimizer: Any
     num_params: int
-    """Parameters of the whole model (all ranks), counted by the model's own config."""
+    """Parameters of the whole model (all ranks), from shardwork.models' calculator."""
 
 
 def build_assembly(config: TrainConfig, runtime: Runtime) -> Assembly:
@@ -97,9 +97,7 @@ def build_assembly(config: TrainConfig, runtime: Runtime) -> Assembly:
     from shardwork.trainer.model_factory import build_model_chunks, gpt_config
 
     model_config = gpt_config(config)
-    modules = build_model_chunks(
-        model_config, runtime.groups, device=runtime.device, vpp=config.parallel.vpp
-    )
+    modules = build_model_chunks(model_config, runtime.groups, device=runtime.device)
     o = config.optimizer
     ddp_config = DDPConfig(
         bucket_size=max(1, int(o.bucket_size_mb * 2**20 / 4)),
@@ -131,22 +129,7 @@ def build_assembly(config: TrainConfig, runtime: Runtime) -> Assembly:
         param_group_fn=_param_group_fn,
         loss_scaler=scaler,
     )
-    num_params = _count_params(modules, runtime)
+    from shardwork.models.calculator import num_parameters
+
+    num_params = num_parameters(model_config)
     return Assembly(model_config, chunks, modules, optimizer, num_params)
-
-
-def _count_params(modules, runtime: Runtime) -> int:
-    """Global parameter count from the sharded state dicts' global shapes (each key once)."""
-    shapes: dict[str, int] = {}
-    for m in modules:
-        for key, sharded in m.sharded_state_dict().items():
-            numel = 1
-            for size in sharded.global_shape:
-                numel *= size
-            shapes[key] = numel
-    if runtime.world_size > 1:
-        gathered: list[Any] = [None] * runtime.world_size
-        dist.all_gather_object(gathered, shapes)
-        for part in gathered:
-            shapes.update(part)
-    return sum(shapes.values())

@@ -165,6 +165,10 @@ class Trainer:
                 f"{config.schedule.train_steps} steps × {config.schedule.global_batch_size} × "
                 f"{seq} tokens ({tokens_total / 1e6:.2f} M tokens)"
             )
+            self.say(
+                f"MFU is measured against {peak:.3g} TFLOP/s per device ({peak_source}); "
+                f"{flops_per_token / 1e6:.2f} MFLOP per token (shardwork.models.calculator)"
+            )
             if baseline is not None:
                 self.say(
                     f"corpus bigram-entropy baseline: {baseline:.4f} nats/token "
@@ -250,8 +254,7 @@ class Trainer:
                         memory_gib=memory_gib(runtime.device),
                         consumed_samples=consumed + gbs,
                     )
-                    if flops_per_token is not None:
-                        values["mfu"] = tps * flops_per_token / (peak * 1e12 * runtime.world_size)
+                    values["mfu"] = tps * flops_per_token / (peak * 1e12 * runtime.world_size)
                     if writer is not None:
                         writer.write("train", step, values)
                 if self.progress is not None:
@@ -299,7 +302,7 @@ class Trainer:
             self.progress.close()
             self.progress = None
         if result.stopped_by is not None or config.checkpoint.save_at_end:
-            result.checkpoint = checkpointer.save(step, final=True)
+            result.checkpoint = checkpointer.save(step)
         checkpointer.close()
         if writer is not None:
             writer.close()
@@ -341,16 +344,13 @@ def _layout_text(groups) -> str:
     return "(" + " ".join(parts) + ")"
 
 
-def _flops_per_token(model_config, seq_length: int) -> float | None:
-    """Training FLOPs per token from shardwork.models' calculator (None if it is absent)."""
-    try:
-        from shardwork.models import calculator
-    except ImportError:
-        return None
-    fn = getattr(calculator, "training_flops_per_token", None)
-    if fn is None:
-        return None
-    return float(fn(model_config, seq_length=seq_length))
+def _flops_per_token(model_config, seq_length: int) -> float:
+    """Training FLOPs per token from shardwork.models' calculator."""
+    from shardwork.models.calculator import flops_per_token
+
+    return float(
+        flops_per_token(model_config, seq_length, full_recompute=model_config.recompute == "full")
+    )
 
 
 def train(config: TrainConfig, *, stream=None) -> RunResult:

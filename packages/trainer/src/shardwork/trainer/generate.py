@@ -1,0 +1,135 @@
+"""``shardwork-generate CHECKPOINT --prompt TEXT``: sample text from a trained checkpoint.
+
+- The checkpoint carries the run's resolved config (in its metadata), so the
+  model and tokenizer are rebuilt exactly; the model section is loaded
+  through CheckpointManager at world size 1 (checkpoints reshard from any
+  training layout).
+- Sampling: temperature and top-k over the real vocabulary (padding rows
+  excluded), the context cropped to the training sequence length, no KV
+  cache (each new token re-runs the window: simple, and fast enough for the
+  small models this is meant for on a CPU).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import tyro
+
+
+@dataclass(kw_only=True)
+class GenerateArgs:
+    """Sample text from a shardwork checkpoint."""
+
+    checkpoint: tyro.conf.Positional[str]
+    """A checkpoint directory (RUN_DIR/checkpoints/step_*) or a checkpoint root (latest is used)."""
+    prompt: str = "The "
+    """Text to continue."""
+    max_new_tokens: int = 200
+    """Tokens to generate."""
+    temperature: float = 0.8
+    """Softmax temperature; 0 picks the most likely token (greedy)."""
+    top_k: int = 40
+    """Sample among the k most likely tokens; 0: the whole vocabulary."""
+    seed: int = 0
+    """Sampling seed."""
+
+
+def load_for_inference(checkpoint: str | Path):
+    """``(model, train_config, tokenizer)`` rebuilt from a checkpoint on one CPU process."""
+    from shardwork.dist_checkpoint import CheckpointManager, read_info
+    from shardwork.parallel_state import ProcessGroups
+    from shardwork.trainer.config.load import config_from_dict
+    from shardwork.trainer.data.tokenizer import load_tokenizer
+    from shardwork.trainer.model_factory import build_model_chunks, gpt_config
+    from shardwork.trainer.run.checkpointing import locate_checkpoint
+
+    root, step = locate_checkpoint(checkpoint)
+    manager = CheckpointManager(root)
+    step = manager.latest() if step is None else step
+    if step is None:
+        raise ValueError(f"CHECKPOINT={str(checkpoint)!r}: no complete checkpoint there")
+    info = read_info(manager.step_path(step))
+    text = (info.get("user_metadata") or {}).get("train_config")
+    if text is None:
+        raise ValueError(
+            f"{manager.step_path(step)} was not written by shardwork-train (no config)"
+        )
+    import tomllib
+
+    config = config_from_dict(tomllib.loads(text))
+    groups = ProcessGroups.single()
+    (model,) = build_model_chunks(gpt_config(config), groups, device=torch.device("cpu"))
+    state = {"model": model.sharded_state_dict()}
+    manager.load(state, step=step, include=("model",))
+    model.eval()
+    tokenizer = load_tokenizer(config.data.tokenizer, eod_token=config.data.eod_token)
+    return model, config, tokenizer
+
+
+@torch.no_grad()
+def sample(
+    model,
+    tokenizer,
+    prompt: str,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    context: int,
+    generator: torch.Generator,
+) -> str:
+    """Continue ``prompt`` by ``max_new_tokens`` tokens (stops at end-of-document)."""
+    ids = tokenizer.encode(prompt) or [tokenizer.eod_id]
+    vocab = model.config.vocab_size
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        window = torch.tensor([ids[-context:]])
+        logits = model(input_ids=window)[-1, 0, :vocab].float()  # [s, b, V_pad]
+        if temperature <= 0:
+            token = int(logits.argmax())
+        else:
+            logits = logits / temperature
+            if 0 < top_k < vocab:
+                cutoff = torch.topk(logits, top_k).values[-1]
+                logits = logits.masked_fill(logits < cutoff, float("-inf"))
+            token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
+        if token == tokenizer.eod_id:
+            break
+        ids.append(token)
+        out.append(token)
+    return tokenizer.decode(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = tyro.cli(
+        GenerateArgs,
+        args=sys.argv[1:] if argv is None else argv,
+        use_underscores=True,
+        prog="shardwork-generate",
+    )
+    try:
+        model, config, tokenizer = load_for_inference(args.checkpoint)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"shardwork-generate: {exc}", file=sys.stderr)
+        return 2
+    generator = torch.Generator().manual_seed(args.seed)
+    text = sample(
+        model,
+        tokenizer,
+        args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        context=config.data.seq_length,
+        generator=generator,
+    )
+    print(args.prompt + text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,115 @@
+"""End to end on one process: loss falls, exact resume, signals, NaN handling, generation."""
+
+import math
+import os
+import signal
+import threading
+
+import pytest
+
+from shardwork.trainer.run.trainer import NonFiniteLossError, train
+from shardwork.trainer.testing import tiny_config
+
+
+@pytest.fixture(autouse=True)
+def _corpus_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("SHARDWORK_CACHE", str(tmp_path_factory.getbasetemp() / "corpus"))
+
+
+def test_loss_falls_and_beats_unigram(tmp_path):
+    result = train(tiny_config(tmp_path))
+    losses = [result.train_losses[s] for s in sorted(result.train_losses)]
+    assert len(losses) == 40
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < first - 1.5, (first, last)
+    # a byte model starts near ln(vocab) and must get well below it
+    assert losses[0] == pytest.approx(math.log(320), abs=0.5)
+    assert set(result.valid_losses) == {20, 40}
+    assert result.valid_losses[40] < result.valid_losses[20]
+    assert (tmp_path / "metrics.jsonl").is_file()
+
+
+def test_resume_reproduces_uninterrupted_losses_exactly(tmp_path):
+    common = dict(
+        schedule={"train_steps": 12},
+        eval={"interval": 6, "steps": 2},
+        checkpoint={"interval": 6, "keep_last": 3},
+    )
+    full = train(tiny_config(tmp_path / "a", **common))
+    ckpt = tmp_path / "a" / "checkpoints" / "step_000000006"
+    assert ckpt.is_dir()
+    resumed = train(tiny_config(tmp_path / "b", **{**common, "checkpoint": {"resume": str(ckpt)}}))
+    assert sorted(resumed.train_losses) == list(range(6, 12))
+    for step in range(6, 12):
+        assert resumed.train_losses[step] == full.train_losses[step], step
+    assert resumed.valid_losses[12] == full.valid_losses[12]
+
+
+def test_sigterm_checkpoints_and_exits_cleanly(tmp_path):
+    config = tiny_config(
+        tmp_path, schedule={"train_steps": 100_000}, eval={"interval": None, "at_end": False}
+    )
+    timer = threading.Timer(3.0, os.kill, args=(os.getpid(), signal.SIGTERM))
+    timer.start()
+    try:
+        result = train(config)
+    finally:
+        timer.cancel()
+    assert result.stopped_by == "SIGTERM"
+    assert 0 < result.final_step < 100_000
+    assert result.checkpoint.endswith(f"step_{result.final_step:09d}")
+    assert os.path.isfile(os.path.join(result.checkpoint, "COMMITTED"))
+    # and the handler was removed again
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_non_finite_loss_stops_with_clear_message(tmp_path, policy):
+    config = tiny_config(
+        tmp_path,
+        optimizer={"lr": 1e30, "min_lr": 0.0, "clip_grad": 0.0},
+        schedule={"warmup_steps": 0, "lr_schedule": "constant"},
+        reliability={"on_nan": policy, "max_consecutive_skips": 2},
+    )
+    with pytest.raises(NonFiniteLossError) as err:
+        train(config)
+    if policy == "stop":
+        assert "reliability.on_nan='stop'" in str(err.value)
+    else:
+        assert "2 consecutive steps" in str(err.value)
+
+
+def test_checkpoint_reloads_the_trained_model_for_generation(tmp_path):
+    import torch
+
+    from shardwork.trainer.data.builder import build_eval_set, micro_batch, split_components
+    from shardwork.trainer.generate import load_for_inference, sample
+
+    result = train(
+        tiny_config(tmp_path, schedule={"train_steps": 4}, checkpoint={"save_at_end": True})
+    )
+    model, config, tokenizer = load_for_inference(result.checkpoint)
+    assert config.model.hidden_size == 32
+    # the reloaded model reproduces the run's final validation loss on the same samples
+    valid = build_eval_set(split_components(config.data)["valid"], seq_length=32, num_samples=8)
+    total = count = 0.0
+    with torch.no_grad():
+        for index in range(2):
+            rows = micro_batch(
+                valid, consumed=0, index=index, micro_batch_size=4, dp_rank=0, dp_size=1
+            )
+            loss_sum, num = model(input_ids=rows[:, :-1], labels=rows[:, 1:])
+            total += float(loss_sum)
+            count += int(num)
+    assert total / count == pytest.approx(result.valid_losses[4], rel=1e-6)
+    text = sample(
+        model,
+        tokenizer,
+        "def ",
+        max_new_tokens=20,
+        temperature=1.0,
+        top_k=5,
+        context=config.data.seq_length,
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert 0 < len(tokenizer.encode(text)) <= 20
