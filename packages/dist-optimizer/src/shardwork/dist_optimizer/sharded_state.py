@@ -17,7 +17,8 @@ Representation of a ZeRO shard (chosen: *flat ranges*, no gather)
 - Keys: ``f"{prefix}{rect.key}.{state}"`` with state ``fp32_param`` (master weights),
   ``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``, ... — every tensor state with the
   parameter's element count. Scalar states (Adam's ``step``) must be equal for all
-  parameters and are saved once as plain values, with the loss scaler's state.
+  parameters; they are merged over the statistics groups (so every rank agrees) and saved
+  once as plain values, with the loss scaler's state.
 - Default rectangles come from ``ParamMeta`` and the TP rank: key = the parameter's name,
   TP-split axes offset by rank, TP-replicated parameters marked ``replica_id = tp_rank``.
   Pipeline stages and expert-parallel ranks hold different parameters whose names may
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from shardwork.parallel_state import get_param_meta, group_rank, group_size
 
@@ -165,6 +167,22 @@ def _scalar_states(optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     return found
 
 
+def _merged_scalars(opt: Any) -> dict[str, Any]:
+    """Scalar states merged over ``opt.stats_groups`` so every rank saves the same plain value
+    (a rank may hold no parameter with a given scalar, e.g. Muon-only owners have no ``step``)."""
+    merged = _scalar_states(opt.optimizer)
+    for group in opt.stats_groups:
+        if group is None or dist.get_world_size(group) == 1:
+            continue
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, merged, group=group)
+        for other in gathered:
+            for name, value in other.items():
+                if merged.setdefault(name, value) != value:
+                    raise ValueError(f"optimizer scalar state {name!r} differs between ranks")
+    return dict(sorted(merged.items()))
+
+
 def _ensure_state(optimizer: torch.optim.Optimizer | None, masters: Sequence[torch.Tensor]) -> None:
     """Create lazily-initialised optimizer state by one zero-gradient step with lr 0."""
     if optimizer is None or all(m in optimizer.state and optimizer.state[m] for m in masters):
@@ -256,7 +274,7 @@ def _build(opt: Any, prefix: str, param_rects: ParamRectsFn | None):
 
 def _state_dict(opt: Any, prefix: str, param_rects: ParamRectsFn | None) -> dict[str, Any]:
     tensors, _ = _build(opt, prefix, param_rects)
-    out: dict[str, Any] = {"tensors": tensors, "scalars": _scalar_states(opt.optimizer)}
+    out: dict[str, Any] = {"tensors": tensors, "scalars": _merged_scalars(opt)}
     if opt.loss_scaler is not None:
         out["loss_scaler"] = opt.loss_scaler.state_dict()
     return out
