@@ -131,11 +131,12 @@ def aux_loss_scores(
     return routing_map_TE, scores_TE
 
 
-def sinkhorn(cost_TE: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
+def sinkhorn(cost_TE: torch.Tensor, tol: float = 1e-4, max_iters: int = 1000) -> torch.Tensor:
     """Sinkhorn-Knopp: scale rows and columns of exp(cost) towards uniform marginals.
 
     Iterates d0 = 1/(T * (exp(C) d1)), d1 = 1/(E * (d0^T exp(C))) until the mean change of
-    d1 is below ``tol``; returns diag(d0) exp(C) diag(d1). Runs without autograd.
+    d1 is below ``tol`` or ``max_iters`` is reached (Megatron-Core has no cap and can spin for
+    minutes on large logits); returns diag(d0) exp(C) diag(d1). Runs without autograd.
     """
     cost = torch.exp(cost_TE)
     d0 = torch.ones(cost.shape[0], device=cost.device, dtype=cost.dtype)
@@ -143,7 +144,9 @@ def sinkhorn(cost_TE: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
     eps = 1e-8
     error = 1e9
     d1_old = d1
-    while error > tol:
+    iters = 0
+    while error > tol and iters < max_iters:
+        iters += 1
         d0 = (1 / d0.shape[0]) * 1 / (torch.sum(d1 * cost, 1) + eps)
         d1 = (1 / d1.shape[0]) * 1 / (torch.sum(d0.unsqueeze(1) * cost, 0) + eps)
         error = torch.mean(torch.abs(d1_old - d1))

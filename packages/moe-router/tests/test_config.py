@@ -1,0 +1,103 @@
+"""RouterConfig validation: every bad value raises ValueError naming the option."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from shardwork.moe_router import RouterConfig, TopKRouter
+
+BASE = {"num_experts": 8, "hidden_size": 16}
+
+BAD = [
+    ({"top_k": 9}, "top_k=9"),
+    ({"top_k": 0}, "top_k=0"),
+    ({"num_experts": 0}, "num_experts=0"),
+    ({"hidden_size": -1}, "hidden_size=-1"),
+    ({"num_groups": 3, "group_top_k": 1}, "num_groups=3"),
+    ({"num_groups": 4, "group_top_k": 5, "top_k": 5}, "group_top_k=5"),
+    ({"num_groups": 4}, "num_groups=4"),
+    ({"num_groups": 4, "group_top_k": 4, "top_k": 2}, "group_top_k=4"),
+    ({"score_function": "relu"}, "score_function='relu'"),
+    ({"enable_expert_bias": True}, "enable_expert_bias=True"),
+    ({"pre_softmax": True, "score_function": "sigmoid"}, "pre_softmax=True"),
+    ({"top_k": 1}, "pre_softmax=False"),
+    ({"load_balancing_type": "balanced"}, "load_balancing_type='balanced'"),
+    (
+        {"load_balancing_type": ("aux_loss", "sinkhorn"), "aux_loss_coeff": (1.0, 1.0)},
+        "load_balancing_type=",
+    ),
+    ({"load_balancing_type": ("aux_loss", "z_loss")}, "load_balancing_type="),
+    (
+        {"load_balancing_type": ("aux_loss", "seq_aux_loss"), "aux_loss_coeff": 0.1},
+        "aux_loss_coeff=0.1",
+    ),
+    ({"load_balancing_type": ("aux_loss", "aux_loss"), "aux_loss_coeff": (0.1, 0.1)}, "repeats"),
+    ({"aux_loss_coeff": -1.0}, "aux_loss_coeff=-1.0"),
+    ({"load_balancing_type": "sinkhorn", "aux_loss_coeff": 0.1}, "aux_loss_coeff=0.1"),
+    ({"capacity_factor": 0.0}, "capacity_factor=0.0"),
+    ({"capacity_factor": 1.0, "load_balancing_type": "sinkhorn"}, "capacity_factor=1.0"),
+    ({"pad_to_capacity": True}, "pad_to_capacity=True"),
+    ({"token_drop_policy": "random"}, "token_drop_policy='random'"),
+    ({"router_dtype": "bf16"}, "router_dtype='bf16'"),
+    ({"z_loss_coeff": -0.1}, "z_loss_coeff=-0.1"),
+    ({"input_jitter_eps": -0.1}, "input_jitter_eps=-0.1"),
+    ({"expert_bias_update_rate": -1}, "expert_bias_update_rate=-1"),
+]
+
+
+@pytest.mark.parametrize("kwargs,fragment", BAD, ids=[f for _, f in BAD])
+def test_bad_values_name_the_option(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        RouterConfig(**{**BASE, **kwargs})
+
+
+def test_good_configs_and_coefficients():
+    c = RouterConfig(
+        **BASE,
+        load_balancing_type=["aux_loss", "global_aux_loss"],
+        aux_loss_coeff=[0.1, 0.0],
+    )
+    assert c.load_balancing_type == ("aux_loss", "global_aux_loss")
+    assert c.aux_loss_coeff_for("aux_loss") == 0.1
+    assert c.aux_loss_coeff_for("global_aux_loss") == 0.0
+    assert c.aux_loss_coeff_for("seq_aux_loss") == 0.0
+    assert c.aux_loss_enabled
+    assert not RouterConfig(**BASE, load_balancing_type="none").aux_loss_enabled
+    assert RouterConfig(**BASE, top_k=1, load_balancing_type="sinkhorn").top_k == 1
+    d = dataclasses.replace(c, top_k=4)
+    assert d.top_k == 4 and d.aux_loss_coeff_for("aux_loss") == 0.1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.top_k = 3  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        RouterConfig(8, 16)  # type: ignore[misc]  # keyword-only
+
+
+def test_every_field_is_documented():
+    import ast
+    import inspect
+
+    from shardwork.moe_router import config as config_module
+
+    tree = ast.parse(inspect.getsource(config_module))
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RouterConfig")
+    documented = set()
+    for stmt, nxt in zip(cls.body, cls.body[1:]):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+        ):
+            documented.add(stmt.target.id)
+    public = {f.name for f in dataclasses.fields(RouterConfig) if not f.name.startswith("_")}
+    assert public <= documented, public - documented
+
+
+def test_wrong_hidden_size_and_mask_shape_rejected():
+    router = TopKRouter(RouterConfig(**BASE))
+    with pytest.raises(ValueError, match="hidden_size = 16"):
+        router(torch.randn(4, 2, 8))
+    with pytest.raises(ValueError, match="padding_mask"):
+        router(torch.randn(4, 2, 16), padding_mask=torch.zeros(8, dtype=torch.bool))
