@@ -1,6 +1,6 @@
 """Hugging Face bridge: tiny random-weight HF models (no download) vs GPTModel.
 
-- import at world size 1 and at TP=2 gives logits within 1e-4 of transformers' (fp32);
+- import at world size 1, TP=2 (+SP) and PP=2 (hidden states sent by hand) gives logits within 1e-4 of transformers' (fp32);
   checkpoints are saved sharded (index file) so the sliced reader is exercised;
 - export reloads in transformers with identical logits;
 - HF configs of both transformers 4.x and 5.x spelling map to the same GPTConfig.
@@ -95,6 +95,28 @@ def test_import_tp2_matches_hf_logits(hf_folder):
     folder, ref = hf_folder
     for logits in run_on_ranks(_tp2_logits, 2, args=(str(folder),)):
         torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+
+
+def _pp2_logits(folder):
+    import torch.distributed as dist
+
+    groups = init_process_groups(ParallelConfig(pp=2))
+    stage = groups.rank("pp")
+    model = from_pretrained(folder, groups, layer_range=(0, 1) if stage == 0 else (1, 2)).eval()
+    with torch.no_grad():
+        if stage == 0:
+            dist.send(model(_ids()), dst=groups.members["pp"][1])
+            return None
+        hidden = torch.empty(12, 2, 64)
+        dist.recv(hidden, src=groups.members["pp"][0])
+        return gather_logits(model(hidden_states=hidden), tp_group=None, vocab_size=250)
+
+
+@pytest.mark.multirank
+def test_import_pp2_matches_hf_logits(hf_folder):
+    folder, ref = hf_folder
+    _, logits = run_on_ranks(_pp2_logits, 2, args=(str(folder),))
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
 
 
 def test_export_reloads_in_hf_with_identical_logits(hf_folder, tmp_path):

@@ -152,7 +152,6 @@ def test_bad_config_names_the_field(kwargs, field):
             None,
             "make_vocab_size_divisible_by=5",
         ),
-        ({}, {"pp": 4}, None, "num_layers=2 is smaller than pp"),
         ({}, {"cp": 2}, 18, "not divisible by 2\\*cp=4"),
         ({"sequence_parallel": True}, {"tp": 2}, 15, "not divisible by tp=2"),
     ],
@@ -177,3 +176,16 @@ def test_presets_build_tiny_twins_and_reject_unknown():
         assert torch.isfinite(loss_sum) and int(n) == 29
     with pytest.raises(ValueError, match="unknown preset"):
         preset("gpt-5")
+
+
+def test_compute_dtype_differs_from_params_dtype():
+    cfg = preset("tiny-llama3-8b", params_dtype=torch.float32, compute_dtype=torch.bfloat16)
+    model = GPTModel(cfg)
+    ids, labels = random_batch(cfg.vocab_size)
+    assert model(ids).dtype == torch.bfloat16
+    loss_sum, n = model(ids, labels=labels)
+    loss_sum.backward()
+    ref_sum, _ = GPTModel(cfg.replace(compute_dtype=None))(ids, labels=labels)
+    assert loss_sum.dtype == torch.float32
+    torch.testing.assert_close(loss_sum, ref_sum, rtol=3e-2, atol=0)
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())

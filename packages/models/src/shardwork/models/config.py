@@ -196,11 +196,11 @@ class GPTConfig:
         """Raise ``ValueError`` if this model cannot run on ``parallel`` (a ParallelConfig).
 
         Checks heads, query groups and vocabulary rows against tp, sequence parallelism
-        against tp, layers against pp (and vpp), and ``seq_length`` (if given) against
-        tp (sequence parallel) and 2·cp (context parallel load balancing).
+        against tp, and ``seq_length`` (if given) against tp (sequence parallel) and 2·cp
+        (context parallel load balancing). How layers split over pp/vpp is checked by
+        ``shardwork.models.pipeline`` (stages may be uneven, even empty).
         """
-        tp, cp, pp = parallel.tp, parallel.cp, parallel.pp
-        vpp = parallel.vpp or 1
+        tp, cp = parallel.tp, parallel.cp
         if self.num_attention_heads % tp != 0:
             raise ValueError(
                 f"GPTConfig.num_attention_heads={self.num_attention_heads} is not divisible by "
@@ -226,14 +226,6 @@ class GPTConfig:
                 "GPTConfig.sequence_parallel=True needs tp > 1 (got tp=1): set "
                 "sequence_parallel=False or use tensor parallelism"
             )
-        if self.num_layers < pp * vpp:
-            raise ValueError(
-                f"GPTConfig.num_layers={self.num_layers} is smaller than pp*vpp={pp * vpp}: "
-                "every pipeline stage needs at least one layer"
-            )
-        for part in (self.moe, self.mla, self.mtp):
-            if part is not None:
-                part.check_layout(parallel)
         if seq_length is not None:
             check_sequence_length(self, seq_length, tp=tp, cp=cp)
 

@@ -84,6 +84,7 @@ class GPTModel(ShardedModule):
             config.dropout_seed,
             tp_rank=groups.rank("tp"),
             pp_rank=groups.rank("pp"),
+            first_layer=start,
             device=rng_device,
         )
         self.aux_loss_tracker = self.aux_loss_scale = None

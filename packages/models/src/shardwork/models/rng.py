@@ -24,6 +24,7 @@ REPLICATED = "replicated"
 TENSOR_PARALLEL = "tensor_parallel"
 _TP_OFFSET = 2718
 _PP_OFFSET = 100
+_LAYER_OFFSET = 7919
 
 
 def _get_state(device: torch.device) -> torch.Tensor:
@@ -42,14 +43,22 @@ def _set_state(device: torch.device, state: torch.Tensor) -> None:
 class RNGTracker:
     """Per-model RNG streams for dropout (see module docstring).
 
-    Seeds: replicated = ``seed + 100·pp_rank``; tensor-parallel = that + 2718 + tp_rank.
+    Seeds: replicated = ``seed + 100·pp_rank + 7919·first_layer``; tensor-parallel = that +
+    2718 + tp_rank. ``first_layer`` (the stage's first global layer) keeps the virtual
+    pipeline chunks of one rank on different streams.
     """
 
     def __init__(
-        self, seed: int, *, tp_rank: int = 0, pp_rank: int = 0, device: str | torch.device = "cpu"
+        self,
+        seed: int,
+        *,
+        tp_rank: int = 0,
+        pp_rank: int = 0,
+        first_layer: int = 0,
+        device: str | torch.device = "cpu",
     ) -> None:
         self.device = torch.device(device)
-        base = seed + _PP_OFFSET * pp_rank
+        base = seed + _PP_OFFSET * pp_rank + _LAYER_OFFSET * first_layer
         self._states: dict[str, torch.Tensor] = {}
         self._seed_stream(REPLICATED, base)
         self._seed_stream(TENSOR_PARALLEL, base + _TP_OFFSET + tp_rank)
