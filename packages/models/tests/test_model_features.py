@@ -183,7 +183,7 @@ def test_compute_dtype_differs_from_params_dtype():
     model = GPTModel(cfg)
     ids, labels = random_batch(cfg.vocab_size)
     assert model(ids).dtype == torch.bfloat16
-    loss_sum, n = model(ids, labels=labels)
+    loss_sum, _ = model(ids, labels=labels)
     loss_sum.backward()
     ref_sum, _ = GPTModel(cfg.replace(compute_dtype=None))(ids, labels=labels)
     assert loss_sum.dtype == torch.float32
