@@ -1,7 +1,7 @@
 """The real GPT model through the pipeline schedules, against the single-rank model (fp64).
 
-PP=2 (1F1B), PP=2×VPP=2 (interleaved, tied embedding across stages) and TP=2+SP×PP=2
-(tied): loss and every parameter's gradient equal those of the same GPTModel built at world
+PP=2 (1F1B), PP=2×VPP=2 (interleaved, tied embedding across stages), TP=2+SP×PP=2
+(tied) and CP=2×PP=2: loss and every parameter's gradient equal those of the same GPTModel built at world
 size 1 (layout-independent initialisation gives both the same weights), rtol 1e-9. The loss
 is plain torch cross entropy on TP-gathered float64 logits, so the comparison is exact to
 float64 rounding. Both copies of a tied embedding (first and last stage) are checked.
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardwork.models import EMBEDDING_KEY, GPTModel, preset
+from shardwork.models import EMBEDDING_KEY, GPTModel, preset, slice_for_context_parallel
 from shardwork.models.full_state import full_state_dict
 from shardwork.models.pipeline import (
     build_model_chunks,
@@ -82,8 +82,8 @@ def _self_group():
     return mine
 
 
-def _gpt_case(tp, pp, vpp, num_microbatches, tied, sp):
-    groups = init_process_groups(ParallelConfig(tp=tp, pp=pp, vpp=vpp))
+def _gpt_case(tp, pp, vpp, num_microbatches, tied, sp, cp=1):
+    groups = init_process_groups(ParallelConfig(tp=tp, pp=pp, vpp=vpp, cp=cp))
     cfg = _config(tied, sp)
     data = _microbatches(cfg, num_microbatches, groups.rank("dp"))
 
@@ -98,10 +98,15 @@ def _gpt_case(tp, pp, vpp, num_microbatches, tied, sp):
     ref_grads = full_state_dict(ref, grads=True, group=_self_group())
 
     chunks = build_model_chunks(cfg, groups)
-    seq_local = SEQ // tp if sp else SEQ
+    seq_local = SEQ // cp // (tp if sp else 1)
+    cp_rank = groups.rank("cp")
+    local = [
+        tuple(slice_for_context_parallel(t, cp_rank=cp_rank, cp_size=cp, dim=1) for t in batch)
+        for batch in data
+    ]
     losses = get_schedule(pp, vpp)(
         forward_step_func=_step_for(groups),
-        data_iterator=[iter(data) for _ in chunks],
+        data_iterator=[iter(local) for _ in chunks],
         model=chunks,
         num_microbatches=num_microbatches,
         pp_group=groups.pp,
@@ -147,3 +152,8 @@ def test_gpt_pp2_vpp2_interleaved_tied_embedding():
 def test_gpt_tp2_sp_pp2_tied_embedding():
     out = run_on_ranks(_gpt_case, 4, args=(2, 2, None, 2, True, True))
     assert out[2:] == ["tied-checked"] * 2
+
+
+def test_gpt_cp2_pp2_interleaved():
+    out = run_on_ranks(_gpt_case, 4, args=(1, 2, 2, 2, False, False), kwargs={"cp": 2})
+    assert len(set(out)) == 1 and out[0] > 10

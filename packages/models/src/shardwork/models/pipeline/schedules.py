@@ -48,6 +48,8 @@ def _chunks(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
 
 
 def _iterators(data_iterator: Any, num_chunks: int) -> list[Any]:
+    if data_iterator is None:  # stages whose forward step reads no data (middle stages)
+        return [None] * num_chunks
     if isinstance(data_iterator, list | tuple):
         if len(data_iterator) != num_chunks:
             raise ValueError(
