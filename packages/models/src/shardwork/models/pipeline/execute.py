@@ -120,7 +120,8 @@ def run_pipeline(
                     else:
                         comm.check_activation(output, chunk=c, microbatch=m)
                         produced = output.detach()
-                        sent_specs[(c, m)] = (output.shape, output.dtype)
+                        if not forward_only:
+                            sent_specs[(c, m)] = (output.shape, output.dtype)
                         target = output
                 if not forward_only:
                     saved[(c, m)] = (inp, target)

@@ -13,7 +13,9 @@
   activation is preceded by a small header (dtype code, rank, dims) exchanged in the
   same tick, so shapes may change from microbatch to microbatch. A gradient always has
   its activation's shape, which both ends know.
-- Peers are addressed by their index in the pp group (``group_peer``).
+- Peers are addressed by their index in the pp group (``group_peer``). On NCCL a one-element
+  all-reduce over the pp group precedes the first exchange (torch requires every rank of a
+  group in its first ``batch_isend_irecv``).
 """
 
 from __future__ import annotations
@@ -104,6 +106,10 @@ class P2PExchange:
         self.tensor_shape = None if tensor_shape is None else tuple(int(s) for s in tensor_shape)
         self.dtype = dtype
         self.device = device
+        if dist.get_backend(pp_group) != "gloo":
+            # torch: if batch_isend_irecv is the first operation on a NCCL group, every rank of
+            # the group must take part; the first tick involves only the first two stages.
+            dist.all_reduce(torch.zeros(1, device=device), group=pp_group)
 
     def check_activation(self, tensor: object, *, chunk: int, microbatch: int) -> None:
         """Raise ValueError if a stage output cannot be sent as an activation."""
