@@ -15,7 +15,13 @@ from shardwork.dist_checkpoint.metadata import (
     is_committed,
     read_info,
 )
-from shardwork.dist_checkpoint.save import AsyncSave, CheckpointSaveError, SaveResult, save
+from shardwork.dist_checkpoint.save import (
+    AsyncSave,
+    CheckpointSaveError,
+    SaveResult,
+    StagingBuffers,
+    save,
+)
 from shardwork.dist_checkpoint.sharded import ShardedObject, ShardedTensor
 from shardwork.dist_checkpoint.verify import verify
 
@@ -28,6 +34,7 @@ __all__ = [
     "SaveResult",
     "ShardedObject",
     "ShardedTensor",
+    "StagingBuffers",
     "is_committed",
     "load",
     "read_info",

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from shardwork.dist_checkpoint import metadata as md
 from shardwork.dist_checkpoint.comm import all_gather_object, broadcast_object, resolve_group
 from shardwork.dist_checkpoint.load import load
-from shardwork.dist_checkpoint.save import AsyncSave, SaveResult, save
+from shardwork.dist_checkpoint.save import AsyncSave, SaveResult, StagingBuffers, save
 from shardwork.dist_checkpoint.tree import Path as TreePath
 from shardwork.dist_checkpoint.tree import section_of
 from shardwork.dist_checkpoint.verify import verify
@@ -58,6 +58,9 @@ class CheckpointManager:
         thread_count: writer threads per rank.
         layout, content_version: recorded with every checkpoint.
         sync_files: fsync data files (keep True for crash safety).
+        reuse_staging_buffers: keep the async staging buffers between saves (staging is then
+            a copy into memory already allocated/pinned; costs a host copy of the rank's
+            write set).
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class CheckpointManager:
         layout: Mapping[str, Any] | None = None,
         content_version: int | str | None = None,
         sync_files: bool = True,
+        reuse_staging_buffers: bool = True,
     ) -> None:
         if not isinstance(root, (str, os.PathLike)):
             raise ValueError(f"root={root!r} is not valid; valid: a str or os.PathLike")
@@ -91,6 +95,7 @@ class CheckpointManager:
         self._pending: AsyncSave | None = None
         self._pending_step: int | None = None
         self._async_group: Any = None
+        self._staging = StagingBuffers() if reuse_staging_buffers else None
         #: per-phase seconds of the last committed save (plan, stage, write, finalize, blocking)
         self.last_timings: dict[str, float] = {}
 
@@ -168,6 +173,7 @@ class CheckpointManager:
             metadata={"step": step, **(dict(metadata) if metadata else {})},
             overwrite=overwrite,
             sync_files=self.sync_files,
+            staging_buffers=self._staging,
         )
         if isinstance(result, AsyncSave):
             self._pending, self._pending_step = result, step

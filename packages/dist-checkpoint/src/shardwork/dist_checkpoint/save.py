@@ -63,7 +63,7 @@ from shardwork.dist_checkpoint.planners import PlannedSavePlanner
 from shardwork.dist_checkpoint.storage import ShardworkWriter, file_crc32
 from shardwork.dist_checkpoint.tree import path_str
 
-__all__ = ["AsyncSave", "CheckpointSaveError", "SaveResult", "save"]
+__all__ = ["AsyncSave", "CheckpointSaveError", "SaveResult", "StagingBuffers", "save"]
 
 
 class CheckpointSaveError(RuntimeError):
@@ -177,7 +177,36 @@ def _write_items(local: Any, plan: GlobalPlan, rank: int) -> tuple[list, dict]:
     return items, data
 
 
-def _stage(data: dict[tuple[str, Any], Any]) -> dict[tuple[str, Any], Any]:
+class StagingBuffers:
+    """Host buffers kept between async saves, so staging is a copy into memory that is
+    already allocated and faulted in (and pinned, for CUDA sources) instead of a fresh
+    allocation each time. Safe to reuse once the previous save using it was finalized
+    (`CheckpointManager` guarantees that); costs one host copy of this rank's write set."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, Any], torch.Tensor] = {}
+
+    def get(self, key: tuple[str, Any], like: torch.Tensor) -> torch.Tensor:
+        """A contiguous host tensor shaped like ``like`` for ``key`` (reused when it fits)."""
+        buf = self._buffers.get(key)
+        pin = like.is_cuda
+        if (
+            buf is None
+            or buf.shape != like.shape
+            or buf.dtype != like.dtype
+            or (pin and not buf.is_pinned())
+        ):
+            buf = torch.empty(like.shape, dtype=like.dtype, pin_memory=pin)
+            self._buffers[key] = buf
+        return buf
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+def _stage(
+    data: dict[tuple[str, Any], Any], buffers: StagingBuffers | None
+) -> dict[tuple[str, Any], Any]:
     """Host copies of tensors (pinned when on CUDA) and serialised objects."""
     import io
 
@@ -186,7 +215,11 @@ def _stage(data: dict[tuple[str, Any], Any]) -> dict[tuple[str, Any], Any]:
     for key, value in data.items():
         if isinstance(value, torch.Tensor):
             value = value.detach()
-            if value.is_cuda:
+            if buffers is not None:
+                host = buffers.get(key, value)
+                host.copy_(value, non_blocking=value.is_cuda)
+                pending_cuda |= value.is_cuda
+            elif value.is_cuda:
                 host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
                 host.copy_(value, non_blocking=True)
                 pending_cuda = True
@@ -314,6 +347,7 @@ def save(
     metadata: Mapping[str, Any] | None = None,
     overwrite: bool = False,
     sync_files: bool = True,
+    staging_buffers: StagingBuffers | None = None,
 ) -> SaveResult | AsyncSave:
     """Save a sharded state dict to the directory ``path`` (collective over ``group``).
 
@@ -332,6 +366,8 @@ def save(
             parallel layout the state was saved at, e.g. ``{"tp": 2, "pp": 2, "dp": 2}``).
         overwrite: allow replacing a committed checkpoint at ``path``.
         sync_files: fsync data files (needed for crash safety; off only for benchmarks).
+        staging_buffers: reuse these host buffers for async staging (only once the previous
+            save that used them was finalized).
 
     Returns:
         `SaveResult` once committed (sync), or an `AsyncSave` handle (async).
@@ -376,7 +412,7 @@ def save(
         return result
 
     stage_start = time.perf_counter()
-    job.data = _stage(data)
+    job.data = _stage(data, staging_buffers)
     timings["stage"] = time.perf_counter() - stage_start
     if g.distributed:
         if async_group is None:
