@@ -1,0 +1,137 @@
+"""Multi-rank runs on gloo: every layout trains the same model to fp32 rounding, layout
+changes on resume, the data-parallel replica check, collective timeouts naming groups."""
+
+import io
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardwork.parallel_state.testing import run_on_ranks
+
+pytestmark = pytest.mark.multirank
+
+MODEL = {"num_layers": 4}
+
+
+def _train(run_dir, sections, cache):
+    import os
+
+    os.environ["SHARDWORK_CACHE"] = cache
+    from shardwork.trainer.run.trainer import train
+    from shardwork.trainer.testing import tiny_config
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    stream = io.StringIO()
+    result = train(tiny_config(run_dir, world_size=world, **sections), stream=stream)
+    return result.train_losses, result.valid_losses, stream.getvalue()
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache):
+    """Single-process losses of the 4-layer tiny model, 6 steps."""
+    run_dir = tmp_path_factory.mktemp("ref")
+    return _train(str(run_dir), _sections({}), cache)
+
+
+def _sections(parallel, **extra):
+    sections = {
+        "model": MODEL,
+        "parallel": parallel,
+        "schedule": {"train_steps": 6, "warmup_steps": 2},
+        "eval": {"interval": 3, "steps": 2},
+    }
+    sections.update(extra)
+    return sections
+
+
+@pytest.mark.parametrize(
+    ("world", "parallel"),
+    [
+        (2, {}),  # dp=2, ZeRO-1 over 2 ranks
+        (2, {"tp": 2}),
+        (2, {"pp": 2}),  # 1F1B, 2 micro-batches
+        (4, {"tp": 2, "pp": 2}),
+        (4, {"pp": 2, "vpp": 2}),  # interleaved 1F1B, dp=2
+        (4, {"tp": 2, "sequence_parallel": True}),  # dp=2
+    ],
+    ids=["dp2", "tp2", "pp2", "tp2-pp2", "pp2-vpp2-dp2", "tp2-sp-dp2"],
+)
+def test_layouts_match_single_process(tmp_path, cache, reference, world, parallel):
+    sections = _sections(parallel)
+    if "vpp" in parallel:
+        # interleaving needs micro-batches in multiples of pp: 8 / (2 × dp=2) = 2
+        sections["schedule"] = {**sections["schedule"], "micro_batch_size": 2}
+    results = run_on_ranks(_train, world, args=(str(tmp_path), sections, cache), timeout=300)
+    ref_train, ref_valid, _ = reference
+    for train_losses, valid_losses, _ in results:
+        assert sorted(train_losses) == list(range(6))
+        for step in range(6):
+            assert train_losses[step] == pytest.approx(ref_train[step], rel=2e-4, abs=2e-4)
+        assert valid_losses[6] == pytest.approx(ref_valid[6], rel=2e-4, abs=2e-4)
+
+
+def test_resume_at_another_layout_rederives_rng(tmp_path, cache, reference):
+    first = _sections({}, checkpoint={"interval": 3, "keep_last": 2})
+    _train(str(tmp_path / "a"), first, cache)  # one process, dp=1
+    ckpt = str(tmp_path / "a" / "checkpoints" / "step_000000003")
+    resumed = _sections({"tp": 2}, checkpoint={"resume": ckpt})
+    results = run_on_ranks(_train, 2, args=(str(tmp_path / "b"), resumed, cache), timeout=300)
+    train_losses, _, text = results[0]
+    assert sorted(train_losses) == [3, 4, 5]
+    for step in (3, 4, 5):
+        assert train_losses[step] == pytest.approx(reference[0][step], rel=2e-4, abs=2e-4)
+    assert "RNG state cannot be resharded" in text and "re-derived" in text
+
+
+def _replica_check(corrupt: bool):
+    from shardwork.parallel_state import ParallelConfig, init_process_groups
+    from shardwork.trainer.run.params_check import ReplicaMismatchError, check_dp_replicas
+
+    groups = init_process_groups(ParallelConfig(), gloo_twins=True)
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 3)
+    if corrupt and dist.get_rank() == 1:
+        with torch.no_grad():
+            module.bias[1] += 1e-7
+    try:
+        return check_dp_replicas([module], groups, step=7)
+    except ReplicaMismatchError as exc:
+        return str(exc)
+
+
+def test_dp_replica_check():
+    assert run_on_ranks(_replica_check, 2, args=(False,)) == [2, 2]
+    messages = run_on_ranks(_replica_check, 2, args=(True,))
+    for message in messages:
+        assert "step 7: parameters differ across the dp_cp group (ranks [0, 1])" in message
+        assert "chunk0.bias" in message and "weight" not in message
+
+
+def _hang_one_rank():
+    import time
+
+    from shardwork.parallel_state import ParallelConfig, init_process_groups
+    from shardwork.trainer.run.step import CollectiveTimeoutError, collective_phase
+
+    groups = init_process_groups(ParallelConfig(), timeout=timedelta(seconds=2))
+    if dist.get_rank() == 1:
+        time.sleep(6)
+        return "slept"
+    try:
+        with collective_phase("optimizer step", groups, ("dp_cp",), timeout_minutes=2 / 60):
+            dist.all_reduce(torch.ones(1), group=groups.group("dp_cp"))
+    except CollectiveTimeoutError as exc:
+        return str(exc)
+    return "no timeout"
+
+
+def test_collective_timeout_names_phase_and_group():
+    message = run_on_ranks(_hang_one_rank, 2, timeout=120)[0]
+    assert "'optimizer step'" in message and "dp_cp=[0, 1]" in message
