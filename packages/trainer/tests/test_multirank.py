@@ -135,3 +135,19 @@ def _hang_one_rank():
 def test_collective_timeout_names_phase_and_group():
     message = run_on_ranks(_hang_one_rank, 2, timeout=120)[0]
     assert "'optimizer step'" in message and "dp_cp=[0, 1]" in message
+
+
+def test_moe_expert_parallel_matches_single_process(tmp_path, cache):
+    sections = {
+        "model": {"preset": "tiny-mixtral-8x7b"},
+        "schedule": {"train_steps": 4, "warmup_steps": 2},
+        "eval": {"interval": 4, "steps": 2},
+    }
+    ref_train, ref_valid, _ = _train(str(tmp_path / "ref"), sections, cache)
+    ep = {**sections, "parallel": {"ep": 2}}
+    for train_losses, valid_losses, _ in run_on_ranks(
+        _train, 2, args=(str(tmp_path / "ep2"), ep, cache), timeout=300
+    ):
+        for step in range(4):
+            assert train_losses[step] == pytest.approx(ref_train[step], rel=2e-4, abs=2e-4)
+        assert valid_losses[4] == pytest.approx(ref_valid[4], rel=2e-4, abs=2e-4)

@@ -75,6 +75,14 @@ class Progress:
         parts.append(f"lr {values['lr']:.2e}")
         if "tokens_per_s" in values:
             parts.append(f"{format_count(values['tokens_per_s'])} tok/s")
+        for key, label in (
+            ("load_balancing_loss", "aux"),
+            ("global_load_balancing_loss", "gaux"),
+            ("z_loss", "z"),
+            ("load_imbalance", "imbalance"),
+        ):
+            if key in values:
+                parts.append(f"{label} {values[key]:.3g}")
         if values.get("mfu") is not None:
             parts.append(f"MFU {100 * values['mfu']:.1f}%")
         if "memory_gib" in values:

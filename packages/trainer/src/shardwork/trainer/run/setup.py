@@ -11,6 +11,8 @@
 - Biases and norm weights (1-D parameters) get no weight decay; every other
   parameter group carries ``wd_mult = 1`` so the weight-decay schedule can
   set ``weight_decay = wd · wd_mult`` each step.
+- MoE models get a ChainedOptimizer of a dense part (sharded over dp×cp)
+  and an expert part (sharded over the expert-data-parallel group).
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ class Assembly:
 
 def build_assembly(config: TrainConfig, runtime: Runtime) -> Assembly:
     from shardwork.dist_optimizer import (
+        ChainedOptimizer,
         DDPConfig,
         DistributedDataParallel,
         DistributedOptimizer,
@@ -119,16 +122,29 @@ def build_assembly(config: TrainConfig, runtime: Runtime) -> Assembly:
     scaler = None
     if config.precision.dtype == "fp16":
         scaler = DynamicLossScaler(initial_scale=config.precision.initial_loss_scale)
-    optimizer = DistributedOptimizer(
-        chunks,
-        factory,
-        config=DistOptimizerConfig(
-            clip_grad=o.clip_grad, overlap_param_gather=o.overlap_param_gather
-        ),
-        process_groups=runtime.groups,
-        param_group_fn=_param_group_fn,
-        loss_scaler=scaler,
+    dist_config = DistOptimizerConfig(
+        clip_grad=o.clip_grad, overlap_param_gather=o.overlap_param_gather
     )
+
+    def part(expert: bool):
+        return DistributedOptimizer(
+            chunks,
+            factory,
+            expert=expert,
+            config=dist_config,
+            process_groups=runtime.groups,
+            param_group_fn=_param_group_fn,
+            loss_scaler=scaler,
+        )
+
+    if getattr(model_config, "moe", None) is None:
+        optimizer = part(False)
+    else:
+        # dense parameters shard over dp×cp, expert parameters over edp: one part each,
+        # stepping as one (global norm and clipping over both)
+        optimizer = ChainedOptimizer(
+            [part(False), part(True)], config=dist_config, loss_scaler=scaler
+        )
     from shardwork.models.calculator import num_parameters
 
     num_params = num_parameters(model_config)

@@ -11,6 +11,10 @@
   the sum (times the fp16 loss scale), ``finalize_model_grads`` finishes the
   reductions and divides every gradient by the global token count, so the
   gradient is exactly that of the global per-token mean.
+- MoE models: trackers are reset per step, aux losses get the main loss's
+  backward scale, ``moe_finalize_kwargs`` reduces the trackers and updates
+  expert biases inside finalize_model_grads, and the step reports aux losses
+  and per-layer expert load.
 - A collective that times out is re-raised as :class:`CollectiveTimeoutError`
   naming the phase and the groups it communicates over.
 """
@@ -99,6 +103,49 @@ class StepOutput:
     num_tokens: int
     grad_norm: float | None
     update_successful: bool
+    moe: dict | None = None
+    """MoE statistics of the step: aux losses (mean over MoE layers and micro-batches),
+    ``load_imbalance`` and ``expert_load`` (fraction of routed tokens, [MoE layer][expert])."""
+
+
+def _prepare_moe(modules, grad_scale: float) -> list:
+    """Reset the MoE trackers and give aux / MTP losses the main loss's backward scale.
+
+    The main loss is back-propagated as a token *sum* (times ``grad_scale``) and
+    finalize_model_grads divides every gradient by the global token count, so aux losses
+    enter backward with the same factor ``grad_scale``.
+    """
+    trackers = []
+    for m in modules:
+        tracker = getattr(m, "aux_loss_tracker", None)
+        if tracker is not None:
+            tracker.reset()
+            trackers.append(tracker)
+        for name in ("aux_loss_scale", "mtp_loss_scale"):
+            scale = getattr(m, name, None)
+            if scale is not None:
+                scale.set(grad_scale)
+    return trackers
+
+
+def _moe_stats(trackers, num_microbatches: int) -> dict | None:
+    """Aux-loss summary and per-layer expert load from the (already reduced) trackers."""
+    if not trackers:
+        return None
+    from shardwork.moe_router import AuxLossTracker
+
+    first = trackers[0]
+    total = AuxLossTracker(num_layers=first.num_layers, num_experts=first.num_experts)
+    for t in trackers:
+        total.losses += t.losses.cpu()
+        total.tokens_per_expert += t.tokens_per_expert.cpu()
+    stats = total.summary(num_micro_batches=num_microbatches)
+    counts = total.tokens_per_expert
+    used = counts.sum(dim=1) > 0
+    if bool(used.any()):
+        rows = counts[used]
+        stats["expert_load"] = (rows / rows.sum(dim=1, keepdim=True)).tolist()
+    return stats
 
 
 def activation_shape(config, *, seq_length: int, micro_batch_size: int, groups) -> list[int]:
@@ -176,6 +223,8 @@ def train_step(
     for m in assembly.modules:
         m.train()
     assembly.optimizer.zero_grad()
+    grad_scale = assembly.optimizer.loss_scale
+    trackers = _prepare_moe(assembly.modules, grad_scale)
     with collective_phase(
         "forward/backward", groups, ("pp", "tp", "cp", "dp_cp"), timeout_minutes=timeout
     ):
@@ -189,7 +238,7 @@ def train_step(
             seq_length=config.data.seq_length,
             vpp=config.parallel.vpp,
             forward_only=False,
-            grad_scale=assembly.optimizer.loss_scale,
+            grad_scale=grad_scale,
         )
     with collective_phase(
         "gradient finalisation",
@@ -197,8 +246,15 @@ def train_step(
         ("dp_cp", "tp", "pp", "embedding"),
         timeout_minutes=timeout,
     ):
+        from shardwork.models.moe import moe_finalize_kwargs
+
         _, local_tokens = loss_totals(losses, device=runtime.device)
-        finalize_model_grads(assembly.chunks, groups, num_tokens=local_tokens)
+        finalize_model_grads(
+            assembly.chunks,
+            groups,
+            num_tokens=local_tokens,
+            **moe_finalize_kwargs(assembly.chunks, groups),
+        )
     with collective_phase("optimizer step", groups, ("dp_cp", "mp"), timeout_minutes=timeout):
         result = assembly.optimizer.step()
     with collective_phase("loss reduction", groups, ("pp", "dp_cp"), timeout_minutes=timeout):
@@ -210,6 +266,7 @@ def train_step(
         num_tokens=int(tokens),
         grad_norm=result.grad_norm,
         update_successful=bool(result.update_successful),
+        moe=_moe_stats(trackers, num_micro),
     )
 
 

@@ -254,6 +254,8 @@ class Trainer:
                         memory_gib=memory_gib(runtime.device),
                         consumed_samples=consumed + gbs,
                     )
+                    if out.moe:
+                        values.update(out.moe)
                     values["mfu"] = tps * flops_per_token / (peak * 1e12 * runtime.world_size)
                     if writer is not None:
                         writer.write("train", step, values)
