@@ -152,3 +152,73 @@ def test_chained_dense_expert_matches_single_process(pp, ep, clip, stage_has_exp
         for name, value in params.items():
             want = ref[name.replace("experts.0.", f"experts.{ep_rank}.")]
             torch.testing.assert_close(value, want.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ------------------------------------------------- EP=2 x DP=4 checkpoint -> one process
+def _moe_train(path: str, ep: int, first: int, last: int, load: bool):
+    dcp = pytest.importorskip("shardwork.dist_checkpoint")
+    from shardwork.dist_optimizer import rects_from_model_state
+
+    pg = init_process_groups(ParallelConfig(ep=ep))
+    dp, rank, ep_rank = pg.size("dp"), pg.rank("dp"), pg.rank("ep")
+    model = MoEBlock(77 if load else 10, 2, pg.ep if ep > 1 else None)
+    cfg = DDPConfig(use_distributed_optimizer=True, bucket_size=30, pad_multiple=1)
+    ddp = DistributedDataParallel(model, config=cfg, process_groups=pg)
+    parts = [
+        DistributedOptimizer(ddp, adamw, process_groups=pg),
+        DistributedOptimizer(ddp, adamw, expert=True, process_groups=pg),
+    ]
+    chain = ChainedOptimizer(parts)
+
+    def key(name: str) -> str:
+        return name.replace("experts.0.", f"experts.{ep_rank}.") if ep > 1 else name
+
+    model_state = {
+        n: dcp.ShardedTensor(key(n), p.data, tuple(p.shape), (0,) * p.dim())
+        for n, p in model.named_parameters()
+    }
+    rects = [
+        rects_from_model_state(model_state, tp_rank=pg.rank("tp")),
+        rects_from_model_state(model_state, tp_rank=pg.rank("etp")),
+    ]
+
+    def state():
+        return {
+            "optimizer": {
+                str(i): p.sharded_state_dict(param_rects=r)
+                for i, (p, r) in enumerate(zip(parts, rects))
+            }
+        }
+
+    if load:
+        loaded = dcp.load(state(), path)
+        for i, (p, r) in enumerate(zip(parts, rects)):
+            p.load_sharded_state_dict(loaded["optimizer"][str(i)], param_rects=r)
+    x, y = data(4)
+    per = 4 * BATCH // dp
+    for s in range(first, last):
+        chain.zero_grad()
+        local = slice(rank * per, (rank + 1) * per)
+        nn.functional.mse_loss(ddp(x[s, local]), y[s, local]).backward()
+        chain.step()
+    if not load:
+        dcp.save(state(), path)
+    ddp.finish_param_sync()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.multirank
+def test_expert_parallel_state_resumes_in_one_process(tmp_path):
+    pytest.importorskip("shardwork.dist_checkpoint")
+    path = str(tmp_path / "ckpt")
+    run_on_ranks(_moe_train, 4, args=(path, 2, 0, 2, False))
+    (resumed,) = run_on_ranks(_moe_train, 1, args=(path, 1, 2, STEPS, True))
+    ref = MoEBlock(10, 2)
+    opt = adamw(ref.parameters())
+    x, y = data(4)
+    for s in range(STEPS):
+        opt.zero_grad()
+        nn.functional.mse_loss(ref(x[s]), y[s]).backward()
+        opt.step()
+    for name, want in ref.named_parameters():
+        torch.testing.assert_close(resumed[name], want.detach(), rtol=1e-5, atol=1e-6, msg=name)

@@ -159,3 +159,33 @@ def test_dynamic_loss_scaler_hysteresis_and_growth():
     assert s.scale == 8.0
     with pytest.raises(ValueError, match="backoff_factor"):
         DynamicLossScaler(backoff_factor=1.5)
+
+
+def test_bf16_gradient_buffers_feed_fp32_masters():
+    """grad_reduce_in_fp32=False: bf16 main_grad, copied into fp32 master grads each step."""
+    model = build_model(torch.bfloat16)
+    ddp = DistributedDataParallel(
+        model, config=DDPConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=False)
+    )
+    opt = DistributedOptimizer(ddp, adamw)
+    assert {p.main_grad.dtype for p in model.parameters()} == {torch.bfloat16}
+    ref = build_model(torch.bfloat16)
+    masters = [p.detach().float().clone() for p in ref.parameters()]
+    ref_opt = adamw(masters)
+    x, y = data(1)
+    for s in range(STEPS):
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(x[s, 0].bfloat16()).float(), y[s, 0]).backward()
+        opt.step()
+        ref.zero_grad()
+        nn.functional.mse_loss(ref(x[s, 0].bfloat16()).float(), y[s, 0]).backward()
+        for m, p in zip(masters, ref.parameters()):
+            m.grad = p.grad.float()
+        ref_opt.step()
+        with torch.no_grad():
+            for p, m in zip(ref.parameters(), masters):
+                p.copy_(m)
+    assert all(mp.master.dtype == torch.float32 for mp in opt.pieces)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-2, atol=1e-2)
+    assert ddp.state_dict().keys() == model.state_dict().keys()

@@ -214,3 +214,33 @@ def test_saved_at_tp2_dp2_resumes_at_tp1_dp2(tmp_path, layerwise):
     for params in resumed:
         for got, want in zip(params, model.parameters()):
             torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_rects_from_model_state_takes_keys_and_offsets_not_dp_replicas():
+    from shardwork.dist_optimizer import rects_from_model_state
+
+    w = torch.nn.Parameter(torch.zeros(3, 4))
+    set_param_meta(w, ParamMeta(tp_axis=0, tp_partition_sizes=(2, 4)))
+    b = torch.nn.Parameter(torch.zeros(4))
+    experts = torch.nn.Parameter(torch.zeros(2, 5))
+    set_param_meta(experts, ParamMeta(is_expert=True))
+    model_state = {
+        "w": [
+            dcp.ShardedTensor("layer.gate", torch.zeros(1, 4), (2, 4), (1, 0), replica_id=3),
+            dcp.ShardedTensor("layer.up", torch.zeros(2, 4), (4, 4), (2, 0), replica_id=3),
+        ],
+        "b": dcp.ShardedTensor("layer.b", torch.zeros(4), (4,), (0,), replica_id=3),
+        # local experts 0..1 of ep rank 1 are global experts 2..3
+        "experts": dcp.ShardedTensor("moe.w", torch.zeros(2, 5), (4, 5), (2, 0), replica_id=1),
+    }
+    fn = rects_from_model_state(model_state, tp_rank=1)
+    assert [
+        (r.key, r.global_offset, r.axis, r.start, r.stop, r.replica_id) for r in fn("w", w)
+    ] == [
+        ("layer.gate", (1, 0), 0, 0, 1, 0),
+        ("layer.up", (2, 0), 0, 1, 3, 0),
+    ]
+    assert fn("b", b)[0].replica_id == 1  # TP replica, whatever the model's DP replica id
+    assert fn("experts", experts)[0].global_offset == (2, 0)
+    with pytest.raises(ValueError, match="no model ShardedTensor"):
+        fn("missing", b)

@@ -220,6 +220,14 @@ class DistributedDataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The wrapped module's state dict (no ``module.`` prefix)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """Load into the wrapped module (values are copied into the parameter buffers)."""
+        return self.module.load_state_dict(*args, **kwargs)
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients without reducing them (all micro-batches but the last)."""

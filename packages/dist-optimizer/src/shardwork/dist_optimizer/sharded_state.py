@@ -22,8 +22,9 @@ Representation of a ZeRO shard (chosen: *flat ranges*, no gather)
 - Default rectangles come from ``ParamMeta`` and the TP rank: key = the parameter's name,
   TP-split axes offset by rank, TP-replicated parameters marked ``replica_id = tp_rank``.
   Pipeline stages and expert-parallel ranks hold different parameters whose names may
-  collide (local layer/expert numbering): pass ``param_rects`` (e.g. built by the model's own
-  ``sharded_state_dict``) to give global keys and offsets.
+  collide (local layer/expert numbering): pass ``param_rects``, e.g.
+  :func:`rects_from_model_state` of the model's own sharded state dict, for global keys and
+  offsets.
 - Loading: build the template with :func:`zero_sharded_state_dict` on the new layout, call
   ``dist_checkpoint.load`` and hand the result to the ``load_*`` function, which copies every
   tensor into place. Optimizer state that does not exist yet (no step taken) is created by
@@ -48,6 +49,7 @@ __all__ = [
     "layerwise_sharded_state_dict",
     "load_layerwise_sharded_state_dict",
     "load_zero_sharded_state_dict",
+    "rects_from_model_state",
     "zero_sharded_state_dict",
 ]
 
@@ -95,6 +97,62 @@ def default_param_rects(
         )
         local_start += local
         global_start += size
+    return rects
+
+
+def rects_from_model_state(
+    model_state: Mapping[str, Any], *, tp_rank: int, pp_rank: int = 0
+) -> ParamRectsFn:
+    """``param_rects`` built from the model's own sharded state dict.
+
+    ``model_state`` maps each parameter's name (as in the DDP-wrapped module's
+    ``named_parameters()``) to the ``ShardedTensor`` the model saves it as, or to a list of
+    them, one per fused block along ``ParamMeta.tp_axis`` in order. Keys, global shapes and
+    offsets come from them; replica ids do not (data-parallel ranks hold *different* optimizer
+    pieces): a TP-replicated parameter is a replica on TP ranks > 0 (pass the ``etp`` rank for
+    an expert optimizer), and the shared embedding's copy on pipeline stages > 0 is a replica
+    of stage 0's (the model must give both copies the same key).
+    """
+
+    def rects(name: str, param: torch.nn.Parameter) -> list[ParamRect]:
+        if name not in model_state:
+            raise ValueError(f"param_rects: no model ShardedTensor for parameter {name!r}")
+        entry = model_state[name]
+        sts = list(entry) if isinstance(entry, (list, tuple)) else [entry]
+        meta = get_param_meta(param)
+        replica = tp_rank if meta.tp_axis is None else 0
+        if meta.shared_embedding and pp_rank > 0:
+            replica += 1
+        if len(sts) == 1:
+            st = sts[0]
+            return [ParamRect(st.key, st.global_shape, st.global_offset, replica_id=replica)]
+        if meta.tp_axis is None:
+            raise ValueError(
+                f"param_rects: {name!r} has {len(sts)} ShardedTensors but ParamMeta.tp_axis=None; "
+                "valid: one ShardedTensor, or one per fused block along tp_axis"
+            )
+        out, start = [], 0
+        for st in sts:
+            size = st.local_shape[meta.tp_axis]
+            out.append(
+                ParamRect(
+                    st.key,
+                    st.global_shape,
+                    st.global_offset,
+                    meta.tp_axis,
+                    start,
+                    start + size,
+                    replica,
+                )
+            )
+            start += size
+        if start != param.shape[meta.tp_axis]:
+            raise ValueError(
+                f"param_rects: the blocks of {name!r} cover {start} of {param.shape[meta.tp_axis]} "
+                f"rows along tp_axis={meta.tp_axis}; valid: blocks that tile the local parameter"
+            )
+        return out
+
     return rects
 
 
