@@ -73,14 +73,20 @@ def moe_routers(chunks: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
 
 
 class _Trackers:
-    """Several chunks' trackers reduced one after the other (same count on every rank)."""
+    """The chunks' trackers, reduced one after the other (same count on every rank).
 
-    def __init__(self, trackers: list[AuxLossTracker]) -> None:
+    ``token_group``: the group whose ranks routed *different* tokens of a micro-batch, which
+    replaces finalize's tp×cp group: without sequence parallelism the TP ranks route the same
+    tokens, so only cp ranks hold distinct shares.
+    """
+
+    def __init__(self, trackers: list[AuxLossTracker], token_group) -> None:
         self.trackers = trackers
+        self.token_group = token_group
 
-    def reduce(self, **groups: Any) -> None:
+    def reduce(self, *, pp_group=None, tp_cp_group=None, dp_group=None) -> None:
         for t in self.trackers:
-            t.reduce(**groups)
+            t.reduce(pp_group=pp_group, tp_cp_group=self.token_group, dp_group=dp_group)
 
 
 def moe_finalize_kwargs(
@@ -103,7 +109,7 @@ def moe_finalize_kwargs(
     hooks = []
     if config.moe.enable_expert_bias:
         hooks.append(lambda: update_expert_bias(routers, group=bias_group))
-    tracker = trackers[0] if len(trackers) == 1 else _Trackers(trackers)
+    tracker = _Trackers(trackers, groups.group("tp_cp") if sp else groups.group("cp"))
     return {"moe_tracker": tracker, "moe_hooks": hooks}
 
 
