@@ -51,6 +51,10 @@ def _weight_files(folder: Path) -> dict[str, Path]:
 @torch.no_grad()
 def load_hf_weights(model: GPTModel, folder: str | Path) -> GPTModel:
     """Copy the HF checkpoint in ``folder`` into ``model``'s local shards (in place)."""
+    if model.config.moe is not None or model.config.mla is not None:  # MoE families
+        from shardwork.models.hf.moe_weights import load_hf_moe_weights
+
+        return load_hf_moe_weights(model, folder)
     folder = Path(folder)
     files = _weight_files(folder)
     by_file: dict[Path, list[tuple[str, Any]]] = {}
@@ -130,6 +134,12 @@ def save_pretrained(
     max_shard_bytes: int = 5 * 2**30,
 ) -> None:
     """Write ``model`` (all its ranks and stages, which must all call this) as a HF folder."""
+    if model.config.moe is not None or model.config.mla is not None:  # MoE families
+        from shardwork.models.hf.moe_weights import save_moe_pretrained
+
+        return save_moe_pretrained(
+            model, folder, dtype=dtype, group=group, max_shard_bytes=max_shard_bytes
+        )
     full = full_state_dict(model, group=group, dtype=dtype)
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     if rank != 0:

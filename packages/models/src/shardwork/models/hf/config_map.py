@@ -71,6 +71,10 @@ def _rope(hf: dict[str, Any]) -> tuple[float, Llama3RopeScaling | YarnRopeScalin
 def gpt_config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
     """A ``GPTConfig`` for the HF config dict ``hf`` (``overrides`` win, e.g. dtypes, tp options)."""
     model_type = hf.get("model_type")
+    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"):  # hf/moe_config.py
+        from shardwork.models.hf.moe_config import moe_config_from_hf
+
+        return moe_config_from_hf(hf, **overrides)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"model_type={model_type!r} is not supported; valid: {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -148,6 +152,10 @@ def _rope_scaling_dict(scaling) -> dict[str, Any] | None:
 
 def hf_config_from_gpt(config: GPTConfig, *, dtype: torch.dtype | None = None) -> dict[str, Any]:
     """A ``config.json`` dict that transformers (4.x and 5.x) loads as the same model."""
+    if config.moe is not None or config.mla is not None:  # MoE families: hf/moe_config.py
+        from shardwork.models.hf.moe_config import hf_config_from_moe
+
+        return hf_config_from_moe(config, dtype=dtype)
     model_type = _model_type(config)
     dt = str(dtype or config.params_dtype).removeprefix("torch.")
     out: dict[str, Any] = {

@@ -1,0 +1,271 @@
+"""Tensor names and weight import/export for Hugging Face MoE families (any ep/etp/tp/pp layout).
+
+- :func:`moe_key_rules` extends the dense ``KEY_RULES`` per family: routers
+  (``block_sparse_moe.gate`` for Mixtral on disk, ``mlp.gate`` elsewhere), per-expert tensors
+  (``experts.<e>.w1/w3/w2`` for Mixtral, ``experts.<e>.gate_proj/up_proj/down_proj``),
+  ``e_score_correction_bias`` (DeepSeek-V3 expert bias), shared experts and their gate
+  (``shared_expert`` + ``shared_expert_gate`` for Qwen2-MoE, ``shared_experts`` for
+  DeepSeek-V3), MLA projections (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj`` / ``q_proj``,
+  ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``) and MTP depths (DeepSeek's
+  ``model.layers.<L+k>`` with ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``).
+- Import reads each local ShardedTensor's slice from a *source*: a checkpoint folder (per-expert
+  tensors as saved on disk, read with ``safe_open(...).get_slice``) or an in-memory state dict
+  (e.g. a transformers 5 model's ``state_dict()``, whose experts are fused
+  ``mlp.experts.gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``). When the per-expert name is
+  absent the fused tensor is sliced instead, so both layouts load at any layout.
+- Export: :func:`moe_hf_state_dict` assembles full tensors (all ranks call it) with per-expert
+  disk names, or with ``fused=True`` the transformers 5 in-memory names that
+  ``model.load_state_dict`` takes; :func:`save_moe_pretrained` writes a folder
+  transformers' ``from_pretrained`` loads.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from shardwork.models.full_state import full_state_dict
+from shardwork.models.hf.checkpoint import _shard, _weight_files
+from shardwork.models.hf.keys import KEY_RULES, to_hf_key
+from shardwork.models.hf.moe_config import hf_config_from_moe, moe_model_type
+
+__all__ = [
+    "load_hf_moe_state_dict",
+    "load_hf_moe_weights",
+    "moe_hf_state_dict",
+    "moe_key_rules",
+    "save_moe_pretrained",
+]
+
+_L = r"decoder\.layers\.(\d+)\."
+_MLA = [
+    (r"self_attention\.linear_q_down_proj\.weight", "self_attn.q_a_proj.weight"),
+    (r"self_attention\.q_layernorm\.weight", "self_attn.q_a_layernorm.weight"),
+    (r"self_attention\.linear_q_up_proj\.weight", "self_attn.q_b_proj.weight"),
+    (r"self_attention\.linear_q_proj\.weight", "self_attn.q_proj.weight"),
+    (r"self_attention\.linear_kv_down_proj\.weight", "self_attn.kv_a_proj_with_mqa.weight"),
+    (r"self_attention\.kv_layernorm\.weight", "self_attn.kv_a_layernorm.weight"),
+    (r"self_attention\.linear_kv_up_proj\.weight", "self_attn.kv_b_proj.weight"),
+]
+
+
+def _layer_rules(model_type: str) -> list[tuple[str, str]]:
+    """Rules for the part of a key after ``decoder.layers.<i>.`` (relative to one layer)."""
+    moe = "block_sparse_moe" if model_type == "mixtral" else "mlp"
+    names = ("w1", "w3", "w2") if model_type == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    shared = "shared_expert" if model_type == "qwen2_moe" else "shared_experts"
+    rules = [
+        (r"mlp\.router\.weight", f"{moe}.gate.weight"),
+        (r"mlp\.router\.expert_bias", "mlp.gate.e_score_correction_bias"),
+        (r"mlp\.experts\.linear_fc1\.weight\.(\d+)\.gate", rf"{moe}.experts.\1.{names[0]}.weight"),
+        (r"mlp\.experts\.linear_fc1\.weight\.(\d+)\.up", rf"{moe}.experts.\1.{names[1]}.weight"),
+        (r"mlp\.experts\.linear_fc2\.weight\.(\d+)", rf"{moe}.experts.\1.{names[2]}.weight"),
+        (r"mlp\.shared_experts\.fc1\.weight\.(gate|up)", rf"mlp.{shared}.\1_proj.weight"),
+        (r"mlp\.shared_experts\.fc2\.weight", f"mlp.{shared}.down_proj.weight"),
+        (r"mlp\.shared_experts_gate\.weight", "mlp.shared_expert_gate.weight"),
+    ]
+    return rules + _MLA
+
+
+def moe_key_rules(model_type: str, num_layers: int) -> list[tuple[str, str]]:
+    """Ordered (regex, template) rules from shardwork keys to HF tensor names on disk."""
+    rules = [
+        (_L + pat, r"model.layers.\1." + tpl.replace(r"\1", r"\2"))
+        for pat, tpl in _layer_rules(model_type)
+    ]
+    return rules + list(KEY_RULES)
+
+
+def _mtp_name(key: str, model_type: str, num_layers: int) -> str | None:
+    m = re.fullmatch(r"mtp\.layers\.(\d+)\.(.+)", key)
+    if m is None:
+        return None
+    layer, rest = num_layers + int(m.group(1)), m.group(2)
+    fixed = {
+        "enorm.weight": "enorm.weight",
+        "hnorm.weight": "hnorm.weight",
+        "eh_proj.weight": "eh_proj.weight",
+        "final_layernorm.weight": "shared_head.norm.weight",
+    }
+    if rest in fixed:
+        return f"model.layers.{layer}.{fixed[rest]}"
+    inner = rest.removeprefix("transformer_layer.")
+    name = to_hf_key(f"decoder.layers.{layer}.{inner}", moe_key_rules(model_type, num_layers))
+    return name
+
+
+def hf_name(key: str, model_type: str, num_layers: int) -> str:
+    """The HF (disk) tensor name of shardwork checkpoint ``key``."""
+    mtp = _mtp_name(key, model_type, num_layers)
+    return mtp if mtp is not None else to_hf_key(key, moe_key_rules(model_type, num_layers))
+
+
+_EXPERT = re.compile(
+    r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight"
+)
+
+
+def _fused(name: str) -> tuple[str, int, str] | None:
+    """(fused in-memory name, expert, part) of a per-expert disk name, else None."""
+    m = _EXPERT.fullmatch(name)
+    if m is None:
+        return None
+    layer, e, part = m.group(1), int(m.group(2)), m.group(3)
+    part = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}.get(part, part)
+    tensor = "down_proj" if part == "down_proj" else "gate_up_proj"
+    return f"model.layers.{layer}.mlp.experts.{tensor}", e, part
+
+
+def _memory_alias(name: str) -> str:
+    """transformers 5 in-memory name of a (non-expert) disk name (Mixtral's router moved)."""
+    return name.replace(".block_sparse_moe.gate.", ".mlp.gate.")
+
+
+class _Source:
+    """Tensors by HF name, read by slices: a folder (safetensors) or an in-memory dict."""
+
+    def __init__(self, folder: Path | None = None, tensors: dict[str, torch.Tensor] | None = None):
+        self.tensors = tensors
+        self.files = _weight_files(folder) if folder is not None else None
+        self.handles: dict[Path, Any] = {}
+
+    def close(self) -> None:
+        for handle in self.handles.values():
+            handle.__exit__(None, None, None)
+        self.handles.clear()
+
+    def names(self):
+        return self.tensors.keys() if self.tensors is not None else self.files.keys()
+
+    def has(self, name: str) -> bool:
+        return name in self.names()
+
+    def slice(self, name: str):
+        if self.tensors is not None:
+            return self.tensors[name]
+        path = self.files[name]
+        if path not in self.handles:
+            self.handles[path] = safe_open(path, framework="pt").__enter__()
+        return self.handles[path].get_slice(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        piece = self.slice(name)
+        return tuple(piece.shape) if isinstance(piece, torch.Tensor) else tuple(piece.get_shape())
+
+    def read(self, name: str, index: tuple[slice, ...], expected: tuple[int, ...]) -> torch.Tensor:
+        """``tensor[index]`` of HF tensor ``name`` whose (per-expert) global shape is ``expected``."""
+        if self.has(name) or self.has(_memory_alias(name)):
+            real = name if self.has(name) else _memory_alias(name)
+            if self.shape(real) != expected:
+                raise ValueError(f"{real!r} has shape {self.shape(real)}, expected {expected}")
+            return self.slice(real)[index]
+        fused = _fused(name)
+        if fused is None or not self.has(fused[0]):
+            raise ValueError(f"checkpoint has no tensor {name!r} (nor a fused expert tensor)")
+        fname, e, part = fused
+        if part == "down_proj":
+            rows, cols = index
+            return self.slice(fname)[e, rows, cols]
+        rows, cols = index
+        inter = self.shape(fname)[1] // 2
+        offset = inter if part == "up_proj" else 0
+        start = (rows.start or 0) + offset
+        stop = (rows.stop if rows.stop is not None else inter) + offset
+        return self.slice(fname)[e, start:stop, cols]
+
+
+@torch.no_grad()
+def _load(model, source: _Source) -> Any:
+    cfg = model.config
+    mt = moe_model_type(cfg)
+    try:
+        for key, st in model.sharded_state_dict().items():
+            name = hf_name(key, mt, cfg.num_layers)
+            index = tuple(slice(o, o + s) for o, s in zip(st.global_offset, st.data.shape))
+            st.data.copy_(source.read(name, index, tuple(st.global_shape)).to(st.data.dtype))
+    finally:
+        source.close()
+    return model
+
+
+def load_hf_moe_weights(model, folder: str | Path) -> Any:
+    """Fill ``model``'s local shards from an HF MoE checkpoint folder (per-expert or fused)."""
+    return _load(model, _Source(folder=Path(folder)))
+
+
+def load_hf_moe_state_dict(model, state_dict: dict[str, torch.Tensor]) -> Any:
+    """Fill ``model``'s local shards from an HF state dict (e.g. transformers 5 in memory)."""
+    return _load(model, _Source(tensors=state_dict))
+
+
+def moe_hf_state_dict(
+    model, *, fused: bool = False, group=None, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """Full HF tensors of ``model`` (every rank and stage calls it; every rank gets them).
+
+    ``fused=False``: per-expert names as transformers saves them; ``fused=True``: the
+    transformers 5 in-memory layout (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``).
+    """
+    cfg = model.config
+    mt = moe_model_type(cfg)
+    full = full_state_dict(model, group=group, dtype=dtype)
+    out = {hf_name(k, mt, cfg.num_layers): v.contiguous() for k, v in full.items()}
+    if not fused:
+        return out
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    result = {}
+    for name, t in out.items():
+        info = _fused(name)
+        if info is None:
+            result[_memory_alias(name)] = t
+            continue
+        fname, e, part = info
+        experts.setdefault(fname, {}).setdefault(e, {})[part] = t
+    for fname, by_expert in experts.items():
+        order = sorted(by_expert)
+        if fname.endswith("down_proj"):
+            result[fname] = torch.stack([by_expert[e]["down_proj"] for e in order])
+        else:
+            result[fname] = torch.stack(
+                [torch.cat((by_expert[e]["gate_proj"], by_expert[e]["up_proj"])) for e in order]
+            )
+    return result
+
+
+def save_moe_pretrained(
+    model,
+    folder: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    group=None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> None:
+    """Write ``model`` as an HF folder with per-expert tensors (all ranks and stages call it)."""
+    tensors = moe_hf_state_dict(model, group=group, dtype=dtype)
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    if rank != 0:
+        return
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    shards = _shard(dict(sorted(tensors.items())), max_shard_bytes)
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map, total = {}, 0
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(folder / fname), metadata={"format": "pt"})
+            for name, t in shard.items():
+                weight_map[name] = fname
+                total += t.numel() * t.element_size()
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    config = hf_config_from_moe(model.config, dtype=dtype)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
