@@ -74,3 +74,9 @@ def test_reserved_key_and_committed_target(tmp_path):
     save(state, tmp_path / "b", overwrite=True)
     with pytest.raises(ValueError, match="thread_count"):
         save(state, tmp_path / "c", thread_count=0)
+    # a directory with other files is never cleared
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="not checkpoint files"):
+        save(state, tmp_path / "d", overwrite=True)
+    assert (tmp_path / "d" / "notes.txt").read_text() == "keep me"

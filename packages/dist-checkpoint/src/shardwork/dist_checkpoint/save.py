@@ -60,7 +60,8 @@ from shardwork.dist_checkpoint.plan import (
     summarize,
 )
 from shardwork.dist_checkpoint.planners import PlannedSavePlanner
-from shardwork.dist_checkpoint.storage import ShardworkWriter, file_crc32
+from shardwork.dist_checkpoint.staging import StagingBuffers, stage
+from shardwork.dist_checkpoint.storage import DATA_SUFFIX, ShardworkWriter, file_crc32
 from shardwork.dist_checkpoint.tree import path_str
 
 __all__ = ["AsyncSave", "CheckpointSaveError", "SaveResult", "StagingBuffers", "save"]
@@ -107,10 +108,26 @@ class _Job:
     checksums: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
+def _is_checkpoint_file(name: str) -> bool:
+    base = name.removesuffix(".tmp")
+    return base.endswith(DATA_SUFFIX) or base in (
+        md.DCP_METADATA_FILE,
+        md.INFO_FILE,
+        md.COMMIT_MARKER,
+    )
+
+
 def _inspect_target(path: Path, overwrite: bool) -> str | None:
     """Error text if ``path`` must not be written (checked by the first rank only)."""
     if path.exists() and not path.is_dir():
         return f"path={str(path)!r} exists and is not a directory; valid: a directory path"
+    if path.is_dir():
+        foreign = sorted(p.name for p in path.iterdir() if not _is_checkpoint_file(p.name))
+        if foreign:
+            return (
+                f"path={str(path)!r} holds files that are not checkpoint files ({foreign[:5]}); "
+                f"valid: a new, empty or checkpoint directory (it is cleared before writing)"
+            )
     if md.is_committed(path) and not overwrite:
         return (
             f"path={str(path)!r} already holds a committed checkpoint; valid: a new or "
@@ -175,64 +192,6 @@ def _write_items(local: Any, plan: GlobalPlan, rank: int) -> tuple[list, dict]:
         items.append(WriteItem(index=MetadataIndex(COMMON_KEY), type=WriteItemType.BYTE_IO))
         data[(COMMON_KEY, None)] = common
     return items, data
-
-
-class StagingBuffers:
-    """Host buffers kept between async saves, so staging is a copy into memory that is
-    already allocated and faulted in (and pinned, for CUDA sources) instead of a fresh
-    allocation each time. Safe to reuse once the previous save using it was finalized
-    (`CheckpointManager` guarantees that); costs one host copy of this rank's write set."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[str, Any], torch.Tensor] = {}
-
-    def get(self, key: tuple[str, Any], like: torch.Tensor) -> torch.Tensor:
-        """A contiguous host tensor shaped like ``like`` for ``key`` (reused when it fits)."""
-        buf = self._buffers.get(key)
-        pin = like.is_cuda
-        if (
-            buf is None
-            or buf.shape != like.shape
-            or buf.dtype != like.dtype
-            or (pin and not buf.is_pinned())
-        ):
-            buf = torch.empty(like.shape, dtype=like.dtype, pin_memory=pin)
-            self._buffers[key] = buf
-        return buf
-
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
-
-
-def _stage(
-    data: dict[tuple[str, Any], Any], buffers: StagingBuffers | None
-) -> dict[tuple[str, Any], Any]:
-    """Host copies of tensors (pinned when on CUDA) and serialised objects."""
-    import io
-
-    staged: dict[tuple[str, Any], Any] = {}
-    pending_cuda = False
-    for key, value in data.items():
-        if isinstance(value, torch.Tensor):
-            value = value.detach()
-            if buffers is not None:
-                host = buffers.get(key, value)
-                host.copy_(value, non_blocking=value.is_cuda)
-                pending_cuda |= value.is_cuda
-            elif value.is_cuda:
-                host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-                host.copy_(value, non_blocking=True)
-                pending_cuda = True
-            else:
-                host = value.clone(memory_format=torch.contiguous_format)
-            staged[key] = host
-        else:
-            buffer = io.BytesIO()
-            torch.save(value, buffer)
-            staged[key] = buffer.getvalue()
-    if pending_cuda:
-        torch.cuda.synchronize()
-    return staged
 
 
 def _run_write(job: _Job) -> None:
@@ -412,7 +371,7 @@ def save(
         return result
 
     stage_start = time.perf_counter()
-    job.data = _stage(data, staging_buffers)
+    job.data = stage(data, staging_buffers)
     timings["stage"] = time.perf_counter() - stage_start
     if g.distributed:
         if async_group is None:
