@@ -228,7 +228,9 @@ class DistributedOptimizer:
 
     def local_grad_stats(self) -> torch.Tensor:
         """``[non-finite count, Σg², zero count]`` over this rank's (counted) master grads."""
-        out = torch.zeros(3, dtype=torch.float64)
+        items = self.pieces
+        device = items[0].master.device if items else torch.device("cpu")
+        out = torch.zeros(3, dtype=torch.float64, device=device)
         for mp in self.pieces:
             g = mp.master.grad
             out[0] += (~torch.isfinite(g)).sum()

@@ -182,7 +182,9 @@ class LayerWiseDistributedOptimizer:
                     op.master.grad.mul_(inv_scale)
 
     def local_grad_stats(self) -> torch.Tensor:
-        out = torch.zeros(3, dtype=torch.float64)
+        items = self.owned
+        device = items[0].master.device if items else torch.device("cpu")
+        out = torch.zeros(3, dtype=torch.float64, device=device)
         for op in self.owned:
             g = op.master.grad
             out[0] += (~torch.isfinite(g)).sum()

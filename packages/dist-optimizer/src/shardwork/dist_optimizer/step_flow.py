@@ -53,11 +53,20 @@ class StepPart(Protocol):
 
 
 def reduce_stats(stats: torch.Tensor, groups: Sequence[Any]) -> torch.Tensor:
-    """SUM-all-reduce ``stats`` over each group in turn (None groups are skipped)."""
+    """SUM-all-reduce ``stats`` over each group in turn (None groups are skipped).
+
+    The tensor travels on the current CUDA device for NCCL groups, on the CPU otherwise.
+    """
     for group in groups:
         if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(stats, group=group)
-    return stats
+            if dist.get_backend(group) == "nccl":
+                device = torch.device("cuda", torch.cuda.current_device())
+            else:
+                device = torch.device("cpu")
+            moved = stats.to(device)
+            dist.all_reduce(moved, group=group)
+            stats = moved
+    return stats.cpu()
 
 
 def run_step(
