@@ -151,3 +151,25 @@ def test_moe_expert_parallel_matches_single_process(tmp_path, cache):
         for step in range(4):
             assert train_losses[step] == pytest.approx(ref_train[step], rel=2e-4, abs=2e-4)
         assert valid_losses[4] == pytest.approx(ref_valid[4], rel=2e-4, abs=2e-4)
+
+
+@pytest.mark.parametrize(
+    ("world", "parallel", "model"),
+    [
+        (4, {"pp": 2, "tp": 2}, MODEL),
+        (2, {"ep": 2}, {"preset": "tiny-mixtral-8x7b"}),
+    ],
+    ids=["pp2-tp2-to-1", "ep2-to-1"],
+)
+def test_checkpoint_from_a_parallel_layout_resumes_on_one_process(
+    tmp_path, cache, world, parallel, model
+):
+    sections = _sections(parallel, model=model, checkpoint={"interval": 3, "keep_last": 2})
+    sharded = run_on_ranks(_train, world, args=(str(tmp_path / "a"), sections, cache), timeout=300)
+    ckpt = str(tmp_path / "a" / "checkpoints" / "step_000000003")
+    single = _sections({}, model=model, checkpoint={"resume": ckpt})
+    train_losses, _, text = _train(str(tmp_path / "b"), single, cache)
+    assert sorted(train_losses) == [3, 4, 5]
+    for step in (3, 4, 5):
+        assert train_losses[step] == pytest.approx(sharded[0][0][step], rel=2e-4, abs=2e-4)
+    assert "re-derived" in text

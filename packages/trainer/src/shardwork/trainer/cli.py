@@ -33,7 +33,8 @@ def train_main(argv: Sequence[str] | None = None) -> int:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         resolved = validate_config(config, world_size=world_size)
     except ConfigError as exc:
-        print(f"shardwork-train: {exc}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank finds it; one reports it
+            print(f"shardwork-train: {exc}", file=sys.stderr)
         return 2
     if print_config:
         if int(os.environ.get("RANK", "0")) == 0:

@@ -54,11 +54,24 @@ def gpt_config(config: TrainConfig):
     return GPTConfig(**dims, **m.overrides)
 
 
-def build_model_chunks(model_config, groups, *, device: torch.device) -> list:
+def build_model_chunks(
+    model_config,
+    groups,
+    *,
+    device: torch.device,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+) -> list:
     """This rank's model chunks: one per virtual pipeline stage (one at pp = 1).
 
     shardwork.models.pipeline.build_model_chunks decides the layers of each chunk.
     """
     from shardwork.models.pipeline import build_model_chunks as build
 
-    return build(model_config, groups, device=device)
+    return build(
+        model_config,
+        groups,
+        device=device,
+        first_stage_layers=first_stage_layers,
+        last_stage_layers=last_stage_layers,
+    )

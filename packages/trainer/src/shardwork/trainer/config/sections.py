@@ -70,6 +70,11 @@ class ParallelSection:
     """Expert tensor-parallel size; None: equal to tp."""
     order: str = "tp-cp-ep-dp-pp"
     """Rank order, fastest-varying first."""
+    first_stage_layers: int | None = None
+    """Layers on the first pipeline rank (uneven split, e.g. to make room for the embedding);
+    None: an even split."""
+    last_stage_layers: int | None = None
+    """Layers on the last pipeline rank (e.g. fewer, to make room for the LM head and loss)."""
     sequence_parallel: bool = False
     """Split activations outside attention/MLP along the sequence over the TP group (needs tp > 1)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"

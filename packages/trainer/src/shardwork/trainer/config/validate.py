@@ -100,6 +100,20 @@ def _check_model(config: TrainConfig, problems: list[str]) -> None:
         model.check_layout(parallel_config(config), seq_length=config.data.seq_length)
     except ValueError as exc:
         problems.append(f"model/parallel: {exc}")
+        return
+    from shardwork.models.pipeline import layers_per_rank
+
+    p = config.parallel
+    try:
+        layers_per_rank(
+            model.num_layers,
+            p.pp,
+            vpp=p.vpp,
+            first_stage_layers=p.first_stage_layers,
+            last_stage_layers=p.last_stage_layers,
+        )
+    except ValueError as exc:
+        problems.append(f"parallel (pipeline split of model.num_layers={model.num_layers}): {exc}")
 
 
 def _check_optimizer(config: TrainConfig, problems: list[str]) -> None:

@@ -5,7 +5,8 @@ that it loads at any layout:
 
 - ``model``: every chunk's ``sharded_state_dict()`` (keys are global layer names);
 - ``optimizer``: the distributed optimizer's ``sharded_state_dict()`` (fp32
-  masters and moments, and the fp16 loss scale when there is one);
+  masters and moments, and the fp16 loss scale when there is one), keyed by
+  global parameter keys (:mod:`shardwork.trainer.run.optimizer_keys`);
 - ``trainer``: step, consumed samples, seed and the layout it was saved at.
   The LR, weight-decay and batch-size schedules are pure functions of the
   step, so the step *is* their state;
@@ -24,6 +25,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from shardwork.trainer.run.optimizer_keys import optimizer_param_rects
 from shardwork.trainer.run.rng import (
     capture_rng,
     derived_seed,
@@ -68,6 +70,7 @@ class Checkpointer:
         self.config = config
         self.runtime = runtime
         self.assembly = assembly
+        self.param_rects = optimizer_param_rects(assembly.modules, runtime.groups)
         c = config.checkpoint
         self.manager = CheckpointManager(
             c.dir,
@@ -112,7 +115,9 @@ class Checkpointer:
             },
         }
         if include_optimizer:
-            state["optimizer"] = self.assembly.optimizer.sharded_state_dict()
+            state["optimizer"] = self.assembly.optimizer.sharded_state_dict(
+                param_rects=self.param_rects
+            )
         if include_rng:
             state["rng"] = self._rng_state()
         return state
@@ -162,7 +167,9 @@ class Checkpointer:
         loaded = manager.load(template, step=step, exclude=exclude)
         step = int(loaded["trainer"]["step"])
         if c.load_optimizer:
-            self.assembly.optimizer.load_sharded_state_dict(loaded["optimizer"])
+            self.assembly.optimizer.load_sharded_state_dict(
+                loaded["optimizer"], param_rects=self.param_rects
+            )
         if load_rng:
             value = loaded["rng"]
             restore_rng(value, self.runtime.device)

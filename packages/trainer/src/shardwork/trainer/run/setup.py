@@ -100,7 +100,13 @@ def build_assembly(config: TrainConfig, runtime: Runtime) -> Assembly:
     from shardwork.trainer.model_factory import build_model_chunks, gpt_config
 
     model_config = gpt_config(config)
-    modules = build_model_chunks(model_config, runtime.groups, device=runtime.device)
+    modules = build_model_chunks(
+        model_config,
+        runtime.groups,
+        device=runtime.device,
+        first_stage_layers=config.parallel.first_stage_layers,
+        last_stage_layers=config.parallel.last_stage_layers,
+    )
     o = config.optimizer
     ddp_config = DDPConfig(
         bucket_size=max(1, int(o.bucket_size_mb * 2**20 / 4)),
