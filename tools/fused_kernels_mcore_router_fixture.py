@@ -21,7 +21,10 @@ from megatron.core.transformer.moe.moe_utils import (
     topk_routing_with_score_function,
 )
 
-OUT = pathlib.Path(__file__).resolve().parents[1] / "packages/fused-kernels/tests/data/mcore_router.pt"
+OUT = (
+    pathlib.Path(__file__).resolve().parents[1]
+    / "packages/fused-kernels/tests/data/mcore_router.pt"
+)
 
 CONFIGS = [
     {"topk": 2, "score_function": "softmax"},
@@ -29,8 +32,22 @@ CONFIGS = [
     {"topk": 4, "score_function": "softmax", "num_groups": 4, "group_topk": 2},
     {"topk": 1, "score_function": "sigmoid"},
     {"topk": 4, "score_function": "sigmoid", "expert_bias": True},
-    {"topk": 6, "score_function": "sigmoid", "expert_bias": True, "num_groups": 8, "group_topk": 3,
-     "scaling_factor": 2.5},  # fmt: skip  (DeepSeek-V3 style)
+    {
+        "topk": 6,
+        "score_function": "sigmoid",
+        "expert_bias": True,
+        "num_groups": 8,
+        "group_topk": 3,
+        "scaling_factor": 2.5,
+    },  # fmt: skip  (DeepSeek-V3 style)
+    {
+        "topk": 4,
+        "score_function": "sqrtsoftplus",
+        "expert_bias": True,
+        "num_groups": 4,
+        "group_topk": 2,
+    },
+    {"topk": 1, "score_function": "sqrtsoftplus"},
 ]
 
 
@@ -53,7 +70,9 @@ def main() -> None:
             score_function=kwargs["score_function"],
             expert_bias=bias,
         )
-        aux_map, aux_scores = compute_routing_scores_for_aux_loss(x, kwargs["topk"], kwargs["score_function"])
+        aux_map, aux_scores = compute_routing_scores_for_aux_loss(
+            x, kwargs["topk"], kwargs["score_function"]
+        )
         g = torch.randn(n, e)
         ga = torch.randn(n, e)
         (grad,) = torch.autograd.grad((probs * g).sum() + (aux_scores * ga).sum(), [x])

@@ -60,6 +60,7 @@ CONFIGS = [
     {"topk": 4, "num_groups": 6, "group_topk": 3},
     {"topk": 3, "score_function": "sigmoid", "normalize": False},
     {"topk": 4, "score_function": "sigmoid", "num_groups": 4, "group_topk": 2, "bias": True},
+    {"topk": 3, "score_function": "sqrtsoftplus", "bias": True, "scaling_factor": 1.5},
 ]
 
 
@@ -119,7 +120,9 @@ def test_bad_inputs_name_the_field():
         fk.router_topk(x, topk=2, num_groups=3, group_topk=1)
     with pytest.raises(ValueError, match="must be given together"):
         fk.router_topk(x, topk=2, num_groups=2)
-    with pytest.raises(ValueError, match="expert_bias is used with score_function='sigmoid' only"):
+    with pytest.raises(
+        ValueError, match="expert_bias is used with score_function='sigmoid' or 'sqrtsoftplus'"
+    ):
         fk.router_topk(x, topk=2, expert_bias=torch.zeros(8))
 
 

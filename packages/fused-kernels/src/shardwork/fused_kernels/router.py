@@ -7,15 +7,15 @@ imports moe-router or Megatron):
 - ``softmax``, ``pre_softmax=False``: top-k of the raw logits, then softmax over the k
   selected logits (probs sum to 1). ``pre_softmax=True``: softmax over all experts,
   then top-k of the probabilities (not renormalised unless ``normalize=True``).
-- ``sigmoid``: top-k of ``sigmoid(logits) (+ expert_bias)``; probs are the selected
-  sigmoid scores (the bias only steers selection), divided by their sum (+1e-20)
-  when ``topk > 1``.
+- ``sigmoid`` / ``sqrtsoftplus`` (``sqrt(softplus(x))``): top-k of ``score(logits)
+  (+ expert_bias)``; probs are the selected scores (the bias only steers selection),
+  divided by their sum (+1e-20) when ``topk > 1``.
 - Group-limited: experts form ``num_groups`` equal groups; each group scores the sum of
   its top ``topk // group_topk`` selection scores; only the ``group_topk`` best groups
   stay eligible.
 - ``scaling_factor`` multiplies the probs last; probs come back in ``logits.dtype``.
-- Aux-loss statistics: ``scores_for_aux`` = softmax of all logits (softmax), or sigmoid
-  scores divided by their row sum (sigmoid), float32 (float64 for float64 logits,
+- Aux-loss statistics: ``scores_for_aux`` = softmax of all logits (softmax), or sigmoid /
+  sqrtsoftplus scores divided by their row sum, float32 (float64 for float64 logits,
   where Megatron would compute in float32) and differentiable;
   ``tokens_per_expert`` counts, per expert, the tokens whose plain top-k of
   ``scores_for_aux`` (no groups, no bias) contains it — what Megatron's aux losses
@@ -35,7 +35,7 @@ from shardwork.fused_kernels.backend import resolve_backend
 
 __all__ = ["RouterTopK", "router_topk", "router_topk_reference"]
 
-SCORE_FUNCTIONS = ("softmax", "sigmoid")
+SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 
 
 class RouterTopK(NamedTuple):
@@ -63,7 +63,16 @@ def _group_limited_topk(scores_NE, topk, num_groups, group_topk):
 
 
 def _default_normalize(score_function: str, topk: int) -> bool:
-    return score_function == "sigmoid" and topk > 1
+    return score_function != "softmax" and topk > 1
+
+
+def _elementwise_scores(
+    logits: torch.Tensor, score_function: str, dtype: torch.dtype
+) -> torch.Tensor:
+    x = logits.to(dtype)
+    if score_function == "sigmoid":
+        return torch.sigmoid(x)
+    return torch.nn.functional.softplus(x).sqrt()
 
 
 def router_topk_reference(
@@ -97,7 +106,7 @@ def router_topk_reference(
         if normalize and pre_softmax:
             probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
     else:
-        scores = torch.sigmoid(logits.to(cd))
+        scores = _elementwise_scores(logits, score_function, cd)
         if expert_bias is not None:
             idx = select(scores + expert_bias.to(cd)).indices
             probs = scores.gather(1, idx)
@@ -113,7 +122,7 @@ def router_topk_reference(
     if score_function == "softmax":
         aux = torch.softmax(logits, dim=-1, dtype=cd)
     else:
-        aux = torch.sigmoid(logits.to(cd))
+        aux = _elementwise_scores(logits, score_function, cd)
         aux = aux / (aux.sum(dim=-1, keepdim=True) + 1e-20)
     aux_idx = aux.detach().topk(topk, dim=-1).indices
     counts = torch.zeros(logits.shape[1], dtype=torch.int64, device=logits.device)
@@ -147,9 +156,10 @@ def _validate(logits, topk, score_function, num_groups, group_topk, expert_bias,
                 f"= {group_topk * (e // num_groups)}]"
             )
     if expert_bias is not None:
-        if score_function != "sigmoid":
+        if score_function == "softmax":
             raise ValueError(
-                "expert_bias is used with score_function='sigmoid' only (Megatron-Core semantics), "
+                "expert_bias is used with score_function='sigmoid' or 'sqrtsoftplus' only "
+                "(Megatron-Core semantics), "
                 f"got score_function={score_function!r}"
             )
         if tuple(expert_bias.shape) != (e,):
@@ -174,7 +184,7 @@ def router_topk(
 ) -> RouterTopK:
     """Route ``logits [N, E]``: returns :class:`RouterTopK` (probs, routing_map, scores_for_aux, tokens_per_expert).
 
-    ``normalize=None`` keeps Megatron's rule (renormalise sigmoid top-k probs when
+    ``normalize=None`` keeps Megatron's rule (renormalise sigmoid/sqrtsoftplus top-k probs when
     ``topk > 1``); True/False force renormalisation of the selected probs on or off
     (``True`` with pre-softmax gives HF ``norm_topk_prob``).
     """

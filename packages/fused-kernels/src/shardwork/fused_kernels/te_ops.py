@@ -118,6 +118,10 @@ def router_topk(logits, *, topk, score_function, pre_softmax, num_groups, group_
             f"backend='te' follows Megatron's renormalisation rule only (normalize={default} here), "
             f"got normalize={normalize}"
         )
+    if score_function == "sqrtsoftplus":
+        reason = te_support.feature_unavailable_reason("router_topk.sqrtsoftplus")
+        if reason is not None:
+            raise ValueError(f"backend='te': {reason}")
     router = importlib.import_module("transformer_engine.pytorch.router")
     probs, routing_map = router.fused_topk_with_score_function(
         logits=logits,

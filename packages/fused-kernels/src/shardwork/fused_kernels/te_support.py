@@ -15,7 +15,14 @@ import importlib
 import re
 from types import ModuleType
 
-__all__ = ["MIN_TE_VERSION", "te_module", "te_version", "unavailable_reason"]
+__all__ = [
+    "MIN_TE_FEATURE_VERSION",
+    "MIN_TE_VERSION",
+    "feature_unavailable_reason",
+    "te_module",
+    "te_version",
+    "unavailable_reason",
+]
 
 MIN_TE_VERSION: dict[str, tuple[int, int]] = {
     "rms_norm": (2, 0),  # transformer_engine_torch.rmsnorm_fwd/bwd, 2.x argument order
@@ -34,6 +41,12 @@ Not offered through TE: ``rotary`` (TE's RoPE takes angles, not the cos/sin tabl
 this API, and YaRN's cos/sin scale has no TE equivalent) and ``permute``/``unpermute``
 (TE's ``row_id_map`` is not interchangeable with ``sorted_indices``, so mixing backends
 between the two halves would break)."""
+
+
+MIN_TE_FEATURE_VERSION: dict[str, tuple[int, int]] = {
+    "router_topk.sqrtsoftplus": (2, 13),  # score_function="sqrtsoftplus" in the fused router
+}
+"""First Transformer Engine version offering an option of an op (``"<op>.<option>"``)."""
 
 
 def _parse_version(text: str) -> tuple[int, int]:
@@ -83,4 +96,17 @@ def unavailable_reason(op: str) -> str | None:
         return (
             f"{op} needs Transformer Engine >= {need[0]}.{need[1]}, found {version[0]}.{version[1]}"
         )
+    return None
+
+
+def feature_unavailable_reason(feature: str) -> str | None:
+    """Why TE cannot run ``feature`` (a key of ``MIN_TE_FEATURE_VERSION``), or None when it can."""
+    op = feature.split(".", 1)[0]
+    reason = unavailable_reason(op)
+    if reason is not None:
+        return reason
+    need = MIN_TE_FEATURE_VERSION[feature]
+    version = _load()[1]
+    if version < need:
+        return f"{feature} needs Transformer Engine >= {need[0]}.{need[1]}, found {version[0]}.{version[1]}"
     return None

@@ -8,8 +8,8 @@
 - Outputs: dense probs (logits dtype), routing map (bool), aux scores (float32) and
   aux-loss token counts via one integer ``atomic_add`` per expert per program.
 - Backward (one kernel): ``d logits`` from the prob gradient (softmax-over-selected,
-  pre-softmax, or sigmoid with optional renormalisation) plus the aux-score
-  gradient (softmax, or normalised sigmoid). The expert bias gets no gradient.
+  pre-softmax, or sigmoid / sqrt-softplus with optional renormalisation) plus the
+  aux-score gradient (softmax, or normalised element-wise scores). The expert bias gets no gradient.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from shardwork.fused_kernels.triton_launch import launch, next_pow2
 
 __all__ = ["router_topk"]
 
+_SCORES = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
+
 
 @triton.jit
 def _take_max(sel, cols, BLOCK: tl.constexpr):
@@ -33,8 +35,20 @@ def _take_max(sel, cols, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _score(x, SCORE: tl.constexpr):
+    """Element-wise score (1: sigmoid, 2: sqrt(softplus)) and its derivative, float32."""
+    if SCORE == 1:
+        s = tl.sigmoid(x)
+        return s, s * (1.0 - s)
+    else:
+        sp = tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x)))
+        s = tl.sqrt(sp)
+        return s, tl.sigmoid(x) / (2.0 * tl.maximum(s, 1e-30))  # s = 0 only in padded lanes
+
+
+@triton.jit
 def _router_fwd(L, BIAS, PROBS, MAP, AUX, COUNTS, N, E, scaling, TOPK: tl.constexpr,
-                SIGMOID: tl.constexpr, PRE_SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
+                SCORE: tl.constexpr, PRE_SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
                 NORMALIZE: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUP_TOPK: tl.constexpr,
                 BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -45,8 +59,9 @@ def _router_fwd(L, BIAS, PROBS, MAP, AUX, COUNTS, N, E, scaling, TOPK: tl.conste
     offs = rows.to(tl.int64)[:, None] * E + cols[None, :]
     x = tl.load(L + offs, mask=mask, other=0.0).to(tl.float32)
     x = tl.where(cmask[None, :], x, float("-inf"))
-    if SIGMOID:
-        sc = tl.where(cmask[None, :], tl.sigmoid(x), 0.0)
+    if SCORE > 0:
+        sc, _ = _score(x, SCORE)
+        sc = tl.where(cmask[None, :], sc, 0.0)
         aux = sc / (tl.sum(sc, axis=1)[:, None] + 1e-20)
         sel = sc
         if HAS_BIAS:
@@ -88,7 +103,7 @@ def _router_fwd(L, BIAS, PROBS, MAP, AUX, COUNTS, N, E, scaling, TOPK: tl.conste
         chosen = tl.where(hit, 1, chosen)
         sel = tl.where(hit, float("-inf"), sel)
     picked = chosen > 0
-    if SIGMOID or PRE_SOFTMAX:
+    if SCORE > 0 or PRE_SOFTMAX:
         p = tl.where(picked, sc, 0.0)
     else:
         p = tl.where(picked, ex, 0.0)
@@ -109,7 +124,7 @@ def _router_fwd(L, BIAS, PROBS, MAP, AUX, COUNTS, N, E, scaling, TOPK: tl.conste
 
 
 @triton.jit
-def _router_bwd(L, MAP, GP, GA, DX, N, E, scaling, SIGMOID: tl.constexpr, PRE_SOFTMAX: tl.constexpr,
+def _router_bwd(L, MAP, GP, GA, DX, N, E, scaling, SCORE: tl.constexpr, PRE_SOFTMAX: tl.constexpr,
                 NORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
@@ -121,8 +136,9 @@ def _router_bwd(L, MAP, GP, GA, DX, N, E, scaling, SIGMOID: tl.constexpr, PRE_SO
     picked = tl.load(MAP + offs, mask=mask, other=0) != 0
     gp = tl.where(picked, tl.load(GP + offs, mask=mask, other=0.0).to(tl.float32) * scaling, 0.0)
     ga = tl.load(GA + offs, mask=mask, other=0.0).to(tl.float32)
-    if SIGMOID:
-        sc = tl.where(cmask[None, :], tl.sigmoid(x), 0.0)
+    if SCORE > 0:
+        sc, dsc = _score(x, SCORE)
+        sc = tl.where(cmask[None, :], sc, 0.0)
         if NORMALIZE:
             v = tl.where(picked, sc, 0.0)
             den = tl.sum(v, axis=1)[:, None] + 1e-20
@@ -132,7 +148,7 @@ def _router_bwd(L, MAP, GP, GA, DX, N, E, scaling, SIGMOID: tl.constexpr, PRE_SO
         dv = tl.where(picked, dv, 0.0)
         aden = tl.sum(sc, axis=1)[:, None] + 1e-20
         ds = dv + (ga - tl.sum(ga * sc, axis=1)[:, None] / aden) / aden
-        dx = ds * sc * (1.0 - sc)
+        dx = tl.where(cmask[None, :], ds * dsc, 0.0)
     else:
         ex = tl.where(cmask[None, :], tl.exp(x - tl.max(x, axis=1)[:, None]), 0.0)
         sm = ex / tl.sum(ex, axis=1)[:, None]
@@ -164,7 +180,7 @@ class _Router(torch.autograd.Function):
         logits,
         expert_bias,
         topk,
-        sigmoid,
+        score,
         pre_softmax,
         num_groups,
         group_topk,
@@ -181,26 +197,26 @@ class _Router(torch.autograd.Function):
         block_t = _block_t(block_e)
         launch("router_topk_fwd", _router_fwd, (triton.cdiv(n, block_t),), x,
                x if expert_bias is None else expert_bias.contiguous(), probs, routing, aux, counts, n, e,
-               scaling, TOPK=topk, SIGMOID=sigmoid, PRE_SOFTMAX=pre_softmax,
+               scaling, TOPK=topk, SCORE=score, PRE_SOFTMAX=pre_softmax,
                HAS_BIAS=expert_bias is not None, NORMALIZE=normalize, NUM_GROUPS=num_groups or 1,
                GROUP_TOPK=group_topk or 0, BLOCK_T=block_t, BLOCK_E=block_e,
                BLOCK_G=next_pow2(num_groups or 1))  # fmt: skip
         routing_map = routing.view(torch.bool)
         ctx.save_for_backward(x, routing)
-        ctx.cfg = (sigmoid, pre_softmax, normalize, scaling)
+        ctx.cfg = (score, pre_softmax, normalize, scaling)
         ctx.mark_non_differentiable(routing_map, counts)
         return probs, routing_map, aux, counts
 
     @staticmethod
     def backward(ctx, grad_probs, _grad_map, grad_aux, _grad_counts):
         x, routing = ctx.saved_tensors
-        sigmoid, pre_softmax, normalize, scaling = ctx.cfg
+        score, pre_softmax, normalize, scaling = ctx.cfg
         n, e = x.shape
         dx = torch.empty_like(x)
         block_e = next_pow2(e)
         block_t = _block_t(block_e)
         launch("router_topk_bwd", _router_bwd, (triton.cdiv(n, block_t),), x, routing,
-               grad_probs.contiguous(), grad_aux.contiguous(), dx, n, e, scaling, SIGMOID=sigmoid,
+               grad_probs.contiguous(), grad_aux.contiguous(), dx, n, e, scaling, SCORE=score,
                PRE_SOFTMAX=pre_softmax, NORMALIZE=normalize, BLOCK_T=block_t, BLOCK_E=block_e)  # fmt: skip
         return dx, None, None, None, None, None, None, None, None
 
@@ -209,7 +225,7 @@ def router_topk(logits, *, topk, score_function, pre_softmax, num_groups, group_
                 scaling_factor, normalize) -> RouterTopK:  # fmt: skip
     """Router top-k through the Triton kernels (arguments validated by ``router.router_topk``)."""
     probs, routing_map, aux, counts = _Router.apply(
-        logits, expert_bias, topk, score_function == "sigmoid", bool(pre_softmax), num_groups,
+        logits, expert_bias, topk, _SCORES[score_function], bool(pre_softmax), num_groups,
         group_topk, float(scaling_factor or 1.0), bool(normalize),
     )  # fmt: skip
     return RouterTopK(probs, routing_map, aux, counts.to(torch.int64))
