@@ -80,14 +80,19 @@ def adamw(groups):
     return torch.optim.AdamW(groups, lr=2e-2, weight_decay=0.05)
 
 
-def _run(pp: int, ep: int, clip: float, stage_has_experts: tuple[bool, ...]):
+def _run(pp: int, ep: int, clip: float, stage_has_experts: tuple[bool, ...], in_collective: bool):
     pg = init_process_groups(ParallelConfig(pp=pp, ep=ep))
     dp, rank, stage = pg.size("dp"), pg.rank("dp"), pg.rank("pp")
     experts = 2 if stage_has_experts[stage] else 0
     model = MoEBlock(10 + stage, max(experts, 1), pg.ep if experts else None)
     if not experts:
         model.experts = nn.ModuleList()
-    cfg = DDPConfig(use_distributed_optimizer=True, bucket_size=30, pad_multiple=1)
+    cfg = DDPConfig(
+        use_distributed_optimizer=True,
+        bucket_size=30,
+        pad_multiple=1,
+        average_in_collective=in_collective,
+    )
     ddp = DistributedDataParallel(model, config=cfg, process_groups=pg)
     ocfg = OptimizerConfig(clip_grad=clip, count_zeros=True)
     chain = ChainedOptimizer(
@@ -138,11 +143,18 @@ def reference(dp: int, clip: float, stage_has_experts: tuple[bool, ...]):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize(
-    ("pp", "ep", "clip", "stage_has_experts"),
-    [(1, 2, 0.0, (True,)), (1, 2, 0.3, (True,)), (2, 2, 0.3, (False, True))],
+    ("pp", "ep", "clip", "stage_has_experts", "in_collective"),
+    [
+        (1, 2, 0.0, (True,), False),
+        (1, 2, 0.0, (True,), True),
+        (1, 2, 0.3, (True,), False),
+        (2, 2, 0.3, (False, True), False),
+    ],
 )
-def test_chained_dense_expert_matches_single_process(pp, ep, clip, stage_has_experts):
-    results = run_on_ranks(_run, 4, args=(pp, ep, clip, stage_has_experts))
+def test_chained_dense_expert_matches_single_process(
+    pp, ep, clip, stage_has_experts, in_collective
+):
+    results = run_on_ranks(_run, 4, args=(pp, ep, clip, stage_has_experts, in_collective))
     stages, ref_norms = reference(4 // pp, clip, stage_has_experts)
     if pp == 1:
         assert results[0][4] == 2  # edp (2) differs from dp (4)
