@@ -99,6 +99,15 @@ def test_te_version_gate_in_one_place(monkeypatch, version, op, expect_none):
         assert f">= {need[0]}.{need[1]}" in reason
 
 
+@pytest.mark.parametrize(("version", "expect_none"), [((2, 12), False), ((2, 13), True)])
+def test_te_feature_gate(monkeypatch, version, expect_none):
+    monkeypatch.setattr(te_support, "_load", lambda: (object(), version, None))
+    reason = te_support.feature_unavailable_reason("router_topk.sqrtsoftplus")
+    assert (reason is None) == expect_none
+    if reason is not None:
+        assert ">= 2.13" in reason
+
+
 def test_te_on_cpu_tensor_is_refused(monkeypatch):
     monkeypatch.setattr(te_support, "_load", lambda: (object(), (2, 9), None))
     with pytest.raises(fk.BackendUnavailableError, match="needs a CUDA tensor"):
