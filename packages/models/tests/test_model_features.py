@@ -189,3 +189,25 @@ def test_compute_dtype_differs_from_params_dtype():
     assert loss_sum.dtype == torch.float32
     torch.testing.assert_close(loss_sum, ref_sum, rtol=3e-2, atol=0)
     assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def test_every_parameter_carries_its_layout():
+    from shardwork.parallel_state import get_param_meta
+
+    cfg = preset("tiny-qwen3-8b", sequence_parallel=True, tie_word_embeddings=True)
+    groups = layout_groups(ParallelConfig(tp=2, pp=2), 4, 3)  # last stage, tp rank 1
+    stage = GPTModel(cfg, groups, layer_range=(1, 2), device="meta")
+    metas = {n: get_param_meta(p) for n, p in stage.named_parameters()}
+    assert all(hasattr(p, "_shardwork_param_meta") for p in stage.parameters())
+    layer = "decoder.layers.0."
+    assert metas[layer + "self_attention.linear_qkv.weight"].tp_partition_sizes == (64, 32, 32)
+    assert metas[layer + "mlp.fc1.weight"].tp_partition_sizes == (96, 96)
+    assert metas[layer + "mlp.fc2.weight"].tp_axis == 1
+    assert metas[layer + "input_layernorm.weight"].sequence_parallel
+    assert metas[layer + "self_attention.q_layernorm.weight"].sequence_parallel
+    head = metas["output_layer.linear.weight"]
+    assert head.shared_embedding and head.tp_axis == 0
+    state = stage.sharded_state_dict()
+    tied = state["embedding.word_embeddings.weight"]
+    assert tied.replica_id > 0 and tied.global_offset == (128, 0)
+    assert tied.global_shape == (250, 64) and tuple(tied.data.shape) == (122, 64)

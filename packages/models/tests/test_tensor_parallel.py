@@ -33,6 +33,10 @@ def _compare(name, kwargs):
         ("tiny-qwen2.5-7b", {"tp": 2}),
         ("tiny-llama3-8b", {"cp": 2}),
         ("tiny-qwen3-8b", {"cp": 2, "tp": 2, "sequence_parallel": True}),
+        (
+            "tiny-llama3-8b",
+            {"tp": 2, "sequence_parallel": True, "batch": 1, "cu_seqlens": [0, 5, 11, 16]},
+        ),
     ],
     ids=[
         "tp2",
@@ -42,6 +46,7 @@ def _compare(name, kwargs):
         "tp2-qkv-bias",
         "cp2",
         "cp2-tp2-sp",
+        "tp2-sp-packed",
     ],
 )
 def test_layout_matches_single_rank_fp64(name, kwargs):

@@ -85,12 +85,14 @@ def compare_with_single_rank(
     rtol: float = 1e-9,
     seq: int = 16,
     batch: int = 2,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | list[int] | None = None,
     oracle_loss: bool = False,
     **overrides: Any,
 ) -> float:
     """Assert loss and gradients at (tp, cp) equal world size 1; returns the loss."""
     groups = init_process_groups(ParallelConfig(tp=tp, cp=cp))
+    if cu_seqlens is not None:
+        cu_seqlens = torch.as_tensor(cu_seqlens)
     cfg = preset(name, params_dtype=dtype, **overrides)
     ids, labels = random_batch(cfg.vocab_size, batch=batch, seq=seq)
     single = ProcessGroups.single()
