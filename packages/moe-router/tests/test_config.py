@@ -45,6 +45,7 @@ BAD = [
     ({"z_loss_coeff": -0.1}, "z_loss_coeff=-0.1"),
     ({"input_jitter_eps": -0.1}, "input_jitter_eps=-0.1"),
     ({"expert_bias_update_rate": -1}, "expert_bias_update_rate=-1"),
+    ({"fused_backend": "cuda"}, "fused_backend='cuda'"),
 ]
 
 

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
@@ -17,6 +18,7 @@ LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn
 AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
 DROP_POLICIES = ("probs", "position")
 ROUTER_DTYPES = (None, "fp32", "fp64")
+FUSED_BACKENDS = (None, "auto", "torch", "triton", "te")
 
 
 def _is_int(value: object) -> bool:
@@ -100,6 +102,10 @@ class RouterConfig:
     every forward, so it is opt-in."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of the gating weight (and bias)."""
+    fused_backend: str | None = None
+    """Run score + top-k selection through ``shardwork.fused_kernels.router_topk`` with this
+    backend (``auto``, ``torch``, ``triton``, ``te``); needs the ``[fused]`` extra. None: this
+    package's own torch path. Losses and dropping are unchanged either way."""
     _coeffs: dict[str, float] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -170,6 +176,18 @@ class RouterConfig:
             raise ValueError(
                 f"RouterConfig.token_drop_policy={self.token_drop_policy!r} is invalid: use one of "
                 f"{DROP_POLICIES}"
+            )
+        if self.fused_backend not in FUSED_BACKENDS:
+            raise ValueError(
+                f"RouterConfig.fused_backend={self.fused_backend!r} is invalid: use one of {FUSED_BACKENDS}"
+            )
+        if (
+            self.fused_backend is not None
+            and importlib.util.find_spec("shardwork.fused_kernels") is None
+        ):
+            raise ValueError(
+                f"RouterConfig.fused_backend={self.fused_backend!r} needs shardwork-fused-kernels: "
+                "install shardwork-moe-router[fused] or set fused_backend=None"
             )
         if self.pre_softmax and self.score_function != "softmax":
             raise ValueError(

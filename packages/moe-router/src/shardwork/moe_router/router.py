@@ -53,6 +53,34 @@ def _summed(t: torch.Tensor, group) -> torch.Tensor:
     return t
 
 
+class _Gating(torch.autograd.Function):
+    """logits = x @ W^T (+ b) in the router dtype; saves x and W as given (no upcast copies
+    kept alive) and writes dW directly in W's [E, H] layout."""
+
+    @staticmethod
+    def forward(ctx, x_TH, weight_EH, bias_E, dtype):
+        ctx.save_for_backward(x_TH, weight_EH)
+        ctx.dtype, ctx.has_bias, ctx.bias_dtype = dtype, bias_E is not None, None
+        w = weight_EH.to(dtype)
+        if bias_E is None:
+            return torch.mm(x_TH.to(dtype), w.t())
+        ctx.bias_dtype = bias_E.dtype
+        return torch.addmm(bias_E.to(dtype), x_TH.to(dtype), w.t())
+
+    @staticmethod
+    def backward(ctx, grad_TE):
+        x_TH, weight_EH = ctx.saved_tensors
+        grad_TE = grad_TE.to(ctx.dtype)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.mm(grad_TE, weight_EH.to(ctx.dtype)).to(x_TH.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.mm(grad_TE.t(), x_TH.to(ctx.dtype)).to(weight_EH.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad_TE.sum(dim=0).to(ctx.bias_dtype)
+        return grad_x, grad_w, grad_b, None
+
+
 class _StraightThroughRandom(torch.autograd.Function):
     """Forward: standard-normal noise shaped like the logits; backward: identity."""
 
@@ -165,12 +193,8 @@ class TopKRouter(torch.nn.Module):
     def gating(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [..., E] = hidden @ weight^T (+ bias), computed in the router dtype."""
         dtype = _ROUTER_DTYPES.get(self.config.router_dtype, hidden.dtype)
-        x = hidden.reshape(-1, hidden.shape[-1]).to(dtype)
-        w = self.weight.to(dtype)
-        if self.bias is None:
-            logits = torch.mm(x, w.t())
-        else:
-            logits = torch.addmm(self.bias.to(dtype), x, w.t())
+        x = hidden.reshape(-1, hidden.shape[-1])
+        logits = _Gating.apply(x, self.weight, self.bias, dtype)
         return logits.view(*hidden.shape[:-1], -1)
 
     def _jitter(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -231,10 +255,26 @@ class TopKRouter(torch.nn.Module):
         cfg = self.config
         training = self.training and torch.is_grad_enabled()
         logits_TE = self._apply_z_loss(logits_TE, padding_mask) if training else logits_TE
+        plain_top_TK = None
         if cfg.load_balancing_type == "sinkhorn":
             probs_TE, map_TE = sinkhorn_routing(logits_TE, cfg.top_k, training=self.training)
+        elif cfg.fused_backend is not None:
+            from shardwork.fused_kernels import router_topk  # the [fused] extra
+
+            fused = router_topk(
+                logits_TE,
+                topk=cfg.top_k,
+                score_function=cfg.score_function,
+                pre_softmax=cfg.pre_softmax,
+                num_groups=cfg.num_groups,
+                group_topk=cfg.group_top_k,
+                expert_bias=self.expert_bias,
+                scaling_factor=cfg.top_k_scaling_factor or None,
+                backend=cfg.fused_backend,
+            )
+            probs_TE, map_TE = fused.probs, fused.routing_map
         else:
-            probs_TE, map_TE, _ = topk_routing(
+            probs_TE, map_TE, top_TK, _ = topk_routing(
                 logits_TE,
                 cfg.top_k,
                 score_function=cfg.score_function,
@@ -244,6 +284,8 @@ class TopKRouter(torch.nn.Module):
                 scaling_factor=cfg.top_k_scaling_factor,
                 expert_bias=self.expert_bias,
             )
+            if cfg.group_top_k is None and self.expert_bias is None:
+                plain_top_TK = top_TK  # a plain top-K of a monotone score: reusable by aux losses
         if cfg.capacity_factor is not None:
             probs_TE, map_TE = drop_to_capacity(
                 probs_TE,
@@ -254,7 +296,11 @@ class TopKRouter(torch.nn.Module):
                 pad_to_capacity=cfg.pad_to_capacity,
             )
         if training and cfg.aux_loss_enabled:
-            probs_TE = self._apply_aux_losses(probs_TE, logits_TE, seq_len, batch, padding_mask)
+            # Dense scores are recomputed (not shared with the routing's autograd node) so that
+            # gradients accumulate in Megatron-Core's order and match it to fp32 rounding.
+            probs_TE = self._apply_aux_losses(
+                probs_TE, logits_TE, seq_len, batch, padding_mask, plain_top_TK
+            )
         if self.training and (self.local_tokens_per_expert is not None or self.tracker is not None):
             grad_enabled = torch.is_grad_enabled()  # False under recompute-free eval passes
             with torch.no_grad():
@@ -297,11 +343,13 @@ class TopKRouter(torch.nn.Module):
         n = map_TE.shape[0]
         return total_E, n, n * _size(group)
 
-    def _apply_aux_losses(self, probs_TE, logits_TE, seq_len, batch, padding_mask):
+    def _apply_aux_losses(self, probs_TE, logits_TE, seq_len, batch, padding_mask, plain_top_TK):
         cfg = self.config
         E, K = cfg.num_experts, cfg.top_k
         padded = padding_mask is not None
-        map_TE, scores_TE = aux_loss_scores(logits_TE, K, cfg.score_function)
+        map_TE, scores_TE = aux_loss_scores(
+            logits_TE, K, cfg.score_function, plain_top_TK=plain_top_TK
+        )
         if padded:
             valid = (~padding_mask).unsqueeze(-1)
             map_TE = map_TE & valid

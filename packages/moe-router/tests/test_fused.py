@@ -1,0 +1,52 @@
+"""The optional fused path (shardwork-fused-kernels' router_topk) routes like the built-in path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardwork.moe_router import RouterConfig, TopKRouter
+
+pytest.importorskip("shardwork.fused_kernels")
+
+CONFIGS = [
+    {"num_experts": 8, "top_k": 2, "load_balancing_type": "aux_loss", "aux_loss_coeff": 0.01},
+    {"num_experts": 8, "top_k": 2, "pre_softmax": True, "z_loss_coeff": 1e-3},
+    {
+        "num_experts": 32,
+        "top_k": 8,
+        "score_function": "sigmoid",
+        "num_groups": 8,
+        "group_top_k": 4,
+        "top_k_scaling_factor": 2.5,
+        "enable_expert_bias": True,
+        "load_balancing_type": "seq_aux_loss",
+        "aux_loss_coeff": 1e-3,
+    },
+    {"num_experts": 16, "top_k": 4, "score_function": "sqrtsoftplus", "capacity_factor": 1.0},
+]
+
+
+@pytest.mark.parametrize("kw", CONFIGS, ids=range(len(CONFIGS)))
+def test_fused_torch_backend_matches_builtin(kw):
+    torch.manual_seed(0)
+    results = []
+    for backend in (None, "torch"):
+        cfg = RouterConfig(hidden_size=16, fused_backend=backend, init_std=0.5, **kw)
+        router = TopKRouter(cfg).double()
+        torch.manual_seed(1)
+        with torch.no_grad():
+            router.weight.normal_(0, 0.5)
+            if router.expert_bias is not None:
+                router.expert_bias.normal_(0, 0.05)
+        x = torch.randn(6, 4, 16, dtype=torch.float64, requires_grad=True)
+        probs, rmap = router(x)
+        (
+            probs * torch.linspace(-1, 1, probs.numel(), dtype=torch.float64).view_as(probs)
+        ).sum().backward()
+        results.append((probs.detach(), rmap, x.grad, router.weight.grad))
+    (p0, m0, gx0, gw0), (p1, m1, gx1, gw1) = results
+    assert torch.equal(m0, m1)
+    torch.testing.assert_close(p1, p0, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(gx1, gx0, rtol=1e-10, atol=1e-13)
+    torch.testing.assert_close(gw1, gw0, rtol=1e-10, atol=1e-13)
