@@ -56,7 +56,7 @@ def test_preprocess_text_split_and_hf_tokenizer(tmp_path):
     ds = IndexedDataset(tmp_path / "o")
     assert len(ds) == 40
     eod = tok.token_to_id("</s>")
-    want = tok.encode("the cat sat on the mat.", add_special_tokens=False).ids + [eod]
+    want = [*tok.encode("the cat sat on the mat.", add_special_tokens=False).ids, eod]
     np.testing.assert_array_equal(ds[0], want)
 
 

@@ -85,6 +85,8 @@ class Progress:
                 parts.append(f"{label} {values[key]:.3g}")
         if values.get("mfu") is not None:
             parts.append(f"MFU {100 * values['mfu']:.1f}%")
+        elif values.get("tflops_per_device") is not None:
+            parts.append(f"{1000 * values['tflops_per_device']:.1f} GFLOP/s")
         if "memory_gib" in values:
             parts.append(f"mem {values['memory_gib']:.2f} GiB")
         parts.append(f"ETA {format_duration(eta)}")

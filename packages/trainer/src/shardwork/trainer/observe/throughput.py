@@ -1,11 +1,12 @@
 """Tokens/s, model FLOPs utilisation and memory.
 
-- MFU = achieved model FLOP/s ÷ peak FLOP/s of the hardware for all ranks.
-  Model FLOPs per token come from shardwork.models' FLOPs calculator (never
-  estimated here). The peak is ``logging.peak_tflops`` per device when set;
-  on CUDA a table of known accelerators (dense bf16/fp16); on a CPU a
-  one-off measurement of this process's fp32 matmul rate (stated as such),
-  since a CPU has no datasheet number torch can read.
+- Achieved model TFLOP/s per device is always reported; model FLOPs per
+  token come from shardwork.models' FLOPs calculator (never estimated here).
+- MFU = achieved ÷ peak, only when the peak is known: ``logging.peak_tflops``
+  when set, else a table of known accelerators (dense bf16). A CPU has no
+  datasheet number torch can read, and a matmul measured at start-up on a
+  shared machine made MFU swing past 100 %, so on a CPU MFU is reported only
+  with ``logging.peak_tflops``.
 - Memory: CUDA max allocated on GPUs, the process's peak RSS on CPU.
 """
 
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import resource
 import sys
-import time
 
 import torch
 
@@ -30,20 +30,8 @@ _GPU_PEAK_TFLOPS = {  # dense bf16/fp16 tensor-core peaks, per device
 }
 
 
-def measured_cpu_matmul_tflops(size: int = 512, repeats: int = 8) -> float:
-    """fp32 matmul rate of this process (TFLOP/s), measured once (~0.1 s)."""
-    a = torch.randn(size, size)
-    b = torch.randn(size, size)
-    a @ b  # warm-up
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    elapsed = time.perf_counter() - start
-    return 2 * size**3 * repeats / elapsed / 1e12
-
-
-def peak_tflops(device: torch.device, *, override: float | None) -> tuple[float, str]:
-    """(peak TFLOP/s of one device, where the number comes from)."""
+def peak_tflops(device: torch.device, *, override: float | None) -> tuple[float | None, str]:
+    """(peak TFLOP/s of one device or None when unknown, where the number comes from)."""
     if override is not None:
         return override, "logging.peak_tflops"
     if device.type == "cuda":
@@ -51,8 +39,8 @@ def peak_tflops(device: torch.device, *, override: float | None) -> tuple[float,
         for key, value in _GPU_PEAK_TFLOPS.items():
             if key in name:
                 return value, f"datasheet {key} dense bf16"
-        return measured_cpu_matmul_tflops(2048, 10), f"measured fp32 matmul on {name}"
-    return measured_cpu_matmul_tflops(), "measured fp32 matmul on this CPU"
+        return None, f"unknown peak for {name}"
+    return None, "unknown peak for a CPU"
 
 
 def memory_gib(device: torch.device) -> float:

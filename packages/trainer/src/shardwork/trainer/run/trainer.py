@@ -166,8 +166,12 @@ class Trainer:
                 f"{seq} tokens ({tokens_total / 1e6:.2f} M tokens)"
             )
             self.say(
-                f"MFU is measured against {peak:.3g} TFLOP/s per device ({peak_source}); "
-                f"{flops_per_token / 1e6:.2f} MFLOP per token (shardwork.models.calculator)"
+                f"{flops_per_token / 1e6:.2f} MFLOP per token (shardwork.models.calculator); "
+                + (
+                    f"MFU against {peak:.4g} TFLOP/s per device ({peak_source})"
+                    if peak is not None
+                    else f"no MFU: {peak_source} (set logging.peak_tflops to report it)"
+                )
             )
             if baseline is not None:
                 self.say(
@@ -256,7 +260,10 @@ class Trainer:
                     )
                     if out.moe:
                         values.update(out.moe)
-                    values["mfu"] = tps * flops_per_token / (peak * 1e12 * runtime.world_size)
+                    achieved = tps * flops_per_token / runtime.world_size / 1e12
+                    values["tflops_per_device"] = achieved
+                    if peak is not None:
+                        values["mfu"] = achieved / peak
                     if writer is not None:
                         writer.write("train", step, values)
                 if self.progress is not None:
