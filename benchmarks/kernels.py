@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -203,6 +204,7 @@ def run(args) -> dict:
         "torch": torch.__version__,
         "copy_bandwidth_GBps": copy_bw / 1e9,
         "threads": torch.get_num_threads(),
+        "load_average_1min": os.getloadavg()[0],
         "note": (
             "GPU run: CUDA-event medians"
             if device.type == "cuda"
@@ -225,7 +227,8 @@ def _markdown(res: dict) -> str:
     lines = [
         f"# benchmarks/kernels.py — {res['device']} ({res['device_type']}, size {res['size']}, {res['dtype']})",
         "",
-        f"torch {res['torch']}, {res['threads']} threads; copy bandwidth {res['copy_bandwidth_GBps']:.1f} GB/s.",
+        f"torch {res['torch']}, {res['threads']} threads; copy bandwidth {res['copy_bandwidth_GBps']:.1f} GB/s; "
+        f"1-min load average at the end {res['load_average_1min']:.1f} (a shared machine inflates CPU times).",
         f"{res['note']}.",
         "",
         "| op | backend | fwd ms | fwd % copy BW | fwd speedup vs torch | fwd+bwd ms | fwd+bwd % copy BW | fwd+bwd speedup |",
