@@ -15,8 +15,9 @@ from shardwork.dist_optimizer import (
     LayerWiseDistributedOptimizer,
     Muon,
     OptimizerConfig,
+    build_optimizer,
 )
-from shardwork.parallel_state import ParallelConfig, init_process_groups
+from shardwork.parallel_state import ParallelConfig, ProcessGroups, init_process_groups
 from shardwork.parallel_state.testing import run_on_ranks
 
 ZERO = DDPConfig(use_distributed_optimizer=True, bucket_size=None, pad_multiple=1)
@@ -38,6 +39,12 @@ def test_optimizer_and_ddp_kind_must_agree():
         LayerWiseDistributedOptimizer(DistributedDataParallel(mlp(), config=ZERO), sgd)
     with pytest.raises(ValueError, match="DistributedDataParallel"):
         DistributedOptimizer(mlp(), sgd)
+    single = ProcessGroups.single()
+    chain = build_optimizer(DistributedDataParallel(mlp()), sgd, process_groups=single)
+    assert [type(p) for p in chain.parts] == [LayerWiseDistributedOptimizer] * 2
+    assert chain.parts[1].optimizer is None  # no expert parameters: an empty part
+    chain = build_optimizer(DistributedDataParallel(mlp(), config=ZERO), sgd, process_groups=single)
+    assert [type(p) for p in chain.parts] == [DistributedOptimizer] * 2
 
 
 def test_duplicates_are_rejected_and_tied_weights_count_once():

@@ -14,6 +14,7 @@ from shardwork.dist_optimizer import (
     DistributedDataParallel,
     DistributedOptimizer,
     OptimizerConfig,
+    build_optimizer,
 )
 from shardwork.parallel_state import (
     ParallelConfig,
@@ -95,12 +96,7 @@ def _run(pp: int, ep: int, clip: float, stage_has_experts: tuple[bool, ...], in_
     )
     ddp = DistributedDataParallel(model, config=cfg, process_groups=pg)
     ocfg = OptimizerConfig(clip_grad=clip, count_zeros=True)
-    chain = ChainedOptimizer(
-        [
-            DistributedOptimizer(ddp, adamw, config=ocfg, process_groups=pg),
-            DistributedOptimizer(ddp, adamw, expert=True, config=ocfg, process_groups=pg),
-        ]
-    )
+    chain = build_optimizer(ddp, adamw, process_groups=pg, config=ocfg)
     x, y = data(dp)
     local = slice(rank * BATCH, (rank + 1) * BATCH)
     norms = []

@@ -13,7 +13,7 @@
 """
 
 from shardwork.dist_optimizer.adamw import AdamW
-from shardwork.dist_optimizer.chained import ChainedOptimizer
+from shardwork.dist_optimizer.chained import ChainedOptimizer, build_optimizer
 from shardwork.dist_optimizer.ddp import DDPConfig, DistributedDataParallel
 from shardwork.dist_optimizer.distributed_optimizer import DistributedOptimizer, OptimizerConfig
 from shardwork.dist_optimizer.layerwise import LayerWiseDistributedOptimizer
@@ -42,5 +42,6 @@ __all__ = [
     "ParamRect",
     "ShardPiece",
     "StepResult",
+    "build_optimizer",
     "rects_from_model_state",
 ]

@@ -14,10 +14,17 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from shardwork.dist_optimizer.distributed_optimizer import OptimizerConfig
+from shardwork.dist_optimizer.distributed_optimizer import (
+    DistributedOptimizer,
+    OptimizerConfig,
+    OptimizerFactory,
+    _as_models,
+)
+from shardwork.dist_optimizer.layerwise import LayerWiseDistributedOptimizer
 from shardwork.dist_optimizer.step_flow import StepResult, run_step
+from shardwork.parallel_state import ProcessGroups
 
-__all__ = ["ChainedOptimizer"]
+__all__ = ["ChainedOptimizer", "build_optimizer"]
 
 
 class ChainedOptimizer:
@@ -94,3 +101,34 @@ class ChainedOptimizer:
             part.load_sharded_state_dict(state[str(i)], **kwargs)
         if self.loss_scaler is not None and "loss_scaler" in state:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
+
+
+def build_optimizer(
+    model: Any,
+    optimizer_factory: OptimizerFactory,
+    *,
+    process_groups: ProcessGroups,
+    config: OptimizerConfig | None = None,
+    loss_scaler: Any = None,
+    param_group_fn: Any = None,
+    expert_optimizer_factory: OptimizerFactory | None = None,
+) -> ChainedOptimizer:
+    """Dense + expert optimizers for DDP chunk(s) ``model``, chained.
+
+    The kind follows the DDP config: :class:`DistributedOptimizer` (ZeRO-1) when it was built
+    with ``use_distributed_optimizer=True``, else :class:`LayerWiseDistributedOptimizer`.
+    The expert part is always built (it may own nothing on this rank) so that every rank
+    joins the same collectives. ``expert_optimizer_factory`` defaults to ``optimizer_factory``.
+    """
+    models = _as_models(model)
+    kind = (
+        DistributedOptimizer
+        if models[0].config.use_distributed_optimizer
+        else LayerWiseDistributedOptimizer
+    )
+    common = {"config": config, "process_groups": process_groups, "param_group_fn": param_group_fn}
+    parts = [
+        kind(models, optimizer_factory, expert=False, **common),
+        kind(models, expert_optimizer_factory or optimizer_factory, expert=True, **common),
+    ]
+    return ChainedOptimizer(parts, config=config, loss_scaler=loss_scaler)

@@ -363,7 +363,8 @@ def zero_sharded_state_dict(
     Creates the optimizer state first if no step has run, so the same call gives the
     template for loading.
     """
-    opt.models[0].finish_param_sync()
+    for m in opt.models:
+        m.finish_param_sync()
     _ensure_state(opt.optimizer, [mp.master for mp in opt.pieces])
     return _state_dict(opt, prefix, param_rects)
 
