@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -130,3 +133,17 @@ def test_launch_counter_sees_triton_and_not_torch(triton_device):
     with count_launches() as launches:
         fk.rms_norm(x, w, backend="triton")
     assert launches["rms_norm_fwd"] == 1
+
+
+def test_import_needs_neither_triton_nor_te():
+    code = (
+        "import sys, shardwork.fused_kernels as fk; "
+        "fk.rms_norm(__import__('torch').randn(2, 4), __import__('torch').ones(4), backend='torch'); "
+        "print(sorted(m for m in ('triton', 'transformer_engine') if m in sys.modules))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
