@@ -140,3 +140,25 @@ def test_assign_owners_balances_by_size():
     owners = LayerWiseDistributedOptimizer.assign_owners([100, 60, 50, 40, 10], 2)
     load = [sum(n for n, o in zip([100, 60, 50, 40, 10], owners) if o == r) for r in range(2)]
     assert owners[0] == 0 and sorted(load) == [120, 140]
+
+
+def test_orthogonalize_per_head():
+    g = torch.randn(12, 5, generator=torch.Generator().manual_seed(2))
+    meta = ParamMeta(tp_axis=0, tp_partition_sizes=(8, 4))  # [Q (2 heads) | K (1 head)]
+    got = orthogonalize(g, meta, head_dim=4)
+    want = torch.cat([newton_schulz(h) for h in g.split(4)])
+    torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="head_dim"):
+        orthogonalize(g, meta, head_dim=3)
+    # as a param-group option of the optimizer
+    p = torch.nn.Parameter(torch.randn(12, 5))
+    set_param_meta(p, meta)
+    q = torch.nn.Parameter(p.detach().clone())
+    set_param_meta(q, meta)
+    for param, head_dim in ((p, 4), (q, None)):
+        opt = Muon(
+            [{"params": [param], "head_dim": head_dim}], lr=0.1, momentum=0.0, nesterov=False
+        )
+        param.grad = g.clone()
+        opt.step()
+    torch.testing.assert_close(p.detach(), q.detach() + 0.1 * orthogonalize(g, meta) - 0.1 * want)

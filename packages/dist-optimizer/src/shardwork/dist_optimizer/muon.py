@@ -7,8 +7,9 @@
   ``p *= 1 - lr·wd``; ``p -= lr·o``. Computed in fp32.
 - Orthogonalisation is per *logical* matrix: a parameter whose ``ParamMeta`` has
   ``tp_partition_sizes`` (fused [gate | up], fused [Q | K | V]) is split along ``tp_axis``
-  into those blocks and each block is orthogonalised on its own. Per-head splitting of QKV is
-  not expressible from ``ParamMeta`` (it has no head count) and is not done.
+  into those blocks and each block is orthogonalised on its own. ``ParamMeta`` has no head
+  count, so per-head splitting of QKV is a param-group option (``head_dim``): each block is
+  further cut into heads along ``tp_axis``.
 - A TP-sharded parameter (``tp_axis`` set, ``tp_group`` of size > 1) is all-gathered over
   ``tp_group`` before orthogonalising — never shard by shard — and every TP rank keeps its
   own slice of the result (each rank of the TP group computes the same NS on the same full
@@ -60,15 +61,23 @@ def _blocks(meta: ParamMeta, full_size: int) -> list[int]:
     return list(meta.tp_partition_sizes)
 
 
-def orthogonalize(update: torch.Tensor, meta: ParamMeta, *, steps: int = 5) -> torch.Tensor:
-    """NS5 of a full (unsharded) matrix, block by block along ``meta.tp_axis`` when fused."""
+def orthogonalize(
+    update: torch.Tensor, meta: ParamMeta, *, steps: int = 5, head_dim: int | None = None
+) -> torch.Tensor:
+    """NS5 of a full (unsharded) matrix, block by block along ``meta.tp_axis`` when fused;
+    with ``head_dim`` each block is further cut into ``head_dim``-sized heads along that axis."""
     if update.dim() != 2:
         raise ValueError(f"orthogonalize: update.dim()={update.dim()}; valid: 2")
     axis = meta.tp_axis if meta.tp_axis is not None else 0
     out = []
     for block in update.split(_blocks(meta, update.size(axis)), dim=axis):
-        o = newton_schulz(block, steps=steps)
-        out.append(o * math.sqrt(max(1.0, block.size(0) / block.size(1))))
+        if head_dim is not None and block.size(axis) % head_dim:
+            raise ValueError(
+                f"Muon head_dim={head_dim} does not divide a block of {block.size(axis)} rows"
+            )
+        for piece in block.split(head_dim, dim=axis) if head_dim else (block,):
+            o = newton_schulz(piece, steps=steps)
+            out.append(o * math.sqrt(max(1.0, piece.size(0) / piece.size(1))))
     return torch.cat(out, dim=axis)
 
 
@@ -94,7 +103,9 @@ class Muon(torch.optim.Optimizer):
     """Muon for matrices, AdamW for the rest (see the module docstring).
 
     Group options: ``lr``, ``momentum``, ``nesterov``, ``ns_steps``, ``weight_decay``,
-    ``adam_betas``, ``adam_eps`` and ``use_muon`` (None: 2-D parameters only).
+    ``adam_betas``, ``adam_eps``, ``use_muon`` (None: 2-D parameters only) and ``head_dim``
+    (orthogonalise each ``head_dim`` rows of every block separately: per-head QKV; put the
+    QKV weights in their own param group).
     ``tp_group`` is the group TP-sharded parameters are split over (None: not split).
     """
 
@@ -110,6 +121,7 @@ class Muon(torch.optim.Optimizer):
         adam_betas: tuple[float, float] = (0.9, 0.95),
         adam_eps: float = 1e-8,
         use_muon: bool | None = None,
+        head_dim: int | None = None,
         tp_group: Any = None,
     ) -> None:
         if not lr >= 0:
@@ -127,6 +139,7 @@ class Muon(torch.optim.Optimizer):
             "adam_betas": adam_betas,
             "adam_eps": adam_eps,
             "use_muon": use_muon,
+            "head_dim": head_dim,
         }
         super().__init__(params, defaults)
         self.tp_group = tp_group
@@ -162,7 +175,7 @@ class Muon(torch.optim.Optimizer):
         meta = get_param_meta(p)
         sharded = meta.tp_axis is not None and group_size(self.tp_group) > 1
         full = _gather_tp(update, meta, self.tp_group) if sharded else update
-        o = orthogonalize(full, meta, steps=group["ns_steps"])
+        o = orthogonalize(full, meta, steps=group["ns_steps"], head_dim=group["head_dim"])
         if sharded:
             o = _local_tp(o, meta, self.tp_group)
         p.mul_(1 - group["lr"] * group["weight_decay"])
