@@ -29,7 +29,15 @@ from shardwork.parallel_state import (
     gather_from_tp_region,
     init_process_groups,
 )
-from shardwork.parallel_state.testing import run_on_ranks
+from shardwork.parallel_state.testing import run_on_ranks as _run_on_ranks
+
+# The first call also starts and imports the rank processes: generous on a loaded machine.
+TIMEOUT_S = 400
+
+
+def run_on_ranks(fn, world_size, **kwargs):
+    return _run_on_ranks(fn, world_size, timeout=TIMEOUT_S, **kwargs)
+
 
 pytestmark = pytest.mark.multirank
 SEQ, MICRO_BATCH = 8, 2

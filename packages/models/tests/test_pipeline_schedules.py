@@ -29,7 +29,15 @@ from shardwork.parallel_state import (
     init_process_groups,
     set_param_meta,
 )
-from shardwork.parallel_state.testing import run_on_ranks
+from shardwork.parallel_state.testing import run_on_ranks as _run_on_ranks
+
+# The first call also starts and imports the rank processes: generous on a loaded machine.
+TIMEOUT_S = 400
+
+
+def run_on_ranks(fn, world_size, **kwargs):
+    return _run_on_ranks(fn, world_size, timeout=TIMEOUT_S, **kwargs)
+
 
 HIDDEN = 6
 SEQ = 3
