@@ -11,7 +11,7 @@ from shardwork.dist_optimizer import (
     DistributedDataParallel,
     DistributedOptimizer,
 )
-from shardwork.dist_optimizer.sharded_state import _count_before, default_param_rects
+from shardwork.dist_optimizer.param_rects import _count_before, default_param_rects
 from shardwork.parallel_state import ParallelConfig, ParamMeta, init_process_groups, set_param_meta
 from shardwork.parallel_state.testing import run_on_ranks
 
@@ -111,7 +111,7 @@ def test_default_rects_for_fused_tp_blocks():
 
 
 def test_flat_piece_entries_select_the_right_elements_for_any_axis():
-    from shardwork.dist_optimizer.sharded_state import ParamRect, _piece_entries
+    from shardwork.dist_optimizer.param_rects import ParamRect, _piece_entries
 
     shape = (3, 6)
     local = torch.arange(18.0).view(shape)

@@ -20,7 +20,7 @@ from shardwork.dist_optimizer.layerwise import LayerWiseDistributedOptimizer
 from shardwork.dist_optimizer.layout import BufferKey, BufferLayout, ParamIndexMap, ShardPiece
 from shardwork.dist_optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from shardwork.dist_optimizer.muon import Muon
-from shardwork.dist_optimizer.sharded_state import ParamRect, rects_from_model_state
+from shardwork.dist_optimizer.param_rects import ParamRect, rects_from_model_state
 from shardwork.dist_optimizer.step_flow import StepResult
 
 __version__ = "0.1.0"
