@@ -2,7 +2,7 @@
 
 - import at world size 1, TP=2 (+SP) and PP=2 (hidden states sent by hand) gives logits within 1e-4 of transformers' (fp32);
   checkpoints are saved sharded (index file) so the sliced reader is exercised;
-- export reloads in transformers with identical logits;
+- export (at world size 1 and from TP=2) reloads in transformers with identical logits;
 - HF configs of both transformers 4.x and 5.x spelling map to the same GPTConfig.
 """
 
@@ -83,18 +83,23 @@ def test_import_world1_matches_hf_logits(hf_folder):
     torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
 
 
-def _tp2_logits(folder):
+def _tp2_logits(folder, export_to):
     groups = init_process_groups(ParallelConfig(tp=2))
     model = from_pretrained(folder, groups, sequence_parallel=True).eval()
+    save_pretrained(model, export_to)  # collective: every rank contributes its shards
     with torch.no_grad():
         return gather_logits(model(_ids()), tp_group=groups.tp, vocab_size=250)
 
 
 @pytest.mark.multirank
-def test_import_tp2_matches_hf_logits(hf_folder):
+def test_import_tp2_matches_hf_logits_and_exports(hf_folder, tmp_path):
     folder, ref = hf_folder
-    for logits in run_on_ranks(_tp2_logits, 2, args=(str(folder),)):
+    out = tmp_path / "exported_tp2"
+    for logits in run_on_ranks(_tp2_logits, 2, args=(str(folder), str(out))):
         torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(_ids()).logits, ref, rtol=0, atol=0)
 
 
 def _pp2_logits(folder):
