@@ -97,11 +97,13 @@ def _child(root: str, step: int, rank: int, world: int, store_path: str, fault: 
 
 
 def run_killed_save(
-    root: str, step: int, *, world_size: int, fault: str, timeout: float = 60.0
+    root: str, step: int, *, world_size: int, fault: str, timeout: float = 180.0
 ) -> list[int | None]:
     """Save ``example_state(seed=step)`` as ``step`` on ``world_size`` new processes with
-    ``SHARDWORK_CKPT_FAULT=fault``; return each process's exit code (``-SIGKILL`` for the
-    rank killed at the fault point and for the survivors killed afterwards)."""
+    ``SHARDWORK_CKPT_FAULT=fault``; return each process's exit code as it was before the
+    survivors were killed: ``-SIGKILL`` for a rank that killed itself at the fault point,
+    None for a rank still running (blocked on the dead one), 1 for a rank whose collective
+    failed on the closed connection, 0 only if a save completed."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint"])
     with tempfile.TemporaryDirectory(prefix="shardwork-fault-") as tmp:
@@ -117,10 +119,11 @@ def run_killed_save(
             if any(p.exitcode is not None for p in procs):
                 break
             time.sleep(0.05)
-        time.sleep(0.2)  # let a rank that exits normally do so
+        time.sleep(0.5)  # let ranks reaching the same fault point get there
+        own = [p.exitcode for p in procs]
         for p in procs:
             if p.exitcode is None:
                 os.kill(p.pid, signal.SIGKILL)
         for p in procs:
             p.join(timeout=10)
-        return [p.exitcode for p in procs]
+        return own
