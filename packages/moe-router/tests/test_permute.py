@@ -11,7 +11,7 @@ from shardwork.moe_router import drop_to_capacity, pad_routing_map, permute, top
 def _routing(T=24, E=6, K=2, seed=0, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(T, E, generator=g, dtype=dtype)
-    probs, rmap, _ = topk_routing(logits, K, pre_softmax=True)
+    probs, rmap, _, _ = topk_routing(logits, K, pre_softmax=True)
     x = torch.randn(T, 5, generator=g, dtype=dtype)
     return x, probs, rmap
 
