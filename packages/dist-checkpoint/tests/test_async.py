@@ -97,6 +97,11 @@ def _training_loop(root):
     for step in manager.list():
         out = manager.load(example_state(rank, world, seed=step, fill=False), step=step)
         ok.append(_check(out, step, rank, world))
+    # granular, verified load of the latest across ranks: model only
+    template = {"model": example_state(rank, world, seed=0, fill=False)["model"]}
+    out = manager.load(template, include=("model",), verify_files=True)
+    ref = example_global(5)["matrix"].chunk(world)[rank]
+    ok.append(torch.equal(out["model"]["matrix"], ref))
     return manager.list(), manager.latest(), ok, sorted(manager.last_timings)
 
 
@@ -104,7 +109,7 @@ def _training_loop(root):
 def test_training_loop_with_async_saves_and_retention(tmp_path):
     results = run_on_ranks(_training_loop, 2, args=(str(tmp_path),))
     for steps, latest, ok, timings in results:
-        assert steps == [4, 5] and latest == 5 and ok == [True, True]
+        assert steps == [4, 5] and latest == 5 and ok == [True, True, True]
         assert timings == ["blocking", "finalize", "plan", "stage", "write"]
     assert sorted(os.listdir(tmp_path)) == ["step_000000004", "step_000000005"]
 
