@@ -168,3 +168,28 @@ def test_triton_bf16_on_gpu_has_no_extra_logits_buffer(cuda_device, tol):
     assert peak_extra < 1.1 * logits.numel() * logits.element_size()
     ref = F.cross_entropy(logits.detach().float(), labels)
     torch.testing.assert_close(loss, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_inplace_backward_reuses_the_logits_storage(backend, request, tol):
+    device = (
+        request.getfixturevalue("triton_device") if backend == "triton" else torch.device("cpu")
+    )
+    logits, labels = _data(7, 300, torch.float32, device=device)
+    ref_loss, ref_grad = _loss_and_grad(F.cross_entropy, logits, labels, "sum", label_smoothing=0.1)
+    leaf = logits.clone().requires_grad_(True)
+    work = leaf * 1.0  # an intermediate, as logits straight out of the output layer are
+    seen = {}
+
+    def remember(g):
+        seen["ptr"] = g.data_ptr()
+
+    work.register_hook(remember)
+    loss = fk.cross_entropy(
+        work, labels, reduction="sum", label_smoothing=0.1, inplace_backward=True, backend=backend
+    )
+    gy = torch.rand((), generator=torch.Generator().manual_seed(3)).to(loss)
+    loss.backward(gy)
+    assert seen["ptr"] == work.data_ptr()
+    torch.testing.assert_close(loss, ref_loss, **tol(torch.float32))
+    torch.testing.assert_close(leaf.grad, ref_grad, **tol(torch.float32))

@@ -10,8 +10,9 @@
 - Loss per token: ``lse - (1-ε)·x_label - ε·mean_v(x_v)``, i.e. torch's
   ``F.cross_entropy(label_smoothing=ε)``; 0 at ``ignore_index`` tokens.
 - Backward recomputes ``softmax`` from the saved logits and ``lse``:
-  ``dlogits = g · (softmax - (1-ε)·onehot - ε/V)``, written in the logits' dtype;
-  no collective (the loss is replicated over the TP group).
+  ``dlogits = g · (softmax - (1-ε)·onehot - ε/V)``, written in the logits' dtype —
+  into the logits' own storage with ``inplace_backward=True`` (each chunk is read
+  before it is overwritten); no collective (the loss is replicated over the TP group).
 - Reductions are plain torch ops on the per-token losses, so their gradients are
   right by construction: ``"mean"`` divides by the number of non-ignored tokens
   (NaN if there are none, as torch does).
@@ -54,9 +55,9 @@ def cross_entropy_stats_torch(
     return stats
 
 
-def _grad_torch(logits, local_labels, in_shard, lse, grad_rows, *, smoothing, vocab_total):
+def _grad_torch(logits, local_labels, in_shard, lse, grad_rows, *, smoothing, vocab_total, out):
     n, vocab = logits.shape
-    grad = torch.empty_like(logits)
+    grad = torch.empty_like(logits) if out is None else out
     step = _rows_per_chunk(vocab)
     rows = torch.arange(n, device=logits.device)
     for a in range(0, n, step):
@@ -88,7 +89,7 @@ def _combine(stats: torch.Tensor, tp_group) -> tuple[torch.Tensor, torch.Tensor,
 
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, labels, tp_group, ignore_index, smoothing, impl):
+    def forward(ctx, logits, labels, tp_group, ignore_index, smoothing, impl, inplace_backward):
         vocab = logits.shape[1]
         world = 1 if tp_group is None else dist.get_world_size(tp_group)
         rank = 0 if tp_group is None else dist.get_rank(tp_group)
@@ -113,6 +114,7 @@ class _CrossEntropy(torch.autograd.Function):
         loss = torch.where(valid, loss, 0.0)
         ctx.save_for_backward(logits, local_labels, in_shard, valid, lse)
         ctx.impl, ctx.smoothing, ctx.vocab_total = impl, smoothing, vocab_total
+        ctx.inplace_backward = inplace_backward
         ctx.mark_non_differentiable(valid)
         return loss, valid
 
@@ -120,7 +122,8 @@ class _CrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_valid):
         logits, local_labels, in_shard, valid, lse = ctx.saved_tensors
         grad_rows = torch.where(valid, grad_loss.to(lse.dtype), 0.0)
-        kwargs = {"smoothing": ctx.smoothing, "vocab_total": ctx.vocab_total}
+        out = logits if ctx.inplace_backward else None
+        kwargs = {"smoothing": ctx.smoothing, "vocab_total": ctx.vocab_total, "out": out}
         if ctx.impl == "triton":
             from shardwork.fused_kernels import triton_cross_entropy
 
@@ -129,7 +132,7 @@ class _CrossEntropy(torch.autograd.Function):
             )
         else:
             grad = _grad_torch(logits, local_labels, in_shard, lse, grad_rows, **kwargs)
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 def cross_entropy(
@@ -140,6 +143,7 @@ def cross_entropy(
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
     reduction: str = "mean",
+    inplace_backward: bool = False,
     backend: str | None = None,
 ) -> torch.Tensor:
     """Cross entropy of ``logits [N, V_local]`` (vocab sharded over ``tp_group``) against ``labels [N]``.
@@ -147,7 +151,10 @@ def cross_entropy(
     ``reduction="none"`` returns float32 (float64 for float64 logits) per-token losses ``[N]`` (0 where
     ``labels == ignore_index``); ``"sum"`` their sum; ``"mean"`` their sum over
     the number of non-ignored tokens. Every rank of ``tp_group`` gets the same
-    value. ``backend="te"`` is Transformer Engine's ``parallel_cross_entropy``.
+    value. ``inplace_backward=True`` writes the logits gradient into the logits' own
+    storage (no second logits-sized buffer; the logits are garbage afterwards — use it
+    when nothing else reads them, e.g. straight out of the output layer).
+    ``backend="te"`` is Transformer Engine's ``parallel_cross_entropy``.
     """
     check_float("logits", logits)
     if logits.dim() != 2:
@@ -178,7 +185,13 @@ def cross_entropy(
         valid = labels != ignore_index
     else:
         losses, valid = _CrossEntropy.apply(
-            logits, labels, tp_group, ignore_index, float(label_smoothing), chosen
+            logits,
+            labels,
+            tp_group,
+            ignore_index,
+            float(label_smoothing),
+            chosen,
+            bool(inplace_backward),
         )
     if reduction == "none":
         return losses

@@ -42,7 +42,7 @@ def _ce_stats(X, STATS, V, stride_x, SMOOTH: tl.constexpr, BLOCK_V: tl.constexpr
 
 
 @triton.jit
-def _ce_grad(X, DX, LSE, G, LBL, V, stride_x, smoothing, vocab_total, SMOOTH: tl.constexpr,
+def _ce_grad(X, DX, LSE, G, LBL, V, stride_x, stride_dx, smoothing, vocab_total, SMOOTH: tl.constexpr,
              BLOCK_V: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -55,7 +55,7 @@ def _ce_grad(X, DX, LSE, G, LBL, V, stride_x, smoothing, vocab_total, SMOOTH: tl
     if SMOOTH:
         p = p - smoothing / vocab_total
     p = tl.where(cols == label, p - (1.0 - smoothing), p)
-    tl.store(DX + row * V + cols, (p * g).to(DX.dtype.element_ty), mask=mask)
+    tl.store(DX + row * stride_dx + cols, (p * g).to(DX.dtype.element_ty), mask=mask)
 
 
 def _block_v(v: int) -> int:
@@ -78,16 +78,26 @@ def stats(
 
 
 def grad(
-    logits, local_labels, in_shard, lse, grad_rows, *, smoothing: float, vocab_total: int
+    logits, local_labels, in_shard, lse, grad_rows, *, smoothing: float, vocab_total: int, out=None
 ) -> torch.Tensor:
-    """Gradient of the per-token losses (weighted by ``grad_rows``) w.r.t. ``logits``, in ``logits.dtype``."""
+    """Gradient of the per-token losses (weighted by ``grad_rows``) w.r.t. ``logits``, in ``logits.dtype``.
+
+    ``out``: write into this tensor (the logits themselves for an in-place backward; each
+    program reads its chunk before storing to it, and programs own disjoint chunks).
+    """
     n, v = logits.shape
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    dx = torch.empty((n, v), dtype=logits.dtype, device=logits.device)
+    src = logits if logits.stride(1) == 1 else logits.contiguous()
+    if out is not None and out.stride(1) == 1:
+        dx = out
+    else:
+        dx = torch.empty((n, v), dtype=logits.dtype, device=logits.device)
     labels = torch.where(in_shard, local_labels, -1).contiguous()
     block_v = _block_v(v)
-    launch("cross_entropy_grad", _ce_grad, (n, triton.cdiv(v, block_v)), logits, dx,
-           lse.contiguous(), grad_rows.contiguous(), labels, v, logits.stride(0), float(smoothing),
-           float(vocab_total), SMOOTH=smoothing > 0, BLOCK_V=block_v, num_warps=8)  # fmt: skip
+    launch("cross_entropy_grad", _ce_grad, (n, triton.cdiv(v, block_v)), src, dx,
+           lse.contiguous(), grad_rows.contiguous(), labels, v, src.stride(0), dx.stride(0),
+           float(smoothing), float(vocab_total), SMOOTH=smoothing > 0, BLOCK_V=block_v,
+           num_warps=8)  # fmt: skip
+    if out is not None and dx is not out:
+        out.copy_(dx)
+        return out
     return dx
