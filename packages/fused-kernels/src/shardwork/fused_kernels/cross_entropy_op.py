@@ -181,6 +181,7 @@ def cross_entropy(
             tp_group=tp_group,
             ignore_index=ignore_index,
             label_smoothing=label_smoothing,
+            inplace=inplace_backward,
         )
         valid = labels != ignore_index
     else:
