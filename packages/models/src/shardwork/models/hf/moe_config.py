@@ -87,7 +87,7 @@ def moe_config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
             qk_layernorm=mt == "qwen3_moe",
             add_qkv_bias=bool(hf.get("qkv_bias", True)) if mt == "qwen2_moe" else False,
             moe=MoEConfig(
-                num_experts=int(hf["num_experts"]),
+                num_experts=int(hf.get("num_experts") or hf["num_local_experts"]),
                 top_k=int(hf["num_experts_per_tok"]),
                 ffn_hidden_size=int(hf["moe_intermediate_size"]),
                 pre_softmax=not hf.get("norm_topk_prob", False),

@@ -71,7 +71,7 @@ def _layer_rules(model_type: str) -> list[tuple[str, str]]:
         (r"mlp\.shared_experts\.fc2\.weight", f"mlp.{shared}.down_proj.weight"),
         (r"mlp\.shared_experts_gate\.weight", "mlp.shared_expert_gate.weight"),
     ]
-    return rules + _MLA
+    return rules + (_MLA if model_type == "deepseek_v3" else [])
 
 
 def moe_key_rules(model_type: str, num_layers: int) -> list[tuple[str, str]]:
