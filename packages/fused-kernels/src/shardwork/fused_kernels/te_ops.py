@@ -10,7 +10,8 @@ calls, and from which version, is listed in ``te_support.MIN_TE_VERSION``:
 - SwiGLU/GeGLU: ``transformer_engine.pytorch.ops.SwiGLU``/``GEGLU`` (TE gates the first
   half, as we do); token weights are one extra multiply;
 - cross entropy: ``transformer_engine.pytorch.cross_entropy.parallel_cross_entropy``
-  (label smoothing and ignore index passed through, per-token losses);
+  (label smoothing and ignore index passed through, per-token losses); TE overwrites its
+  input with the gradient in forward, so it gets a copy unless ``inplace_backward=True``;
 - router: ``transformer_engine.pytorch.router.fused_topk_with_score_function`` and
   ``fused_compute_score_for_moe_aux_loss`` (Megatron-Core's fused path).
 
@@ -92,9 +93,15 @@ def glu(x, token_weights, *, kind: str) -> torch.Tensor:
 
 
 def cross_entropy(
-    logits, labels, *, tp_group, ignore_index: int, label_smoothing: float
+    logits, labels, *, tp_group, ignore_index: int, label_smoothing: float, inplace: bool
 ) -> torch.Tensor:
-    """Per-token losses ``[N]`` from TE's (vocab-parallel) cross entropy."""
+    """Per-token losses ``[N]`` from TE's (vocab-parallel) cross entropy.
+
+    TE's kernel stores the gradient into its input during the forward pass, so unless the
+    caller allowed ``inplace`` (``inplace_backward=True``) it gets a copy of the logits.
+    """
+    if not inplace:
+        logits = logits.clone()
     ce = importlib.import_module("transformer_engine.pytorch.cross_entropy")
     losses = ce.parallel_cross_entropy(
         logits.unsqueeze(0),
