@@ -268,6 +268,10 @@ def main() -> None:
         f"Machine: {out['machine']}",
         f"Megatron-Core side by side: {out['megatron_core']}",
         "",
+        "Times are the best of interleaved rounds (ours and Megatron-Core alternate), which",
+        "limits but does not remove the effect of other processes on a shared machine; see",
+        "load_average above.",
+        "",
         "| case | tokens | hidden | threads | ours tok/s | Megatron tok/s | speedup | identical map |",
         "|---|---|---|---|---|---|---|---|",
     ]
