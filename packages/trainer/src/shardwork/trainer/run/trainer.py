@@ -65,6 +65,11 @@ class RunResult:
     stopped_by: str | None = None
     skipped_steps: int = 0
     seconds: float = 0.0
+    """Wall time of the whole run (set-up, loop, evaluation, checkpoints)."""
+    loop_seconds: float = 0.0
+    """Wall time of the training loop alone."""
+    tokens: int = 0
+    """Tokens trained on in this process's loop."""
 
 
 def _train_samples(config: TrainConfig) -> int:
@@ -193,8 +198,10 @@ class Trainer:
         s, o, r = config.schedule, config.optimizer, config.reliability
         consecutive_skips = 0
         window_tokens, window_t0 = 0, time.perf_counter()
+        window_losses: list[float] = []
         step = start_step
         stop = StopRequest(enabled=config.checkpoint.save_on_signal)
+        loop_t0 = time.perf_counter()
         with stop:
             while step < s.train_steps:
                 gbs = batch_size(
@@ -240,13 +247,20 @@ class Trainer:
                 else:
                     consecutive_skips = 0
                 result.train_losses[step] = out.loss
+                if math.isfinite(out.loss):
+                    window_losses.append(out.loss)
                 step += 1
                 result.final_step = step
                 window_tokens += gbs * seq
+                result.tokens += gbs * seq
 
                 log_now = step % config.logging.interval == 0 or step == s.train_steps
                 values = {"loss": out.loss, "lr": lr}
                 if log_now:
+                    # the logged loss is the mean over the steps since the last log line
+                    if window_losses:
+                        values["loss"] = sum(window_losses) / len(window_losses)
+                    window_losses = []
                     elapsed = time.perf_counter() - window_t0
                     tps = window_tokens / max(elapsed, 1e-9)
                     window_tokens, window_t0 = 0, time.perf_counter()
@@ -307,6 +321,7 @@ class Trainer:
                         f"received {stop.signal_name}: saving a checkpoint at step {step} and exiting"
                     )
                     break
+        result.loop_seconds = time.perf_counter() - loop_t0
         if self.progress is not None:
             self.progress.close()
             self.progress = None
