@@ -105,7 +105,7 @@ CASES = [
         "parallel.sequence_parallel=True needs parallel.tp > 1",
     ),
     ({"parallel": {"pp": 8}}, 8, "pipeline split of model.num_layers=4"),
-    ({"parallel": {"pp": 2, "first_stage_layers": 3}}, 2, "pipeline split of model.num_layers=4"),
+    ({"parallel": {"pp": 2, "first_stage_layers": 5}}, 2, "pipeline split of model.num_layers=4"),
     (
         {"model": {"hidden_size": 102}},
         1,
