@@ -42,9 +42,9 @@ def token_loss(
             f"labels.shape={tuple(labels.shape)} must be [b, s] = {(b, s)} to match the logits"
         )
     lab = labels.transpose(0, 1).reshape(-1)
+    # bf16/fp16 logits go in as they are: the op computes in fp32 per row chunk without a
+    # full-vocab fp32 copy, and its per-token losses come back in fp32.
     flat = logits.reshape(s * b, logits.shape[-1])
-    if flat.dtype not in (torch.float32, torch.float64):
-        flat = flat.float()
     losses = cross_entropy(
         flat, lab, tp_group=tp_group, ignore_index=ignore_index, reduction="none", backend=backend
     )
