@@ -15,7 +15,8 @@ Per layer (exact, as the model builds them):
 Model: ``Σ layers + V·h (embedding) [+ V·h untied head] + h (final norm)``; each MTP depth adds
 ``2h·h (eh_proj) + 3h (norms) +`` one MoE layer (embedding and head are shared).
 
-Training FLOPs per token: ``3 × forward``, forward ``= 2·(active matmul parameters) +
+Training FLOPs per token: ``3 × forward``, forward ``= 2·(active matmul weights, norms and
+embedding excluded) +
 attention scores`` where the scores are ``2·s·n·(dq + dv)·c`` per layer (``dq`` the query/key
 head width, ``c = 1/2`` causal), the router ``2·h·E`` is a matmul like any other, and the head
 ``2·V_pad·h`` is counted once per prediction depth (main + D).
@@ -127,13 +128,25 @@ def moe_param_counts(config: GPTConfig) -> ParamCounts:
     )
 
 
+def _norm_params(c: GPTConfig) -> int:
+    """Norm weights (not matmuls) of the layers and MTP depths (final norm excluded)."""
+    h = c.hidden_size
+    per_layer = 2 * h
+    if c.mla is not None:
+        per_layer += c.mla.kv_lora_rank + (c.mla.q_lora_rank or 0)
+    elif c.qk_layernorm:
+        per_layer += 2 * c.kv_channels
+    depths = c.mtp.num_layers if c.mtp is not None else 0
+    return c.num_layers * per_layer + depths * (per_layer + 3 * h)
+
+
 def moe_flops_per_token(config: GPTConfig, seq_length: int, *, causal: bool = True) -> float:
     """Training FLOPs per token (forward + backward) from the active parameters."""
     c = config
     counts = moe_param_counts(c)
     h, n = c.hidden_size, c.num_attention_heads
     emb_params = c.vocab_size * h * (1 if c.tie_word_embeddings else 2) + h
-    matmul = counts.active - emb_params  # norms are negligible but counted exactly as parameters
+    matmul = counts.active - emb_params - _norm_params(c)  # matmul weights only
     if c.mla is None:
         dq = dv = c.kv_channels
     else:

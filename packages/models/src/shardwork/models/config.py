@@ -226,6 +226,9 @@ class GPTConfig:
                 "GPTConfig.sequence_parallel=True needs tp > 1 (got tp=1): set "
                 "sequence_parallel=False or use tensor parallelism"
             )
+        for part in (self.moe, self.mla, self.mtp):  # MoE (ep/etp), MTP (cp) layout checks
+            if part is not None:
+                part.check_layout(parallel)
         if seq_length is not None:
             check_sequence_length(self, seq_length, tp=tp, cp=cp)
 
