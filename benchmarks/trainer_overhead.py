@@ -117,7 +117,7 @@ def run_plain(run_dir: Path, steps: int) -> tuple[float, list[float]]:
         for rows in batches:
             loss_sum, _ = model(input_ids=rows[:, :-1], labels=rows[:, 1:])
             (loss_sum / total_tokens).backward()
-            loss_total += float(loss_sum)
+            loss_total += float(loss_sum.detach())
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad)
         opt.step()
         opt.zero_grad(set_to_none=True)
