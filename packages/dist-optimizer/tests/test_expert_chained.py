@@ -191,17 +191,11 @@ def _moe_train(path: str, ep: int, first: int, last: int, load: bool):
     ]
 
     def state():
-        return {
-            "optimizer": {
-                str(i): p.sharded_state_dict(param_rects=r)
-                for i, (p, r) in enumerate(zip(parts, rects))
-            }
-        }
+        return {"optimizer": chain.sharded_state_dict(param_rects=rects)}
 
     if load:
         loaded = dcp.load(state(), path)
-        for i, (p, r) in enumerate(zip(parts, rects)):
-            p.load_sharded_state_dict(loaded["optimizer"][str(i)], param_rects=r)
+        chain.load_sharded_state_dict(loaded["optimizer"], param_rects=rects)
     x, y = data(4)
     per = 4 * BATCH // dp
     for s in range(first, last):

@@ -87,18 +87,35 @@ class ChainedOptimizer:
     def get_grad_norm(self) -> float | None:
         return None if self.last_result is None else self.last_result.grad_norm
 
+    def _part_kwargs(self, kwargs: dict[str, Any]) -> list[dict[str, Any]]:
+        rects = kwargs.get("param_rects")
+        if not isinstance(rects, (list, tuple)):
+            return [kwargs] * len(self.parts)
+        if len(rects) != len(self.parts):
+            raise ValueError(
+                f"param_rects has {len(rects)} entries for {len(self.parts)} parts; valid: one "
+                "function for all parts, or one per part"
+            )
+        return [{**kwargs, "param_rects": r} for r in rects]
+
     def sharded_state_dict(self, **kwargs: Any) -> dict[str, Any]:
-        """``{"0": part0 state, "1": part1 state, ...}`` plus the chain's loss scaler."""
+        """``{"0": part0 state, "1": part1 state, ...}`` plus the chain's loss scaler.
+
+        ``param_rects`` may be one function for all parts or a list with one per part (the
+        expert part's TP-replica ids follow the etp rank)."""
         out: dict[str, Any] = {
-            str(i): p.sharded_state_dict(**kwargs) for i, p in enumerate(self.parts)
+            str(i): p.sharded_state_dict(**kw)
+            for i, (p, kw) in enumerate(zip(self.parts, self._part_kwargs(kwargs)))
         }
         if self.loss_scaler is not None:
             out["loss_scaler"] = self.loss_scaler.state_dict()
         return out
 
     def load_sharded_state_dict(self, state: Mapping[str, Any], **kwargs: Any) -> None:
-        for i, part in enumerate(self.parts):
-            part.load_sharded_state_dict(state[str(i)], **kwargs)
+        """Restore from ``dist_checkpoint.load`` of the template :meth:`sharded_state_dict` gave
+        (pass the same ``param_rects``)."""
+        for i, (part, kw) in enumerate(zip(self.parts, self._part_kwargs(kwargs))):
+            part.load_sharded_state_dict(state[str(i)], **kw)
         if self.loss_scaler is not None and "loss_scaler" in state:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
 
