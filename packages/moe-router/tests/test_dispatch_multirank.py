@@ -1,8 +1,9 @@
-"""Dispatchers at EP=2, EP=4 and EP=2×ETP=2 (and a TP-replicated input) on real gloo ranks.
+"""Dispatchers at EP=2, EP=4 and EP=2×ETP=2 (dropless and padded to capacity, and with a
+TP-replicated input) on real gloo ranks.
 
 Every rank holds different tokens (as with sequence parallelism); the MoE block's outputs and
 gradients must equal the single-process dense computation of the same experts over all ranks'
-tokens (float64, no stochastic parts, no capacity so routing is per token).
+tokens (float64, no stochastic parts; capacity dropping is per rank, in the reference too).
 """
 
 from __future__ import annotations
@@ -33,13 +34,16 @@ def _data(world: int, top_k: int):
     }
 
 
-def _config(top_k: int) -> RouterConfig:
+def _config(top_k: int, padded: bool = False) -> RouterConfig:
+    """Dropless, or capacity 1.0 padded to capacity (static shapes; dropping is per rank)."""
     return RouterConfig(
         num_experts=E,
         hidden_size=H,
         top_k=top_k,
         load_balancing_type="none",
         pre_softmax=top_k == 1,
+        capacity_factor=1.0 if padded else None,
+        pad_to_capacity=padded,
     )
 
 
@@ -60,10 +64,10 @@ def _reference(world: int, top_k: int, cfg: RouterConfig):
     return out.detach(), x.grad, {k: v.grad for k, v in w.items()}, router.weight.grad
 
 
-def _run_block(dispatcher: str, ep: int, etp: int, top_k: int):
+def _run_block(dispatcher: str, ep: int, etp: int, top_k: int, padded: bool = False):
     world, rank = dist.get_world_size(), dist.get_rank()
     pg = ps.init_process_groups(ps.ParallelConfig(tp=etp, ep=ep, etp=etp))
-    cfg = _config(top_k)
+    cfg = _config(top_k, padded)
     block = MoEBlock(
         cfg, ffn_hidden_size=F, dispatcher=dispatcher, ep_group=pg.ep, etp_group=pg.etp
     ).double()
@@ -98,21 +102,23 @@ def _run_block(dispatcher: str, ep: int, etp: int, top_k: int):
 
 
 LAYOUTS = [
-    pytest.param("alltoall", 2, 1, 2, id="a2a-ep2"),
-    pytest.param("alltoall", 4, 1, 2, id="a2a-ep4"),
-    pytest.param("alltoall", 2, 2, 2, id="a2a-ep2-etp2"),
-    pytest.param("allgather", 2, 1, 2, id="ag-ep2"),
-    pytest.param("allgather", 4, 1, 1, id="ag-ep4-top1"),
-    pytest.param("allgather", 2, 2, 2, id="ag-ep2-etp2"),
+    pytest.param("alltoall", 2, 1, 2, False, id="a2a-ep2"),
+    pytest.param("alltoall", 4, 1, 2, False, id="a2a-ep4"),
+    pytest.param("alltoall", 2, 2, 2, False, id="a2a-ep2-etp2"),
+    pytest.param("allgather", 2, 1, 2, False, id="ag-ep2"),
+    pytest.param("allgather", 4, 1, 1, False, id="ag-ep4-top1"),
+    pytest.param("allgather", 2, 2, 2, False, id="ag-ep2-etp2"),
+    pytest.param("alltoall", 2, 2, 2, True, id="a2a-ep2-etp2-padded"),
+    pytest.param("allgather", 4, 1, 2, True, id="ag-ep4-padded"),
 ]
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("dispatcher,ep,etp,top_k", LAYOUTS)
-def test_block_equals_single_rank(dispatcher, ep, etp, top_k):
+@pytest.mark.parametrize("dispatcher,ep,etp,top_k,padded", LAYOUTS)
+def test_block_equals_single_rank(dispatcher, ep, etp, top_k, padded):
     world = ep * etp
-    results = testing.run_on_ranks(_run_block, world, args=(dispatcher, ep, etp, top_k))
-    out, x_grad, w_grads, router_grad = _reference(world, top_k, _config(top_k))
+    results = testing.run_on_ranks(_run_block, world, args=(dispatcher, ep, etp, top_k, padded))
+    out, x_grad, w_grads, router_grad = _reference(world, top_k, _config(top_k, padded))
     tol = {"rtol": 1e-10, "atol": 1e-12}
     L, f = E // ep, F // etp
     for rank, res in enumerate(results):
