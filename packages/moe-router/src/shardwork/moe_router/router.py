@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from shardwork.moe_router.aux_loss import AuxLossScale, attach_aux_loss, switch_aux_loss, z_loss
 from shardwork.moe_router.config import RouterConfig
+from shardwork.moe_router.gating import GatingLinear, StraightThroughRandom
 from shardwork.moe_router.scoring import (
     aux_loss_scores,
     drop_to_capacity,
@@ -51,48 +52,6 @@ def _summed(t: torch.Tensor, group) -> torch.Tensor:
     t = t.clone()
     dist.all_reduce(t, group=group)
     return t
-
-
-class _Gating(torch.autograd.Function):
-    """logits = x @ W^T (+ b) in the router dtype; saves x and W as given (no upcast copies
-    kept alive) and writes dW directly in W's [E, H] layout."""
-
-    @staticmethod
-    def forward(ctx, x_TH, weight_EH, bias_E, dtype):
-        ctx.save_for_backward(x_TH, weight_EH)
-        ctx.dtype, ctx.has_bias, ctx.bias_dtype = dtype, bias_E is not None, None
-        w = weight_EH.to(dtype)
-        if bias_E is None:
-            return torch.mm(x_TH.to(dtype), w.t())
-        ctx.bias_dtype = bias_E.dtype
-        return torch.addmm(bias_E.to(dtype), x_TH.to(dtype), w.t())
-
-    @staticmethod
-    def backward(ctx, grad_TE):
-        x_TH, weight_EH = ctx.saved_tensors
-        grad_TE = grad_TE.to(ctx.dtype)
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch.mm(grad_TE, weight_EH.to(ctx.dtype)).to(x_TH.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_w = torch.mm(grad_TE.t(), x_TH.to(ctx.dtype)).to(weight_EH.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = grad_TE.sum(dim=0).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None
-
-
-class _StraightThroughRandom(torch.autograd.Function):
-    """Forward: standard-normal noise shaped like the logits; backward: identity."""
-
-    @staticmethod
-    def forward(ctx, logits, generator):
-        return torch.randn(
-            logits.shape, dtype=logits.dtype, device=logits.device, generator=generator
-        )
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
 
 
 class TopKRouter(torch.nn.Module):
@@ -194,7 +153,7 @@ class TopKRouter(torch.nn.Module):
         """Logits [..., E] = hidden @ weight^T (+ bias), computed in the router dtype."""
         dtype = _ROUTER_DTYPES.get(self.config.router_dtype, hidden.dtype)
         x = hidden.reshape(-1, hidden.shape[-1])
-        logits = _Gating.apply(x, self.weight, self.bias, dtype)
+        logits = GatingLinear.apply(x, self.weight, self.bias, dtype)
         return logits.view(*hidden.shape[:-1], -1)
 
     def _jitter(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -240,7 +199,7 @@ class TopKRouter(torch.nn.Module):
                 f"router logits contain NaN or Inf (layer_index={self.layer_index})"
             )
         if cfg.force_load_balancing:
-            logits_TE = _StraightThroughRandom.apply(logits_TE, self.generator)
+            logits_TE = StraightThroughRandom.apply(logits_TE, self.generator)
         return self.route(logits_TE, seq_len=seq_len, batch=batch, padding_mask=padding_mask)
 
     def route(
