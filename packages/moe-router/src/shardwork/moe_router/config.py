@@ -41,7 +41,7 @@ class RouterConfig:
     """Experts selected per token k (``moe_router_topk``)."""
     score_function: str = "softmax"
     """Score function turning logits into scores: ``softmax``, ``sigmoid`` or ``sqrtsoftplus``
-    (``sqrt(softplus(x))``, DeepSeek-V4 style); ``moe_router_score_function``."""
+    (``sqrt(softplus(x))``); ``moe_router_score_function``."""
     pre_softmax: bool = False
     """Softmax only: apply softmax over all experts before top-k (Mixtral after-norm, Switch)
     instead of a softmax over the k selected logits (``moe_router_pre_softmax``)."""
