@@ -192,6 +192,10 @@ def _load(model, source: _Source) -> Any:
             st.data.copy_(source.read(name, index, tuple(st.global_shape)).to(st.data.dtype))
     finally:
         source.close()
+    from shardwork.models.moe.state import moe_routers
+
+    for router in moe_routers(model):  # step counters are not in checkpoints (meta builds)
+        router.reset_step_state()
     return model
 
 
