@@ -30,13 +30,20 @@ def data(dp: int, accum: int):
     )
 
 
-def _run_ddp(overlap: bool, accum: int):
+def _run_ddp(overlap: bool, accum: int, zero: bool):
     pg = init_process_groups(ParallelConfig())
     dp, rank = pg.size("dp"), pg.rank("dp")
     model = build_model()
     # one bucket per layer (42 elements each)
     ddp = DistributedDataParallel(
-        model, config=DDPConfig(bucket_size=40, overlap_grad_reduce=overlap), process_groups=pg
+        model,
+        config=DDPConfig(
+            bucket_size=40,
+            overlap_grad_reduce=overlap,
+            use_distributed_optimizer=zero,
+            pad_multiple=1,
+        ),
+        process_groups=pg,
     )
     x, y = data(dp, accum)
     local = slice(rank * BATCH, (rank + 1) * BATCH)
@@ -52,21 +59,41 @@ def _run_ddp(overlap: bool, accum: int):
     launched_during_backward = seen[0]
     ddp.finish_grad_sync()
     num_buckets = sum(len(b.buckets) for b in ddp.buffers.values())
-    return launched_during_backward, num_buckets, [p.main_grad.clone() for p in model.parameters()]
+    # (name, flat start, flat end, reduced values): all of each parameter with all-reduce,
+    # this rank's shard pieces with reduce-scatter
+    grads = []
+    for buffer in ddp.buffers.values():
+        for pc in buffer.layout.shard_pieces(rank) if zero else []:
+            p = buffer.params[pc.param_index]
+            values = p.main_grad.view(-1)[pc.param_start : pc.param_end].clone()
+            grads.append((ddp.param_names[id(p)], pc.param_start, pc.param_end, values))
+    if not zero:
+        grads = [
+            (n, 0, p.numel(), p.main_grad.view(-1).clone()) for n, p in model.named_parameters()
+        ]
+    return launched_during_backward, num_buckets, grads
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize(("overlap", "accum"), [(True, 1), (False, 1), (True, 3)])
-def test_allreduce_ddp_gradients_and_overlap(overlap, accum):
-    results = run_on_ranks(_run_ddp, 2, args=(overlap, accum))
+@pytest.mark.parametrize(
+    ("overlap", "accum", "zero"),
+    [(True, 1, False), (False, 1, False), (True, 3, False), (True, 2, True)],
+)
+def test_ddp_gradients_and_overlap(overlap, accum, zero):
+    results = run_on_ranks(_run_ddp, 2, args=(overlap, accum, zero))
     ref = build_model()
     x, y = data(2, accum)
     for m in range(accum):
         (nn.functional.mse_loss(ref(x[m]), y[m]) / accum).backward()
-    for launched, num_buckets, grads in results:
+    ref_grads = {n: p.grad.view(-1) for n, p in ref.named_parameters()}
+    covered = {n: 0 for n in ref_grads}
+    for _, num_buckets, grads in results:
         assert num_buckets == LAYERS
-        for got, p in zip(grads, ref.parameters()):
-            torch.testing.assert_close(got, p.grad, rtol=1e-5, atol=1e-7)
+        for name, a, b, got in grads:
+            torch.testing.assert_close(got, ref_grads[name][a:b], rtol=1e-5, atol=1e-7)
+            covered[name] += b - a
+    assert all(covered[n] == (1 if zero else 2) * g.numel() for n, g in ref_grads.items())
+    for launched, *_ in results:
         if overlap:
             # the buckets of layers 2..4 were launched while layer 1's backward was still to run
             assert launched >= LAYERS - 1
