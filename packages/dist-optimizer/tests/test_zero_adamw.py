@@ -132,3 +132,36 @@ def test_zero_adamw_matches_single_process(dp, accum, clip, overlap, bucket_size
     total = sum(p.numel() for p in ref_params)
     assert sum(r["shard_numel"] for r in results) == total
     assert results[0]["num_straddling"] >= 1
+
+
+def _run_chunks():
+    """Two model chunks (virtual pipeline stages on one rank) under one optimizer."""
+    pg = init_process_groups(ParallelConfig())
+    dp, rank = pg.size("dp"), pg.rank("dp")
+    model = build_model()
+    cfg = DDPConfig(use_distributed_optimizer=True, bucket_size=40, pad_multiple=1)
+    chunks = [
+        DistributedDataParallel(model[:2], config=cfg, process_groups=pg),
+        DistributedDataParallel(model[2:], config=cfg, process_groups=pg),
+    ]
+    opt = DistributedOptimizer(
+        chunks, adamw, config=OptimizerConfig(clip_grad=0.05), process_groups=pg
+    )
+    x, y = make_data(dp, 1)
+    local = slice(rank * BATCH, (rank + 1) * BATCH)
+    for s in range(STEPS):
+        opt.zero_grad()
+        nn.functional.mse_loss(chunks[1](chunks[0](x[s, 0, local])), y[s, 0, local]).backward()
+        opt.step()
+    for c in chunks:
+        c.finish_param_sync()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.multirank
+def test_two_model_chunks_under_one_optimizer():
+    results = run_on_ranks(_run_chunks, 2)
+    ref_params, _ = reference(2, 1, 0.05)
+    for params in results:
+        for got, want in zip(params, ref_params):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
