@@ -55,6 +55,18 @@ def test_moe_layout_matches_single_rank(name, world, kwargs):
     assert len(set(losses)) == 1
 
 
+def test_pp2_stage_without_moe_layers_joins_reduction():
+    """PP=2 where stage 0 holds only dense layers: it still joins the tracker reduction, and
+    the reduced expert loads and gradients equal world 1's."""
+    kwargs = {
+        "pp": 2,
+        "num_layers": 4,
+        "moe": {"layer_freq": (0, 0, 1, 1), "aux_loss_coeff": 1e-2},
+    }
+    losses = run_on_ranks(_compare, 2, args=("tiny-mixtral-8x7b", kwargs))
+    assert len(set(losses)) == 1
+
+
 @pytest.mark.slow
 def test_ep2_tp2_pp2_matches_single_rank():
     """EP=2 × TP=2 × PP=2 on 8 ranks through the 1F1B schedule (DeepSeek-V3 twin: MLA, MTP
