@@ -104,6 +104,17 @@ class LayerWiseDistributedOptimizer:
             stats_groups if stats_groups is not None else (self.dp_group, tp_group)
         )
         self.pp_rank = pp_rank or 0
+        self.collision_axes = (
+            {
+                a: process_groups.size(a)
+                for a in (("pp", "ep") if expert else ("pp",))
+                if process_groups.size(a) > 1
+            }
+            if process_groups is not None
+            else {}
+        )
+        """Parallel axes (from ``process_groups``) whose ranks hold different parameters under
+        possibly equal local names: saving then needs ``param_rects`` with global keys."""
         self.loss_scaler = loss_scaler
         tp_rank = group_rank(tp_group)
         dp_size = len(group_ranks(self.dp_group))

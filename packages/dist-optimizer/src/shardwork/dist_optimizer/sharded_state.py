@@ -192,6 +192,12 @@ def _build(opt: Any, prefix: str, param_rects: ParamRectsFn | None):
 
 
 def _state_dict(opt: Any, prefix: str, param_rects: ParamRectsFn | None) -> dict[str, Any]:
+    if param_rects is None and getattr(opt, "collision_axes", None):
+        raise ValueError(
+            f"sharded_state_dict(param_rects=None) with {opt.collision_axes}: ranks along these "
+            "axes hold different parameters whose local names may collide; valid: pass "
+            "param_rects, e.g. rects_from_model_state(model's sharded state dict, tp_rank=...)"
+        )
     tensors, _ = _build(opt, prefix, param_rects)
     out: dict[str, Any] = {"tensors": tensors, "scalars": _merged_scalars(opt)}
     if opt.loss_scaler is not None:
