@@ -149,3 +149,23 @@ def test_bad_layouts_name_the_field():
         GPTConfig(
             **(vars(preset("tiny-mixtral-8x7b")) | {"moe": cfg.moe.replace(layer_freq=(1, 1, 1))})
         )
+
+
+def test_full_recompute_counts_tokens_once():
+    """Recomputed MoE layers (inside backward) record nothing twice; gradients unchanged."""
+    results = []
+    for mode in ("none", "full"):
+        cfg = preset("tiny-deepseek-v3", params_dtype=torch.float64, recompute=mode)
+        model = GPTModel(cfg).train()
+        ids = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+        loss_sum, n = model(ids, labels=ids)
+        (loss_sum / n).backward()
+        from shardwork.models.moe import moe_routers
+
+        counts = torch.stack([r.local_tokens_per_expert for r in moe_routers(model)])
+        grads = {k: p.grad for k, p in model.named_parameters()}
+        results.append((model.aux_loss_tracker.tokens_per_expert.clone(), counts, grads))
+    (t0, c0, g0), (t1, c1, g1) = results
+    assert torch.equal(t0, t1) and torch.equal(c0, c1) and float(t0.sum()) > 0
+    for key in g0:
+        torch.testing.assert_close(g1[key], g0[key], rtol=1e-12, atol=0, msg=key)

@@ -7,6 +7,9 @@
   aux losses, z-loss, expert-bias counting and the tracker are moe-router's, unchanged.
 - The inner router keeps its buffers (``expert_bias`` for aux-loss-free balancing, saved as
   ``...mlp.router.expert_bias``); it holds no parameter of its own.
+- Under full-layer recompute the router runs again inside backward; that second run records
+  nothing (tracker values, expert-bias token counts), so logged loads and bias updates are
+  those of one forward. (A ``global_aux_loss`` accumulates its counts in both runs.)
 """
 
 from __future__ import annotations
@@ -89,7 +92,20 @@ class MoERouter(ShardedModule):
         x = self.inner._jitter(hidden)
         dtype = _DTYPES.get(cfg.router_dtype, hidden.dtype)
         logits = torch.mm(x.reshape(-1, x.shape[-1]).to(dtype), self.weight.to(dtype).t())
-        return self.inner.route(logits, seq_len=seq_len, batch=batch)
+        if torch._C._current_graph_task_id() == -1:
+            return self.inner.route(logits, seq_len=seq_len, batch=batch)
+        # Recomputed inside backward (full-layer recompute): the first forward already
+        # recorded tracker values and expert-bias token counts; do not count them twice.
+        tracker, counts = self.inner.tracker, self.inner.local_tokens_per_expert
+        self.inner.tracker = None
+        if counts is not None:
+            self.inner.local_tokens_per_expert = None
+        try:
+            return self.inner.route(logits, seq_len=seq_len, batch=batch)
+        finally:
+            self.inner.tracker = tracker
+            if counts is not None:
+                self.inner.local_tokens_per_expert = counts
 
     def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
         out = super().sharded_state_dict(prefix)
