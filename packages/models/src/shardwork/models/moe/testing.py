@@ -141,6 +141,12 @@ def compare_moe_layout(
         )
     if ref_load is not None:
         torch.testing.assert_close(expert_load(stage), ref_load, rtol=0, atol=0)
+        # logged aux losses: the tracker averages per-rank values over dp; the reference
+        # summed the same dp × micro-batch token groups
+        ref_vals = ref_model.aux_loss_tracker.loss_values()
+        vals = stage.aux_loss_tracker.loss_values()
+        for name in ("load_balancing_loss", "z_loss"):
+            torch.testing.assert_close(vals[name] * dp, ref_vals[name], rtol=1e-9, atol=1e-12)
         ref_bias = _biases(ref_model)
         for layer, bias in _biases(stage).items():
             torch.testing.assert_close(bias, ref_bias[layer], rtol=0, atol=0)
