@@ -1,0 +1,191 @@
+"""Resume anywhere, survive faults: checkpoints written at one layout continue at another, and a
+run whose rank was SIGKILLed restarts from its last complete checkpoint.
+
+- ``test_resume_reshards_across_layouts``: TP=2×PP=2 (4 ranks) saves at step 2, DP=2 resumes
+  and saves at step 4, one process resumes and finishes; every resumed step's loss equals the
+  uninterrupted one-process run (fp32, rtol ``RTOL``).
+- ``test_sigkill_during_training_and_async_write``: two real rank processes
+  (``python -m shardwork.trainer`` with RANK/WORLD_SIZE set, as torchrun would) train with a
+  checkpoint every 2 steps; rank 1 is SIGKILLed during training once a checkpoint has
+  committed. The restart (async saves on) has rank 1 killed inside its next checkpoint's data
+  file (shardwork.dist_checkpoint's ``SHARDWORK_CKPT_FAULT=mid_file@1`` fault point); that
+  checkpoint must stay uncommitted. The final restart continues from the last complete
+  checkpoint with the uninterrupted run's losses.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from shardwork.parallel_state.testing import run_on_ranks
+
+pytestmark = pytest.mark.multirank
+
+STEPS = 6
+RTOL = 5e-5
+
+
+def _sections(parallel: dict, *, steps: int = STEPS, **extra) -> dict:
+    sections = {
+        "model": {"num_layers": 4},
+        "parallel": parallel,
+        "schedule": {"train_steps": steps, "warmup_steps": 2, "micro_batch_size": 2},
+        "eval": {"interval": None, "at_end": False},
+    }
+    sections.update(extra)
+    return sections
+
+
+def _train(run_dir: str, sections: dict, cache: str):
+    os.environ["SHARDWORK_CACHE"] = cache
+    from shardwork.trainer.run.trainer import train
+    from shardwork.trainer.testing import tiny_config
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    stream = io.StringIO()
+    result = train(tiny_config(run_dir, world_size=world, **sections), stream=stream)
+    return result.train_losses, stream.getvalue()
+
+
+def _assert_curve(losses: dict, reference: dict, steps: list[int]) -> None:
+    assert sorted(losses) == steps
+    for step in steps:
+        assert losses[step] == pytest.approx(reference[step], rel=RTOL), f"step {step}"
+
+
+def test_resume_reshards_across_layouts(tmp_path, corpus_cache):
+    reference, _ = _train(str(tmp_path / "ref"), _sections({}), corpus_cache)
+    ckpt = {"interval": 2, "keep_last": 5}
+    first = _sections({"tp": 2, "pp": 2}, checkpoint=ckpt)
+    run_on_ranks(_train, 4, args=(str(tmp_path / "a"), first, corpus_cache), timeout=600)
+    step2 = tmp_path / "a" / "checkpoints" / "step_000000002"
+    second = _sections({}, checkpoint={**ckpt, "resume": str(step2)})
+    results = run_on_ranks(_train, 2, args=(str(tmp_path / "b"), second, corpus_cache), timeout=600)
+    for losses, _ in results:
+        _assert_curve(losses, reference, [2, 3, 4, 5])
+    step4 = tmp_path / "b" / "checkpoints" / "step_000000004"
+    third = _sections({}, checkpoint={"resume": str(step4)})
+    losses, text = _train(str(tmp_path / "c"), third, corpus_cache)
+    _assert_curve(losses, reference, [4, 5])
+    assert "re-derived" in text  # the RNG grid of 2 ranks does not fit 1
+
+
+# --- SIGKILL of a real rank process -------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _committed_steps(ckpt_dir: Path) -> list[int]:
+    from shardwork.dist_checkpoint import is_committed
+
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted(
+        int(p.name.split("_")[1]) for p in ckpt_dir.glob("step_*") if p.is_dir() and is_committed(p)
+    )
+
+
+def _launch(config_path: Path, cache: str, *, fault: str | None = None) -> list[subprocess.Popen]:
+    """Two rank processes of ``python -m shardwork.trainer --config config_path``."""
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ)
+        env.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            SHARDWORK_CACHE=cache,
+            OMP_NUM_THREADS="1",
+        )
+        env.pop("SHARDWORK_CKPT_FAULT", None)
+        if fault is not None:
+            env["SHARDWORK_CKPT_FAULT"] = fault
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "shardwork.trainer", "--config", str(config_path)],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+        )
+    return procs
+
+
+def _kill_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+    for p in procs:
+        p.wait(timeout=60)
+
+
+def _write_config(path: Path, run_dir: Path, cache: str, **sections) -> Path:
+    os.environ["SHARDWORK_CACHE"] = cache
+    from shardwork.trainer.config.load import config_to_toml
+    from shardwork.trainer.testing import tiny_config
+
+    path.write_text(config_to_toml(tiny_config(run_dir, world_size=2, **sections)))
+    return path
+
+
+def test_sigkill_during_training_and_async_write(tmp_path, corpus_cache):
+    steps = 16
+    reference, _ = _train(str(tmp_path / "ref"), _sections({}, steps=steps), corpus_cache)
+    run_dir = tmp_path / "run"
+    ckpt_dir = run_dir / "checkpoints"
+    ckpt = {"interval": 2, "keep_last": 3, "resume": "auto", "save_at_end": False}
+    common = _sections({"timeout_minutes": 0.5}, steps=steps, logging={"interval": 1})
+
+    # 1. rank 1 dies by SIGKILL in the middle of training, after a checkpoint committed
+    config = _write_config(tmp_path / "sync.toml", run_dir, corpus_cache, **common, checkpoint=ckpt)
+    procs = _launch(config, corpus_cache)
+    deadline = time.monotonic() + 240
+    while not _committed_steps(ckpt_dir):
+        assert time.monotonic() < deadline, "no checkpoint committed in time"
+        assert procs[1].poll() is None, procs[1].stderr.read().decode()
+        time.sleep(0.05)
+    procs[1].send_signal(signal.SIGKILL)
+    assert procs[1].wait(timeout=60) == -signal.SIGKILL
+    _kill_all(procs)  # rank 0 would wait for its peer until the collective timeout
+    after_kill = _committed_steps(ckpt_dir)
+    assert after_kill and after_kill[-1] < steps
+
+    # 2. restart with async saves; rank 1 is killed inside its next checkpoint's data file
+    config = _write_config(
+        tmp_path / "async.toml",
+        run_dir,
+        corpus_cache,
+        **common,
+        checkpoint={**ckpt, "async_save": True},
+    )
+    procs = _launch(config, corpus_cache, fault="mid_file@1")
+    assert procs[1].wait(timeout=240) == -signal.SIGKILL
+    _kill_all(procs)
+    complete = _committed_steps(ckpt_dir)
+    assert complete == after_kill, "the checkpoint torn by the kill must not count as complete"
+    torn = ckpt_dir / f"step_{after_kill[-1] + 2:09d}"
+    assert torn.exists()  # the write had started: a torn, uncommitted directory
+
+    # 3. the final restart continues from the last complete checkpoint, losses unchanged
+    resumed = _sections({}, steps=steps, checkpoint=ckpt, logging={"interval": 1})
+    results = run_on_ranks(_train, 2, args=(str(run_dir), resumed, corpus_cache), timeout=600)
+    for losses, _ in results:
+        _assert_curve(losses, reference, list(range(complete[-1], steps)))
