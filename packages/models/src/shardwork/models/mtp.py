@@ -19,8 +19,9 @@ the main model's output after its final norm) with the embedding of token ``i+k`
   main loss) reaches backward through moe-router's :func:`attach_aux_loss` on the main
   logits, multiplied by ``model.mtp_loss_scale`` (the trainer sets it to its main-loss
   backward factor, e.g. ``1/N_global`` when it backprops ``loss_sum / N_global``); the model's
-  return value is unchanged. :class:`MTPLossTracker` (``model.mtp_tracker``) keeps each
-  depth's (loss sum, token count) for logging, reduced over pp and dp×cp by the caller.
+  return value is unchanged. :class:`MTPLossTracker` (``model.mtp.tracker``, last stage) keeps
+  each depth's (loss sum, token count); :func:`reduce_mtp_losses` (every rank) gives the
+  per-depth means for logging.
 - MTP layers are ordinary :class:`TransformerLayer` s (MoE when the model is MoE), with global
   layer numbers ``num_layers + k - 1`` (their tracker rows follow the decoder's).
 """
@@ -54,7 +55,13 @@ from shardwork.parallel_state import (
     scatter_to_tp_region,
 )
 
-__all__ = ["MTPConfig", "MTPLossTracker", "MultiTokenPrediction", "roll_for_depth"]
+__all__ = [
+    "MTPConfig",
+    "MTPLossTracker",
+    "MultiTokenPrediction",
+    "reduce_mtp_losses",
+    "roll_for_depth",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,6 +120,29 @@ class MTPLossTracker:
     def mean_losses(self) -> list[float]:
         """Per-depth mean loss (after :meth:`reduce`), for logging as ``mtp_loss_<k>``."""
         return [float(s / max(n, 1.0)) for s, n in self.values.tolist()]
+
+
+def reduce_mtp_losses(chunks, groups: ProcessGroups) -> list[float]:
+    """Per-depth mean MTP loss of this step; every rank of the layout calls it.
+
+    Stages without MTP contribute zeros; sums and counts are all-reduced over pp and dp×cp
+    before dividing (true per-token means). Call once per step, then ``tracker.reset()``.
+    """
+    chunks = [chunks] if isinstance(chunks, torch.nn.Module) else list(chunks)
+    found, depths = None, None
+    for chunk in chunks:
+        while getattr(chunk, "mtp", None) is None and isinstance(
+            getattr(chunk, "module", None), torch.nn.Module
+        ):
+            chunk = chunk.module
+        depths = chunk.config.mtp.num_layers
+        if getattr(chunk, "mtp", None) is not None:
+            found = chunk.mtp.tracker.values
+    values = found.clone() if found is not None else torch.zeros(depths, 2, dtype=torch.float64)
+    for group in (groups.group("pp"), groups.group("dp_cp")):
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(values, group=group)
+    return [float(total / max(count, 1.0)) for total, count in values.tolist()]
 
 
 def roll_for_depth(

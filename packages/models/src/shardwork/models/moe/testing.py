@@ -139,6 +139,11 @@ def compare_moe_layout(
         torch.testing.assert_close(
             grads[key], ref_grad, rtol=rtol, atol=rtol * 1e-2, msg=lambda m, k=key: f"{k}: {m}"
         )
+    if cfg.mtp is not None:
+        from shardwork.models.mtp import reduce_mtp_losses
+
+        mine = reduce_mtp_losses(stage, groups)
+        torch.testing.assert_close(mine, ref_model.mtp.tracker.mean_losses(), rtol=1e-9, atol=0)
     if ref_load is not None:
         torch.testing.assert_close(expert_load(stage), ref_load, rtol=0, atol=0)
         # logged aux losses: the tracker averages per-rank values over dp; the reference
