@@ -118,10 +118,13 @@ class BufferLayout:
         dp_size: int,
         pad_for_dp: bool,
         pad_multiple: int = 64,
+        isolated: Sequence[bool] | None = None,
     ) -> BufferLayout:
         """Lay out parameters of ``numels`` (already in buffer order) into buckets.
 
-        ``bucket_size=None`` puts everything in one bucket.
+        ``bucket_size=None`` puts everything in one bucket. A parameter flagged in
+        ``isolated`` gets a bucket of its own, so its shard boundaries depend only on its
+        size and ``dp_size`` — the same on every pipeline stage that holds a copy of it.
         """
         if dp_size < 1:
             raise ValueError(f"dp_size={dp_size} must be >= 1")
@@ -142,10 +145,13 @@ class BufferLayout:
             members = []
 
         for index, numel in enumerate(numels):
+            alone = bool(isolated[index]) if isolated is not None else False
+            if alone and members:
+                close()
             ranges.append((cursor, cursor + int(numel)))
             cursor += int(numel)
             members.append(index)
-            if bucket_size is not None and cursor - bucket_start >= bucket_size:
+            if alone or (bucket_size is not None and cursor - bucket_start >= bucket_size):
                 close()
         if members:
             close()
@@ -253,6 +259,10 @@ class ParamIndexMap:
                 dp_size=size,
                 pad_for_dp=pad_for_dp,
                 pad_multiple=pad_multiple,
+                # A weight shared across pipeline stages (tied embedding / head) is summed over
+                # the embedding group after the data-parallel reduce-scatter; that sum is only
+                # right on a rank's shard if both stages shard the weight identically.
+                isolated=[get_param_meta(p).shared_embedding for p in in_order],
             )
             ordered[key] = in_order
         return cls(buffers, ordered)
