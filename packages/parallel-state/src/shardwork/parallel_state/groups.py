@@ -1,8 +1,11 @@
 """``ProcessGroups``: every communicator a rank needs, created once and passed explicitly.
 
-- ``init_process_groups`` builds the :class:`RankLayout`, then creates each
-  distinct rank list once (groups with identical members share one
-  communicator) in the same order on every rank.
+- ``init_process_groups`` builds the :class:`RankLayout`, then creates one
+  communicator per group name and member list, in the same order on every rank.
+  Two names with the same members (say ep and dp) still get separate
+  communicators, as in Megatron-Core: collectives issued on one (an overlapped
+  gradient all-reduce) must never queue behind or interleave with another's (an
+  expert all-to-all in backward).
 - It works inside an existing default group, initialises one itself (from
   ``torchrun``'s environment or a given ``Store``), and can place the layout
   on a subset of the world's ranks (``ranks=``), so one pool of processes can
@@ -159,15 +162,15 @@ def init_process_groups(
     world_backend = dist.get_backend()
     local = ranks is not None and len(global_ranks) != dist.get_world_size()
 
-    created: dict[tuple[int, ...], Any] = {}
-    gloo_created: dict[tuple[int, ...], Any] = {}
+    created: dict[tuple[str, tuple[int, ...]], Any] = {}
+    gloo_created: dict[tuple[str, tuple[int, ...]], Any] = {}
 
-    def make(members: tuple[int, ...], use_backend: str | None, cache: dict) -> Any:
-        if members not in cache:
-            cache[members] = dist.new_group(
+    def make(name: str, members: tuple[int, ...], use_backend: str | None, cache: dict) -> Any:
+        if (name, members) not in cache:
+            cache[(name, members)] = dist.new_group(
                 list(members), timeout=timeout, backend=use_backend, use_local_synchronization=local
             )
-        return cache[members]
+        return cache[(name, members)]
 
     members_by_name: dict[str, tuple[int, ...]] = {}
     handles: dict[str, Any] = {}
@@ -176,7 +179,7 @@ def init_process_groups(
             mapped = tuple(global_ranks[r] for r in group)
             if local and local_me not in group:
                 continue  # with local synchronisation only members create a group
-            handle = make(mapped, None, created)
+            handle = make(name, mapped, None, created)
             if local_me in group:
                 members_by_name[name] = mapped
                 handles[name] = handle
@@ -191,7 +194,7 @@ def init_process_groups(
                 mapped = tuple(global_ranks[r] for r in group)
                 if local and local_me not in group:
                     continue
-                handle = make(mapped, "gloo", gloo_created)
+                handle = make(name, mapped, "gloo", gloo_created)
                 if local_me in group:
                     gloo[name] = handle
     return ProcessGroups(
