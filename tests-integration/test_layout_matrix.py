@@ -33,6 +33,10 @@ MODELS = {
     "moe": {"preset": "tiny-mixtral-8x7b", "num_layers": 4},
 }
 
+CELL_TIMEOUT = 240
+"""Seconds before a cell's ranks are killed (the slowest passing cell, 8 ranks, takes ~60 s on a
+loaded 2-core machine; a hung collective must not hold CI for long)."""
+
 SLOW = pytest.mark.slow
 CP_GRAD = pytest.mark.xfail(
     strict=True,
@@ -41,8 +45,9 @@ CP_GRAD = pytest.mark.xfail(
 )
 EP_A2A = pytest.mark.xfail(
     strict=True,
-    reason="known defect: ep=2 with dp=2 aborts in moe_router.comm all_to_all backward "
-    "(gloo: received data size does not match the expected split)",
+    reason="known defect: MoE training at ep2 (dp=2), ep2 x etp2 and tp2 x ep2 x pp2 aborts or "
+    "hangs in moe_router.comm's all_to_all (gloo: received data size does not match the "
+    "expected split)",
 )
 
 # (name, world, parallel section, model kind, marks)
@@ -59,9 +64,9 @@ CELLS = [
     ("pp2-vpp2", 2, {"pp": 2, "vpp": 2}, "moe", ()),
     ("cp2", 2, {"cp": 2}, "moe", (SLOW, CP_GRAD)),
     ("ep2", 2, {"ep": 2}, "moe", (SLOW, EP_A2A)),
-    ("ep2-etp2", 4, {"ep": 2, "etp": 2}, "moe", (SLOW,)),
+    ("ep2-etp2", 4, {"ep": 2, "etp": 2}, "moe", (SLOW, EP_A2A)),
     ("tp2-pp2-dp2", 8, {"tp": 2, "pp": 2}, "moe", (SLOW,)),
-    ("tp2-ep2-pp2", 4, {"tp": 2, "ep": 2, "etp": 1, "pp": 2}, "moe", (SLOW,)),
+    ("tp2-ep2-pp2", 4, {"tp": 2, "ep": 2, "etp": 1, "pp": 2}, "moe", (SLOW, EP_A2A)),
 ]
 
 
@@ -119,7 +124,7 @@ def test_layout_matches_world_one(tmp_path, corpus_cache, references, world, par
         _train,
         world,
         args=(str(tmp_path), _sections(kind, parallel, world), corpus_cache),
-        timeout=600,
+        timeout=CELL_TIMEOUT,
     )
     for rank, (train_losses, valid_losses) in enumerate(results):
         assert sorted(train_losses) == list(range(STEPS)), f"rank {rank}"
