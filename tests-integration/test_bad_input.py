@@ -199,14 +199,14 @@ QUICK = {
 }
 
 
-def _resume_fails(scratch: Path, path: Path, needles: list[str]) -> None:
+def _resume_fails(scratch: Path, path: Path, needles: list[str], error: type) -> None:
     from shardwork.trainer.run.trainer import train
     from shardwork.trainer.testing import tiny_config
 
     before = _snapshot(path)
     run = scratch / "resumed"
     config = tiny_config(run, **QUICK, checkpoint={"resume": str(path)})
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(error) as info:
         train(config, stream=io.StringIO())
     for needle in needles:
         assert needle in str(info.value), str(info.value)
@@ -218,15 +218,9 @@ def test_resume_from_a_directory_without_checkpoint(scratch):
     junk = scratch / "junk" / "step_000000002"
     junk.mkdir(parents=True)
     (junk / "weights.bin").write_bytes(os.urandom(64))
-    _resume_fails(scratch, junk, [str(junk), "no complete checkpoint"])
+    _resume_fails(scratch, junk, [str(junk), "no complete checkpoint"], ValueError)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="open defect: inside pytest the truncated data file surfaces as torch's raw "
-    "CheckpointException (EOFError traceback) instead of dist_checkpoint's "
-    "CheckpointCorruptError; the same steps in a plain python process give the clear error",
-)
 def test_resume_from_a_truncated_checkpoint(scratch):
     from shardwork.trainer.run.trainer import train
     from shardwork.trainer.testing import tiny_config
@@ -238,7 +232,9 @@ def test_resume_from_a_truncated_checkpoint(scratch):
     ckpt = Path(good.checkpoint)
     big = max((p for p in ckpt.iterdir() if p.is_file()), key=lambda p: p.stat().st_size)
     big.write_bytes(big.read_bytes()[:100])  # truncated data file
-    _resume_fails(scratch, ckpt, [str(ckpt), big.name, "100 bytes"])
+    from shardwork.dist_checkpoint import CheckpointCorruptError
+
+    _resume_fails(scratch, ckpt, [str(ckpt), big.name, "100 bytes"], CheckpointCorruptError)
 
 
 CLI_CASES = ["tp-exceeds-world", "missing-dataset", "lr-zero"]
