@@ -118,7 +118,10 @@ class GroupedMLP(torch.nn.Module):
             )
         n = tokens_NH.shape[0]
         if n == 0:
-            return tokens_NH.new_zeros((0, self.w_down.shape[-1])) + 0 * self.w_down.sum()
+            # Keep the (empty) input in the graph: the dispatcher's all-to-all backward must run
+            # on this rank too, or its peers wait in a collective this rank never joins.
+            empty = tokens_NH.new_zeros((0, self.w_down.shape[-1]))
+            return empty + 0 * self.w_down.sum() + 0 * tokens_NH.sum()
         expert_N = torch.repeat_interleave(torch.arange(L, device=tokens_NH.device), counts)
         starts = torch.cumsum(counts, 0) - counts
         slot_N = torch.arange(n, device=tokens_NH.device) - starts[expert_N]

@@ -138,7 +138,9 @@ def grouped_linear(
     """``y[rows of group l] = x[rows of group l] @ w[l]ᵀ``; rows grouped contiguously by ``counts``."""
     n, L = x_NI.shape[0], w_LOI.shape[0]
     if n == 0:
-        return x_NI.new_zeros((0, w_LOI.shape[1])) + 0 * w_LOI.sum()
+        # Keep the (empty) input in the graph: the dispatcher's all-to-all backward must run on
+        # this rank too, or its peers wait in a collective this rank never joins.
+        return x_NI.new_zeros((0, w_LOI.shape[1])) + 0 * w_LOI.sum() + 0 * x_NI.sum()
     if _use_grouped_mm(mode, x_NI, w_LOI):
         offs = torch.cumsum(counts_L.to(device=x_NI.device, dtype=torch.int64), 0).to(torch.int32)
         y = F.grouped_mm(x_NI.contiguous(), w_LOI.transpose(1, 2), offs=offs)
