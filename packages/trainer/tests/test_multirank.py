@@ -137,17 +137,32 @@ def test_collective_timeout_names_phase_and_group():
     assert "'optimizer step'" in message and "dp_cp=[0, 1]" in message
 
 
-def test_moe_expert_parallel_matches_single_process(tmp_path, cache):
+@pytest.mark.parametrize(
+    ("preset", "parallel"),
+    [
+        # ep=2 with dp=2: the first step's loss is identical; afterwards the per-rank aux-loss
+        # statistics (each dp rank routes its own tokens) legitimately differ from one process
+        ("tiny-mixtral-8x7b", {"ep": 2}),
+        # MLA, MTP (needs input ids on the last stage), uneven stages: 1 + 2 layers
+        ("tiny-deepseek-v3", {"pp": 2, "first_stage_layers": 1}),
+    ],
+    ids=["mixtral-ep2", "deepseek-pp2"],
+)
+def test_moe_models_match_single_process(tmp_path, cache, preset, parallel):
     sections = {
-        "model": {"preset": "tiny-mixtral-8x7b"},
+        "model": {"preset": preset},
         "schedule": {"train_steps": 4, "warmup_steps": 2},
         "eval": {"interval": 4, "steps": 2},
     }
     ref_train, ref_valid, _ = _train(str(tmp_path / "ref"), sections, cache)
-    ep = {**sections, "parallel": {"ep": 2}}
+    layout = {**sections, "parallel": parallel}
     for train_losses, valid_losses, _ in run_on_ranks(
-        _train, 2, args=(str(tmp_path / "ep2"), ep, cache), timeout=300
+        _train, 2, args=(str(tmp_path / "par"), layout, cache), timeout=300
     ):
+        assert train_losses[0] == pytest.approx(ref_train[0], rel=1e-5)
+        if "ep" in parallel:
+            assert train_losses[3] < train_losses[0] - 0.5
+            continue
         for step in range(4):
             assert train_losses[step] == pytest.approx(ref_train[step], rel=2e-4, abs=2e-4)
         assert valid_losses[4] == pytest.approx(ref_valid[4], rel=2e-4, abs=2e-4)

@@ -3,7 +3,8 @@
 :func:`tiny_config` is a complete, resolved :class:`TrainConfig` for a 2-layer,
 32-wide GPT on the built-in corpus that trains a step in well under a second
 on one CPU core; keyword arguments override sections, e.g.
-``tiny_config(run_dir, schedule={"train_steps": 12}, parallel={"tp": 2})``.
+``tiny_config(run_dir, schedule={"train_steps": 12}, parallel={"tp": 2})``. A model
+section naming a ``preset`` replaces the tiny architecture with the preset's.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ def tiny_config(run_dir: str | Path, *, world_size: int = 1, **sections: Any) ->
     merged["logging"]["run_dir"] = str(run_dir)
     merged["checkpoint"]["dir"] = str(Path(run_dir) / "checkpoints")
     for name, values in sections.items():
-        if isinstance(values, dict):
+        if name == "model" and isinstance(values, dict) and values.get("preset"):
+            merged["model"] = dict(values)  # a preset brings its own (tiny) architecture
+        elif isinstance(values, dict):
             merged.setdefault(name, {}).update(values)
         else:
             config = dataclasses.replace(config, **{name: values})

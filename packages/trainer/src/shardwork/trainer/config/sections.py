@@ -223,7 +223,7 @@ class LoggingConfig:
     tensorboard: bool = True
     """Also write TensorBoard events when tensorboard is installed."""
     per_rank: bool = False
-    """Every rank writes its own metrics file (default: rank 0 only)."""
+    """Every other rank also writes RUN_DIR/metrics-rank{r}.jsonl (default: rank 0 only)."""
     plot: bool = True
     """Write PNG plots into RUN_DIR at the end."""
     peak_tflops: float | None = None

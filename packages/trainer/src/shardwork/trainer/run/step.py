@@ -3,8 +3,8 @@
 - The schedule is ``get_schedule(pp, vpp)``: gradient accumulation without
   pipelining, 1F1B, or interleaved 1F1B; it calls :func:`forward_step` once
   per micro-batch and chunk.
-- Only the first pipeline stage reads input ids and only the last reads
-  labels; middle stages read nothing (their micro-batch iterator yields
+- Only the first pipeline stage reads input ids (and the last, for models
+  with multi-token prediction) and only the last reads labels; middle stages read nothing (their micro-batch iterator yields
   empty dicts). With vpp chunks each chunk gets its own iterator over the
   same micro-batches.
 - Loss: the model returns ``(loss_sum, num_tokens)``; backward starts from
@@ -62,8 +62,13 @@ def micro_batches(
     first_stage: bool,
     last_stage: bool,
     device: torch.device,
+    last_stage_inputs: bool = False,
 ) -> Iterator[dict]:
-    """The ``count`` micro-batches of this rank: ``{"input_ids", "labels"}`` as the stage needs."""
+    """The ``count`` micro-batches of this rank: ``{"input_ids", "labels"}`` as the stage needs.
+
+    ``last_stage_inputs``: the last stage also needs input ids (multi-token prediction
+    embeds the shifted inputs there).
+    """
     for index in range(count):
         if not (first_stage or last_stage):
             yield {}
@@ -77,7 +82,7 @@ def micro_batches(
             dp_size=dp_size,
         ).to(device, non_blocking=True)
         batch = {}
-        if first_stage:
+        if first_stage or last_stage_inputs:
             batch["input_ids"] = rows[:, :-1]
         if last_stage:
             batch["labels"] = rows[:, 1:]
@@ -186,6 +191,7 @@ def run_schedule(
             first_stage=groups.is_first_pp_stage,
             last_stage=groups.is_last_pp_stage,
             device=runtime.device,
+            last_stage_inputs=getattr(assembly.model_config, "mtp", None) is not None,
         )
 
     chunks = assembly.chunks

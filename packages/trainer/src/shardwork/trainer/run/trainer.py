@@ -145,9 +145,7 @@ class Trainer:
             run_dir.mkdir(parents=True, exist_ok=True)
             writer = MetricsWriter(
                 run_dir,
-                rank=None
-                if runtime.is_logging_rank and not config.logging.per_rank
-                else runtime.rank,
+                rank=None if runtime.is_logging_rank else runtime.rank,
                 tensorboard=config.logging.tensorboard and runtime.is_logging_rank,
             )
             if runtime.is_logging_rank:
