@@ -63,6 +63,8 @@ def micro_batches(
     last_stage: bool,
     device: torch.device,
     last_stage_inputs: bool = False,
+    cp_rank: int = 0,
+    cp_size: int = 1,
 ) -> Iterator[dict]:
     """The ``count`` micro-batches of this rank: ``{"input_ids", "labels"}`` as the stage needs.
 
@@ -83,10 +85,20 @@ def micro_batches(
         ).to(device, non_blocking=True)
         batch = {}
         if first_stage or last_stage_inputs:
-            batch["input_ids"] = rows[:, :-1]
+            batch["input_ids"] = _context_slice(rows[:, :-1], cp_rank, cp_size)
         if last_stage:
-            batch["labels"] = rows[:, 1:]
+            batch["labels"] = _context_slice(rows[:, 1:], cp_rank, cp_size)
         yield batch
+
+
+def _context_slice(x: torch.Tensor, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """This context-parallel rank's load-balanced chunks of the sequence dim (the model
+    takes ``[b, s/cp]``); the identity without context parallelism."""
+    if cp_size == 1:
+        return x
+    from shardwork.models import slice_for_context_parallel
+
+    return slice_for_context_parallel(x, cp_rank=cp_rank, cp_size=cp_size, dim=1)
 
 
 def _loss_fn(output):
@@ -192,6 +204,8 @@ def run_schedule(
             last_stage=groups.is_last_pp_stage,
             device=runtime.device,
             last_stage_inputs=getattr(assembly.model_config, "mtp", None) is not None,
+            cp_rank=groups.rank("cp"),
+            cp_size=groups.size("cp"),
         )
 
     chunks = assembly.chunks
