@@ -31,6 +31,7 @@ from shardwork.dist_optimizer.distributed_optimizer import (
     _as_models,
     group_ranks,
 )
+from shardwork.dist_optimizer.optimizer_groups import resolve_optimizer_groups
 from shardwork.dist_optimizer.step_flow import StepResult, run_step
 from shardwork.parallel_state import ProcessGroups, get_param_meta, group_rank, set_param_meta
 
@@ -78,43 +79,21 @@ class LayerWiseDistributedOptimizer:
                     f"model[{i}] was built with DDPConfig(use_distributed_optimizer=True); "
                     "valid: False (the layer-wise optimizer needs all-reduced gradients)"
                 )
-        groups = [m.expert_dp_group if expert else m.dp_group for m in self.models]
-        self.dp_group = groups[0]
-        if any(group_ranks(g) != group_ranks(self.dp_group) for g in groups):
-            raise ValueError("model chunks reduce over different data-parallel groups; valid: one")
-        if process_groups is not None:
-            name = "edp" if expert else "dp_cp"
-            expected = group_ranks(process_groups.group(name))
-            if expected != group_ranks(self.dp_group):
-                raise ValueError(
-                    f"mismatched groups: the model's data-parallel group has ranks "
-                    f"{group_ranks(self.dp_group)} but process_groups {name!r} has {expected}"
-                )
-            if tp_group is None:
-                tp_group = process_groups.group("etp" if expert else "tp")
-            if stats_groups is None:
-                stats_groups = (
-                    self.dp_group,
-                    process_groups.group("expert_mp" if expert else "mp"),
-                )
-            if pp_rank is None:
-                pp_rank = process_groups.rank("pp")
+        resolved = resolve_optimizer_groups(
+            self.models,
+            expert=expert,
+            process_groups=process_groups,
+            tp_group=tp_group,
+            stats_groups=stats_groups,
+            pp_rank=pp_rank,
+        )
+        self.dp_group, tp_group = resolved.dp_group, resolved.tp_group
         self.tp_group = tp_group
-        self.stats_groups = tuple(
-            stats_groups if stats_groups is not None else (self.dp_group, tp_group)
-        )
-        self.pp_rank = pp_rank or 0
-        self.collision_axes = (
-            {
-                a: process_groups.size(a)
-                for a in (("pp", "ep") if expert else ("pp",))
-                if process_groups.size(a) > 1
-            }
-            if process_groups is not None
-            else {}
-        )
-        """Parallel axes (from ``process_groups``) whose ranks hold different parameters under
-        possibly equal local names: saving then needs ``param_rects`` with global keys."""
+        self.stats_groups = resolved.stats_groups
+        self.pp_rank = resolved.pp_rank
+        self.collision_axes = resolved.collision_axes
+        """Parallel axes whose ranks hold different parameters under possibly equal local
+        names: saving then needs ``param_rects`` with global keys."""
         self.loss_scaler = loss_scaler
         tp_rank = group_rank(tp_group)
         dp_size = len(group_ranks(self.dp_group))
