@@ -12,7 +12,6 @@
 - ``test_cli_reports_bad_input``: three of the table's cases through ``python -m
   shardwork.trainer`` (the ``shardwork-train`` entry point): exit status 2, the message on
   stderr, no traceback.
-- Known defects are strict xfails (they start failing loudly once fixed).
 """
 
 from __future__ import annotations
@@ -111,24 +110,20 @@ CASES = [
     ("keep-last-zero", 1, {"checkpoint": {"keep_last": 0}}, ["checkpoint.keep_last=0"]),
     ("eval-steps-zero", 1, {"eval": {"steps": 0}}, ["eval.steps=0"]),
     ("seed-negative", 1, {"seed": -1}, ["seed=-1"]),
-]
-
-XFAIL_CASES = [
-    # the byte tokenizer has more ids than this embedding: the model could not embed them
-    (
-        "vocab-smaller-than-tokenizer",
-        1,
-        {"model": {"vocab_size": 100}},
-        ["vocab_size=100"],
-        "known defect: model.vocab_size below the tokenizer's vocabulary is not rejected",
-    ),
+    # the byte tokenizer has 257 ids: an embedding of 100 rows could not look them up
+    ("vocab-smaller-than-tokenizer", 1, {"model": {"vocab_size": 100}}, ["model.vocab_size=100"]),
     (
         "tokenizer-not-a-tokenizer",
         1,
         {"data": {"tokenizer": "{d}/garbage-tokenizer.json"}},
-        ["data.tokenizer="],
-        "known defect: an unreadable tokenizer JSON escapes as the tokenizers library's bare "
-        "Exception instead of a ConfigError naming data.tokenizer",
+        ["data.tokenizer=", "not a readable Hugging Face tokenizer JSON"],
+    ),
+    # a dataset preprocessed with a BPE tokenizer, trained with the byte tokenizer
+    (
+        "tokenizer-mismatch",
+        1,
+        {"data": {"prefixes": ["{d}/bpe_data"]}},
+        ["data.prefixes[0]=", "was tokenized with", "data.tokenizer='byte' has vocab 257"],
     ),
 ]
 
@@ -152,7 +147,25 @@ def scratch(tmp_path, corpus_cache, monkeypatch):
     monkeypatch.setenv("SHARDWORK_CACHE", corpus_cache)
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "garbage-tokenizer.json").write_text('{"model": ')
+    _write_bpe_dataset(tmp_path)
     return tmp_path
+
+
+def _write_bpe_dataset(root: Path) -> None:
+    """``root/bpe_data`` tokenized with a small BPE tokenizer trained here (not the byte one)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from shardwork.trainer.data.preprocess import write_documents
+    from shardwork.trainer.data.tokenizer import load_tokenizer
+
+    docs = ["the cat sat on the mat", "the dog sat on the log"] * 8
+    bpe = Tokenizer(models.BPE(unk_token="[UNK]"))
+    bpe.pre_tokenizer = pre_tokenizers.Whitespace()
+    bpe.train_from_iterator(
+        docs, trainers.BpeTrainer(vocab_size=40, special_tokens=["[UNK]", "</s>"])
+    )
+    bpe.save(str(root / "bpe.json"))
+    write_documents(docs, root / "bpe_data", load_tokenizer(str(root / "bpe.json")))
 
 
 def _check(scratch: Path, world: int, sections: dict, needles: list[str]) -> str:
@@ -179,17 +192,6 @@ def _check(scratch: Path, world: int, sections: dict, needles: list[str]) -> str
     ("world", "sections", "needles"), [pytest.param(*c[1:], id=c[0]) for c in CASES]
 )
 def test_bad_config(scratch, world, sections, needles):
-    _check(scratch, world, sections, needles)
-
-
-@pytest.mark.parametrize(
-    ("world", "sections", "needles"),
-    [
-        pytest.param(*c[1:4], id=c[0], marks=pytest.mark.xfail(strict=True, reason=c[4]))
-        for c in XFAIL_CASES
-    ],
-)
-def test_bad_config_known_defects(scratch, world, sections, needles):
     _check(scratch, world, sections, needles)
 
 

@@ -16,7 +16,12 @@ import torch
 
 from shardwork.trainer.config.sections import DEMO_MODEL, TrainConfig
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp64": torch.float64,
+}
 
 
 def preset_fields(name: str) -> dict[str, Any]:

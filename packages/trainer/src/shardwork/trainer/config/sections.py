@@ -87,8 +87,10 @@ class ParallelSection:
 class PrecisionConfig:
     """Numeric formats and device."""
 
-    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Parameter / activation dtype (master weights and optimizer state stay fp32)."""
+    dtype: Literal["fp32", "bf16", "fp16", "fp64"] = "fp32"
+    """Parameter / activation dtype. bf16/fp16 keep fp32 master weights and optimizer state;
+    fp64 keeps everything (parameters, gradients, masters, moments) in float64, for exactness
+    tests that compare layouts at rtol 1e-9."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train; auto: CUDA when available, else CPU."""
     grad_reduce_in_fp32: bool = True

@@ -250,6 +250,53 @@ def _check_data(config: TrainConfig, problems: list[str]) -> None:
         )
 
 
+def _check_tokenizer(config: TrainConfig, problems: list[str]) -> bool:
+    """Load the tokenizer and check the vocabulary against the model and the datasets.
+
+    Returns False when the tokenizer itself cannot be loaded (later checks need it)."""
+    from shardwork.trainer.data.builder import read_data_config
+    from shardwork.trainer.data.dataset_meta import read_dataset_meta
+    from shardwork.trainer.data.tokenizer import load_tokenizer
+
+    d = config.data
+    try:
+        tokenizer = load_tokenizer(d.tokenizer, eod_token=d.eod_token)
+    except (ImportError, ValueError) as exc:
+        problems.append(
+            f"data.tokenizer={d.tokenizer!r}: {exc}; valid: 'byte' or a tokenizer.json "
+            "written by the `tokenizers` library"
+        )
+        return False
+    vocab = config.model.vocab_size
+    if vocab is not None and vocab < tokenizer.vocab_size:
+        problems.append(
+            f"model.vocab_size={vocab} is smaller than the vocabulary of data.tokenizer="
+            f"{d.tokenizer!r} ({tokenizer.vocab_size} ids): the embedding could not look up the "
+            f"larger ids; valid: >= {tokenizer.vocab_size} (or leave it unset to use the "
+            f"tokenizer's)"
+        )
+    datasets = [(f"data.prefixes[{i}]", prefix) for i, prefix in enumerate(d.prefixes or [])]
+    if d.data_config is not None:
+        try:
+            blends = read_data_config(d.data_config)
+        except ValueError:  # reported by _check_data
+            blends = {}
+        for split, entries in blends.items():
+            datasets += [(f"data.data_config[{split!r}]", prefix) for _, prefix in entries]
+    for where, prefix in datasets:
+        meta = read_dataset_meta(prefix)
+        if meta is None:
+            continue
+        if (meta.vocab_size, meta.eod_id) != (tokenizer.vocab_size, tokenizer.eod_id):
+            problems.append(
+                f"{where}={prefix!r} was tokenized with {meta.tokenizer!r} (vocab "
+                f"{meta.vocab_size}, end-of-document id {meta.eod_id}) but data.tokenizer="
+                f"{d.tokenizer!r} has vocab {tokenizer.vocab_size}, end-of-document id "
+                f"{tokenizer.eod_id}; valid: the tokenizer the dataset was built with"
+            )
+    return True
+
+
 def _check_rest(config: TrainConfig, problems: list[str]) -> None:
     c = config.checkpoint
     _positive(problems, "checkpoint.interval", c.interval, allow_none=True)
@@ -282,6 +329,8 @@ def validate_config(config: TrainConfig, *, world_size: int) -> TrainConfig:
     problems: list[str] = []
     _check_data(config, problems)
     tokenizer_ok = not any(p.startswith("data.tokenizer") for p in problems)
+    if tokenizer_ok:
+        tokenizer_ok = _check_tokenizer(config, problems)
     preset_ok = True
     if config.model.preset is not None:
         try:

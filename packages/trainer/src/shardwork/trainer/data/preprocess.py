@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shardwork.trainer.data.dataset_meta import DatasetMeta, write_dataset_meta
 from shardwork.trainer.data.indexed import IndexedDatasetWriter, token_dtype_for
 from shardwork.trainer.data.tokenizer import Tokenizer, load_tokenizer
 
@@ -55,7 +56,8 @@ def iter_documents(
 def write_documents(
     documents: Iterable[str], prefix: str | Path, tokenizer: Tokenizer, *, append_eod: bool = True
 ) -> tuple[int, int]:
-    """Tokenize ``documents`` into ``prefix.bin``/``prefix.idx``; returns (documents, tokens)."""
+    """Tokenize ``documents`` into ``prefix.bin``/``prefix.idx`` (and ``prefix.meta.json``
+    naming the tokenizer); returns (documents, tokens)."""
     num_docs = num_tokens = 0
     with IndexedDatasetWriter(prefix, dtype=token_dtype_for(tokenizer.vocab_size)) as writer:
         for text in documents:
@@ -65,6 +67,10 @@ def write_documents(
             writer.add_document(np.asarray(ids))
             num_docs += 1
             num_tokens += len(ids)
+    meta = DatasetMeta(
+        tokenizer=tokenizer.name, vocab_size=tokenizer.vocab_size, eod_id=tokenizer.eod_id
+    )
+    write_dataset_meta(prefix, meta)
     return num_docs, num_tokens
 
 

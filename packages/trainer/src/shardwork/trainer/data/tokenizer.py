@@ -53,7 +53,13 @@ class HFTokenizer:
                 "a tokenizer JSON needs the `tokenizers` package: install "
                 "shardwork-trainer[tokenizers] or use data.tokenizer='byte'"
             ) from exc
-        self._tok = HFTokenizerImpl.from_file(str(path))
+        try:
+            self._tok = HFTokenizerImpl.from_file(str(path))
+        except Exception as exc:  # the tokenizers library raises a bare Exception
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ValueError(
+                f"tokenizer {path}: not a readable Hugging Face tokenizer JSON file ({reason})"
+            ) from exc
         self.name = str(path)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         candidates = (eod_token,) if eod_token else _EOD_CANDIDATES

@@ -1,0 +1,129 @@
+"""Tokenizer checks before any work (vocabulary vs embedding, unreadable tokenizer JSON,
+dataset built with another tokenizer) and fp64 training."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from shardwork.trainer.config.load import ConfigError
+from shardwork.trainer.config.sections import TrainConfig
+from shardwork.trainer.config.validate import validate_config
+from shardwork.trainer.data.dataset_meta import read_dataset_meta
+from shardwork.trainer.data.preprocess import write_documents
+from shardwork.trainer.data.tokenizer import ByteTokenizer, load_tokenizer
+
+DOCS = ["the cat sat on the mat.", "the dog sat on the log.", "a cat and a dog."] * 10
+
+
+def _with(**sections):
+    config = TrainConfig()
+    for name, values in sections.items():
+        config = dataclasses.replace(
+            config, **{name: dataclasses.replace(getattr(config, name), **values)}
+        )
+    return config
+
+
+def _problems(config) -> list[str]:
+    with pytest.raises(ConfigError) as err:
+        validate_config(config, world_size=1)
+    return err.value.problems
+
+
+@pytest.fixture
+def hf_tokenizer_path(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(
+        DOCS, trainers.BpeTrainer(vocab_size=50, special_tokens=["[UNK]", "</s>"])
+    )
+    path = tmp_path / "bpe.json"
+    tok.save(str(path))
+    return path
+
+
+def test_vocab_smaller_than_tokenizer_is_rejected(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDWORK_CACHE", str(tmp_path))
+    (problem,) = _problems(_with(model={"vocab_size": 100}))
+    assert problem.startswith("model.vocab_size=100 is smaller than the vocabulary of ")
+    assert "data.tokenizer='byte' (257 ids)" in problem and "valid: >= 257" in problem
+    resolved = validate_config(_with(model={"vocab_size": 257}), world_size=1)
+    assert resolved.model.vocab_size == 257
+
+
+def test_unreadable_tokenizer_json_is_a_config_error(tmp_path, monkeypatch):
+    pytest.importorskip("tokenizers")
+    monkeypatch.setenv("SHARDWORK_CACHE", str(tmp_path))
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text('{"model": ')
+    (problem,) = _problems(_with(data={"tokenizer": str(bad)}))
+    assert problem.startswith(f"data.tokenizer={str(bad)!r}: tokenizer ")
+    assert "not a readable Hugging Face tokenizer JSON file" in problem
+    with pytest.raises(ValueError, match="not a readable Hugging Face tokenizer JSON"):
+        load_tokenizer(str(bad))
+
+
+def test_preprocess_records_the_tokenizer(tmp_path, hf_tokenizer_path):
+    tok = load_tokenizer(str(hf_tokenizer_path))
+    write_documents(DOCS, tmp_path / "bpe_data", tok)
+    meta = read_dataset_meta(tmp_path / "bpe_data")
+    assert (meta.tokenizer, meta.vocab_size, meta.eod_id) == (
+        str(hf_tokenizer_path),
+        tok.vocab_size,
+        tok.eod_id,
+    )
+    assert read_dataset_meta(tmp_path / "no_such_dataset") is None
+
+
+def test_dataset_built_with_another_tokenizer_is_rejected(tmp_path, monkeypatch, hf_tokenizer_path):
+    monkeypatch.setenv("SHARDWORK_CACHE", str(tmp_path))
+    hf = load_tokenizer(str(hf_tokenizer_path))
+    write_documents(DOCS, tmp_path / "bpe_data", hf)
+    write_documents(DOCS, tmp_path / "byte_data", ByteTokenizer())
+    prefixes = [str(tmp_path / "byte_data"), str(tmp_path / "bpe_data")]
+    # trained with the byte tokenizer: the BPE-built dataset (prefix 1) does not match
+    (problem,) = _problems(_with(data={"prefixes": prefixes}))
+    assert problem.startswith(f"data.prefixes[1]={prefixes[1]!r} was tokenized with ")
+    assert f"(vocab {hf.vocab_size}, end-of-document id {hf.eod_id})" in problem
+    assert "data.tokenizer='byte' has vocab 257, end-of-document id 256" in problem
+    # the same check through a JSON data config
+    data_config = tmp_path / "blend.json"
+    data_config.write_text(
+        f'{{"train": [[1.0, "{prefixes[1]}"]], "valid": [[1.0, "{prefixes[0]}"]]}}'
+    )
+    (problem,) = _problems(_with(data={"data_config": str(data_config)}))
+    assert problem.startswith(f"data.data_config['train']={prefixes[1]!r} was tokenized with")
+    # the matching tokenizer passes
+    resolved = validate_config(
+        _with(data={"prefixes": prefixes[1:], "tokenizer": str(hf_tokenizer_path)}),
+        world_size=1,
+    )
+    assert resolved.model.vocab_size == hf.vocab_size
+
+
+def test_fp64_run_keeps_float64_and_tracks_fp32(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDWORK_CACHE", str(tmp_path / "corpus"))
+    from shardwork.trainer.run.setup import build_assembly, init_runtime
+    from shardwork.trainer.run.trainer import train
+    from shardwork.trainer.testing import tiny_config
+
+    steps = {"schedule": {"train_steps": 3, "warmup_steps": 1}, "eval": {"interval": None}}
+    fp64 = tiny_config(tmp_path / "fp64", precision={"dtype": "fp64"}, **steps)
+    assembly = build_assembly(fp64, init_runtime(fp64))
+    params = [p for m in assembly.modules for p in m.parameters()]
+    assert params and all(p.dtype == torch.float64 for p in params)
+    # ZeRO masters are views of the fp64 parameter buffer (AdamW's moments follow them)
+    masters = [g for group in assembly.optimizer.param_groups for g in group["params"]]
+    assert masters and all(m.dtype == torch.float64 for m in masters)
+
+    losses64 = train(fp64).train_losses
+    losses32 = train(tiny_config(tmp_path / "fp32", **steps)).train_losses
+    assert sorted(losses64) == sorted(losses32) == [0, 1, 2]
+    np.testing.assert_allclose(
+        [losses64[s] for s in (0, 1, 2)], [losses32[s] for s in (0, 1, 2)], rtol=1e-4
+    )
