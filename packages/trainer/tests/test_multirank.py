@@ -28,6 +28,19 @@ def _train(run_dir, sections, cache):
     return result.train_losses, result.valid_losses, stream.getvalue()
 
 
+def _train_mtp(run_dir, sections, cache):
+    """Like :func:`_train`, with the per-step MTP losses instead of the printed text."""
+    import os
+
+    os.environ["SHARDWORK_CACHE"] = cache
+    from shardwork.trainer.run.trainer import train
+    from shardwork.trainer.testing import tiny_config
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    result = train(tiny_config(run_dir, world_size=world, **sections), stream=io.StringIO())
+    return result.train_losses, result.valid_losses, result.train_mtp_losses
+
+
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("corpus"))
@@ -154,10 +167,10 @@ def test_moe_models_match_single_process(tmp_path, cache, preset, parallel):
         "schedule": {"train_steps": 4, "warmup_steps": 2},
         "eval": {"interval": 4, "steps": 2},
     }
-    ref_train, ref_valid, _ = _train(str(tmp_path / "ref"), sections, cache)
+    ref_train, ref_valid, ref_mtp = _train_mtp(str(tmp_path / "ref"), sections, cache)
     layout = {**sections, "parallel": parallel}
-    for train_losses, valid_losses, _ in run_on_ranks(
-        _train, 2, args=(str(tmp_path / "par"), layout, cache), timeout=300
+    for train_losses, valid_losses, mtp_losses in run_on_ranks(
+        _train_mtp, 2, args=(str(tmp_path / "par"), layout, cache), timeout=300
     ):
         assert train_losses[0] == pytest.approx(ref_train[0], rel=1e-5)
         if "ep" in parallel:
@@ -165,6 +178,8 @@ def test_moe_models_match_single_process(tmp_path, cache, preset, parallel):
             continue
         for step in range(4):
             assert train_losses[step] == pytest.approx(ref_train[step], rel=2e-4, abs=2e-4)
+            # MTP (last stage only) reaches every rank's log through reduce_mtp_losses
+            assert mtp_losses[step] == pytest.approx(ref_mtp[step], rel=2e-4, abs=2e-4)
         assert valid_losses[4] == pytest.approx(ref_valid[4], rel=2e-4, abs=2e-4)
 
 

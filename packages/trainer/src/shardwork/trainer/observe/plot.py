@@ -1,9 +1,10 @@
 """``shardwork-plot RUN_DIR``: PNG plots of a run's ``metrics.jsonl``.
 
-Writes into ``RUN_DIR/plots/``: ``loss.png`` (train and validation loss, and
-the bigram baseline when the run recorded it), ``lr.png`` (learning rate and
+Writes into ``RUN_DIR/plots/``: ``loss.png`` (train and validation loss, each
+MTP depth's loss ``mtp_loss_<k>`` when present, and the bigram baseline when the
+run recorded it), ``lr.png`` (learning rate and
 batch size), ``grad_norm.png``, ``throughput.png`` (tokens/s), ``aux_losses.png``
-(MoE aux / MTP losses, when present) and ``expert_load.png`` (a layer × expert
+(MoE aux / z losses per type, when present) and ``expert_load.png`` (a layer × expert
 heatmap of the last logged expert load, when present). Uses matplotlib's
 non-interactive Agg backend, so it works on headless machines.
 """
@@ -53,6 +54,15 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     xs, ys = _series(records, "valid", "loss")
     if xs:
         ax.plot(xs, ys, "o-", label="validation loss")
+    mtp_keys = sorted(
+        {k for r in records if r.get("kind") == "train" for k in r if k.startswith("mtp_loss_")},
+        key=lambda k: int(k[9:]),
+    )
+    for key in mtp_keys:
+        ax.plot(*_series(records, "train", key), ls=":", label=f"train MTP depth {key[9:]}")
+        xs, ys = _series(records, "valid", key)
+        if xs:
+            ax.plot(xs, ys, "s:", label=f"validation MTP depth {key[9:]}")
     if baseline is not None:
         ax.axhline(baseline["bigram_nats"], color="grey", ls="--", label="bigram entropy")
     ax.set_xlabel("step")

@@ -1,7 +1,8 @@
 """Progress display: a tqdm bar on a terminal, plain log lines elsewhere (CI, files).
 
-Both show step, loss, learning rate, tokens/s and the time left; the plain
-lines also carry grad norm, MFU and memory, one line per logging interval.
+Both show step, loss (and each MTP depth's loss as ``mtp<k>``), learning rate,
+tokens/s and the time left; the plain lines also carry grad norm, MoE aux losses,
+MFU and memory, one line per logging interval.
 Only the logging rank creates one.
 """
 
@@ -24,6 +25,11 @@ def format_count(value: float) -> str:
         if abs(value) >= size:
             return f"{value / size:.1f}{unit}"
     return f"{value:.0f}"
+
+
+def _mtp_depths(values: dict[str, Any]) -> list[int]:
+    """The MTP depths k with an ``mtp_loss_<k>`` entry, in order."""
+    return sorted(int(key[9:]) for key in values if key.startswith("mtp_loss_"))
 
 
 class Progress:
@@ -56,7 +62,11 @@ class Progress:
         """``step`` steps are done; ``values`` holds the latest loss, lr, tokens_per_s, ..."""
         if self._bar is not None:
             self._bar.n = step
-            postfix = {"loss": f"{values['loss']:.4f}", "lr": f"{values['lr']:.2e}"}
+            postfix = {"loss": f"{values['loss']:.4f}"}
+            postfix.update(
+                {f"mtp{k}": f"{values[f'mtp_loss_{k}']:.4f}" for k in _mtp_depths(values)}
+            )
+            postfix["lr"] = f"{values['lr']:.2e}"
             if "tokens_per_s" in values:
                 postfix["tok/s"] = format_count(values["tokens_per_s"])
             self._bar.set_postfix(postfix, refresh=False)
@@ -70,6 +80,7 @@ class Progress:
         done = step - self.start_step
         eta = elapsed / done * (self.total - step) if done > 0 else 0.0
         parts = [f"step {step}/{self.total}", f"loss {values['loss']:.4f}"]
+        parts += [f"mtp{k} {values[f'mtp_loss_{k}']:.4f}" for k in _mtp_depths(values)]
         if "grad_norm" in values:
             parts.append(f"grad {values['grad_norm']:.3f}")
         parts.append(f"lr {values['lr']:.2e}")

@@ -14,7 +14,12 @@
 - MoE models: trackers are reset per step, aux losses get the main loss's
   backward scale, ``moe_finalize_kwargs`` reduces the trackers and updates
   expert biases inside finalize_model_grads, and the step reports aux losses
-  and per-layer expert load.
+  (one value per type) and per-layer expert load.
+- Models with multi-token prediction: the MTP loss reaches backward through the
+  model (with the main loss's backward scale) and is *not* part of the returned
+  main loss; its per-depth token means are reduced by
+  ``shardwork.models.mtp.reduce_mtp_losses`` (every rank) and reported separately,
+  for training steps and evaluation alike.
 - A collective that times out is re-raised as :class:`CollectiveTimeoutError`
   naming the phase and the groups it communicates over.
 """
@@ -123,15 +128,45 @@ class StepOutput:
     moe: dict | None = None
     """MoE statistics of the step: aux losses (mean over MoE layers and micro-batches),
     ``load_imbalance`` and ``expert_load`` (fraction of routed tokens, [MoE layer][expert])."""
+    mtp: list[float] | None = None
+    """Models with MTP: per-depth global mean MTP loss (nats/token, depth 1 first), without
+    the ``loss_coeff`` weight; None without MTP."""
+
+
+@dataclass
+class EvalOutput:
+    loss: float
+    """Global mean main LM loss (nats/token) of the evaluated samples."""
+    num_tokens: int
+    mtp: list[float] | None = None
+    """Models with MTP: per-depth global mean MTP loss on the same samples."""
+
+
+def _reset_mtp(modules) -> None:
+    """Zero the MTP loss trackers (each holds this step's or evaluation's per-depth sums)."""
+    for m in modules:
+        mtp = getattr(m, "mtp", None)
+        if mtp is not None:
+            mtp.tracker.reset()
+
+
+def _mtp_losses(assembly, groups) -> list[float] | None:
+    """Per-depth global mean MTP losses since the last :func:`_reset_mtp` (every rank calls)."""
+    if getattr(assembly.model_config, "mtp", None) is None:
+        return None
+    from shardwork.models.mtp import reduce_mtp_losses
+
+    return reduce_mtp_losses(assembly.modules, groups)
 
 
 def _prepare_moe(modules, grad_scale: float) -> list:
-    """Reset the MoE trackers and give aux / MTP losses the main loss's backward scale.
+    """Reset the MoE and MTP trackers and give aux / MTP losses the main loss's backward scale.
 
     The main loss is back-propagated as a token *sum* (times ``grad_scale``) and
     finalize_model_grads divides every gradient by the global token count, so aux losses
     enter backward with the same factor ``grad_scale``.
     """
+    _reset_mtp(modules)
     trackers = []
     for m in modules:
         tracker = getattr(m, "aux_loss_tracker", None)
@@ -281,23 +316,27 @@ def train_step(
         mean, _, tokens = reduce_loss(
             losses, pp_group=groups.pp, dp_cp_group=groups.group("dp_cp"), device=runtime.device
         )
+        mtp = _mtp_losses(assembly, groups)
     return StepOutput(
         loss=float(mean),
         num_tokens=int(tokens),
         grad_norm=result.grad_norm,
         update_successful=bool(result.update_successful),
         moe=_moe_stats(trackers, num_micro),
+        mtp=mtp,
     )
 
 
 @torch.no_grad()
-def evaluate(assembly, runtime, dataset, *, num_microbatches: int, config) -> tuple[float, int]:
-    """Mean loss (nats/token) over ``num_microbatches`` per data-parallel rank of ``dataset``."""
+def evaluate(assembly, runtime, dataset, *, num_microbatches: int, config) -> EvalOutput:
+    """Mean loss (nats/token) over ``num_microbatches`` per data-parallel rank of ``dataset``
+    (and the per-depth MTP losses of models with MTP)."""
     from shardwork.models.pipeline import reduce_loss
 
     groups = runtime.groups
     for m in assembly.modules:
         m.eval()
+    _reset_mtp(assembly.modules)
     with collective_phase(
         "evaluation",
         groups,
@@ -318,6 +357,7 @@ def evaluate(assembly, runtime, dataset, *, num_microbatches: int, config) -> tu
         mean, _, tokens = reduce_loss(
             losses, pp_group=groups.pp, dp_cp_group=groups.group("dp_cp"), device=runtime.device
         )
+        mtp = _mtp_losses(assembly, groups)
     for m in assembly.modules:
         m.train()
-    return float(mean), int(tokens)
+    return EvalOutput(loss=float(mean), num_tokens=int(tokens), mtp=mtp)

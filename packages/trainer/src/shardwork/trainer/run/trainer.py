@@ -9,7 +9,8 @@ through shardwork.dist_checkpoint. Per step it:
 2. runs forward/backward over the step's global batch (size from the
    batch-size schedule), finalises gradients and steps,
 3. handles a non-finite loss or gradient (skip the step or stop),
-4. logs (every ``logging.interval``), evaluates (every ``eval.interval``),
+4. logs (every ``logging.interval``; the main LM loss, each MTP depth's loss
+   ``mtp_loss_<k>`` and each MoE aux-loss type as separate metrics), evaluates (every ``eval.interval``),
    checks data-parallel replicas (every ``reliability.check_dp_params_interval``),
    checkpoints (every ``checkpoint.interval``),
 5. stops cleanly, with a checkpoint, when any rank received SIGTERM/SIGINT.
@@ -58,6 +59,8 @@ class RunResult:
     final_step: int
     train_losses: dict[int, float] = field(default_factory=dict)
     """Global mean loss of every step taken in this process, by step index."""
+    train_mtp_losses: dict[int, list[float]] = field(default_factory=dict)
+    """Models with MTP: per-depth global mean MTP loss of every step (depth 1 first)."""
     valid_losses: dict[int, float] = field(default_factory=dict)
     bigram_nats: float | None = None
     checkpoint: str | None = None
@@ -197,6 +200,7 @@ class Trainer:
         consecutive_skips = 0
         window_tokens, window_t0 = 0, time.perf_counter()
         window_losses: list[float] = []
+        window_mtp: list[list[float]] = []
         step = start_step
         stop = StopRequest(enabled=config.checkpoint.save_on_signal)
         loop_t0 = time.perf_counter()
@@ -245,20 +249,26 @@ class Trainer:
                 else:
                     consecutive_skips = 0
                 result.train_losses[step] = out.loss
+                if out.mtp is not None:
+                    result.train_mtp_losses[step] = out.mtp
                 if math.isfinite(out.loss):
                     window_losses.append(out.loss)
+                    if out.mtp is not None:
+                        window_mtp.append(out.mtp)
                 step += 1
                 result.final_step = step
                 window_tokens += gbs * seq
                 result.tokens += gbs * seq
 
                 log_now = step % config.logging.interval == 0 or step == s.train_steps
-                values = {"loss": out.loss, "lr": lr}
+                values = {"loss": out.loss, **mtp_values(out.mtp), "lr": lr}
                 if log_now:
-                    # the logged loss is the mean over the steps since the last log line
+                    # the logged losses are means over the steps since the last log line
                     if window_losses:
                         values["loss"] = sum(window_losses) / len(window_losses)
-                    window_losses = []
+                    if window_mtp:
+                        values.update(mtp_values([sum(d) / len(d) for d in zip(*window_mtp)]))
+                    window_losses, window_mtp = [], []
                     elapsed = time.perf_counter() - window_t0
                     tps = window_tokens / max(elapsed, 1e-9)
                     window_tokens, window_t0 = 0, time.perf_counter()
@@ -291,12 +301,13 @@ class Trainer:
                     or (step == s.train_steps and config.eval.at_end)
                 )
                 if evaluate_now:
-                    val, _ = evaluate(
+                    ev = evaluate(
                         assembly, runtime, valid_set, num_microbatches=eval_micro, config=config
                     )
+                    val = ev.loss
                     result.valid_losses[step] = val
                     if writer is not None:
-                        writer.write("valid", step, {"loss": val})
+                        writer.write("valid", step, {"loss": val, **mtp_values(ev.mtp)})
                     note = ""
                     if baseline is not None:
                         note = f" ({'below' if val < baseline else 'above'} bigram {baseline:.4f})"
@@ -358,6 +369,11 @@ class Trainer:
             lines.append(f"sample:     shardwork-generate {result.checkpoint} --prompt 'The '")
         for line in lines:
             print(line, file=self.stream, flush=True)
+
+
+def mtp_values(losses: list[float] | None) -> dict[str, float]:
+    """``{"mtp_loss_1": ..., "mtp_loss_2": ...}``: one metric per MTP depth (none without MTP)."""
+    return {} if losses is None else {f"mtp_loss_{k}": v for k, v in enumerate(losses, start=1)}
 
 
 def _layout_text(groups) -> str:
