@@ -1,5 +1,9 @@
 """Metrics sinks: a JSONL file always, TensorBoard events when tensorboard is installed.
 
+- TensorBoard (optional extra ``shardwork-trainer[tensorboard]``): every numeric value
+  becomes the scalar ``KIND/KEY`` at ``step`` (lists such as expert load are JSONL-only).
+  Without the package the writer keeps JSONL only and sets :attr:`MetricsWriter.notice`,
+  which the trainer prints once.
 - One JSON object per line: ``{"kind": "train"|"valid"|"event", "step": int, ...}``.
   Lists (e.g. per-layer expert load) are kept as lists; tensors become floats.
 - Only the ranks that are asked to write open files (rank 0 by default,
@@ -42,11 +46,17 @@ class MetricsWriter:
         self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 (closed in close())
         self._tb = None
         self.tensorboard_dir: Path | None = None
+        self.notice: str | None = None
+        """Set when TensorBoard was asked for but is not installed (the caller prints it once)."""
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                pass
+                self.notice = (
+                    "tensorboard is not installed: metrics go to metrics.jsonl only "
+                    "(pip install 'shardwork-trainer[tensorboard]' for TensorBoard events, or "
+                    "set logging.tensorboard=false to silence this)"
+                )
             else:
                 self.tensorboard_dir = Path(run_dir) / "tensorboard"
                 self._tb = SummaryWriter(str(self.tensorboard_dir))

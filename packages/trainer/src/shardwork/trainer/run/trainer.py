@@ -153,6 +153,8 @@ class Trainer:
             )
             if runtime.is_logging_rank:
                 (run_dir / "config.toml").write_text(config_to_toml(config))
+                if writer.notice is not None:
+                    self.say(f"notice: {writer.notice}")
 
         result = RunResult(final_step=0, run_dir=str(run_dir))
         checkpointer = Checkpointer(config, runtime, assembly)
