@@ -13,21 +13,17 @@ Training FLOPs per token (matmuls only, forward + backward = 3 × forward):
   triangle is useful work; the convention of FlashAttention/MFU reports). Full recompute
   adds one more forward of the layers.
 
-Memory per GPU (bytes), ``tp``, ``pp``, ``dp``, ``cp``, ``sp``:
-  weights   ``P_local · bytes(params_dtype)``; gradients ``P_local · 4`` (fp32 main_grad)
-  optimizer ``P_local · 12 / dp`` (fp32 master + Adam moments, ZeRO-1 sharded over dp)
-  activations per layer (bf16, Korthikanti et al. 2022, per micro-batch) without recompute:
-  ``s·b·h·(10 + 24/tp + 5·a·s/(h·tp))`` scaled by ``1/cp``; with sequence parallelism the
-  first term becomes ``10/tp``; selective recompute drops the ``5·a·s/(h·tp)`` term; full
-  recompute keeps only the layer input ``2·s·b·h/(tp if sp else 1)``. Times ``L/pp``
-  layers, and ×pp in-flight micro-batches on the first stage under 1F1B (the worst stage).
+Memory per GPU: :func:`memory_estimate`, formulas in :mod:`shardwork.models.calculator_memory`
+(exact local parameters of dense, MoE, MLA and MTP models at tp/pp/ep/etp; gradients in fp32;
+ZeRO-1 optimizer state over dp×cp for dense and edp for expert parameters; activations as
+the tensors this implementation saves for backward, checked against saved-tensor hooks).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwork.models.config import GPTConfig
+from shardwork.models.config import RECOMPUTE_MODES, GPTConfig
 
 __all__ = ["MemoryEstimate", "flops_per_token", "memory_estimate", "num_parameters"]
 
@@ -76,16 +72,27 @@ def flops_per_token(
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per GPU on the most loaded pipeline stage."""
+    """Bytes per GPU on one pipeline rank (by default the most loaded one)."""
 
     weights: float
     gradients: float
     optimizer: float
     activations: float
+    params: int = 0
+    """Parameter elements on the rank (dense + expert, padded vocabulary rows included)."""
+    expert_params: int = 0
+    """Of which routed-expert elements (optimizer state sharded over edp)."""
+    pp_rank: int = 0
+    """The pipeline rank these numbers are for."""
 
     @property
     def total(self) -> float:
         return self.weights + self.gradients + self.optimizer + self.activations
+
+
+def _positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} is invalid: it must be an integer >= 1")
 
 
 def memory_estimate(
@@ -97,30 +104,65 @@ def memory_estimate(
     pp: int = 1,
     dp: int = 1,
     cp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
+    vpp: int | None = None,
+    pp_rank: int | None = None,
+    num_microbatches: int | None = None,
     recompute: str | None = None,
 ) -> MemoryEstimate:
-    """Memory per GPU (see module docstring for the formulas)."""
+    """Memory per GPU (formulas: :mod:`shardwork.models.calculator_memory`).
+
+    ``dp`` is the data-parallel size without cp (world ``= tp·cp·dp·pp``); experts shard over
+    ``ep × etp`` (``etp`` defaults to ``tp``) and their optimizer state over
+    ``edp = tp·cp·dp/(ep·etp)``. ``pp_rank=None`` returns the rank with the largest total.
+    Activations: micro-batches in flight under 1F1B (``min(pp − r, num_microbatches)`` on rank
+    ``r``; ``num_microbatches`` defaults to ``pp``) times one micro-batch's saved tensors.
+    """
+    from shardwork.models.calculator_memory import local_parameters, stage_activation_bytes
+
     c = config
+    etp = tp if etp is None else etp
+    for name, value in (("seq_length", seq_length), ("micro_batch_size", micro_batch_size)):
+        _positive(name, value)
+    for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("cp", cp), ("ep", ep), ("etp", etp)):
+        _positive(name, value)
+    m = pp if num_microbatches is None else num_microbatches
+    _positive("num_microbatches", m)
+    if (tp * cp * dp) % (ep * etp) != 0:
+        raise ValueError(
+            f"ep={ep} x etp={etp} does not divide tp·cp·dp={tp * cp * dp}: the expert layout "
+            "(etp, ep, edp) must tile the same ranks as the dense one (tp, cp, dp)"
+        )
+    edp = tp * cp * dp // (ep * etp)
     recompute = c.recompute if recompute is None else recompute
-    layers_here = -(-c.num_layers // pp)
-    emb = c.vocab_size * c.hidden_size
-    stage0 = layers_here * _layer_params(c) / tp + emb / tp
-    if pp == 1:
-        stage0 += (0 if c.tie_word_embeddings else emb / tp) + c.hidden_size
-    p_local = stage0
-    bytes_param = c.params_dtype.itemsize
-    s, b, h, a = seq_length / cp, micro_batch_size, c.hidden_size, c.num_attention_heads
-    sp = c.sequence_parallel
-    if recompute == "full":
-        per_layer = 2 * s * b * h / (tp if sp else 1)
-    else:
-        per_layer = s * b * h * ((10 / tp if sp else 10) + 24 / tp)
-        if recompute != "selective":
-            per_layer += s * b * h * 5 * a * s / (h * tp)
-    acts = per_layer * layers_here * pp  # 1F1B: pp micro-batches in flight on stage 0
-    return MemoryEstimate(
-        weights=p_local * bytes_param,
-        gradients=p_local * 4,
-        optimizer=p_local * 12 / dp,
-        activations=acts,
-    )
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute={recompute!r} is invalid: valid are {RECOMPUTE_MODES}")
+    ranks = range(pp) if pp_rank is None else [pp_rank]
+    best = None
+    for r in ranks:
+        local = local_parameters(c, tp=tp, pp=pp, ep=ep, etp=etp, pp_rank=r, vpp=vpp)
+        acts = stage_activation_bytes(
+            c,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            tp=tp,
+            pp=pp,
+            cp=cp,
+            etp=etp,
+            pp_rank=r,
+            vpp=vpp,
+            recompute=recompute,
+        )
+        est = MemoryEstimate(
+            weights=local.total * c.params_dtype.itemsize,
+            gradients=local.total * 4,
+            optimizer=12 * (local.dense / (dp * cp) + local.expert / edp),
+            activations=acts * min(pp - r, m),
+            params=local.total,
+            expert_params=local.expert,
+            pp_rank=r,
+        )
+        if best is None or est.total > best.total:
+            best = est
+    return best

@@ -1,0 +1,309 @@
+"""Memory per rank of any ``GPTConfig`` (dense, MoE, MLA, MTP) at a layout (formulas below).
+
+Notation as in :mod:`shardwork.models.calculator` and :mod:`shardwork.models.calculator_moe`;
+``tp pp dp cp ep etp`` the layout (``dp`` excludes cp, world ``= tp·cp·dp·pp``), expert data
+parallel ``edp = tp·cp·dp / (ep·etp)``, ``V_p`` the padded vocabulary.
+
+Parameters (exact local elements, the shapes the model allocates on that rank; padded vocab
+rows included, so the count is what occupies memory):
+  dense   attention ``/tp`` along heads (MLA: its down projections and latent norms are
+          replicated), norms and routers replicated, dense MLP and shared experts ``/tp``,
+          embedding / untied head / MTP embedding copy ``V_p·h/tp``, MTP ``eh_proj 2h·h/tp``
+  expert  ``(E/ep) · 3·h·F/etp`` per MoE layer (``ParamMeta.is_expert``)
+Bytes: weights ``P·bytes(params_dtype)``; gradients ``P·4`` (fp32 ``main_grad``); optimizer
+(ZeRO-1: fp32 master + two Adam moments = 12 bytes a parameter) ``12·(P_dense/(dp·cp) +
+P_expert/edp)`` — dense state shards over dp×cp, expert state over edp (bucket padding ignored).
+
+Activations: bytes saved for backward by this implementation's reference (torch) kernels,
+per micro-batch, counted tensor by tensor (:func:`layer_activation_bytes`; docs/models-moe.md
+lists every term). ``T = s·b/cp`` local tokens, ``Tn`` the tokens a norm sees (``T/tp`` under
+sequence parallelism, else ``T``), ``e`` the activation bytes, ``c`` the norm/SwiGLU
+arithmetic bytes (4, or 8 for float64). Per layer, recompute ``none``:
+  norms      ``Tn·(2h+1)·c + T·h·e`` each (x, rstd, x·rstd; the next matmul's input)
+  attention  flash-style SDPA (query and value head widths equal): ``T·(a/tp)·d·e·(2 + 2·cp)
+             + T·(a/tp)·4`` (q, GQA-expanded k and v over the cp-gathered keys, output,
+             log-sum-exp); math SDPA (MLA, widths differ): ``q, k, v`` plus ``T·(n/tp)·s·e``
+             probabilities and the output projection's input
+  MLA        ``q_down → norm → q_up`` and ``kv_down → latent norm → kv_up`` intermediates
+  MLP        ``T·(3f/tp·c + f/tp·e)``; MoE: router scores and indices, and for ``R = T·k·etp/tp``
+             routed rows (expected, uniform load) ``R·(h·e + 3F/etp·c + F/etp·e)`` in the
+             experts plus ``(T·k/tp)·(2h·e + e + 8)`` to unpermute, shared experts like an MLP
+``selective`` keeps the core attention's inputs instead of its internals; ``full`` keeps only
+the layer input ``Tn·h·e``. The last stage adds the final norm, head input and fp32 logits
+``T·V_p/tp·4`` (once per MTP depth too). Under 1F1B stage ``r`` holds ``min(pp − r, m)``
+micro-batches in flight. Not counted: aux-loss statistics (``O(T·E)`` when enabled), dropout
+masks, the transient recompute of one layer in backward, fused kernels' smaller saves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shardwork.models.config import GPTConfig
+
+__all__ = [
+    "LocalParams",
+    "kv_cache_bytes_per_token",
+    "layer_activation_bytes",
+    "local_parameters",
+    "stage_activation_bytes",
+]
+
+
+@dataclass(frozen=True)
+class LocalParams:
+    """Parameter elements one rank allocates, split by gradient/optimizer group."""
+
+    dense: int
+    """Non-expert parameters (gradients over dp×cp)."""
+    expert: int
+    """Routed-expert parameters (``ParamMeta.is_expert``; gradients over edp)."""
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+def _check_layout(config: GPTConfig, *, tp: int, ep: int, etp: int) -> None:
+    from shardwork.parallel_state import ParallelConfig
+
+    for name, value in (("tp", tp), ("ep", ep), ("etp", etp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} is invalid: it must be an integer >= 1")
+    if config.moe is None and (ep > 1 or etp > 1):
+        raise ValueError(f"ep={ep}, etp={etp} need GPTConfig.moe: a dense model has no experts")
+    if config.moe is not None:
+        config.moe.check_layout(ParallelConfig(tp=tp, ep=ep, etp=etp))
+
+
+def _attention_params(c: GPTConfig, tp: int) -> int:
+    h, n = c.hidden_size, c.num_attention_heads
+    if c.mla is None:
+        d, g = c.kv_channels, c.kv_heads
+        qkv = (n + 2 * g) * d // tp
+        p = qkv * h + (qkv if c.add_qkv_bias else 0) + n * d // tp * h
+        return p + (2 * d if c.qk_layernorm else 0)
+    m = c.mla
+    if m.q_lora_rank is None:
+        q = n * m.qk_head_dim // tp * h
+    else:
+        q = h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * (n * m.qk_head_dim // tp)
+    kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+    kv += m.kv_lora_rank * (n * (m.qk_nope_head_dim + m.v_head_dim) // tp)
+    return q + kv + n * m.v_head_dim // tp * h
+
+
+def _mlp_params(c: GPTConfig, layer: int, *, tp: int, ep: int, etp: int) -> tuple[int, int]:
+    """(dense, expert) local elements of global layer ``layer``'s MLP (MTP layers: >= L)."""
+    h, m = c.hidden_size, c.moe
+    if m is None or (layer < c.num_layers and not m.is_moe_layer(layer)):
+        return 3 * h * (c.ffn_hidden_size // tp), 0
+    dense = m.num_experts * h  # router, replicated
+    if m.shared_expert_ffn_hidden_size is not None:
+        dense += 3 * h * (m.shared_expert_ffn_hidden_size // tp)
+        dense += h if m.shared_expert_gate else 0
+    expert = m.num_experts // ep * 3 * h * (m.ffn_hidden_size // etp)
+    return dense, expert
+
+
+def _stage_layout(config: GPTConfig, pp: int, pp_rank: int, vpp: int | None):
+    """(global layer indices, holds the embedding, holds head/final norm/MTP)."""
+    from shardwork.models.pipeline.split import layer_split
+
+    if isinstance(pp_rank, bool) or not isinstance(pp_rank, int) or not 0 <= pp_rank < pp:
+        raise ValueError(f"pp_rank={pp_rank!r} is invalid: it must be in [0, pp={pp})")
+    split = layer_split(config.num_layers, pp, vpp=vpp)
+    layers = [i for chunk in split[pp_rank] for i in chunk]
+    return layers, pp_rank == 0, pp_rank == pp - 1
+
+
+def local_parameters(
+    config: GPTConfig,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
+    pp_rank: int = 0,
+    vpp: int | None = None,
+) -> LocalParams:
+    """Exact parameter elements on a rank of pipeline rank ``pp_rank`` (all its vpp chunks).
+
+    Every tp/ep/etp rank of a stage holds the same shapes, so only ``pp_rank`` matters.
+    ``etp`` defaults to ``tp`` (as ``ParallelConfig``).
+    """
+    etp = tp if etp is None else etp
+    _check_layout(config, tp=tp, ep=ep, etp=etp)
+    c, h = config, config.hidden_size
+    layers, pre, post = _stage_layout(c, pp, pp_rank, vpp)
+    vocab = c.padded_vocab_size // tp * h
+    attn = _attention_params(c, tp) + 2 * h
+    dense = expert = 0
+    for layer in layers:
+        d, e = _mlp_params(c, layer, tp=tp, ep=ep, etp=etp)
+        dense, expert = dense + attn + d, expert + e
+    if pre:
+        dense += vocab
+    if post:
+        dense += h  # final norm
+        if not c.tie_word_embeddings or not pre:
+            dense += vocab  # untied head, or the tied head's copy on the last stage
+        if c.mtp is not None:
+            for k in range(c.mtp.num_layers):
+                d, e = _mlp_params(c, c.num_layers + k, tp=tp, ep=ep, etp=etp)
+                dense += 3 * h + 2 * h * h // tp + attn + d
+                expert += e
+            if not pre and not c.tie_word_embeddings:
+                dense += vocab  # MTP's copy of the input embedding
+    return LocalParams(dense=dense, expert=expert)
+
+
+def kv_cache_bytes_per_token(config: GPTConfig, *, tp: int = 1) -> int:
+    """Inference KV-cache bytes per token per rank, all layers (MTP excluded).
+
+    GQA caches ``2·g/tp·d`` values a layer; MLA caches its compressed latent and the shared
+    rope key, ``rkv + dr`` a layer, replicated over TP (the up projections are re-applied, or
+    absorbed into the query and output projections, at decode time).
+    """
+    c = config
+    per_layer = (
+        2 * (c.kv_heads // tp) * c.kv_channels
+        if c.mla is None
+        else c.mla.kv_lora_rank + c.mla.qk_rope_head_dim
+    )
+    return c.num_layers * per_layer * c.activation_dtype.itemsize
+
+
+def _norm(tn: float, t: float, width: int, c: int, e: int) -> float:
+    """RMSNorm (x, rstd, x·rstd on ``tn`` tokens) plus the following matmul's input."""
+    return tn * (2 * width + 1) * c + t * width * e
+
+
+def _attention_bytes(cfg: GPTConfig, t, tp, cp, seq, recompute, c, e) -> float:
+    n = cfg.num_attention_heads // tp
+    if cfg.mla is None:
+        d, g = cfg.kv_channels, cfg.kv_heads // tp
+        dq = dv = d
+        kq, kk, kv_ = t * n * d, t * cp * n * d, t * cp * n * d  # q; k, v expanded over GQA
+        # q/k-norm (float32 compute) and selective recompute's v (cp = 1) save views of the
+        # fused qkv output, which then stays alive whole
+        qkv_pinned = (cfg.qk_layernorm and c == e) or (recompute == "selective" and cp == 1)
+        extra = t * (n + 2 * g) * d * e if qkv_pinned else 0.0
+        if cfg.qk_layernorm:
+            extra += t * (n + g) * (d * c + c) + (0 if c == e else t * (n + g) * d * c)
+        if recompute == "selective":  # checkpoint keeps q, k and v before GQA expansion
+            v_keep = 0 if cp == 1 else t * cp * g * d * e
+            return extra + (kq + t * cp * g * d) * e + v_keep + t * n * d * e
+        return extra + (kq + kk + kv_) * e + t * n * d * e + t * n * 4
+    m = cfg.mla
+    dq, dv = m.qk_head_dim, m.v_head_dim
+    proj = 0.0
+    if m.q_lora_rank is not None:
+        proj += t * (2 * m.q_lora_rank + 1) * c + t * m.q_lora_rank * e
+    rkv, dr = m.kv_lora_rank, m.qk_rope_head_dim
+    latent = t * (rkv + dr) * e + t * (rkv + 1) * c if c == e else t * (2 * rkv + 1) * c
+    proj += latent + t * rkv * e
+    math = dq != dv  # torch's SDPA takes its math path (on CPU in float32 arithmetic)
+    qkv_b = c if math and recompute != "selective" else e
+    core = (t * n * dq + t * cp * n * (dq + dv)) * qkv_b + t * n * dv * e  # q, k, v, proj in
+    if recompute != "selective":
+        core += t * n * seq * c if math else t * n * 4  # math-path probs, or flash lse
+    return proj + core
+
+
+def _mlp_bytes(cfg: GPTConfig, layer: int, t, tn, tp, etp, c, e) -> float:
+    h, m = cfg.hidden_size, cfg.moe
+    if m is None or (layer < cfg.num_layers and not m.is_moe_layer(layer)):
+        f = cfg.ffn_hidden_size // tp
+        return t * (3 * f * c + f * e)
+    k, experts = m.top_k, m.num_experts
+    router_tokens = tn if cfg.sequence_parallel else t
+    router = k * (8 + c)  # top-k indices and probabilities
+    if m.score_function != "softmax" or m.pre_softmax:
+        router += experts * c + c  # dense scores (and the renormalisation)
+    if m.num_groups is not None:  # group scores, kept groups, indices
+        g, gk = m.num_groups, m.group_top_k
+        router += experts * c + g * (8 + c) + gk * 8 + gk * experts // g * c + k * 8
+    router *= router_tokens
+    sent = t / tp * k  # (token, expert) pairs this rank dispatches
+    rows = sent * etp  # rows its experts compute (expected under a uniform load)
+    f = m.ffn_hidden_size // etp
+    out = router + rows * (h * e + 3 * f * c + f * e) + sent * (2 * h * e + e + 16)
+    if m.shared_expert_ffn_hidden_size is not None:
+        s = m.shared_expert_ffn_hidden_size // tp
+        out += t * (3 * s * c + s * e)
+        if m.shared_expert_gate:
+            out += 2 * t * (h + 1) * e
+    return out
+
+
+def layer_activation_bytes(
+    config: GPTConfig,
+    layer: int,
+    *,
+    seq_length: int,
+    micro_batch_size: int,
+    tp: int = 1,
+    cp: int = 1,
+    etp: int | None = None,
+    recompute: str | None = None,
+) -> float:
+    """Bytes one layer (global index; ``>= num_layers``: an MTP layer) saves for backward."""
+    cfg = config
+    etp = tp if etp is None else etp
+    recompute = cfg.recompute if recompute is None else recompute
+    e = cfg.activation_dtype.itemsize
+    c = 8 if cfg.activation_dtype == torch.float64 else 4
+    t = seq_length * micro_batch_size / cp
+    tn = t / tp if cfg.sequence_parallel else t
+    h = cfg.hidden_size
+    if recompute == "full" and layer < cfg.num_layers:
+        return tn * h * e
+    out = 2 * _norm(tn, t, h, c, e)
+    out += _attention_bytes(cfg, t, tp, cp, seq_length, recompute, c, e)
+    return out + _mlp_bytes(cfg, layer, t, tn, tp, etp, c, e)
+
+
+def stage_activation_bytes(
+    config: GPTConfig,
+    *,
+    seq_length: int,
+    micro_batch_size: int,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    etp: int | None = None,
+    pp_rank: int = 0,
+    vpp: int | None = None,
+    recompute: str | None = None,
+) -> float:
+    """Bytes one micro-batch's forward saves on pipeline rank ``pp_rank`` (see module doc)."""
+    cfg = config
+    layers, pre, post = _stage_layout(cfg, pp, pp_rank, vpp)
+    kw = dict(
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        tp=tp,
+        cp=cp,
+        etp=etp,
+        recompute=recompute,
+    )
+    total = sum(layer_activation_bytes(cfg, i, **kw) for i in layers)
+    t = seq_length * micro_batch_size / cp
+    tn = t / tp if cfg.sequence_parallel else t
+    h, e = cfg.hidden_size, cfg.activation_dtype.itemsize
+    c = 8 if cfg.activation_dtype == torch.float64 else 4
+    vocab = cfg.padded_vocab_size // tp
+    loss = t * (vocab * e + 8 + 2 + 4)  # logits, labels, masks, per-token loss
+    if pre:
+        total += t * 8  # token ids
+    if post:
+        total += _norm(tn, t, h, c, e) + loss
+        if cfg.mtp is not None:
+            depth = t * 8 + tn * ((2 * h + 1) * c + (h + 1) * c) + t * 2 * h * e
+            depth += _norm(tn, t, h, c, e) + loss
+            for k in range(cfg.mtp.num_layers):
+                total += depth + layer_activation_bytes(cfg, cfg.num_layers + k, **kw)
+    return total

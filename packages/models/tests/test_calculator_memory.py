@@ -1,0 +1,210 @@
+"""Memory estimate vs. independent counts: per-rank parameters, gradients and optimizer state
+against the parameters a meta-device stage really allocates at tp/pp/ep/etp/vpp layouts;
+big presets' totals vs. published counts; activations vs. the bytes saved for backward,
+measured with ``torch.autograd.graph.saved_tensors_hooks``; MLA's KV cache vs. its layer shapes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardwork.models import GPTModel, layout_groups, preset
+from shardwork.models.calculator import memory_estimate
+from shardwork.models.calculator_memory import (
+    kv_cache_bytes_per_token,
+    local_parameters,
+    stage_activation_bytes,
+)
+from shardwork.models.calculator_moe import moe_param_counts
+from shardwork.models.pipeline import build_stage
+from shardwork.models.presets_moe import PUBLISHED_MOE_PARAMS
+from shardwork.parallel_state import ParallelConfig, get_param_meta
+
+# (preset, overrides, tp, pp, vpp, ep, etp, cp, world)
+LAYOUTS = [
+    ("tiny-deepseek-v3", dict(num_layers=4), 1, 1, None, 2, 1, 1, 2),
+    ("tiny-deepseek-v3", dict(num_layers=4), 2, 2, None, 2, 1, 1, 8),
+    ("tiny-deepseek-v3", dict(num_layers=4), 2, 2, None, 2, 2, 1, 8),
+    ("tiny-deepseek-v3", dict(num_layers=4, tie_word_embeddings=True), 2, 2, None, 2, 1, 1, 8),
+    ("tiny-deepseek-v2-lite", {}, 2, 1, None, 4, 1, 1, 8),
+    ("tiny-mixtral-8x7b", dict(num_layers=4), 1, 2, 2, 2, 1, 1, 4),
+    ("tiny-qwen2-57b-a14b", {}, 2, 1, None, 2, 2, 2, 8),
+    ("tiny-qwen3-30b-a3b", {}, 1, 2, None, 4, 1, 1, 8),
+    ("tiny-llama3-8b", dict(num_layers=4), 2, 2, None, 1, 1, 2, 8),
+    ("tiny-qwen3-8b", dict(tie_word_embeddings=True), 2, 2, None, 1, 1, 1, 4),
+]
+
+
+def _rank_of(parallel: ParallelConfig, world: int, pp_rank: int):
+    """Some global rank on pipeline rank ``pp_rank`` (the last one of that stage)."""
+    for rank in reversed(range(world)):
+        groups = layout_groups(parallel, world, rank)
+        if groups.rank("pp") == pp_rank:
+            return groups
+    raise AssertionError(pp_rank)
+
+
+def _stage_params(cfg, groups):
+    vpp = groups.config.vpp or 1
+    chunks = [build_stage(cfg, groups, vp_chunk=c, device="meta") for c in range(vpp)]
+    return [p for chunk in chunks for p in chunk.parameters()]
+
+
+@pytest.mark.parametrize(("name", "over", "tp", "pp", "vpp", "ep", "etp", "cp", "world"), LAYOUTS)
+def test_per_rank_bytes_equal_the_stage_parameters(name, over, tp, pp, vpp, ep, etp, cp, world):
+    cfg = preset(name, params_dtype=torch.bfloat16, **over)
+    parallel = ParallelConfig(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, cp=cp)
+    dp = world // (tp * pp * cp)
+    for pp_rank in range(pp):
+        groups = _rank_of(parallel, world, pp_rank)
+        params = _stage_params(cfg, groups)
+        expert = [p for p in params if (m := get_param_meta(p)) is not None and m.is_expert]
+        dense = [p for p in params if all(p is not q for q in expert)]
+        n_dense = sum(p.numel() for p in dense)
+        n_expert = sum(p.numel() for p in expert)
+        local = local_parameters(cfg, tp=tp, pp=pp, ep=ep, etp=etp, pp_rank=pp_rank, vpp=vpp)
+        assert (local.dense, local.expert) == (n_dense, n_expert)
+        est = memory_estimate(
+            cfg, seq_length=16, micro_batch_size=1, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp,
+            vpp=vpp, pp_rank=pp_rank,
+        )  # fmt: skip
+        assert est.weights == sum(p.numel() * p.element_size() for p in params)
+        assert est.gradients == 4 * (n_dense + n_expert)
+        optimizer = sum(12 * p.numel() / groups.size("dp_cp") for p in dense)
+        optimizer += sum(12 * p.numel() / groups.size("edp") for p in expert)
+        assert est.optimizer == pytest.approx(optimizer, rel=1e-12)
+        assert est.expert_params == n_expert and est.pp_rank == pp_rank
+
+
+def _padding_and_copies(cfg, *, pp: int) -> int:
+    """Elements the ranks allocate beyond the real model: padded vocab rows and stage copies."""
+    h, pad = cfg.hidden_size, cfg.padded_vocab_size - cfg.vocab_size
+    tables = 1 if cfg.tie_word_embeddings else 2
+    extra = tables * pad * h
+    if pp > 1 and cfg.tie_word_embeddings:
+        extra += cfg.padded_vocab_size * h  # the head's copy on the last stage
+    if pp > 1 and cfg.mtp is not None and not cfg.tie_word_embeddings:
+        extra += cfg.padded_vocab_size * h  # MTP's embedding copy on the last stage
+    return extra
+
+
+@pytest.mark.parametrize(
+    ("name", "pp", "ep"), [("deepseek-v3", 1, 64), ("mixtral-8x7b", 4, 8), ("qwen3-30b-a3b", 2, 8)]
+)
+def test_big_presets_ranks_sum_to_the_published_total(name, pp, ep):
+    cfg = preset(name)
+    counts = moe_param_counts(cfg)
+    total = sum(
+        (loc := local_parameters(cfg, pp=pp, ep=ep, pp_rank=r)).dense + loc.expert * ep
+        for r in range(pp)
+    )
+    assert total == counts.total + _padding_and_copies(cfg, pp=pp)
+    published_total, published_active = PUBLISHED_MOE_PARAMS[name]
+    assert counts.total_without_mtp == pytest.approx(published_total, rel=0.005)
+    assert counts.active_without_mtp == pytest.approx(published_active, rel=0.04)
+    if name == "deepseek-v3":
+        assert round(counts.total_without_mtp / 1e9) == 671
+        assert round(counts.active_without_mtp / 1e9) in (37, 38)  # 37.55B with the embedding
+
+
+def test_deepseek_v3_expert_optimizer_state_shards_over_edp():
+    """DeepSeek-V3 at tp=2, dp=64, ep=64: experts dominate the rank; their state is over edp=2."""
+    cfg = preset("deepseek-v3", params_dtype=torch.bfloat16, sequence_parallel=True)
+    est = memory_estimate(cfg, seq_length=4096, micro_batch_size=1, tp=2, dp=64, ep=64, etp=1)
+    local = local_parameters(cfg, tp=2, ep=64, etp=1)
+    assert est.params == local.total and est.expert_params == local.expert
+    assert est.optimizer == pytest.approx(12 * (local.dense / 64 + local.expert / 2))
+    assert local.expert > local.dense
+
+
+def _saved_bytes(cfg, *, seq: int, batch: int) -> int:
+    """Bytes of the distinct storages autograd saves in one training forward (params excluded)."""
+    torch.manual_seed(0)
+    model = GPTModel(cfg)
+    model.train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids, labels=torch.roll(ids, -1, dims=1))
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [
+        ("tiny-llama3-8b", torch.float32),
+        ("tiny-qwen3-8b", torch.bfloat16),
+        ("tiny-mixtral-8x7b", torch.float32),
+        ("tiny-qwen2-57b-a14b", torch.bfloat16),
+        ("tiny-deepseek-v3", torch.float32),
+        ("tiny-deepseek-v3", torch.bfloat16),
+        ("tiny-deepseek-v2-lite", torch.float32),
+    ],
+)
+def test_activation_estimate_matches_saved_tensors(name, dtype, recompute):
+    """Within 5% of the measured bytes (routing makes MoE rows vary around the uniform load)."""
+    cfg = preset(name, params_dtype=dtype, recompute=recompute)
+    seq, batch = 32, 2
+    measured = _saved_bytes(cfg, seq=seq, batch=batch)
+    estimate = stage_activation_bytes(cfg, seq_length=seq, micro_batch_size=batch)
+    assert estimate == pytest.approx(measured, rel=0.05)
+    est = memory_estimate(cfg, seq_length=seq, micro_batch_size=batch)
+    assert est.activations == estimate
+
+
+def test_activation_ordering_and_pipeline_in_flight():
+    cfg = preset("tiny-deepseek-v3", num_layers=4)
+    kw = dict(seq_length=64, micro_batch_size=2, pp=2, ep=2, dp=2)
+    none, sel, full = (memory_estimate(cfg, recompute=r, pp_rank=0, **kw) for r in RECOMPUTES)
+    assert full.activations < sel.activations < none.activations
+    one = stage_activation_bytes(cfg, seq_length=64, micro_batch_size=2, pp=2, recompute="none")
+    assert none.activations == 2 * one  # two micro-batches in flight on the first stage
+    last = memory_estimate(cfg, recompute="none", pp_rank=1, num_microbatches=8, **kw)
+    assert last.activations == stage_activation_bytes(
+        cfg, seq_length=64, micro_batch_size=2, pp=2, pp_rank=1, recompute="none"
+    )
+
+
+RECOMPUTES = ("none", "selective", "full")
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "deepseek-v2-lite", "mixtral-8x7b"])
+def test_kv_cache_per_token_from_the_layer_shapes(name):
+    cfg = preset(name, params_dtype=torch.bfloat16, num_layers=4)
+    model = GPTModel(cfg, device="meta")
+    per_layer = 0
+    for layer in model.decoder.layers:
+        attn = layer.self_attention
+        if cfg.mla is not None:  # cached: the latent and the shared rope key (down projection)
+            per_layer += attn.linear_kv_down_proj.weight.shape[0]
+        else:  # cached: keys and values (qkv rows minus the query rows)
+            rows = attn.linear_qkv.weight.shape[0]
+            per_layer += rows - cfg.num_attention_heads * cfg.kv_channels
+    assert kv_cache_bytes_per_token(cfg) == per_layer * 2
+    if cfg.mla is not None:  # MLA caches >5x less than per-head keys and values
+        dense_kv = 2 * cfg.num_layers * cfg.num_attention_heads * cfg.mla.v_head_dim * 2
+        assert kv_cache_bytes_per_token(cfg) < dense_kv / 5
+
+
+def test_bad_layouts_raise_before_counting():
+    cfg = preset("tiny-mixtral-8x7b")
+    with pytest.raises(ValueError, match="num_experts=8 is not divisible by ep=3"):
+        local_parameters(cfg, ep=3)
+    with pytest.raises(ValueError, match="ep=4 x etp=1 does not divide"):
+        memory_estimate(cfg, seq_length=16, micro_batch_size=1, ep=4, dp=2)
+    with pytest.raises(ValueError, match="pp_rank=2"):
+        memory_estimate(cfg, seq_length=16, micro_batch_size=1, pp=2, pp_rank=2)
+    with pytest.raises(ValueError, match=r"need GPTConfig\.moe"):
+        local_parameters(preset("tiny-llama3-8b"), ep=2)
+    with pytest.raises(ValueError, match="recompute='some'"):
+        memory_estimate(cfg, seq_length=16, micro_batch_size=1, recompute="some")
