@@ -8,7 +8,8 @@
   gradient through and gives ``loss`` the gradient ``scale.value`` — exactly as if
   ``scale.value * loss`` had been added to the objective, without changing what the layer
   returns.
-- Load-balancing loss formulas (``switch_aux_loss``, ``z_loss``) live here too.
+- Load-balancing loss formulas (``switch_aux_loss``, ``switch_aux_loss_from_sums``, ``z_loss``)
+  live here too.
 """
 
 from __future__ import annotations
@@ -77,8 +78,27 @@ def switch_aux_loss(
     term is one rank's share and the per-rank losses sum to the full loss. ``num_experts`` is
     passed explicitly because the per-sequence loss folds the batch into the expert axis.
     """
-    per_expert_E = scores_TE.sum(dim=0)
-    return torch.sum(per_expert_E * tokens_per_expert_E) * (
+    return switch_aux_loss_from_sums(
+        scores_TE.sum(dim=0),
+        tokens_per_expert_E,
+        total_num_tokens=total_num_tokens,
+        top_k=top_k,
+        num_experts=num_experts,
+        coeff=coeff,
+    )
+
+
+def switch_aux_loss_from_sums(
+    score_sums_E: torch.Tensor,
+    tokens_per_expert_E: torch.Tensor,
+    *,
+    total_num_tokens: float | torch.Tensor,
+    top_k: int,
+    num_experts: int,
+    coeff: float,
+) -> torch.Tensor:
+    """:func:`switch_aux_loss` from the per-expert score sums ``sum_{x local} s(x, i)``."""
+    return torch.sum(score_sums_E * tokens_per_expert_E) * (
         num_experts * coeff / (top_k * total_num_tokens * total_num_tokens)
     )
 

@@ -21,15 +21,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardwork.moe_router.aux_loss import AuxLossScale, attach_aux_loss, switch_aux_loss, z_loss
+from shardwork.moe_router.aux_loss import (
+    AuxLossScale,
+    attach_aux_loss,
+    switch_aux_loss_from_sums,
+    z_loss,
+)
 from shardwork.moe_router.config import RouterConfig
 from shardwork.moe_router.gating import GatingLinear, StraightThroughRandom
-from shardwork.moe_router.scoring import (
-    aux_loss_scores,
-    drop_to_capacity,
-    sinkhorn_routing,
-    topk_routing,
-)
+from shardwork.moe_router.routing_dense import dense_threshold_map, use_dense
+from shardwork.moe_router.routing_fn import AuxScoreSums, route_topk
+from shardwork.moe_router.scoring import _activate, drop_to_capacity, score_dtype, sinkhorn_routing
 from shardwork.moe_router.tracker import AuxLossTracker
 
 _FP32_BUFFERS = (
@@ -214,7 +216,7 @@ class TopKRouter(torch.nn.Module):
         cfg = self.config
         training = self.training and torch.is_grad_enabled()
         logits_TE = self._apply_z_loss(logits_TE, padding_mask) if training else logits_TE
-        plain_top_TK = None
+        plain_top_TK = top_TK = scores_TE = None
         if cfg.load_balancing_type == "sinkhorn":
             probs_TE, map_TE = sinkhorn_routing(logits_TE, cfg.top_k, training=self.training)
         elif cfg.fused_backend is not None:
@@ -233,7 +235,7 @@ class TopKRouter(torch.nn.Module):
             )
             probs_TE, map_TE = fused.probs, fused.routing_map
         else:
-            probs_TE, map_TE, top_TK, _ = topk_routing(
+            probs_TE, map_TE, top_TK, scores_TE = route_topk(
                 logits_TE,
                 cfg.top_k,
                 score_function=cfg.score_function,
@@ -244,8 +246,10 @@ class TopKRouter(torch.nn.Module):
                 expert_bias=self.expert_bias,
             )
             if cfg.group_top_k is None and self.expert_bias is None:
-                plain_top_TK = top_TK  # a plain top-K of a monotone score: reusable by aux losses
+                # a plain top-K of a monotone score: reusable by the aux losses
+                plain_top_TK = top_TK if top_TK is not None else map_TE
         if cfg.capacity_factor is not None:
+            top_TK = None  # the map below may lose entries: count from it
             probs_TE, map_TE = drop_to_capacity(
                 probs_TE,
                 map_TE,
@@ -255,16 +259,20 @@ class TopKRouter(torch.nn.Module):
                 pad_to_capacity=cfg.pad_to_capacity,
             )
         if training and cfg.aux_loss_enabled:
-            # Dense scores are recomputed (not shared with the routing's autograd node) so that
-            # gradients accumulate in Megatron-Core's order and match it to fp32 rounding.
             probs_TE = self._apply_aux_losses(
-                probs_TE, logits_TE, seq_len, batch, padding_mask, plain_top_TK
+                probs_TE, logits_TE, seq_len, batch, padding_mask, plain_top_TK, scores_TE
             )
         if self.training and (self.local_tokens_per_expert is not None or self.tracker is not None):
             grad_enabled = torch.is_grad_enabled()  # False under recompute-free eval passes
             with torch.no_grad():
-                counted = map_TE if padding_mask is None else map_TE & ~padding_mask.unsqueeze(-1)
-                counts_E = counted.sum(dim=0)
+                if top_TK is not None:  # K indices per token: cheaper than a dense [T, E] sum
+                    valid = None if padding_mask is None else ~padding_mask
+                    counts_E = _index_counts(top_TK, cfg.num_experts, 1, valid)
+                else:
+                    counted = (
+                        map_TE if padding_mask is None else map_TE & ~padding_mask.unsqueeze(-1)
+                    )
+                    counts_E = counted.sum(dim=0)
                 if self.local_tokens_per_expert is not None and grad_enabled:
                     self.local_tokens_per_expert += counts_E
                 if self.tracker is not None:
@@ -293,32 +301,50 @@ class TopKRouter(torch.nn.Module):
             self._record("z_loss", loss / coeff)
         return logits_TE
 
-    def _counts(self, map_TE, group, divisor: int, padded: bool):
+    def _counts(self, local_E, num_rows: int, group, divisor: int, padded: bool):
         """(reduced tokens_per_expert, local token count, total token count)."""
-        local_E = map_TE.sum(dim=0)
         total_E = _summed(local_E, group)
         if padded:
             return total_E, local_E.sum() / divisor, total_E.sum() / divisor
-        n = map_TE.shape[0]
-        return total_E, n, n * _size(group)
+        return total_E, num_rows, num_rows * _size(group)
 
-    def _apply_aux_losses(self, probs_TE, logits_TE, seq_len, batch, padding_mask, plain_top_TK):
+    def _apply_aux_losses(
+        self, probs_TE, logits_TE, seq_len, batch, padding_mask, plain_top_TK, scores_TE
+    ):
         cfg = self.config
         E, K = cfg.num_experts, cfg.top_k
         padded = padding_mask is not None
-        map_TE, scores_TE = aux_loss_scores(
-            logits_TE, K, cfg.score_function, plain_top_TK=plain_top_TK
-        )
-        if padded:
-            valid = (~padding_mask).unsqueeze(-1)
-            map_TE = map_TE & valid
-            scores_TE = scores_TE * valid
+        fn = cfg.score_function
+        if scores_TE is None:  # post-softmax, fused or sinkhorn routing: dense scores, no grad
+            with torch.no_grad():
+                if fn == "softmax":
+                    scores_TE = torch.softmax(logits_TE, dim=-1, dtype=score_dtype(logits_TE))
+                else:
+                    scores_TE = _activate(logits_TE, fn)
+        # The map the losses count: a plain top-K of the scores (no groups, no expert bias),
+        # as K indices per token or (dense path) a bool map.
+        top_TK = plain_top_TK
+        if top_TK is None and use_dense(scores_TE, K, None):
+            top_TK = dense_threshold_map(scores_TE, K)
+        if top_TK is None:
+            top_TK = torch.topk(scores_TE, k=K, dim=1)[1]
+        valid = None if not padded else ~padding_mask
+        if top_TK.dtype == torch.bool:
+            counted = top_TK if valid is None else top_TK & valid.unsqueeze(-1)
+            counts_BE = counted.view(seq_len, batch, E).sum(dim=0)
+        else:
+            counts_BE = _index_counts(top_TK, E, batch, valid).view(batch, E)
+        # Per-sequence sums of the normalised scores; its backward is hand-written.
+        sums_BE = AuxScoreSums.apply(logits_TE, scores_TE, fn, batch, valid)
+        sums_E = sums_BE.sum(dim=0) if batch > 1 else sums_BE[0]
+        counts_E = counts_BE.sum(dim=0)
+        num_tokens = logits_TE.shape[0]
 
         coeff = cfg.aux_loss_coeff_for("aux_loss")
         if coeff > 0:
-            tpe, n_local, n_total = self._counts(map_TE, self.tp_cp_group, K, padded)
-            loss = switch_aux_loss(
-                scores_TE, tpe, total_num_tokens=n_total, top_k=K, num_experts=E, coeff=coeff
+            tpe, n_local, n_total = self._counts(counts_E, num_tokens, self.tp_cp_group, K, padded)
+            loss = switch_aux_loss_from_sums(
+                sums_E, tpe, total_num_tokens=n_total, top_k=K, num_experts=E, coeff=coeff
             )
             probs_TE = self._attach(probs_TE, loss, n_local)
             self._record("load_balancing_loss", loss / coeff)
@@ -326,12 +352,17 @@ class TopKRouter(torch.nn.Module):
         coeff = cfg.aux_loss_coeff_for("seq_aux_loss")
         if coeff > 0:
             # Fold the batch into the expert axis: column b*E + i is expert i of sequence b.
-            seq_scores = scores_TE.reshape(seq_len, -1)
-            seq_map = map_TE.reshape(seq_len, -1)
-            tpe, n_local, n_total = self._counts(seq_map, self.tp_cp_group, K * batch, padded)
+            tpe, n_local, n_total = self._counts(
+                counts_BE.reshape(-1), seq_len, self.tp_cp_group, K * batch, padded
+            )
             loss = (
-                switch_aux_loss(
-                    seq_scores, tpe, total_num_tokens=n_total, top_k=K, num_experts=E, coeff=coeff
+                switch_aux_loss_from_sums(
+                    sums_BE.reshape(-1),
+                    tpe,
+                    total_num_tokens=n_total,
+                    top_k=K,
+                    num_experts=E,
+                    coeff=coeff,
                 )
                 / batch
             )
@@ -340,17 +371,39 @@ class TopKRouter(torch.nn.Module):
 
         coeff = cfg.aux_loss_coeff_for("global_aux_loss")
         if coeff > 0:
-            tpe, n_local, n_total = self._counts(map_TE, self.tp_dp_cp_group, K, padded)
+            tpe, n_local, n_total = self._counts(
+                counts_E, num_tokens, self.tp_dp_cp_group, K, padded
+            )
             with torch.no_grad():
                 self.global_tokens_per_expert += tpe
                 self.global_aux_steps += 1
             mean_tpe = self.global_tokens_per_expert / self.global_aux_steps
-            loss = switch_aux_loss(
-                scores_TE, mean_tpe, total_num_tokens=n_total, top_k=K, num_experts=E, coeff=coeff
+            loss = switch_aux_loss_from_sums(
+                sums_E, mean_tpe, total_num_tokens=n_total, top_k=K, num_experts=E, coeff=coeff
             )
             probs_TE = self._attach(probs_TE, loss, n_local)
             self._record("global_load_balancing_loss", loss / coeff)
         return probs_TE
+
+
+def _index_counts(top_TK, num_experts: int, batch: int, valid_T) -> torch.Tensor:
+    """Per-sequence token counts [batch * E] (int64) from the K chosen indices per token.
+
+    Column b*E + i counts tokens of sequence b (token t = s*batch + b) routed to expert i;
+    padding tokens (``valid_T`` False) are not counted. Equals the column sums of the
+    [S, batch*E] reshaped routing map, without building it.
+    """
+    T, K = top_TK.shape
+    flat = top_TK
+    if batch > 1:
+        seq_of = torch.arange(T, device=top_TK.device) % batch
+        flat = top_TK + (seq_of * num_experts).unsqueeze(-1)
+    if valid_T is None:
+        ones = torch.ones((), dtype=torch.int64, device=top_TK.device).expand(T * K)
+    else:
+        ones = valid_T.to(torch.int64).unsqueeze(-1).expand(T, K).reshape(-1)
+    counts = torch.zeros(batch * num_experts, dtype=torch.int64, device=top_TK.device)
+    return counts.scatter_add_(0, flat.reshape(-1), ones)
 
 
 @torch.no_grad()

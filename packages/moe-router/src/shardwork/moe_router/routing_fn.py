@@ -1,0 +1,192 @@
+"""Hand-written autograd for the routing math after the gate GEMM (the default path).
+
+Legend: T tokens, E experts, K = top_k, S sequence, B batch (T = S*B, row-major [S, B]).
+
+- ``TopKProbs``: logits + the chosen top-K indices -> dense probs [T, E]. Forward gathers the
+  K scores per token and normalises/scales them; backward touches only those K entries per
+  token (a gather, a few [T, K] ops and one scatter), except pre-softmax whose softmax
+  Jacobian is dense. The [T, K] formulas are the ones autograd runs on Megatron-Core's
+  graph (division backward as ``-g * ((a / b) / b)``, ``sigmoid_backward``,
+  ``softplus_backward``, ``_softmax_backward_data``), so results agree to fp32 rounding.
+- ``AuxScoreSums``: the load-balancing losses' statistic, per-sequence column sums of the
+  normalised dense scores (softmax, or activation / row sum), padding tokens left out.
+  Forward returns [B, E]; backward broadcasts the [B, E] gradient over the sequence axis
+  without materialising an expanded copy and applies the normalisation and activation
+  Jacobians in a handful of dense passes.
+- Dense scores are computed once (no grad) by the caller and shared by selection, the probs
+  and the aux statistic; nothing here builds an autograd graph of its own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_NORM_EPS = 1e-20
+
+
+def activation_grad(
+    grad: torch.Tensor, scores: torch.Tensor, logits: torch.Tensor, score_function: str
+) -> torch.Tensor:
+    """d(loss)/d(logits) from d(loss)/d(scores) for an elementwise score function."""
+    if score_function == "sigmoid":
+        return torch.ops.aten.sigmoid_backward(grad, scores)
+    # sqrtsoftplus: s = sqrt(softplus(x)); autograd's SqrtBackward then SoftplusBackward.
+    return torch.ops.aten.softplus_backward(grad / (2 * scores), logits.to(scores.dtype), 1, 20)
+
+
+class TopKProbs(torch.autograd.Function):
+    """probs_TE = scatter(top_TK, f(scores at top_TK)); see the module docstring.
+
+    ``mode``: ``softmax_post`` (softmax over the K selected logits), ``softmax_pre`` (``scores``
+    is the dense softmax; probs are its K selected values) or ``sigmoid`` / ``sqrtsoftplus``
+    (``scores`` is the dense activation; probs = s_K / (sum_K s + 1e-20) when K > 1).
+    ``scaling``: factor applied last (None or 0: none).
+    """
+
+    @staticmethod
+    def forward(ctx, logits_TE, scores_TE, top_TK, mode: str, scaling):
+        dtype = scores_TE.dtype if scores_TE is not None else _score_dtype(logits_TE)
+        ctx.mode, ctx.scaling, ctx.out_dtype = mode, scaling, logits_TE.dtype
+        ctx.shape = logits_TE.shape
+        if mode == "softmax_post":
+            probs_TK = torch.softmax(logits_TE.gather(1, top_TK), dim=-1, dtype=dtype)
+            ctx.save_for_backward(top_TK, probs_TK)
+        elif mode == "softmax_pre":
+            probs_TK = scores_TE.gather(1, top_TK)
+            ctx.save_for_backward(top_TK, scores_TE)
+        else:
+            s_TK = scores_TE.gather(1, top_TK)
+            logits_TK = logits_TE.gather(1, top_TK) if mode == "sqrtsoftplus" else None
+            if top_TK.shape[1] > 1:
+                denom_T1 = s_TK.sum(dim=-1, keepdim=True) + _NORM_EPS
+                probs_TK = s_TK / denom_T1
+            else:
+                denom_T1, probs_TK = None, s_TK
+            ctx.save_for_backward(top_TK, s_TK, denom_T1, logits_TK)
+        if scaling:
+            probs_TK = probs_TK * scaling
+        probs_TK = probs_TK.to(logits_TE.dtype)
+        return torch.zeros_like(logits_TE).scatter_(1, top_TK, probs_TK)
+
+    @staticmethod
+    def backward(ctx, grad_TE):
+        mode, scaling = ctx.mode, ctx.scaling
+        top_TK = ctx.saved_tensors[0]
+        work = ctx.saved_tensors[1].dtype
+        g_TK = grad_TE.gather(1, top_TK).to(work)
+        if scaling:
+            g_TK = g_TK * scaling
+        if mode == "softmax_post":
+            probs_TK = ctx.saved_tensors[1]
+            g_TK = torch._softmax_backward_data(g_TK, probs_TK, -1, probs_TK.dtype)
+        elif mode == "softmax_pre":
+            scores_TE = ctx.saved_tensors[1]
+            dense = torch.zeros_like(scores_TE).scatter_(1, top_TK, g_TK)
+            grad = torch._softmax_backward_data(dense, scores_TE, -1, scores_TE.dtype)
+            return grad.to(ctx.out_dtype), None, None, None, None
+        else:
+            _, s_TK, denom_T1, logits_TK = ctx.saved_tensors
+            if denom_T1 is not None:  # q = a / b: grad_a = g / b, grad_b = -g * ((a / b) / b)
+                g_b = (-g_TK * ((s_TK / denom_T1) / denom_T1)).sum(dim=-1, keepdim=True)
+                g_TK = g_TK / denom_T1 + g_b
+            g_TK = activation_grad(g_TK, s_TK, logits_TK, mode)
+        grad = torch.zeros(ctx.shape, dtype=ctx.out_dtype, device=grad_TE.device)
+        return grad.scatter_(1, top_TK, g_TK.to(ctx.out_dtype)), None, None, None, None
+
+
+def _score_dtype(logits: torch.Tensor) -> torch.dtype:
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+class AuxScoreSums(torch.autograd.Function):
+    """sums_BE[b, i] = sum over valid tokens t of sequence b of n(t, i), with n the softmax of
+    the logits (``scores_TE`` is that softmax) or the activation ``scores_TE`` divided by its
+    row sum + 1e-20. ``valid_T``: bool, False for padding (or None)."""
+
+    @staticmethod
+    def forward(ctx, logits_TE, scores_TE, score_function: str, batch: int, valid_T):
+        T, E = scores_TE.shape
+        if score_function == "softmax":
+            norm_TE, denom_T1 = scores_TE, None
+        else:
+            denom_T1 = scores_TE.sum(dim=-1, keepdim=True) + _NORM_EPS
+            norm_TE = scores_TE / denom_T1
+        ctx.score_function, ctx.batch, ctx.out_dtype = score_function, batch, logits_TE.dtype
+        logits_saved = logits_TE if score_function == "sqrtsoftplus" else None
+        ctx.save_for_backward(scores_TE, norm_TE, denom_T1, valid_T, logits_saved)
+        masked = norm_TE if valid_T is None else norm_TE * valid_T.unsqueeze(-1)
+        return masked.view(T // batch, batch, E).sum(dim=0)
+
+    @staticmethod
+    def backward(ctx, grad_BE):
+        scores_TE, norm_TE, denom_T1, valid_T, logits_TE = ctx.saved_tensors
+        T, E = norm_TE.shape
+        B = ctx.batch
+        g_SBE = grad_BE.to(norm_TE.dtype).unsqueeze(0)  # broadcast over the sequence axis
+        if valid_T is not None:
+            g_SBE = g_SBE * valid_T.view(T // B, B, 1)
+        norm = norm_TE.view(T // B, B, E)
+        dot = (norm * g_SBE).sum(dim=-1, keepdim=True)
+        if ctx.score_function == "softmax":
+            grad = (norm * (g_SBE - dot)).view(T, E)
+        else:  # n = s / D: grad_s = (g - sum_j g_j n_j) / D
+            g_s = ((g_SBE - dot) / denom_T1.view(T // B, B, 1)).view(T, E)
+            grad = activation_grad(g_s, scores_TE, logits_TE, ctx.score_function)
+        return grad.to(ctx.out_dtype), None, None, None, None
+
+
+def route_topk(
+    logits_TE: torch.Tensor,
+    top_k: int,
+    *,
+    score_function: str = "softmax",
+    pre_softmax: bool = False,
+    num_groups: int | None = None,
+    group_top_k: int | None = None,
+    scaling_factor: float | None = None,
+    expert_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Same contract and results as :func:`scoring.topk_routing` (its plain-autograd twin).
+
+    Returns (probs_TE, routing_map_TE, top_TK, scores_TE): the dense scores (softmax for
+    pre-softmax, the activation for sigmoid/sqrtsoftplus, None for post-softmax except on the
+    dense path, where it is the softmax) are computed once without autograd and can be handed
+    to :class:`AuxScoreSums`. Few experts and K <= 2 on CPU take the dense path
+    (``routing_dense``), which returns ``top_TK = None``.
+    """
+    from shardwork.moe_router.routing_dense import dense_route, use_dense
+    from shardwork.moe_router.scoring import _activate, _select, score_dtype
+
+    dtype = score_dtype(logits_TE)
+    if use_dense(logits_TE, top_k, group_top_k):
+        dense = dense_route(
+            logits_TE,
+            top_k,
+            score_function=score_function,
+            pre_softmax=pre_softmax,
+            scaling_factor=scaling_factor,
+            expert_bias=expert_bias,
+            dtype=dtype,
+        )
+        if dense is not None:
+            probs_TE, routing_map_TE, scores_TE = dense
+            return probs_TE, routing_map_TE, None, scores_TE
+    scores_TE = None
+    with torch.no_grad():
+        if score_function == "softmax":
+            if pre_softmax:
+                scores_TE = torch.softmax(logits_TE, dim=-1, dtype=dtype)
+                top_TK = _select(scores_TE, top_k, num_groups, group_top_k)[1]
+            else:
+                top_TK = _select(logits_TE, top_k, num_groups, group_top_k)[1]
+            mode = "softmax_pre" if pre_softmax else "softmax_post"
+        else:
+            scores_TE = _activate(logits_TE, score_function)
+            ranked = scores_TE if expert_bias is None else scores_TE + expert_bias.to(dtype)
+            top_TK = _select(ranked, top_k, num_groups, group_top_k)[1]
+            mode = score_function
+    probs_TE = TopKProbs.apply(logits_TE, scores_TE, top_TK, mode, scaling_factor)
+    routing_map_TE = torch.zeros(
+        logits_TE.shape, dtype=torch.bool, device=logits_TE.device
+    ).scatter_(1, top_TK, True)
+    return probs_TE, routing_map_TE, top_TK, scores_TE
