@@ -16,7 +16,8 @@
 - Outputs: hidden states (not ``post_process``), vocab-split logits ``[s, b, V_pad/tp]`` (no
   labels), or ``(loss_sum, num_tokens)`` over this rank's tokens (labels given); see
   :mod:`shardwork.models.loss` for the dp×cp reduction.
-- The model owns its :class:`~shardwork.models.rng.RNGTracker` (``model.rng_tracker``).
+- The model owns its :class:`~shardwork.models.rng.RNGTracker` (``model.rng_tracker``) and its
+  :class:`~shardwork.models.recompute.RecomputeReplay` (``model.recompute_replay``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from shardwork.models.context_parallel import (
 from shardwork.models.embedding import LMHead, VocabParallelEmbedding
 from shardwork.models.loss import token_loss
 from shardwork.models.module import ShardedModule, to_empty_keep_meta
+from shardwork.models.recompute import RecomputeReplay
 from shardwork.models.rng import RNGTracker
 from shardwork.models.sharding import init_from_shards
 from shardwork.models.transformer_layer import TransformerBlock, hidden_dropout
@@ -87,6 +89,7 @@ class GPTModel(ShardedModule):
             first_layer=start,
             device=rng_device,
         )
+        self.recompute_replay = RecomputeReplay()  # first run -> recompute (MoE router state)
         self.aux_loss_tracker = self.aux_loss_scale = None
         if config.moe is not None and mlp_factory is None:  # MoE layers (shardwork.models.moe)
             from shardwork.models.moe.state import attach_moe
@@ -102,6 +105,7 @@ class GPTModel(ShardedModule):
             final_norm=self.post_process,
             rng=self.rng_tracker,
             mlp_factory=mlp_factory,
+            replay=self.recompute_replay,
             device=device,
         )
         if self.post_process:

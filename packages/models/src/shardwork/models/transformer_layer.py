@@ -6,7 +6,9 @@
 - ``TransformerBlock``: the layers ``layer_range = (start, stop)`` of the global stack (a
   pipeline stage or virtual chunk) plus the final norm when it is the last stage. Checkpoint
   keys use global layer numbers (``decoder.layers.<global index>...``), so stages of any pp
-  split save into one layout-free namespace. ``recompute="full"`` checkpoints whole layers.
+  split save into one layout-free namespace. ``recompute="full"`` checkpoints whole layers
+  (``replay``: the model's :class:`~shardwork.models.recompute.RecomputeReplay`, so MoE
+  routers count once per real forward).
 - The MLP is built by ``mlp_factory(layer_index)`` when given (the MoE work plugs in here).
 """
 
@@ -22,7 +24,7 @@ from shardwork.models.config import GPTConfig
 from shardwork.models.mlp import SwiGLUMLP
 from shardwork.models.module import ShardedModule
 from shardwork.models.norm import RMSNorm
-from shardwork.models.recompute import checkpoint
+from shardwork.models.recompute import RecomputeReplay, checkpoint
 from shardwork.models.rng import REPLICATED, TENSOR_PARALLEL, RNGTracker
 from shardwork.parallel_state import ProcessGroups
 
@@ -97,10 +99,12 @@ class TransformerBlock(ShardedModule):
         final_norm: bool,
         rng: RNGTracker,
         mlp_factory: Callable[[int], torch.nn.Module] | None = None,
+        replay: RecomputeReplay | None = None,
         device: str | torch.device | None = None,
     ) -> None:
         super().__init__(groups)
         start, stop = layer_range
+        self.replay = replay
         self.layer_range = (start, stop)
         self.rng = rng
         self.full_recompute = config.recompute == "full"
@@ -125,7 +129,9 @@ class TransformerBlock(ShardedModule):
     def forward(self, hidden: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         for layer in self.layers:
             if self.full_recompute and self.training:
-                hidden = checkpoint(lambda h, lyr=layer: lyr(h, inputs), self.rng, hidden)
+                hidden = checkpoint(
+                    lambda h, lyr=layer: lyr(h, inputs), self.rng, hidden, replay=self.replay
+                )
             else:
                 hidden = layer(hidden, inputs)
         if self.final_norm is not None:

@@ -25,6 +25,7 @@ from shardwork.models.mlp import SwiGLUMLP
 from shardwork.models.module import ShardedModule
 from shardwork.models.moe.experts import GroupedExperts
 from shardwork.models.moe.router import MoERouter
+from shardwork.models.recompute import RecomputeReplay
 from shardwork.models.sharding import describe_param
 from shardwork.moe_router import (
     AllGatherDispatcher,
@@ -73,6 +74,7 @@ class MoELayer(ShardedModule):
         layer_number: int,
         tracker: AuxLossTracker | None = None,
         loss_scale: AuxLossScale | None = None,
+        replay: RecomputeReplay | None = None,
         device: str | torch.device | None = None,
     ) -> None:
         super().__init__(groups)
@@ -90,6 +92,7 @@ class MoELayer(ShardedModule):
             tp_dp_cp_group=groups.group("tp_dp_cp") if sp else groups.group("dp_cp"),
             tracker=tracker,
             loss_scale=loss_scale,
+            replay=replay,
             layer_index=layer_number,
             params_dtype=config.params_dtype,
             device=device,

@@ -7,9 +7,12 @@
   aux losses, z-loss, expert-bias counting and the tracker are moe-router's, unchanged.
 - The inner router keeps its buffers (``expert_bias`` for aux-loss-free balancing, saved as
   ``...mlp.router.expert_bias``); it holds no parameter of its own.
-- Under full-layer recompute the router runs again inside backward; that second run records
-  nothing (tracker values, expert-bias token counts), so logged loads and bias updates are
-  those of one forward. (A ``global_aux_loss`` accumulates its counts in both runs.)
+- Under full-layer recompute the router runs again inside backward. Through the model's
+  :class:`~shardwork.models.recompute.RecomputeReplay` the first run records the global aux
+  loss's running counts before its update; the recompute records nothing (tracker values,
+  expert-bias token counts, running counts) and computes the global aux loss from the
+  recorded counts, so losses, gradients, logged values and bias updates equal those without
+  recompute, also with several micro-batches in flight.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 
 from shardwork.dist_checkpoint import ShardedTensor
 from shardwork.models.module import ShardedModule
+from shardwork.models.recompute import RecomputeReplay
 from shardwork.models.sharding import describe_param
 from shardwork.moe_router import AuxLossScale, AuxLossTracker, RouterConfig, TopKRouter
 from shardwork.parallel_state import ParamMeta, ProcessGroups
@@ -41,10 +45,12 @@ class MoERouter(ShardedModule):
         tracker: AuxLossTracker | None,
         loss_scale: AuxLossScale | None,
         layer_index: int,
+        replay: RecomputeReplay | None = None,
         params_dtype: torch.dtype = torch.float32,
         device: str | torch.device | None = None,
     ) -> None:
         super().__init__(groups)
+        self.replay = replay
         self.inner = TopKRouter(
             config,
             tp_cp_group=tp_cp_group,
@@ -92,20 +98,46 @@ class MoERouter(ShardedModule):
         x = self.inner._jitter(hidden)
         dtype = _DTYPES.get(cfg.router_dtype, hidden.dtype)
         logits = torch.mm(x.reshape(-1, x.shape[-1]).to(dtype), self.weight.to(dtype).t())
+        replay = self.replay
+        if replay is not None and replay.recomputing:
+            return self._route_again(logits, seq_len, batch, replay.replay())
+        if replay is not None and replay.recording:
+            replay.record(self._global_counts())
+            return self.inner.route(logits, seq_len=seq_len, batch=batch)
         if torch._C._current_graph_task_id() == -1:
             return self.inner.route(logits, seq_len=seq_len, batch=batch)
-        # Recomputed inside backward (full-layer recompute): the first forward already
-        # recorded tracker values and expert-bias token counts; do not count them twice.
-        tracker, counts = self.inner.tracker, self.inner.local_tokens_per_expert
-        self.inner.tracker = None
-        if counts is not None:
-            self.inner.local_tokens_per_expert = None
+        # Recomputed inside backward by a checkpoint without our replay channel: record
+        # nothing (the global aux loss then sees its running counts once more).
+        return self._route_again(logits, seq_len, batch, None)
+
+    def _global_counts(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The global aux loss's running counts before this forward (None when unused)."""
+        inner = self.inner
+        if inner.global_tokens_per_expert is None or not self.training:
+            return None
+        return inner.global_tokens_per_expert.clone(), inner.global_aux_steps.clone()
+
+    def _route_again(self, logits, seq_len: int, batch: int, counts) -> tuple:
+        """Route in a recompute: no tracker values, no expert-bias token counts, and the
+        global aux loss computed from the running counts the first run saw (``counts``)."""
+        inner = self.inner
+        saved = {
+            "tracker": inner.tracker,
+            "local_tokens_per_expert": inner.local_tokens_per_expert,
+            "global_tokens_per_expert": inner.global_tokens_per_expert,
+            "global_aux_steps": inner.global_aux_steps,
+        }
+        inner.tracker = None
+        if saved["local_tokens_per_expert"] is not None:
+            inner.local_tokens_per_expert = None
+        if counts is not None:  # updated in place by route: on copies, then dropped
+            inner.global_tokens_per_expert = counts[0].clone()
+            inner.global_aux_steps = counts[1].clone()
         try:
-            return self.inner.route(logits, seq_len=seq_len, batch=batch)
+            return inner.route(logits, seq_len=seq_len, batch=batch)
         finally:
-            self.inner.tracker = tracker
-            if counts is not None:
-                self.inner.local_tokens_per_expert = counts
+            for name, value in saved.items():
+                setattr(inner, name, value)
 
     def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
         out = super().sharded_state_dict(prefix)

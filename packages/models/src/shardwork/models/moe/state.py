@@ -50,6 +50,7 @@ def attach_moe(model: nn.Module, config, groups: ProcessGroups, *, device) -> Ca
             layer_number=layer,
             tracker=model.aux_loss_tracker,
             loss_scale=model.aux_loss_scale,
+            replay=getattr(model, "recompute_replay", None),
             device=device,
         )
 
