@@ -13,6 +13,9 @@
 - ``key_filter(path, key)`` restricts the load to some leaves (granular loads); the others are
   returned as the template has them, and unexpected keys are judged among the saved keys whose
   recorded path passes the same filter.
+- Data are read by `reader.ShardworkReader` (same files as DCP's reader): each file once, in
+  order, straight into the template's memory where a saved chunk covers a destination as one
+  dense byte range; ``thread_count`` files at a time.
 - A read failure is re-raised as `CheckpointCorruptError` naming files whose size differs
   from the recorded one (a truncated or missing file).
 """
@@ -27,7 +30,6 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -42,6 +44,7 @@ from shardwork.dist_checkpoint import metadata as md
 from shardwork.dist_checkpoint.comm import all_gather_object, resolve_group
 from shardwork.dist_checkpoint.plan import COMMON_KEY, collect_local
 from shardwork.dist_checkpoint.planners import PlannedLoadPlanner
+from shardwork.dist_checkpoint.reader import ShardworkReader
 from shardwork.dist_checkpoint.sharded import ShardedObject, ShardedTensor
 from shardwork.dist_checkpoint.tree import Path as TreePath
 from shardwork.dist_checkpoint.tree import map_leaves, path_str
@@ -93,6 +96,8 @@ def load(
     group: Any = None,
     strict: bool | str = True,
     key_filter: KeyFilter | None = None,
+    thread_count: int = 1,
+    stats: dict[str, int] | None = None,
 ) -> Any:
     """Load ``path`` into ``template`` (collective over ``group``); return the loaded state.
 
@@ -103,6 +108,9 @@ def load(
         group: ranks that load together (None: world, or one process).
         strict: True, ``"missing"`` or False (see the module docstring).
         key_filter: ``(path, key) -> bool``; leaves it rejects are left as in the template.
+        thread_count: data files this rank reads concurrently (one thread each).
+        stats: if given, updated with this rank's count of read items per read path
+            (``direct``, ``staged``, ``fallback``, ``bytes``, ``empty``; see `reader`).
 
     Returns:
         The template's structure with each `ShardedTensor` replaced by its (filled) tensor,
@@ -111,9 +119,9 @@ def load(
     if strict not in _STRICT_VALUES or (isinstance(strict, int) and not isinstance(strict, bool)):
         raise ValueError(f"strict={strict!r} is not valid; valid: True, False or 'missing'")
     path = Path(path)
+    reader = ShardworkReader(path, thread_count=thread_count)
     g = resolve_group(group)
     info = md.read_info(path)
-    reader = FileSystemReader(path)
     saved = reader.read_metadata().state_dict_metadata
     keep = key_filter or (lambda _p, _k: True)
 
@@ -228,6 +236,9 @@ def load(
                 + "; ".join(problems)
             ) from exc
         raise
+    if stats is not None:
+        for name, count in reader.stats.items():
+            stats[name] = stats.get(name, 0) + count
 
     common = planner.objects.get(COMMON_KEY, {})
     loaded_objects = planner.objects
