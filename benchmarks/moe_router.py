@@ -9,6 +9,13 @@ For each token count and hidden size, with 1 thread and all threads, it times:
     venv), Megatron-Core's TopKRouter on the same inputs, options and dtypes in the same
     process: outputs are checked identical (routing map equal, probs within 1e-6) and the
     throughput ratio is printed;
+  - the routing part alone: the same logits tensor in, forward + backward of everything after
+    the gate GEMM (``TopKRouter.route`` vs Megatron-Core's ``TopKRouter.routing``), with its
+    own identical-output check and ratio;
+  - the gate GEMM alone (forward + backward: logits, weight grad, input grad), which is the
+    same work in both implementations: its share of our whole-router time and the Amdahl
+    bound it puts on the whole-router ratio (Megatron's whole time / the GEMM time, i.e. the
+    ratio if our routing took no time at all);
   - dispatch round trip (permute -> identity experts -> combine with probs, forward +
     backward) against Megatron-Core's permute/unpermute when importable.
 Writes benchmarks/results/moe_router[_<tag>].json and .md with the machine description.
@@ -129,6 +136,15 @@ def time_pair(fns, *, rounds=3, iters=3) -> list[float]:
     return best
 
 
+def _route_step(route, logits, gp):
+    def run():
+        li = logits.detach().requires_grad_(True)
+        probs, _ = route(li)
+        (probs * gp).sum().backward()
+
+    return run
+
+
 def bench_router(name, kw, tokens, hidden, m):
     cfg = RouterConfig(hidden_size=hidden, router_dtype="fp32", **kw)
     g = torch.Generator().manual_seed(0)
@@ -151,17 +167,41 @@ def bench_router(name, kw, tokens, hidden, m):
 
         return run
 
+    def gemm():
+        xi = x.detach().requires_grad_(True)
+        (router.gating(xi) * gl).sum().backward()
+        router.weight.grad = None
+
+    seq, batch = x.shape[0], x.shape[1]
+    logits = torch.randn(seq, batch, cfg.num_experts, generator=g)
+    gl = torch.randn(seq, batch, cfg.num_experts, generator=g)
+
+    def ours_route(li):
+        probs_map = router.route(li.view(-1, cfg.num_experts), seq_len=seq, batch=batch)
+        if router.local_tokens_per_expert is not None:
+            router.local_tokens_per_expert.zero_()
+        return probs_map
+
     row = {"case": name, "tokens": tokens, "hidden": hidden}
+    fns = [step(router), _route_step(ours_route, logits, gp), gemm]
     if m is None:
-        row["ours_s"] = time_pair([step(router)])[0]
-        return row
-    mr = megatron_router(m, cfg, router.weight.detach(), router.expert_bias)
-    p1, m1 = router(x)
-    p2, m2 = mr(x)
-    row["identical_map"] = bool(torch.equal(m1, m2))
-    row["probs_max_abs_diff"] = float((p1 - p2).abs().max())
-    row["ours_s"], row["megatron_s"] = time_pair([step(router), step(mr)])
-    row["speedup"] = row["megatron_s"] / row["ours_s"]
+        row["ours_s"], row["ours_routing_s"], row["gemm_s"] = time_pair(fns)
+    else:
+        mr = megatron_router(m, cfg, router.weight.detach(), router.expert_bias)
+        for label, (p1, m1), (p2, m2) in (
+            ("", router(x), mr(x)),
+            ("routing_", ours_route(logits), mr.routing(logits)),
+        ):
+            row[f"{label}identical_map"] = bool(torch.equal(m1, m2))
+            row[f"{label}probs_max_abs_diff"] = float((p1 - p2).abs().max())
+        fns += [step(mr), _route_step(mr.routing, logits, gp)]
+        times = time_pair(fns)
+        row["ours_s"], row["ours_routing_s"], row["gemm_s"] = times[:3]
+        row["megatron_s"], row["megatron_routing_s"] = times[3:]
+        row["speedup"] = row["megatron_s"] / row["ours_s"]
+        row["routing_speedup"] = row["megatron_routing_s"] / row["ours_routing_s"]
+        row["amdahl_bound"] = row["megatron_s"] / row["gemm_s"]
+    row["gemm_share"] = row["gemm_s"] / row["ours_s"]
     return row
 
 
@@ -231,12 +271,15 @@ def main() -> None:
                     r = bench_router(name, kw, tokens, hidden, m) | {"threads": threads}
                     rows.append(r)
                     ratio = (
-                        f"  megatron {tokens / r['megatron_s']:>10.0f} tok/s  x{r['speedup']:.2f}  identical={r['identical_map']}"
+                        f"  megatron {tokens / r['megatron_s']:>8.0f} tok/s  x{r['speedup']:.2f}"
+                        f" (bound x{r['amdahl_bound']:.2f})  routing part x{r['routing_speedup']:.2f}"
+                        f"  identical={r['identical_map'] and r['routing_identical_map']}"
                         if m
                         else ""
                     )
                     print(
-                        f"router {name:26s} T={tokens:5d} H={hidden:5d} thr={threads}  ours {tokens / r['ours_s']:>10.0f} tok/s{ratio}",
+                        f"router {name:24s} T={tokens:5d} H={hidden:5d} thr={threads}  ours {tokens / r['ours_s']:>8.0f} tok/s"
+                        f"  gemm share {100 * r['gemm_share']:3.0f}%{ratio}",
                         flush=True,
                     )
         for tokens in args.tokens:
@@ -272,17 +315,24 @@ def main() -> None:
         "limits but does not remove the effect of other processes on a shared machine; see",
         "load_average above.",
         "",
-        "| case | tokens | hidden | threads | ours tok/s | Megatron tok/s | speedup | identical map |",
-        "|---|---|---|---|---|---|---|---|",
+        "Router = gate GEMM + routing, forward + backward. *Routing part*: the same logits in,",
+        "everything after the GEMM. *GEMM share*: the gate GEMM's (fwd + bwd) share of our router",
+        "time; it is the same work in both implementations, so the whole-router ratio cannot",
+        "exceed *bound* = Megatron's router time / GEMM time (Amdahl).",
+        "",
+        "| case | tokens | hidden | threads | ours tok/s | Megatron tok/s | router speedup | bound | routing part speedup | GEMM share | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         mt = (
-            f"{r['tokens'] / r['megatron_s']:.0f} | {r['speedup']:.2f} | {r['identical_map']}"
+            f"{r['tokens'] / r['megatron_s']:.0f} | {r['speedup']:.2f} | {r['amdahl_bound']:.2f}"
+            f" | {r['routing_speedup']:.2f}"
             if m
-            else "- | - | -"
+            else "- | - | - | -"
         )
+        same = r["identical_map"] and r["routing_identical_map"] if m else "-"
         lines.append(
-            f"| {r['case']} | {r['tokens']} | {r['hidden']} | {r['threads']} | {r['tokens'] / r['ours_s']:.0f} | {mt} |"
+            f"| {r['case']} | {r['tokens']} | {r['hidden']} | {r['threads']} | {r['tokens'] / r['ours_s']:.0f} | {mt} | {100 * r['gemm_share']:.0f}% | {same} |"
         )
     lines += [
         "",

@@ -29,7 +29,7 @@ from shardwork.moe_router.aux_loss import (
 )
 from shardwork.moe_router.config import RouterConfig
 from shardwork.moe_router.gating import GatingLinear, StraightThroughRandom
-from shardwork.moe_router.routing_dense import dense_threshold_map, use_dense
+from shardwork.moe_router.routing_dense import dense_softmax, dense_threshold_map, use_dense
 from shardwork.moe_router.routing_fn import AuxScoreSums, route_topk
 from shardwork.moe_router.scoring import _activate, drop_to_capacity, score_dtype, sinkhorn_routing
 from shardwork.moe_router.tracker import AuxLossTracker
@@ -247,7 +247,8 @@ class TopKRouter(torch.nn.Module):
             )
             if cfg.group_top_k is None and self.expert_bias is None:
                 # a plain top-K of a monotone score: reusable by the aux losses
-                plain_top_TK = top_TK if top_TK is not None else map_TE
+                # (few experts: the bool map, counted in one dense sum; else the K indices)
+                plain_top_TK = top_TK if top_TK is not None and cfg.num_experts > 32 else map_TE
         if cfg.capacity_factor is not None:
             top_TK = None  # the map below may lose entries: count from it
             probs_TE, map_TE = drop_to_capacity(
@@ -318,7 +319,7 @@ class TopKRouter(torch.nn.Module):
         if scores_TE is None:  # post-softmax, fused or sinkhorn routing: dense scores, no grad
             with torch.no_grad():
                 if fn == "softmax":
-                    scores_TE = torch.softmax(logits_TE, dim=-1, dtype=score_dtype(logits_TE))
+                    scores_TE = dense_softmax(logits_TE, score_dtype(logits_TE))
                 else:
                     scores_TE = _activate(logits_TE, fn)
         # The map the losses count: a plain top-K of the scores (no groups, no expert bias),

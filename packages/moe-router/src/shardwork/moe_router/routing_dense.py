@@ -11,17 +11,17 @@ A token whose ranked scores tie at the threshold would select more than K expert
 :func:`dense_threshold_map` returns None and the caller uses the top-k path.
 
 - ``DenseTopKProbs``: the autograd function (same results as ``routing_fn.TopKProbs``) for
-  pre-softmax, sigmoid and sqrtsoftplus. Post-softmax keeps Megatron-Core's K-wide softmax
-  (its floats feed the gradient test at 1e-6) on indices read off the map; the dense softmax
-  the aux losses need is exp(x - rowmax) * (1 / rowsum), the formula of torch's CPU kernel,
-  with no softmax call over a short last dim (slow on CPU).
+  pre-softmax, sigmoid and sqrtsoftplus. Post-softmax stays on the top-k path (one ``topk``
+  call returns indices and logits; its K-wide softmax keeps Megatron-Core's floats).
+- ``dense_softmax``: the aux losses' dense softmax without torch's softmax kernel over a
+  short last dim, slow on CPU for many rows.
 """
 
 from __future__ import annotations
 
 import torch
 
-from shardwork.moe_router.routing_fn import _NORM_EPS, TopKProbs, activation_grad
+from shardwork.moe_router.routing_fn import _NORM_EPS, activation_grad
 
 MAX_DENSE_EXPERTS = 32
 
@@ -40,11 +40,16 @@ def dense_threshold_map(ranked_TE: torch.Tensor, top_k: int) -> torch.Tensor | N
     return map_TE
 
 
-def use_dense(logits_TE: torch.Tensor, top_k: int, group_top_k) -> bool:
-    """Whether the dense path applies (CPU, E <= 32 and a power of two, K <= 2, no groups)."""
+def use_dense(
+    logits_TE: torch.Tensor, top_k: int, group_top_k, *, post_softmax: bool = False
+) -> bool:
+    """Whether the dense path applies: CPU, E <= 32 and a power of two, K <= 2, no groups,
+    and not post-softmax (whose K-wide softmax after one ``topk`` call, which also returns the
+    selected logits, is as cheap and keeps Megatron-Core's floats)."""
     E = logits_TE.shape[-1]
     return (
-        logits_TE.device.type == "cpu"
+        not post_softmax
+        and logits_TE.device.type == "cpu"
         and E <= MAX_DENSE_EXPERTS
         and E & (E - 1) == 0
         and top_k <= 2
@@ -52,8 +57,18 @@ def use_dense(logits_TE: torch.Tensor, top_k: int, group_top_k) -> bool:
     )
 
 
-def softmax_from_exp(exp_TE: torch.Tensor) -> torch.Tensor:
-    """exp(x - rowmax) -> softmax, as torch's CPU softmax kernel computes it."""
+def dense_softmax(logits_TE: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Softmax over E, without autograd use in mind (the aux losses' scores).
+
+    torch's CPU softmax over a short last dim (E <= 32) is slow for many rows; there it is
+    computed as exp(x - rowmax) * (1 / rowsum), the formula of torch's kernel (equal up to
+    the exp implementation's last bit). Small inputs keep ``torch.softmax``.
+    """
+    E = logits_TE.shape[-1]
+    if logits_TE.device.type != "cpu" or E > MAX_DENSE_EXPERTS or logits_TE.numel() < 32768:
+        return torch.softmax(logits_TE, dim=-1, dtype=dtype)
+    x = logits_TE.to(dtype)
+    exp_TE = torch.exp(x - x.amax(dim=-1, keepdim=True))
     return exp_TE * (1 / exp_TE.sum(dim=-1, keepdim=True))
 
 
@@ -117,13 +132,9 @@ def dense_route(
 
     with torch.no_grad():
         if score_function == "softmax":
-            if pre_softmax:  # torch's kernel itself: probs must match it to the last bit
-                scores_TE = torch.softmax(logits_TE, dim=-1, dtype=dtype)
-            else:
-                x = logits_TE.to(dtype)
-                scores_TE = softmax_from_exp(torch.exp(x - x.amax(dim=-1, keepdim=True)))
-            ranked = scores_TE if pre_softmax else logits_TE
-            mode = "softmax_pre" if pre_softmax else "softmax_post"
+            # torch's kernel itself: the probs must match Megatron-Core's to the last bit
+            scores_TE = torch.softmax(logits_TE, dim=-1, dtype=dtype)
+            ranked, mode = scores_TE, "softmax_pre"
         else:
             scores_TE = _activate(logits_TE, score_function)
             ranked = scores_TE if expert_bias is None else scores_TE + expert_bias.to(dtype)
@@ -131,11 +142,5 @@ def dense_route(
         map_TE = dense_threshold_map(ranked, top_k)
     if map_TE is None:
         return None
-    if mode == "softmax_post":
-        # The K-wide softmax of Megatron-Core, on indices read off the map (ascending expert
-        # order; a softmax over K <= 2 values does not depend on their order).
-        top_TK = map_TE.nonzero()[:, 1].view(-1, top_k)
-        probs_TE = TopKProbs.apply(logits_TE, None, top_TK, mode, scaling_factor)
-    else:
-        probs_TE = DenseTopKProbs.apply(logits_TE, map_TE, mode, scaling_factor, top_k, scores_TE)
+    probs_TE = DenseTopKProbs.apply(logits_TE, map_TE, mode, scaling_factor, top_k, scores_TE)
     return probs_TE, map_TE, scores_TE

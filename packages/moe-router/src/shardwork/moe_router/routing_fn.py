@@ -40,16 +40,19 @@ class TopKProbs(torch.autograd.Function):
     ``mode``: ``softmax_post`` (softmax over the K selected logits), ``softmax_pre`` (``scores``
     is the dense softmax; probs are its K selected values) or ``sigmoid`` / ``sqrtsoftplus``
     (``scores`` is the dense activation; probs = s_K / (sum_K s + 1e-20) when K > 1).
-    ``scaling``: factor applied last (None or 0: none).
+    ``scaling``: factor applied last (None or 0: none). ``top_logits_TK``: optional, the
+    logits at ``top_TK`` when the selection already returned them (saves a gather).
     """
 
     @staticmethod
-    def forward(ctx, logits_TE, scores_TE, top_TK, mode: str, scaling):
+    def forward(ctx, logits_TE, scores_TE, top_TK, mode: str, scaling, top_logits_TK=None):
         dtype = scores_TE.dtype if scores_TE is not None else _score_dtype(logits_TE)
         ctx.mode, ctx.scaling, ctx.out_dtype = mode, scaling, logits_TE.dtype
         ctx.shape = logits_TE.shape
         if mode == "softmax_post":
-            probs_TK = torch.softmax(logits_TE.gather(1, top_TK), dim=-1, dtype=dtype)
+            if top_logits_TK is None:
+                top_logits_TK = logits_TE.gather(1, top_TK)
+            probs_TK = torch.softmax(top_logits_TK, dim=-1, dtype=dtype)
             ctx.save_for_backward(top_TK, probs_TK)
         elif mode == "softmax_pre":
             probs_TK = scores_TE.gather(1, top_TK)
@@ -83,7 +86,7 @@ class TopKProbs(torch.autograd.Function):
             scores_TE = ctx.saved_tensors[1]
             dense = torch.zeros_like(scores_TE).scatter_(1, top_TK, g_TK)
             grad = torch._softmax_backward_data(dense, scores_TE, -1, scores_TE.dtype)
-            return grad.to(ctx.out_dtype), None, None, None, None
+            return grad.to(ctx.out_dtype), None, None, None, None, None
         else:
             _, s_TK, denom_T1, logits_TK = ctx.saved_tensors
             if denom_T1 is not None:  # q = a / b: grad_a = g / b, grad_b = -g * ((a / b) / b)
@@ -91,7 +94,7 @@ class TopKProbs(torch.autograd.Function):
                 g_TK = g_TK / denom_T1 + g_b
             g_TK = activation_grad(g_TK, s_TK, logits_TK, mode)
         grad = torch.zeros(ctx.shape, dtype=ctx.out_dtype, device=grad_TE.device)
-        return grad.scatter_(1, top_TK, g_TK.to(ctx.out_dtype)), None, None, None, None
+        return grad.scatter_(1, top_TK, g_TK.to(ctx.out_dtype)), None, None, None, None, None
 
 
 def _score_dtype(logits: torch.Tensor) -> torch.dtype:
@@ -149,16 +152,17 @@ def route_topk(
     """Same contract and results as :func:`scoring.topk_routing` (its plain-autograd twin).
 
     Returns (probs_TE, routing_map_TE, top_TK, scores_TE): the dense scores (softmax for
-    pre-softmax, the activation for sigmoid/sqrtsoftplus, None for post-softmax except on the
-    dense path, where it is the softmax) are computed once without autograd and can be handed
-    to :class:`AuxScoreSums`. Few experts and K <= 2 on CPU take the dense path
-    (``routing_dense``), which returns ``top_TK = None``.
+    pre-softmax, the activation for sigmoid/sqrtsoftplus, None for post-softmax) are computed
+    once without autograd and can be handed to :class:`AuxScoreSums`. Few experts and K <= 2
+    on CPU (not post-softmax) take the dense path (``routing_dense``): ``top_TK = None``.
     """
     from shardwork.moe_router.routing_dense import dense_route, use_dense
     from shardwork.moe_router.scoring import _activate, _select, score_dtype
 
     dtype = score_dtype(logits_TE)
-    if use_dense(logits_TE, top_k, group_top_k):
+    if use_dense(
+        logits_TE, top_k, group_top_k, post_softmax=score_function == "softmax" and not pre_softmax
+    ):
         dense = dense_route(
             logits_TE,
             top_k,
@@ -171,22 +175,22 @@ def route_topk(
         if dense is not None:
             probs_TE, routing_map_TE, scores_TE = dense
             return probs_TE, routing_map_TE, None, scores_TE
-    scores_TE = None
+    scores_TE = top_logits_TK = None
     with torch.no_grad():
         if score_function == "softmax":
             if pre_softmax:
                 scores_TE = torch.softmax(logits_TE, dim=-1, dtype=dtype)
                 top_TK = _select(scores_TE, top_k, num_groups, group_top_k)[1]
             else:
-                top_TK = _select(logits_TE, top_k, num_groups, group_top_k)[1]
+                top_logits_TK, top_TK = _select(logits_TE, top_k, num_groups, group_top_k)
             mode = "softmax_pre" if pre_softmax else "softmax_post"
         else:
             scores_TE = _activate(logits_TE, score_function)
             ranked = scores_TE if expert_bias is None else scores_TE + expert_bias.to(dtype)
             top_TK = _select(ranked, top_k, num_groups, group_top_k)[1]
             mode = score_function
-    probs_TE = TopKProbs.apply(logits_TE, scores_TE, top_TK, mode, scaling_factor)
+    probs_TE = TopKProbs.apply(logits_TE, scores_TE, top_TK, mode, scaling_factor, top_logits_TK)
     routing_map_TE = torch.zeros(
         logits_TE.shape, dtype=torch.bool, device=logits_TE.device
-    ).scatter_(1, top_TK, True)
+    ).scatter_(1, top_TK, torch.ones(top_TK.shape, dtype=torch.bool, device=top_TK.device))
     return probs_TE, routing_map_TE, top_TK, scores_TE
