@@ -264,9 +264,8 @@ class MultiTokenPrediction(ShardedModule):
                 init="normal",
                 real_rows=config.vocab_size,
             )
-        self.tracker = MTPLossTracker(
-            mtp.num_layers, device="cpu" if device == "meta" else device or "cpu"
-        )
+        on_meta = device is not None and torch.device(device).type == "meta"
+        self.tracker = MTPLossTracker(mtp.num_layers, device="cpu" if on_meta else device or "cpu")
 
     def named_param_keys(self, prefix: str = ""):
         for key, param, module in super().named_param_keys(prefix):

@@ -223,5 +223,6 @@ def hf_config_from_moe(config: GPTConfig, *, dtype: torch.dtype | None = None) -
             "v_head_dim": mla.v_head_dim,
             "rope_interleave": True,
             "attention_bias": False,
+            "num_nextn_predict_layers": config.mtp.num_layers if config.mtp is not None else 0,
         }
     return out

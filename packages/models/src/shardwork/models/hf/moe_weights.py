@@ -7,7 +7,9 @@
   (``shared_expert`` + ``shared_expert_gate`` for Qwen2-MoE, ``shared_experts`` for
   DeepSeek-V3), MLA projections (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj`` / ``q_proj``,
   ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``) and MTP depths (DeepSeek's
-  ``model.layers.<L+k>`` with ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``).
+  ``model.layers.<L+k>`` with ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, and
+  copies of the shared ``embed_tokens`` / ``shared_head.head``: :func:`mtp_shared_copies`;
+  export writes them, import checks they equal the main embedding and head).
 - Import reads each local ShardedTensor's slice from a *source*: a checkpoint folder (per-expert
   tensors as saved on disk, read with ``safe_open(...).get_slice``) or an in-memory state dict
   (e.g. a transformers 5 model's ``state_dict()``, whose experts are fused
@@ -37,10 +39,12 @@ from shardwork.models.hf.keys import KEY_RULES, to_hf_key
 from shardwork.models.hf.moe_config import hf_config_from_moe, moe_model_type
 
 __all__ = [
+    "hf_name",
     "load_hf_moe_state_dict",
     "load_hf_moe_weights",
     "moe_hf_state_dict",
     "moe_key_rules",
+    "mtp_shared_copies",
     "save_moe_pretrained",
 ]
 
@@ -99,6 +103,25 @@ def _mtp_name(key: str, model_type: str, num_layers: int) -> str | None:
     inner = rest.removeprefix("transformer_layer.")
     name = to_hf_key(f"decoder.layers.{layer}.{inner}", moe_key_rules(model_type, num_layers))
     return name
+
+
+def mtp_shared_copies(config) -> dict[str, str]:
+    """HF names of the per-depth copies of shared weights -> the main tensor they copy.
+
+    DeepSeek-V3 checkpoints store MTP depth ``k`` as ``model.layers.<L+k-1>`` with its own
+    ``embed_tokens.weight`` and ``shared_head.head.weight``, equal to ``model.embed_tokens`` and
+    ``lm_head`` (DeepSeek-V3's README_WEIGHTS.md: the MTP module shares them). shardwork keeps
+    one embedding and one head, so export writes these copies and import checks them.
+    """
+    if config.mtp is None or moe_model_type(config) != "deepseek_v3":
+        return {}
+    head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    out = {}
+    for k in range(config.mtp.num_layers):
+        layer = f"model.layers.{config.num_layers + k}"
+        out[f"{layer}.embed_tokens.weight"] = "model.embed_tokens.weight"
+        out[f"{layer}.shared_head.head.weight"] = head
+    return out
 
 
 def hf_name(key: str, model_type: str, num_layers: int) -> str:
@@ -185,11 +208,20 @@ class _Source:
 def _load(model, source: _Source) -> Any:
     cfg = model.config
     mt = moe_model_type(cfg)
+    copies = mtp_shared_copies(cfg)
     try:
         for key, st in model.sharded_state_dict().items():
             name = hf_name(key, mt, cfg.num_layers)
             index = tuple(slice(o, o + s) for o, s in zip(st.global_offset, st.data.shape))
             st.data.copy_(source.read(name, index, tuple(st.global_shape)).to(st.data.dtype))
+            for copy, main in copies.items():  # MTP copies of shared weights must be equal
+                if main == name and source.has(copy):
+                    got = source.read(copy, index, tuple(st.global_shape)).to(st.data.dtype)
+                    if not torch.equal(got, st.data):
+                        raise ValueError(
+                            f"checkpoint tensor {copy!r} differs from {main!r}: shardwork's MTP "
+                            "shares the main embedding and head, so the copies must be equal"
+                        )
     finally:
         source.close()
     from shardwork.models.moe.state import moe_routers
@@ -221,6 +253,8 @@ def moe_hf_state_dict(
     mt = moe_model_type(cfg)
     full = full_state_dict(model, group=group, dtype=dtype)
     out = {hf_name(k, mt, cfg.num_layers): v.contiguous() for k, v in full.items()}
+    for copy, main in mtp_shared_copies(cfg).items():  # as DeepSeek-V3 checkpoints store them
+        out[copy] = out[main].clone()  # own storage: safetensors refuses shared memory
     if not fused:
         return out
     experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
