@@ -1,4 +1,5 @@
-"""shardwork.models: dense GPT/Llama/Qwen models with tensor, sequence and context parallelism.
+"""shardwork.models: GPT/Llama/Qwen/Mixtral/DeepSeek models with tensor, sequence, context,
+pipeline and expert parallelism.
 
 - :class:`GPTConfig` (validated dataclass), presets (:data:`PRESETS`, :func:`preset`).
 - :class:`GPTModel`: a whole model or one pipeline stage (``layer_range``, ``pre_process``,
@@ -9,11 +10,31 @@
   :class:`RMSNorm`, :class:`TransformerLayer`, :class:`TransformerBlock`.
 - :class:`RNGTracker` and recompute :func:`checkpoint`; losses as (sum, count) with
   :func:`loss_for_backward` / :func:`reduce_loss`; context-parallel helpers.
-- :mod:`shardwork.models.calculator` (FLOPs/memory), :mod:`shardwork.models.hf` (Hugging Face
-  bridge), :mod:`shardwork.models.pipeline` (schedules; separate subpackage).
+- Mixture of experts (:class:`MoEConfig`, :class:`MoELayer`, :func:`moe_finalize_kwargs`,
+  :func:`expert_load`; more in :mod:`shardwork.models.moe`), multi-head latent attention
+  (:class:`MLAConfig`, :class:`MLAttention`), multi-token prediction (:class:`MTPConfig`,
+  :class:`MultiTokenPrediction`, :func:`reduce_mtp_losses`), MoE presets
+  (:data:`MOE_PRESETS`, :data:`PUBLISHED_MOE_PARAMS`; also in :data:`PRESETS`).
+- Calculator: :func:`num_parameters`, :func:`flops_per_token`, :func:`memory_estimate`,
+  :func:`moe_param_counts` (formulas in :mod:`shardwork.models.calculator`,
+  :mod:`shardwork.models.calculator_moe`, :mod:`shardwork.models.calculator_memory`);
+  :mod:`shardwork.models.hf` (Hugging Face bridge), :mod:`shardwork.models.pipeline`
+  (schedules; separate subpackage).
 """
 
 from shardwork.models.attention import Attention, AttentionInputs
+from shardwork.models.calculator import (
+    MemoryEstimate,
+    flops_per_token,
+    memory_estimate,
+    num_parameters,
+)
+from shardwork.models.calculator_memory import (
+    LocalParams,
+    kv_cache_bytes_per_token,
+    local_parameters,
+)
+from shardwork.models.calculator_moe import ParamCounts, moe_param_counts
 from shardwork.models.config import RECOMPUTE_MODES, GPTConfig, check_sequence_length
 from shardwork.models.context_parallel import (
     attention_mask,
@@ -24,12 +45,16 @@ from shardwork.models.embedding import EMBEDDING_KEY, LMHead, VocabParallelEmbed
 from shardwork.models.gpt_model import GPTModel
 from shardwork.models.logits import gather_logits
 from shardwork.models.loss import loss_for_backward, reduce_loss, token_loss
+from shardwork.models.mla import MLAConfig, MLAttention
 from shardwork.models.mlp import SwiGLUMLP
 from shardwork.models.module import ShardedModule, layout_groups
+from shardwork.models.moe import MoEConfig, MoELayer, expert_load, moe_finalize_kwargs
+from shardwork.models.mtp import MTPConfig, MultiTokenPrediction, reduce_mtp_losses
 from shardwork.models.norm import RMSNorm
 from shardwork.models.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from shardwork.models.presets import PRESETS, PUBLISHED_PARAMS, preset
-from shardwork.models.recompute import checkpoint
+from shardwork.models.presets_moe import MOE_PRESETS, PUBLISHED_MOE_PARAMS
+from shardwork.models.recompute import RecomputeReplay, checkpoint
 from shardwork.models.rng import REPLICATED, TENSOR_PARALLEL, RNGTracker
 from shardwork.models.transformer_layer import TransformerBlock, TransformerLayer
 
@@ -37,7 +62,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "EMBEDDING_KEY",
+    "MOE_PRESETS",
     "PRESETS",
+    "PUBLISHED_MOE_PARAMS",
     "PUBLISHED_PARAMS",
     "RECOMPUTE_MODES",
     "REPLICATED",
@@ -48,8 +75,18 @@ __all__ = [
     "GPTConfig",
     "GPTModel",
     "LMHead",
+    "LocalParams",
+    "MLAConfig",
+    "MLAttention",
+    "MTPConfig",
+    "MemoryEstimate",
+    "MoEConfig",
+    "MoELayer",
+    "MultiTokenPrediction",
+    "ParamCounts",
     "RMSNorm",
     "RNGTracker",
+    "RecomputeReplay",
     "RowParallelLinear",
     "ShardedModule",
     "SwiGLUMLP",
@@ -59,12 +96,21 @@ __all__ = [
     "attention_mask",
     "check_sequence_length",
     "checkpoint",
+    "expert_load",
+    "flops_per_token",
     "gather_logits",
+    "kv_cache_bytes_per_token",
     "layout_groups",
+    "local_parameters",
     "local_positions",
     "loss_for_backward",
+    "memory_estimate",
+    "moe_finalize_kwargs",
+    "moe_param_counts",
+    "num_parameters",
     "preset",
     "reduce_loss",
+    "reduce_mtp_losses",
     "slice_for_context_parallel",
     "token_loss",
 ]
