@@ -62,10 +62,10 @@ def dense_softmax(logits_TE: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
     torch's CPU softmax over a short last dim (E <= 32) is slow for many rows; there it is
     computed as exp(x - rowmax) * (1 / rowsum), the formula of torch's kernel (equal up to
-    the exp implementation's last bit). Small inputs keep ``torch.softmax``.
+    the exp implementation's last bit).
     """
     E = logits_TE.shape[-1]
-    if logits_TE.device.type != "cpu" or E > MAX_DENSE_EXPERTS or logits_TE.numel() < 32768:
+    if logits_TE.device.type != "cpu" or E > MAX_DENSE_EXPERTS:
         return torch.softmax(logits_TE, dim=-1, dtype=dtype)
     x = logits_TE.to(dtype)
     exp_TE = torch.exp(x - x.amax(dim=-1, keepdim=True))

@@ -129,12 +129,18 @@ class AuxScoreSums(torch.autograd.Function):
         if valid_T is not None:
             g_SBE = g_SBE * valid_T.view(T // B, B, 1)
         norm = norm_TE.view(T // B, B, E)
-        dot = (norm * g_SBE).sum(dim=-1, keepdim=True)
+        # One [T, E] buffer serves every dense step (fewer allocations and memory passes).
+        buf = torch.mul(norm, g_SBE)
+        dot = buf.sum(dim=-1, keepdim=True)
+        buf = torch.sub(g_SBE, dot, out=buf)
         if ctx.score_function == "softmax":
-            grad = (norm * (g_SBE - dot)).view(T, E)
+            grad = buf.mul_(norm).view(T, E)
         else:  # n = s / D: grad_s = (g - sum_j g_j n_j) / D
-            g_s = ((g_SBE - dot) / denom_T1.view(T // B, B, 1)).view(T, E)
-            grad = activation_grad(g_s, scores_TE, logits_TE, ctx.score_function)
+            g_s = buf.mul_((1 / denom_T1).view(T // B, B, 1)).view(T, E)
+            if ctx.score_function == "sigmoid":
+                grad = torch.ops.aten.sigmoid_backward.grad_input(g_s, scores_TE, grad_input=g_s)
+            else:
+                grad = activation_grad(g_s, scores_TE, logits_TE, ctx.score_function)
         return grad.to(ctx.out_dtype), None, None, None, None
 
 
