@@ -2,12 +2,15 @@
 
 Legend: T tokens, E experts, K = top_k, G groups.
 
-- ``topk_routing``: logits_TE -> (probs_TE, routing_map_TE) for softmax (pre- or post-top-k),
+- ``topk_routing``: the plain-autograd formula of the routing (the router runs the same math
+  through ``routing_fn.route_topk``'s hand-written backward; tests compare the two):
+  logits_TE -> (probs_TE, routing_map_TE) for softmax (pre- or post-top-k),
   sigmoid and sqrtsoftplus scores, with group-limited selection, expert bias (selection only)
   and a scaling factor. Scores are computed in fp32, or fp64 when the logits are fp64
   (Megatron-Core computes its softmax in fp32 even for fp64 logits), and cast back to the
   logits' dtype.
-- ``aux_loss_scores``: the dense scores and plain top-k map that load-balancing losses use.
+- ``aux_loss_scores``: the dense scores and plain top-k map that load-balancing losses use
+  (plain-autograd reference of ``routing_fn.AuxScoreSums``).
 - ``sinkhorn``: Sinkhorn-Knopp balancing of exp(logits).
 - ``drop_to_capacity``: token dropping by probability or by position, optional padding.
 - No Python loop over tokens or experts anywhere: everything is a handful of batched ops.
