@@ -21,13 +21,17 @@
 - One pool of rank processes runs the cells: ``run_on_ranks`` keeps its processes between
   calls and a cell of N ranks runs on the pool's first N (a fresh default process group of
   size N each time), so no cell starts a process. Each cell returns its ranks' pids and
-  asserts they are those of the cells before it in this test process.
+  asserts they are those of the cells before it in this test process. Under xdist every
+  worker has its own pool: cells take a lock shared by the workers (one cell at a time), and
+  ``xdist_group`` keeps them on one worker when pytest runs with ``--dist loadgroup``.
 - Cells with 8 ranks and the costlier 4-rank cells are marked ``slow``; the default run
   covers the other 11 cells (and the fp32 cell).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import io
 import json
 import os
@@ -38,7 +42,7 @@ import torch.distributed as dist
 
 from shardwork.parallel_state.testing import run_on_ranks
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.xdist_group("layout-matrix")]
 
 STEPS = 20
 RTOL = 1e-9
@@ -53,9 +57,9 @@ MODELS = {
     "moe": {"preset": "tiny-mixtral-8x7b", "num_layers": 4},
 }
 
-CELL_TIMEOUT = 240
-"""Seconds before a cell's ranks are killed (the slowest cell, 8 ranks, takes ~35 s on a
-loaded 2-core machine; a hung collective must not hold CI for long)."""
+CELL_TIMEOUT = 420
+"""Seconds before a cell's ranks are killed: the slowest cell (8 ranks) takes ~20 s on a quiet
+2-core machine and over 200 s at load average 20; a hung collective must not hold CI longer."""
 
 SLOW = pytest.mark.slow
 
@@ -148,11 +152,38 @@ def pool_pids() -> dict[int, int]:
     return {}
 
 
-def _run_cell(tmp_path, corpus_cache, pool_pids, world, sections) -> list[dict]:
+@pytest.fixture(scope="module")
+def cell_lock(tmp_path_factory) -> Path | None:
+    """A lock file shared by the xdist workers of this pytest run (None without xdist).
+
+    Each xdist worker has its own rank pool; without ``--dist loadgroup`` (which keeps the
+    ``xdist_group`` cells on one worker) two workers could run an 8-rank cell each at once,
+    16 busy ranks on a 2-core machine. The lock runs one cell at a time across workers.
+    """
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return None
+    return tmp_path_factory.getbasetemp().parent / "layout-matrix.lock"
+
+
+@contextlib.contextmanager
+def _exclusive(lock: Path | None):
+    if lock is None:
+        yield
+        return
+    with open(lock, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _run_cell(tmp_path, corpus_cache, pool_pids, cell_lock, world, sections) -> list[dict]:
     try:
-        results = run_on_ranks(
-            _train, world, args=(str(tmp_path), sections, corpus_cache), timeout=CELL_TIMEOUT
-        )
+        with _exclusive(cell_lock):
+            results = run_on_ranks(
+                _train, world, args=(str(tmp_path), sections, corpus_cache), timeout=CELL_TIMEOUT
+            )
     except Exception:
         pool_pids.clear()  # a failed cell may have had its ranks killed and restarted
         raise
@@ -197,7 +228,7 @@ def _assert_matches(results: list[dict], reference: dict, *, steps: int, rtol: f
     [pytest.param(w, p, k, id=f"{k}-{n}", marks=m) for n, w, p, k, m in CELLS],
 )
 def test_layout_matches_world_one(
-    tmp_path, corpus_cache, references, pool_pids, world, parallel, kind
+    tmp_path, corpus_cache, references, pool_pids, cell_lock, world, parallel, kind
 ):
     reference = references(kind)
     # the reference must move: a curve that equals itself because nothing trains proves nothing
@@ -205,15 +236,15 @@ def test_layout_matches_world_one(
     if kind == "moe":
         assert {"expert_load", "load_imbalance"} <= set(reference["steps"][1])
     sections = _sections(kind, parallel, world)
-    results = _run_cell(tmp_path, corpus_cache, pool_pids, world, sections)
+    results = _run_cell(tmp_path, corpus_cache, pool_pids, cell_lock, world, sections)
     _assert_matches(results, reference, steps=STEPS, rtol=RTOL)
 
 
-def test_fp32_cell_matches_world_one(tmp_path, corpus_cache, references, pool_pids):
+def test_fp32_cell_matches_world_one(tmp_path, corpus_cache, references, pool_pids, cell_lock):
     name, world, parallel, kind = FP32_CELL
     reference = references(kind, "fp32")
     sections = _sections(kind, parallel, world, dtype="fp32")
-    results = _run_cell(tmp_path, corpus_cache, pool_pids, world, sections)
+    results = _run_cell(tmp_path, corpus_cache, pool_pids, cell_lock, world, sections)
     _assert_matches(results, reference, steps=FP32_STEPS, rtol=FP32_RTOL)
     # fp32 rounding is visible: this cell is not secretly running in float64
     fp64 = references(kind)
