@@ -1,8 +1,9 @@
 """Presets with the real families' shapes, and tiny CPU twins with the same structure.
 
-Each preset is a function returning a :class:`GPTConfig` (keyword overrides allowed, e.g.
-``llama3_8b(params_dtype=torch.bfloat16, sequence_parallel=True)``). ``PRESETS`` maps names to
-them. Published parameter counts (``PUBLISHED_PARAMS``) are checked against the calculator
+Presets are table rows (``_DENSE``: the ``GPTConfig`` fields of each model, family fields
+shared by dict union) turned into functions returning a :class:`GPTConfig` with keyword
+overrides (``preset("llama3-8b", params_dtype=torch.bfloat16, sequence_parallel=True)``).
+``PRESETS`` maps names to them. Published parameter counts (``PUBLISHED_PARAMS``) are checked against the calculator
 and the meta-device model in the tests.
 
 Tiny twins (``tiny_<name>``) keep the family's features (GQA ratio, tied embeddings, QKV bias,
@@ -17,6 +18,7 @@ from typing import Any
 
 from shardwork.fused_kernels import Llama3RopeScaling
 from shardwork.models.config import GPTConfig
+from shardwork.models.preset_table import table_preset
 from shardwork.models.presets_moe import MOE_PRESETS
 
 __all__ = ["PRESETS", "PUBLISHED_PARAMS", "preset"]
@@ -31,8 +33,16 @@ def _llama31_scaling(factor: float = 8.0) -> Llama3RopeScaling:
     )
 
 
-def llama2_7b(**kw: Any) -> GPTConfig:
-    base = dict(
+_LLAMA3 = dict(vocab_size=128256, num_query_groups=8, rope_theta=500000.0, norm_epsilon=1e-5)
+_LLAMA32 = _LLAMA3 | dict(
+    tie_word_embeddings=True, max_position_embeddings=131072, rope_scaling=_llama31_scaling(32.0)
+)
+_LLAMA31_LONG = dict(rope_scaling=_llama31_scaling(), max_position_embeddings=131072)
+_QWEN = dict(rope_theta=1000000.0, norm_epsilon=1e-6)
+
+#: ``GPTConfig`` fields of each dense preset (a row may extend a family's shared fields).
+_DENSE: dict[str, dict[str, Any]] = {
+    "llama2-7b": dict(
         num_layers=32,
         hidden_size=4096,
         num_attention_heads=32,
@@ -41,90 +51,33 @@ def llama2_7b(**kw: Any) -> GPTConfig:
         max_position_embeddings=4096,
         rope_theta=10000.0,
         norm_epsilon=1e-5,
-    )
-    return GPTConfig(**(base | kw))
-
-
-def llama3_8b(**kw: Any) -> GPTConfig:
-    base = dict(
+    ),
+    "llama3-8b": _LLAMA3
+    | dict(
         num_layers=32,
         hidden_size=4096,
         num_attention_heads=32,
-        num_query_groups=8,
         ffn_hidden_size=14336,
-        vocab_size=128256,
         max_position_embeddings=8192,
-        rope_theta=500000.0,
-        norm_epsilon=1e-5,
-    )
-    return GPTConfig(**(base | kw))
-
-
-def llama31_8b(**kw: Any) -> GPTConfig:
-    return llama3_8b(
-        **({"rope_scaling": _llama31_scaling(), "max_position_embeddings": 131072} | kw)
-    )
-
-
-def llama3_70b(**kw: Any) -> GPTConfig:
-    base = dict(
+    ),
+    "llama3-70b": _LLAMA3
+    | dict(
         num_layers=80,
         hidden_size=8192,
         num_attention_heads=64,
-        num_query_groups=8,
         ffn_hidden_size=28672,
-        vocab_size=128256,
         max_position_embeddings=8192,
-        rope_theta=500000.0,
-        norm_epsilon=1e-5,
-    )
-    return GPTConfig(**(base | kw))
-
-
-def llama31_70b(**kw: Any) -> GPTConfig:
-    return llama3_70b(
-        **({"rope_scaling": _llama31_scaling(), "max_position_embeddings": 131072} | kw)
-    )
-
-
-def llama32_1b(**kw: Any) -> GPTConfig:
-    base = dict(
-        num_layers=16,
-        hidden_size=2048,
-        num_attention_heads=32,
-        num_query_groups=8,
-        head_dim=64,
-        ffn_hidden_size=8192,
-        vocab_size=128256,
-        tie_word_embeddings=True,
-        max_position_embeddings=131072,
-        rope_theta=500000.0,
-        norm_epsilon=1e-5,
-        rope_scaling=_llama31_scaling(32.0),
-    )
-    return GPTConfig(**(base | kw))
-
-
-def llama32_3b(**kw: Any) -> GPTConfig:
-    base = dict(
-        num_layers=28,
-        hidden_size=3072,
-        num_attention_heads=24,
-        num_query_groups=8,
-        head_dim=128,
-        ffn_hidden_size=8192,
-        vocab_size=128256,
-        tie_word_embeddings=True,
-        max_position_embeddings=131072,
-        rope_theta=500000.0,
-        norm_epsilon=1e-5,
-        rope_scaling=_llama31_scaling(32.0),
-    )
-    return GPTConfig(**(base | kw))
-
-
-def qwen25_7b(**kw: Any) -> GPTConfig:
-    base = dict(
+    ),
+    "llama3.2-1b": _LLAMA32
+    | dict(
+        num_layers=16, hidden_size=2048, num_attention_heads=32, head_dim=64, ffn_hidden_size=8192
+    ),
+    "llama3.2-3b": _LLAMA32
+    | dict(
+        num_layers=28, hidden_size=3072, num_attention_heads=24, head_dim=128, ffn_hidden_size=8192
+    ),
+    "qwen2.5-7b": _QWEN
+    | dict(
         num_layers=28,
         hidden_size=3584,
         num_attention_heads=28,
@@ -133,14 +86,9 @@ def qwen25_7b(**kw: Any) -> GPTConfig:
         vocab_size=152064,
         add_qkv_bias=True,
         max_position_embeddings=32768,
-        rope_theta=1000000.0,
-        norm_epsilon=1e-6,
-    )
-    return GPTConfig(**(base | kw))
-
-
-def qwen3_8b(**kw: Any) -> GPTConfig:
-    base = dict(
+    ),
+    "qwen3-8b": _QWEN
+    | dict(
         num_layers=36,
         hidden_size=4096,
         num_attention_heads=32,
@@ -150,10 +98,12 @@ def qwen3_8b(**kw: Any) -> GPTConfig:
         vocab_size=151936,
         qk_layernorm=True,
         max_position_embeddings=40960,
-        rope_theta=1000000.0,
-        norm_epsilon=1e-6,
-    )
-    return GPTConfig(**(base | kw))
+    ),
+}
+_DENSE["llama3.1-8b"] = _DENSE["llama3-8b"] | _LLAMA31_LONG
+_DENSE["llama3.1-70b"] = _DENSE["llama3-70b"] | _LLAMA31_LONG
+_ORDER = ("llama2-7b", "llama3-8b", "llama3.1-8b", "llama3-70b", "llama3.1-70b", "llama3.2-1b")
+_ORDER += ("llama3.2-3b", "qwen2.5-7b", "qwen3-8b")
 
 
 _TINY = dict(
@@ -193,15 +143,7 @@ def _tiny(big: Callable[..., GPTConfig], **extra: Any) -> Callable[..., GPTConfi
 
 
 PRESETS: dict[str, Callable[..., GPTConfig]] = {
-    "llama2-7b": llama2_7b,
-    "llama3-8b": llama3_8b,
-    "llama3.1-8b": llama31_8b,
-    "llama3-70b": llama3_70b,
-    "llama3.1-70b": llama31_70b,
-    "llama3.2-1b": llama32_1b,
-    "llama3.2-3b": llama32_3b,
-    "qwen2.5-7b": qwen25_7b,
-    "qwen3-8b": qwen3_8b,
+    name: table_preset(name, _DENSE[name]) for name in _ORDER
 }
 PRESETS |= {f"tiny-{name}": _tiny(fn) for name, fn in list(PRESETS.items())}
 PRESETS |= MOE_PRESETS  # Mixtral, Qwen-MoE, DeepSeek and their tiny twins (presets_moe.py)

@@ -1,7 +1,8 @@
 """MoE presets with the real families' shapes (Mixtral, Qwen-MoE, DeepSeek) and tiny CPU twins.
 
-Each preset returns a :class:`GPTConfig` with ``moe`` (and ``mla`` / ``mtp`` for DeepSeek);
-keyword overrides go to the GPTConfig. They are registered in ``shardwork.models.PRESETS``.
+Each preset is a table row (``_SHAPES``, tiny twins in ``_TINY_SHAPES``; family fields shared
+by dict union) made into a function returning a :class:`GPTConfig` with ``moe`` (and ``mla`` /
+``mtp`` for DeepSeek); keyword overrides go to the GPTConfig. They are registered in ``shardwork.models.PRESETS``.
 ``PUBLISHED_MOE_PARAMS`` holds the published (total, active) counts the calculator is
 checked against (model cards; rounded, so compared with a tolerance).
 
@@ -20,70 +21,9 @@ from shardwork.models.config import GPTConfig
 from shardwork.models.mla import MLAConfig
 from shardwork.models.moe.config import MoEConfig
 from shardwork.models.mtp import MTPConfig
+from shardwork.models.preset_table import table_preset
 
 __all__ = ["MOE_PRESETS", "PUBLISHED_MOE_PARAMS"]
-
-
-def _build(base: dict[str, Any], kw: dict[str, Any]) -> GPTConfig:
-    return GPTConfig(**(base | kw))
-
-
-def mixtral_8x7b(**kw: Any) -> GPTConfig:
-    base = dict(
-        num_layers=32,
-        hidden_size=4096,
-        num_attention_heads=32,
-        num_query_groups=8,
-        ffn_hidden_size=14336,
-        vocab_size=32000,
-        max_position_embeddings=32768,
-        rope_theta=1e6,
-        norm_epsilon=1e-5,
-        moe=MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=14336),
-    )
-    return _build(base, kw)
-
-
-def qwen3_30b_a3b(**kw: Any) -> GPTConfig:
-    base = dict(
-        num_layers=48,
-        hidden_size=2048,
-        num_attention_heads=32,
-        num_query_groups=4,
-        head_dim=128,
-        ffn_hidden_size=6144,
-        vocab_size=151936,
-        qk_layernorm=True,
-        max_position_embeddings=40960,
-        rope_theta=1e6,
-        norm_epsilon=1e-6,
-        moe=MoEConfig(num_experts=128, top_k=8, ffn_hidden_size=768),
-    )
-    return _build(base, kw)
-
-
-def qwen2_57b_a14b(**kw: Any) -> GPTConfig:
-    base = dict(
-        num_layers=28,
-        hidden_size=3584,
-        num_attention_heads=28,
-        num_query_groups=4,
-        ffn_hidden_size=18944,
-        vocab_size=151936,
-        add_qkv_bias=True,
-        max_position_embeddings=32768,
-        rope_theta=1e6,
-        norm_epsilon=1e-6,
-        moe=MoEConfig(
-            num_experts=64,
-            top_k=8,
-            ffn_hidden_size=2560,
-            pre_softmax=True,
-            shared_expert_ffn_hidden_size=20480,
-            shared_expert_gate=True,
-        ),
-    )
-    return _build(base, kw)
 
 
 def _deepseek_yarn(mscale: float) -> YarnRopeScaling:
@@ -97,18 +37,64 @@ def _deepseek_yarn(mscale: float) -> YarnRopeScaling:
     )
 
 
-def deepseek_v3(**kw: Any) -> GPTConfig:
-    base = dict(
+_QWEN = dict(rope_theta=1e6, max_position_embeddings=32768, norm_epsilon=1e-6)
+_DEEPSEEK = dict(
+    head_dim=192, max_position_embeddings=163840, rope_theta=10000.0, norm_epsilon=1e-6
+)
+
+#: ``GPTConfig`` fields of each MoE preset with the real family's shapes.
+_SHAPES: dict[str, dict[str, Any]] = {
+    "mixtral-8x7b": dict(
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_query_groups=8,
+        ffn_hidden_size=14336,
+        vocab_size=32000,
+        max_position_embeddings=32768,
+        rope_theta=1e6,
+        norm_epsilon=1e-5,
+        moe=MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=14336),
+    ),
+    "qwen3-30b-a3b": _QWEN
+    | dict(
+        num_layers=48,
+        hidden_size=2048,
+        num_attention_heads=32,
+        num_query_groups=4,
+        head_dim=128,
+        ffn_hidden_size=6144,
+        vocab_size=151936,
+        qk_layernorm=True,
+        max_position_embeddings=40960,
+        moe=MoEConfig(num_experts=128, top_k=8, ffn_hidden_size=768),
+    ),
+    "qwen2-57b-a14b": _QWEN
+    | dict(
+        num_layers=28,
+        hidden_size=3584,
+        num_attention_heads=28,
+        num_query_groups=4,
+        ffn_hidden_size=18944,
+        vocab_size=151936,
+        add_qkv_bias=True,
+        moe=MoEConfig(
+            num_experts=64,
+            top_k=8,
+            ffn_hidden_size=2560,
+            pre_softmax=True,
+            shared_expert_ffn_hidden_size=20480,
+            shared_expert_gate=True,
+        ),
+    ),
+    "deepseek-v3": _DEEPSEEK
+    | dict(
         num_layers=61,
         hidden_size=7168,
         num_attention_heads=128,
-        head_dim=192,
         ffn_hidden_size=18432,
         vocab_size=129280,
-        max_position_embeddings=163840,
-        rope_theta=10000.0,
         rope_scaling=_deepseek_yarn(1.0),
-        norm_epsilon=1e-6,
         mla=MLAConfig(
             q_lora_rank=1536,
             kv_lora_rank=512,
@@ -132,22 +118,15 @@ def deepseek_v3(**kw: Any) -> GPTConfig:
             first_k_dense_replace=3,
         ),
         mtp=MTPConfig(num_layers=1, loss_coeff=0.1),
-    )
-    return _build(base, kw)
-
-
-def deepseek_v2_lite(**kw: Any) -> GPTConfig:
-    base = dict(
+    ),
+    "deepseek-v2-lite": _DEEPSEEK
+    | dict(
         num_layers=27,
         hidden_size=2048,
         num_attention_heads=16,
-        head_dim=192,
         ffn_hidden_size=10944,
         vocab_size=102400,
-        max_position_embeddings=163840,
-        rope_theta=10000.0,
         rope_scaling=_deepseek_yarn(0.707),
-        norm_epsilon=1e-6,
         mla=MLAConfig(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
         moe=MoEConfig(
             num_experts=64,
@@ -157,9 +136,8 @@ def deepseek_v2_lite(**kw: Any) -> GPTConfig:
             shared_expert_ffn_hidden_size=2816,
             first_k_dense_replace=1,
         ),
-    )
-    return _build(base, kw)
-
+    ),
+}
 
 _TINY = dict(
     num_layers=2,
@@ -177,16 +155,15 @@ def _tiny_moe(**moe: Any) -> MoEConfig:
     return MoEConfig(**(dict(num_experts=8, top_k=2, ffn_hidden_size=32) | moe))
 
 
-def tiny_mixtral(**kw: Any) -> GPTConfig:
-    """Tiny twin of Mixtral: GQA, softmax top-2 renormalised, every layer MoE."""
-    return _build(_TINY | dict(num_query_groups=2, rope_theta=1e6, moe=_tiny_moe()), kw)
-
-
-def tiny_qwen3_moe(**kw: Any) -> GPTConfig:
-    """Tiny twin of Qwen3-30B-A3B: QK-norm, GQA, top-4 of 8 renormalised."""
-    return _build(
-        _TINY
-        | dict(
+#: Tiny twins: (docstring, fields over ``_TINY``), keyed by the big preset's name.
+_TINY_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "mixtral-8x7b": (
+        "Tiny twin of Mixtral: GQA, softmax top-2 renormalised, every layer MoE.",
+        dict(num_query_groups=2, rope_theta=1e6, moe=_tiny_moe()),
+    ),
+    "qwen3-30b-a3b": (
+        "Tiny twin of Qwen3-30B-A3B: QK-norm, GQA, top-4 of 8 renormalised.",
+        dict(
             num_query_groups=2,
             head_dim=16,
             qk_layernorm=True,
@@ -194,15 +171,10 @@ def tiny_qwen3_moe(**kw: Any) -> GPTConfig:
             norm_epsilon=1e-6,
             moe=_tiny_moe(top_k=4),
         ),
-        kw,
-    )
-
-
-def tiny_qwen2_moe(**kw: Any) -> GPTConfig:
-    """Tiny twin of Qwen2-MoE: QKV bias, softmax without renormalising, gated shared expert."""
-    return _build(
-        _TINY
-        | dict(
+    ),
+    "qwen2-57b-a14b": (
+        "Tiny twin of Qwen2-MoE: QKV bias, softmax without renormalising, gated shared expert.",
+        dict(
             num_query_groups=2,
             add_qkv_bias=True,
             rope_theta=1e6,
@@ -214,16 +186,11 @@ def tiny_qwen2_moe(**kw: Any) -> GPTConfig:
                 shared_expert_gate=True,
             ),
         ),
-        kw,
-    )
-
-
-def tiny_deepseek_v3(**kw: Any) -> GPTConfig:
-    """Tiny twin of DeepSeek-V3: MLA with query latent, YaRN, sigmoid group-limited routing
-    with expert bias and scaling, a shared expert, one dense-first layer, one MTP depth."""
-    return _build(
-        _TINY
-        | dict(
+    ),
+    "deepseek-v3": (
+        "Tiny twin of DeepSeek-V3: MLA with query latent, YaRN, sigmoid group-limited routing "
+        "with expert bias and scaling, a shared expert, one dense-first layer, one MTP depth.",
+        dict(
             num_layers=3,
             head_dim=24,
             rope_scaling=YarnRopeScaling(
@@ -252,16 +219,11 @@ def tiny_deepseek_v3(**kw: Any) -> GPTConfig:
             ),
             mtp=MTPConfig(num_layers=1, loss_coeff=0.3),
         ),
-        kw,
-    )
-
-
-def tiny_deepseek_v2_lite(**kw: Any) -> GPTConfig:
-    """Tiny twin of DeepSeek-V2-Lite: MLA without query latent, softmax top-k, two shared
-    experts' width, one dense-first layer."""
-    return _build(
-        _TINY
-        | dict(
+    ),
+    "deepseek-v2-lite": (
+        "Tiny twin of DeepSeek-V2-Lite: MLA without query latent, softmax top-k, two shared "
+        "experts' width, one dense-first layer.",
+        dict(
             num_layers=3,
             head_dim=24,
             norm_epsilon=1e-6,
@@ -270,21 +232,15 @@ def tiny_deepseek_v2_lite(**kw: Any) -> GPTConfig:
                 top_k=2, pre_softmax=True, shared_expert_ffn_hidden_size=64, first_k_dense_replace=1
             ),
         ),
-        kw,
-    )
-
+    ),
+}
 
 MOE_PRESETS: dict[str, Callable[..., GPTConfig]] = {
-    "mixtral-8x7b": mixtral_8x7b,
-    "qwen3-30b-a3b": qwen3_30b_a3b,
-    "qwen2-57b-a14b": qwen2_57b_a14b,
-    "deepseek-v3": deepseek_v3,
-    "deepseek-v2-lite": deepseek_v2_lite,
-    "tiny-mixtral-8x7b": tiny_mixtral,
-    "tiny-qwen3-30b-a3b": tiny_qwen3_moe,
-    "tiny-qwen2-57b-a14b": tiny_qwen2_moe,
-    "tiny-deepseek-v3": tiny_deepseek_v3,
-    "tiny-deepseek-v2-lite": tiny_deepseek_v2_lite,
+    name: table_preset(name, fields) for name, fields in _SHAPES.items()
+}
+MOE_PRESETS |= {
+    f"tiny-{name}": table_preset(f"tiny-{name}", _TINY | fields, doc)
+    for name, (doc, fields) in _TINY_SHAPES.items()
 }
 
 #: Published (total, active) parameter counts; DeepSeek-V3's 671B excludes its 14B MTP module.
