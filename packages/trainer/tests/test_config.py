@@ -79,6 +79,18 @@ CASES = [
     ({"optimizer": {"min_lr": 1.0}}, 1, "optimizer.min_lr=1.0: must be in [0, optimizer.lr=0.003]"),
     ({"optimizer": {"beta2": 1.0}}, 1, "optimizer.beta2=1.0: must be in [0, 1)"),
     ({"optimizer": {"weight_decay_schedule": "linear"}}, 1, "needs optimizer.weight_decay_end"),
+    ({"optimizer": {"name": "sgd"}}, 1, "optimizer.name='sgd': must be 'adamw' or 'muon'"),
+    ({"optimizer": {"name": "muon", "muon_lr": 0.0}}, 1, "optimizer.muon_lr=0.0: must be > 0"),
+    (
+        {"optimizer": {"name": "muon", "muon_momentum": 1.0}},
+        1,
+        "optimizer.muon_momentum=1.0: must be in [0, 1)",
+    ),
+    (
+        {"optimizer": {"name": "muon", "muon_ns_steps": 0}},
+        1,
+        "optimizer.muon_ns_steps=0: must be an integer >= 1",
+    ),
     (
         {"schedule": {"global_batch_size": 24, "micro_batch_size": 16}},
         1,

@@ -101,11 +101,15 @@ class PrecisionConfig:
 
 @dataclass(kw_only=True)
 class OptimizerConfig:
-    """Optimizer (shardwork.dist_optimizer's ZeRO-1 DistributedOptimizer: fp32 master weights and
-    optimizer state sharded over data-parallel ranks) and its weight-decay schedule."""
+    """Optimizer (shardwork.dist_optimizer: AdamW over ZeRO-1 shards of fp32 master weights and
+    state, or Muon with whole parameters on owner ranks) and its weight-decay schedule."""
 
-    name: Literal["adamw"] = "adamw"
-    """The update rule (AdamW, decoupled weight decay; 1-D parameters get no decay)."""
+    name: Literal["adamw", "muon"] = "adamw"
+    """The update rule. 'adamw': AdamW (decoupled weight decay; 1-D parameters get no decay)
+    on every parameter, ZeRO-1 sharded. 'muon': Muon (momentum + Newton–Schulz
+    orthogonalisation) for the 2-D hidden-layer matrices and AdamW (beta1, beta2, eps) for
+    embedding, LM head, norms, biases and stacked expert weights; each parameter is stepped
+    whole on one data-parallel owner rank."""
     lr: float = 3e-3
     """Peak learning rate."""
     min_lr: float = 3e-4
@@ -116,8 +120,17 @@ class OptimizerConfig:
     """Weight decay at the last step; None: constant."""
     weight_decay_schedule: Literal["constant", "linear", "cosine"] = "constant"
     """How weight decay moves from weight_decay to weight_decay_end over the run."""
+    muon_lr: float = 0.02
+    """muon: peak learning rate of the Muon matrices (their LR is lr(step) × muon_lr / lr, so
+    they follow the same schedule); the update is also scaled by sqrt(max(1, rows/cols))."""
+    muon_momentum: float = 0.95
+    """muon: momentum μ of the Muon matrices, in [0, 1)."""
+    muon_nesterov: bool = True
+    """muon: Nesterov momentum (orthogonalise (1-μ)·g + μ·buf instead of buf)."""
+    muon_ns_steps: int = 5
+    """muon: Newton–Schulz iterations per update (>= 1)."""
     beta1: float = 0.9
-    """Adam beta1."""
+    """Adam beta1 (with muon: of the AdamW part)."""
     beta2: float = 0.95
     """Adam beta2."""
     eps: float = 1e-8

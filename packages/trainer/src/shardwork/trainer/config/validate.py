@@ -140,6 +140,18 @@ def _check_optimizer(config: TrainConfig, problems: list[str]) -> None:
         problems.append(f"optimizer.clip_grad={o.clip_grad}: must be >= 0 (0 disables clipping)")
     if o.bucket_size_mb <= 0:
         problems.append(f"optimizer.bucket_size_mb={o.bucket_size_mb}: must be > 0")
+    if o.name not in ("adamw", "muon"):
+        problems.append(f"optimizer.name={o.name!r}: must be 'adamw' or 'muon'")
+    if not o.muon_lr > 0:
+        problems.append(f"optimizer.muon_lr={o.muon_lr}: must be > 0")
+    if not 0 <= o.muon_momentum < 1:
+        problems.append(f"optimizer.muon_momentum={o.muon_momentum}: must be in [0, 1)")
+    if (
+        isinstance(o.muon_ns_steps, bool)
+        or not isinstance(o.muon_ns_steps, int)
+        or (o.muon_ns_steps < 1)
+    ):
+        problems.append(f"optimizer.muon_ns_steps={o.muon_ns_steps!r}: must be an integer >= 1")
 
 
 def _check_schedule(config: TrainConfig, dp: int, problems: list[str]) -> None:

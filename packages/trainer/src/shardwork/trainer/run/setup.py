@@ -6,13 +6,10 @@
 - The model comes from shardwork.models, wrapped per chunk in
   shardwork.dist_optimizer's DistributedDataParallel (summing gradients:
   the loss is a token sum, and finalize_model_grads divides by the global
-  token count), and optimised by its ZeRO-1 DistributedOptimizer (at
-  dp = 1 that is an ordinary optimizer over fp32 masters).
-- Biases and norm weights (1-D parameters) get no weight decay; every other
-  parameter group carries ``wd_mult = 1`` so the weight-decay schedule can
-  set ``weight_decay = wd · wd_mult`` each step.
-- MoE models get a ChainedOptimizer of a dense part (sharded over dp×cp)
-  and an expert part (sharded over the expert-data-parallel group).
+  token count): reduce-scatter for AdamW's ZeRO-1 shards, all-reduce for
+  Muon's whole-matrix owners.
+- The optimizer (AdamW / Muon, dense + expert parts for MoE, weight-decay
+  and LR multipliers per parameter group) is built by :mod:`.optimizers`.
 """
 
 from __future__ import annotations
@@ -72,10 +69,6 @@ def init_runtime(config: TrainConfig) -> Runtime:
     return Runtime(groups, device, dist.get_rank(), dist.get_world_size(), owns_distributed=owns)
 
 
-def _param_group_fn(name: str, param: torch.nn.Parameter) -> dict[str, Any]:
-    return {"wd_mult": 0.0 if param.ndim < 2 else 1.0}
-
-
 @dataclass
 class Assembly:
     """The model chunks (DDP-wrapped), their unwrapped modules, and the optimizer."""
@@ -89,15 +82,9 @@ class Assembly:
 
 
 def build_assembly(config: TrainConfig, runtime: Runtime) -> Assembly:
-    from shardwork.dist_optimizer import (
-        ChainedOptimizer,
-        DDPConfig,
-        DistributedDataParallel,
-        DistributedOptimizer,
-        DynamicLossScaler,
-    )
-    from shardwork.dist_optimizer import OptimizerConfig as DistOptimizerConfig
+    from shardwork.dist_optimizer import DDPConfig, DistributedDataParallel
     from shardwork.trainer.model_factory import build_model_chunks, gpt_config
+    from shardwork.trainer.run.optimizers import build_optimizer, uses_zero_shards
 
     model_config = gpt_config(config)
     modules = build_model_chunks(
@@ -111,7 +98,7 @@ def build_assembly(config: TrainConfig, runtime: Runtime) -> Assembly:
     ddp_config = DDPConfig(
         bucket_size=max(1, int(o.bucket_size_mb * 2**20 / 4)),
         overlap_grad_reduce=o.overlap_grad_reduce,
-        use_distributed_optimizer=True,
+        use_distributed_optimizer=uses_zero_shards(config),
         average_gradients=False,
         grad_reduce_in_fp32=config.precision.grad_reduce_in_fp32,
     )
@@ -119,38 +106,7 @@ def build_assembly(config: TrainConfig, runtime: Runtime) -> Assembly:
         DistributedDataParallel(m, config=ddp_config, process_groups=runtime.groups)
         for m in modules
     ]
-
-    def factory(param_groups):
-        return torch.optim.AdamW(
-            param_groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
-        )
-
-    scaler = None
-    if config.precision.dtype == "fp16":
-        scaler = DynamicLossScaler(initial_scale=config.precision.initial_loss_scale)
-    dist_config = DistOptimizerConfig(
-        clip_grad=o.clip_grad, overlap_param_gather=o.overlap_param_gather
-    )
-
-    def part(expert: bool):
-        return DistributedOptimizer(
-            chunks,
-            factory,
-            expert=expert,
-            config=dist_config,
-            process_groups=runtime.groups,
-            param_group_fn=_param_group_fn,
-            loss_scaler=scaler,
-        )
-
-    if getattr(model_config, "moe", None) is None:
-        optimizer = part(False)
-    else:
-        # dense parameters shard over dp×cp, expert parameters over edp: one part each,
-        # stepping as one (global norm and clipping over both)
-        optimizer = ChainedOptimizer(
-            [part(False), part(True)], config=dist_config, loss_scaler=scaler
-        )
+    optimizer = build_optimizer(config, runtime, chunks, model_config=model_config)
     from shardwork.models.calculator import num_parameters
 
     num_params = num_parameters(model_config)

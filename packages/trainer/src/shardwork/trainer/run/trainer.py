@@ -214,7 +214,7 @@ class Trainer:
                 lr = learning_rate(step, s, o)
                 wd = weight_decay(step, o, train_steps=s.train_steps)
                 for group in assembly.optimizer.param_groups:
-                    group["lr"] = lr
+                    group["lr"] = lr * group.get("lr_mult", 1.0)
                     group["weight_decay"] = wd * group.get("wd_mult", 1.0)
                 consumed = consumed_samples(
                     step, global_batch_size=s.global_batch_size, ramp=s.batch_size_ramp

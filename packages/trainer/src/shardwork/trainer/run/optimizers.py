@@ -1,0 +1,126 @@
+"""The run's optimizer, from ``optimizer.name``: AdamW over ZeRO-1 shards, or Muon layer-wise.
+
+- ``adamw``: shardwork.dist_optimizer's ZeRO-1 :class:`DistributedOptimizer` (DDP
+  reduce-scatters gradients; each data-parallel rank keeps fp32 masters and AdamW moments
+  for its flat shard) with ``torch.optim.AdamW``.
+- ``muon``: Muon needs whole matrices (Newton–Schulz orthogonalisation of the full update),
+  which flat ZeRO shards do not have, so DDP all-reduces gradients and shardwork.dist_optimizer's
+  :class:`LayerWiseDistributedOptimizer` gives every parameter one data-parallel owner that
+  steps it with :class:`shardwork.dist_optimizer.Muon` and broadcasts it back. TP-split matrices
+  are all-gathered over TP inside Muon and fused blocks ([Q | K | V], [gate | up]) are
+  orthogonalised block by block; the update is scaled by ``sqrt(max(1, rows/cols))`` (the
+  scaling dist-optimizer's Muon applies).
+- Which parameters get Muon, as Muon is commonly used: the 2-D weight matrices of the hidden
+  layers (attention and MLP projections, shared experts, routers, MTP projections). AdamW
+  (``beta1``, ``beta2``, ``eps``, inside the same Muon optimizer via ``use_muon=False``) for the
+  rest: token embedding and LM head (including MTP's embedding copy), norms and biases, and
+  stacked expert weights ``[experts, ...]`` (3-D; Muon orthogonalises 2-D matrices only).
+- Param-group keys read by the loop: ``wd_mult`` (0 for 1-D parameters: no weight decay) and
+  ``lr_mult`` (Muon matrices: ``muon_lr / lr``, so both follow one LR schedule).
+- MoE models: a ChainedOptimizer of a dense part (over dp×cp) and an expert part (over the
+  expert-data-parallel group) stepping as one (shared grad norm, clipping, inf/nan skip).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_ADAMW_NAMES = ("embedding.", "output_layer.")
+"""Prefixes of the token embedding and LM head; ``mtp.embedding_weight`` is matched apart."""
+
+
+def is_muon_matrix(name: str, param: torch.Tensor) -> bool:
+    """True for a 2-D hidden-layer weight (Muon); False for embedding / head / 1-D / 3-D."""
+    if param.ndim != 2:
+        return False
+    return not (name.startswith(_ADAMW_NAMES) or name.endswith("embedding_weight"))
+
+
+def uses_zero_shards(config) -> bool:
+    """Whether DDP reduce-scatters for ZeRO-1 shards (AdamW) or all-reduces (Muon)."""
+    return config.optimizer.name == "adamw"
+
+
+def build_optimizer(config, runtime, chunks, *, model_config) -> Any:
+    """The optimizer for the DDP-wrapped ``chunks`` (see the module docstring)."""
+    from shardwork.dist_optimizer import (
+        ChainedOptimizer,
+        DistributedOptimizer,
+        DynamicLossScaler,
+        LayerWiseDistributedOptimizer,
+        Muon,
+    )
+    from shardwork.dist_optimizer import OptimizerConfig as DistOptimizerConfig
+
+    o = config.optimizer
+    groups = runtime.groups
+    scaler = None
+    if config.precision.dtype == "fp16":
+        scaler = DynamicLossScaler(initial_scale=config.precision.initial_loss_scale)
+    dist_config = DistOptimizerConfig(
+        clip_grad=o.clip_grad, overlap_param_gather=o.overlap_param_gather
+    )
+
+    if o.name == "adamw":
+        kind = DistributedOptimizer
+
+        def factory_for(expert: bool):
+            def factory(param_groups):
+                return torch.optim.AdamW(
+                    param_groups,
+                    lr=o.lr,
+                    betas=(o.beta1, o.beta2),
+                    eps=o.eps,
+                    weight_decay=o.weight_decay,
+                )
+
+            return factory
+
+        def param_group_fn(name: str, param: torch.nn.Parameter) -> dict[str, Any]:
+            return {"wd_mult": 0.0 if param.ndim < 2 else 1.0}
+
+    else:
+        kind = LayerWiseDistributedOptimizer
+        lr_mult = o.muon_lr / o.lr
+
+        def factory_for(expert: bool):
+            tp_group = groups.group("etp" if expert else "tp")
+
+            def factory(param_groups):
+                return Muon(
+                    param_groups,
+                    lr=o.muon_lr,
+                    momentum=o.muon_momentum,
+                    nesterov=o.muon_nesterov,
+                    ns_steps=o.muon_ns_steps,
+                    weight_decay=o.weight_decay,
+                    adam_betas=(o.beta1, o.beta2),
+                    adam_eps=o.eps,
+                    tp_group=tp_group,
+                )
+
+            return factory
+
+        def param_group_fn(name: str, param: torch.nn.Parameter) -> dict[str, Any]:
+            if is_muon_matrix(name, param):
+                return {"use_muon": True, "wd_mult": 1.0, "lr_mult": lr_mult}
+            return {"use_muon": False, "wd_mult": 0.0 if param.ndim < 2 else 1.0}
+
+    def part(expert: bool):
+        return kind(
+            chunks,
+            factory_for(expert),
+            expert=expert,
+            config=dist_config,
+            process_groups=groups,
+            param_group_fn=param_group_fn,
+            loss_scaler=scaler,
+        )
+
+    if getattr(model_config, "moe", None) is None:
+        return part(False)
+    # dense parameters shard (or are owned) over dp×cp, expert parameters over edp: one part
+    # each, stepping as one (global norm and clipping over both)
+    return ChainedOptimizer([part(False), part(True)], config=dist_config, loss_scaler=scaler)
