@@ -35,7 +35,7 @@ def test_toml_roundtrip(tmp_path):
     config = _with(
         optimizer={"lr": 3e-4, "weight_decay_end": None},
         schedule={"batch_size_ramp": [(0, 4), (10, 16)], "lr_schedule": "wsd"},
-        model={"overrides": {"rope_theta": 500000.0, "qk_layernorm": True}},
+        model={"overrides": {"rope_theta": 500000.0, "qk_layernorm": True, "moe.top_k": 4}},
         eval={"interval": None},
     )
     path = tmp_path / "c.toml"
@@ -124,6 +124,16 @@ CASES = [
         "hidden_size=102 is not divisible by num_attention_heads=4",
     ),
     ({"model": {"preset": "gpt-17"}}, 1, "model.preset='gpt-17': unknown preset"),
+    (
+        {"model": {"overrides": {"moe.aux_loss_coeff": 0.01}}},
+        1,
+        "model.overrides['moe.aux_loss_coeff']: the model has no 'moe' section to override",
+    ),
+    (
+        {"model": {"preset": "tiny-mixtral-8x7b", "overrides": {"moe.aux_los": 0.01}}},
+        1,
+        "model.overrides['moe.aux_los']: MoEConfig has no field 'aux_los'; valid: [",
+    ),
     ({"data": {"split": "90,10"}}, 1, "data.split='90,10': must be three non-negative numbers"),
     ({"data": {"split": "100,0,0"}}, 1, "has no validation part but evaluation is on"),
     (

@@ -1,4 +1,4 @@
-"""MTP and MoE aux losses are logged separately from the main LM loss.
+"""MTP and MoE aux losses (per type) are logged separately from the main LM loss.
 
 The logged step-0 values of a tiny DeepSeek-V3 twin (MoE + one MTP depth) are compared with an
 independent recomputation: the same model (same seed) built outside the trainer, a plain
@@ -42,14 +42,22 @@ def _plain_losses(model, batches):
     hook = model.decoder.register_forward_hook(
         lambda mod, args, out: captured.__setitem__("h", out)
     )
+    # 1. the model's own forward over every micro-batch (routers record aux losses only with
+    #    autograd on, as in training); its tracker gives the aux-loss summary
+    model.aux_loss_tracker.reset()
+    hiddens = []
+    with torch.set_grad_enabled(model.training):
+        for rows in batches:
+            model(input_ids=rows[:, :-1], labels=rows[:, 1:])
+            hiddens.append(captured["h"].detach())  # [s, b, h], after the final norm
+    hook.remove()
+    summary = model.aux_loss_tracker.summary(num_micro_batches=len(batches))
+    # 2. the losses by hand from the captured hidden states and the parameters
     main = [0.0, 0]
     mtp = [[0.0, 0] for _ in range(cfg.mtp.num_layers)]
-    model.aux_loss_tracker.reset()
     with torch.no_grad():
-        for rows in batches:
+        for rows, hidden in zip(batches, hiddens):
             ids, labels = rows[:, :-1], rows[:, 1:]
-            model(input_ids=ids, labels=labels)
-            hidden = captured["h"]  # [s, b, h], after the decoder's final norm
             logits = hidden @ head.T  # [s, b, V]
             main[0] += float(
                 F.cross_entropy(logits.flatten(0, 1), labels.T.flatten(), reduction="sum")
@@ -74,8 +82,6 @@ def _plain_losses(model, batches):
                 )
                 mtp[k - 1][0] += float(loss)
                 mtp[k - 1][1] += int((lab_k != -100).sum())
-    hook.remove()
-    summary = model.aux_loss_tracker.summary(num_micro_batches=len(batches))
     return main[0] / main[1], [t / n for t, n in mtp], summary
 
 
@@ -134,7 +140,11 @@ def _valid_reference(checkpoint, config):
 def test_mtp_and_aux_losses_logged_separately_and_exactly(tmp_path):
     config = tiny_config(
         tmp_path,
-        model={"preset": "tiny-deepseek-v3"},
+        # aux and z losses on (nested overrides of the preset's MoEConfig)
+        model={
+            "preset": "tiny-deepseek-v3",
+            "overrides": {"moe.aux_loss_coeff": 0.01, "moe.z_loss_coeff": 0.001},
+        },
         schedule={"train_steps": STEPS, "warmup_steps": 1},
         eval={"interval": STEPS, "steps": 1},
         logging={"interval": 1, "progress": "lines", "plot": True},
@@ -147,6 +157,7 @@ def test_mtp_and_aux_losses_logged_separately_and_exactly(tmp_path):
     assert [r["step"] for r in train_records] == list(range(1, STEPS + 1))
     for r in train_records:  # every step: the depth's own metric, next to the main loss
         assert math.isfinite(r["mtp_loss_1"]) and "mtp_loss_2" not in r
+        assert r["load_balancing_loss"] > 0 and r["z_loss"] > 0
         assert r["mtp_loss_1"] == result.train_mtp_losses[r["step"] - 1][0]
         assert "load_imbalance" in r and "expert_load" in r
 
@@ -156,7 +167,8 @@ def test_mtp_and_aux_losses_logged_separately_and_exactly(tmp_path):
     # the logged "loss" is the main LM loss alone, not loss + coeff * mtp
     assert first["loss"] == pytest.approx(main, rel=1e-5)
     assert abs(first["loss"] - (main + 0.3 * mtp[0])) > 0.1
-    assert summary  # the twin's routers recorded statistics at step 0
+    # one metric per aux-loss type, as the routers' trackers report them after reduction
+    assert {"load_balancing_loss", "z_loss", "load_imbalance"} <= set(summary)
     for key, value in summary.items():
         assert first[key] == pytest.approx(value, rel=1e-5), key
 

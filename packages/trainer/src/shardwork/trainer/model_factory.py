@@ -2,7 +2,8 @@
 
 - :func:`gpt_config` builds the :class:`shardwork.models.GPTConfig`: a preset
   (or the demo dimensions), then the explicit fields, the tokenizer's
-  vocabulary, precision and seeds, then ``model.overrides``.
+  vocabulary, precision and seeds, then ``model.overrides`` (``"field"`` for a GPTConfig
+  field, ``"section.field"`` for a field of a nested config such as ``moe`` or ``mtp``).
 - :func:`build_model_chunks` builds this rank's model chunks through
   ``shardwork.models.pipeline.build_model_chunks`` (one per virtual stage).
 """
@@ -48,15 +49,43 @@ def gpt_config(config: TrainConfig):
         init_seed=config.seed,
         dropout_seed=config.seed,
     )
+    flat = {k: v for k, v in m.overrides.items() if "." not in k}
     if m.preset is not None:
         base = preset(m.preset)
         explicit.setdefault(
             "max_position_embeddings", max(base.max_position_embeddings, config.data.seq_length)
         )
-        return base.replace(**explicit, **m.overrides)
+        return _nested_overrides(base.replace(**explicit, **flat), m.overrides)
     dims = {**DEMO_MODEL, **explicit}
     dims.setdefault("max_position_embeddings", config.data.seq_length)
-    return GPTConfig(**dims, **m.overrides)
+    return _nested_overrides(GPTConfig(**dims, **flat), m.overrides)
+
+
+def _nested_overrides(model_config, overrides: dict[str, Any]):
+    """Apply ``"section.field"`` overrides to a nested config of the GPTConfig (e.g.
+    ``{"moe.aux_loss_coeff": 0.01, "mtp.loss_coeff": 0.3}``); ValueError naming the key."""
+    nested: dict[str, dict[str, Any]] = {}
+    for key, value in overrides.items():
+        if "." in key:
+            section, name = key.split(".", 1)
+            nested.setdefault(section, {})[name] = value
+    for section, changes in nested.items():
+        sub = getattr(model_config, section, None)
+        if sub is None or not dataclasses.is_dataclass(sub):
+            raise ValueError(
+                f"model.overrides[{section + '.' + next(iter(changes))!r}]: "
+                f"the model has no {section!r} section to override (valid: a nested config the "
+                f"model has, e.g. 'moe.' for MoE models, 'mtp.' for models with MTP)"
+            )
+        known = {f.name for f in dataclasses.fields(sub)}
+        for name in changes:
+            if name not in known:
+                raise ValueError(
+                    f"model.overrides[{section + '.' + name!r}]: {type(sub).__name__} has no field "
+                    f"{name!r}; valid: {sorted(known)}"
+                )
+        model_config = model_config.replace(**{section: dataclasses.replace(sub, **changes)})
+    return model_config
 
 
 def build_model_chunks(

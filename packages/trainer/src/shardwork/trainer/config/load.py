@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 import tomllib
 import types
 import typing
@@ -147,6 +149,13 @@ def load_config(path: str | Path) -> TrainConfig:
     return config_from_dict(table)
 
 
+def _toml_key(key: str) -> str:
+    """A bare TOML key when possible, else quoted ('moe.aux_loss_coeff' must stay one key)."""
+    if re.fullmatch(r"[A-Za-z0-9_-]+", key):
+        return key
+    return json.dumps(key)
+
+
 def _toml_value(value: Any) -> str:
     if value is None:
         return '"none"'
@@ -159,7 +168,7 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, list | tuple):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {value!r} as TOML")
 
 
