@@ -35,6 +35,7 @@ import fcntl
 import io
 import json
 import os
+import pickle
 from pathlib import Path
 
 import pytest
@@ -131,16 +132,27 @@ def _train(run_dir: str, sections: dict, cache: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory, corpus_cache):
-    """World-1 runs, computed once per (model kind, dtype) on first use."""
+def references(tmp_path_factory, corpus_cache, cell_lock):
+    """World-1 runs, computed once per (model kind, dtype) on first use.
+
+    Under xdist the first worker that needs one computes it (holding the cell lock) and
+    leaves it beside the lock file; the other workers read it instead of training again.
+    """
     cache: dict[tuple[str, str], dict] = {}
 
     def get(kind: str, dtype: str = "fp64") -> dict:
-        if (kind, dtype) not in cache:
-            run_dir = tmp_path_factory.mktemp(f"ref-{kind}-{dtype}")
-            cache[kind, dtype] = _train(
-                str(run_dir), _sections(kind, {}, dtype=dtype), corpus_cache
-            )
+        if (kind, dtype) in cache:
+            return cache[kind, dtype]
+        with _exclusive(cell_lock):
+            shared = None if cell_lock is None else cell_lock.with_name(f"ref-{kind}-{dtype}.pkl")
+            if shared is not None and shared.exists():
+                cache[kind, dtype] = pickle.loads(shared.read_bytes())
+            else:
+                run_dir = tmp_path_factory.mktemp(f"ref-{kind}-{dtype}")
+                sections = _sections(kind, {}, dtype=dtype)
+                cache[kind, dtype] = _train(str(run_dir), sections, corpus_cache)
+                if shared is not None:
+                    shared.write_bytes(pickle.dumps(cache[kind, dtype]))
         return cache[kind, dtype]
 
     return get
