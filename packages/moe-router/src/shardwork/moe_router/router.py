@@ -286,9 +286,9 @@ class TopKRouter(torch.nn.Module):
             loss = loss * num_tokens * _size(self.tp_cp_group)
         return attach_aux_loss(x, loss, self.loss_scale)
 
-    def _record(self, name: str, value: torch.Tensor) -> None:
-        if self.tracker is not None:
-            self.tracker.record_loss(name, self.layer_index, value)
+    def _record(self, name: str, loss: torch.Tensor, coeff: float) -> None:
+        if self.tracker is not None:  # the division only when someone logs it
+            self.tracker.record_loss(name, self.layer_index, loss / coeff)
 
     def _apply_z_loss(self, logits_TE, padding_mask):
         coeff = self.config.z_loss_coeff
@@ -299,7 +299,7 @@ class TopKRouter(torch.nn.Module):
         n = logits_TE.shape[0] if padding_mask is None else (~padding_mask).sum()
         logits_TE = self._attach(logits_TE, loss, n)
         if coeff > 0:
-            self._record("z_loss", loss / coeff)
+            self._record("z_loss", loss, coeff)
         return logits_TE
 
     def _counts(self, local_E, num_rows: int, group, divisor: int, padded: bool):
@@ -337,8 +337,9 @@ class TopKRouter(torch.nn.Module):
             counts_BE = _index_counts(top_TK, E, batch, valid).view(batch, E)
         # Per-sequence sums of the normalised scores; its backward is hand-written.
         sums_BE = AuxScoreSums.apply(logits_TE, scores_TE, fn, batch, valid)
-        sums_E = sums_BE.sum(dim=0) if batch > 1 else sums_BE[0]
-        counts_E = counts_BE.sum(dim=0)
+        if cfg.aux_loss_coeff_for("aux_loss") > 0 or cfg.aux_loss_coeff_for("global_aux_loss") > 0:
+            sums_E = sums_BE.sum(dim=0) if batch > 1 else sums_BE[0]
+            counts_E = counts_BE.sum(dim=0) if batch > 1 else counts_BE[0]
         num_tokens = logits_TE.shape[0]
 
         coeff = cfg.aux_loss_coeff_for("aux_loss")
@@ -348,7 +349,7 @@ class TopKRouter(torch.nn.Module):
                 sums_E, tpe, total_num_tokens=n_total, top_k=K, num_experts=E, coeff=coeff
             )
             probs_TE = self._attach(probs_TE, loss, n_local)
-            self._record("load_balancing_loss", loss / coeff)
+            self._record("load_balancing_loss", loss, coeff)
 
         coeff = cfg.aux_loss_coeff_for("seq_aux_loss")
         if coeff > 0:
@@ -368,7 +369,7 @@ class TopKRouter(torch.nn.Module):
                 / batch
             )
             probs_TE = self._attach(probs_TE, loss, n_local * batch)
-            self._record("seq_load_balancing_loss", loss / coeff)
+            self._record("seq_load_balancing_loss", loss, coeff)
 
         coeff = cfg.aux_loss_coeff_for("global_aux_loss")
         if coeff > 0:
@@ -383,7 +384,7 @@ class TopKRouter(torch.nn.Module):
                 sums_E, mean_tpe, total_num_tokens=n_total, top_k=K, num_experts=E, coeff=coeff
             )
             probs_TE = self._attach(probs_TE, loss, n_local)
-            self._record("global_load_balancing_loss", loss / coeff)
+            self._record("global_load_balancing_loss", loss, coeff)
         return probs_TE
 
 
