@@ -66,27 +66,28 @@ def global_tensors(size_mb: int) -> dict[str, torch.Tensor]:
 
 
 def rank_state(tensors: dict[str, torch.Tensor], rank: int, world: int, *, fill: bool):
+    """This rank's sharded state: copies of its pieces (``fill``) or zeros shaped like them
+    (a load template; ``tensors`` may then be on the meta device)."""
     from shardwork.dist_checkpoint import ShardedTensor
+
+    def local(data: torch.Tensor) -> torch.Tensor:
+        return data.clone() if fill else torch.zeros(data.shape, dtype=data.dtype)
 
     state = {}
     for key, full in tensors.items():
         if key.startswith("sharded"):
             rows = full.shape[0] // world
             data = full[rank * rows : (rank + 1) * rows]
-            st = ShardedTensor.from_rank_offsets(
-                key, data.clone() if fill else torch.zeros_like(data), (0, rank, world)
-            )
+            st = ShardedTensor.from_rank_offsets(key, local(data), (0, rank, world))
         elif key.startswith("replicated"):
-            st = ShardedTensor.from_rank_offsets(
-                key, full.clone() if fill else torch.zeros_like(full), replica_id=rank
-            )
+            st = ShardedTensor.from_rank_offsets(key, local(full), replica_id=rank)
         else:
             numel = full.numel()
             a, b = numel * rank // world, numel * (rank + 1) // world
             data = full.flatten()[a:b]
             st = ShardedTensor.from_flattened(
                 key,
-                data.clone() if fill else torch.zeros_like(data),
+                local(data),
                 local_shape=tuple(full.shape),
                 global_shape=tuple(full.shape),
                 global_offset=(0, 0),
@@ -111,6 +112,7 @@ def _rank_main(rank, world, store_path, workdir, size_mb, repeats, queue):
     )
     tensors = global_tensors(size_mb)
     state = rank_state(tensors, rank, world, fill=True)
+    tensors = {k: v.to("meta") for k, v in tensors.items()}  # only shapes are needed now
     async_group = dist.new_group(backend="gloo")
     buffers = StagingBuffers()  # as CheckpointManager does: reused from the second save on
     out = {

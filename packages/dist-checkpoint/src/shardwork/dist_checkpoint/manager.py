@@ -55,7 +55,8 @@ class CheckpointManager:
         keep_last: keep this many most recent complete checkpoints (None: keep all).
         keep_every: also keep every step divisible by this (None: no such exception).
         async_save: default for `save`.
-        thread_count: writer threads per rank.
+        thread_count: writer threads (and data files) per rank at save; files read
+            concurrently per rank at load.
         layout, content_version: recorded with every checkpoint.
         sync_files: fsync data files (keep True for crash safety).
         reuse_staging_buffers: keep the async staging buffers between saves (staging is then
@@ -285,7 +286,12 @@ class CheckpointManager:
 
         selective = include_set is not None or exclude_set or key_filter is not None
         return load(
-            template, path, group=self.group, strict=strict, key_filter=keep if selective else None
+            template,
+            path,
+            group=self.group,
+            strict=strict,
+            key_filter=keep if selective else None,
+            thread_count=self.thread_count,
         )
 
     def verify(self, step: int | None = None) -> dict[str, Any]:
