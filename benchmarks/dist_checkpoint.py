@@ -147,8 +147,10 @@ def _rank_main(rank, world, store_path, workdir, size_mb, repeats, queue):
         dist.barrier()
         template = rank_state(tensors, rank, world, fill=False)
         t0 = time.perf_counter()
-        loaded = load(template, Path(workdir) / f"sync-{rep}")
+        stats: dict[str, int] = {}
+        loaded = load(template, Path(workdir) / f"sync-{rep}", stats=stats)
         out["load"].append(time.perf_counter() - t0)
+        out["load_paths"] = stats
         for key, st in state["model"].items():
             assert torch.equal(loaded["model"][key], st.data), key
         dist.barrier()
@@ -182,6 +184,7 @@ def run_world(world: int, workdir: str, size_mb: int, repeats: int) -> dict:
         best[metric] = min(per_rep)
     best["phases_rank0"] = results[0]["phases"][-1]
     best["async_phases_rank0"] = results[0]["async_phases"][-1]
+    best["load_paths_rank0"] = results[0]["load_paths"]
     return best
 
 
@@ -279,13 +282,17 @@ def main() -> None:
             "load_vs_sequential_write": load_gbs / seq_gbs,
             "async_blocking_fraction": frac,
         }
-        rows.append(
-            row(f"shardwork save, {w} rank(s)", save_gbs, f"async blocks {100 * frac:.1f}% of sync")
+        ph = r["async_phases_rank0"]
+        note = (
+            f"async blocks {100 * frac:.1f}% of sync "
+            f"(rank 0: plan {1e3 * ph['plan']:.0f} ms, stage {1e3 * ph['stage']:.0f} ms)"
         )
+        rows.append(row(f"shardwork save, {w} rank(s)", save_gbs, note))
     rows.append(row("sequential read (cache dropped)", read_gbs))
     rows.append(row("torch.load full state", gb / base["torch_load"]))
     for w, r in worlds.items():
-        rows.append(row(f"shardwork load, {w} rank(s)", gb / r["load"]))
+        paths = ", ".join(f"{k} {v}" for k, v in sorted(r["load_paths_rank0"].items()))
+        rows.append(row(f"shardwork load, {w} rank(s)", gb / r["load"], f"rank 0 reads: {paths}"))
     header = ("what", "GB/s", "vs seq. write", "vs seq. read", "note")
     widths = [max(len(x[i]) for x in [header, *rows]) for i in range(len(header))]
     lines = [" | ".join(c.ljust(wd) for c, wd in zip(row, widths)) for row in [header, *rows]]
