@@ -239,3 +239,31 @@ def test_dense_path_falls_back_on_ties():
     assert top is not None  # the top-k path ran
     assert torch.equal(m1, m2) and bool((m1.sum(1) == 2).all())
     torch.testing.assert_close(p1, p2, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("name", sorted(ROUTER_CASES))
+def test_router_route_under_non_reentrant_checkpoint(name, padded):
+    """Activation recompute (``torch.utils.checkpoint``, non-reentrant) lets a backward read
+    ``ctx.saved_tensors`` only once; every hand-written routing function must get the same
+    gradient under it as without (dense few-expert path and top-k path both covered)."""
+    cfg = RouterConfig(hidden_size=4, router_dtype="fp64", **ROUTER_CASES[name])
+    S, B, E = 6, 3, cfg.num_experts
+    logits = _logits(S * B, E, seed=len(name) + 1)
+    grad_out = torch.randn(S * B, E, dtype=torch.float64)
+    mask = (torch.rand(S * B, generator=torch.Generator().manual_seed(6)) < 0.3) if padded else None
+    grads = []
+    for recompute in (False, True):
+        router = TopKRouter(cfg, loss_scale=AuxLossScale(1.0)).double()
+        x = logits.clone().requires_grad_(True)
+
+        def route(t, router=router):
+            return router.route(t, seq_len=S, batch=B, padding_mask=mask)[0]
+
+        if recompute:
+            probs = torch.utils.checkpoint.checkpoint(route, x, use_reentrant=False)
+        else:
+            probs = route(x)
+        (probs * grad_out).sum().backward()
+        grads.append(x.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)

@@ -98,14 +98,16 @@ class DenseTopKProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_TE):
-        map_TE, work = ctx.saved_tensors[0], ctx.saved_tensors[1]
+        # saved_tensors is read once: under non-reentrant checkpointing a second read raises.
+        saved = ctx.saved_tensors
+        map_TE, work = saved[0], saved[1]
         g = grad_TE.to(work.dtype)
         if ctx.scaling:
             g = g * ctx.scaling
         if ctx.mode == "softmax_pre":
             grad = torch._softmax_backward_data(g * map_TE, work, -1, work.dtype)
         else:
-            _, scores_TE, sel, denom_T1, logits = ctx.saved_tensors
+            _, scores_TE, sel, denom_T1, logits = saved
             g = g * map_TE
             if denom_T1 is not None:  # q = a / b: grad_a = g / b, grad_b = -g * ((a / b) / b)
                 g_b = (-g * ((sel / denom_T1) / denom_T1)).sum(dim=-1, keepdim=True)

@@ -74,21 +74,23 @@ class TopKProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_TE):
         mode, scaling = ctx.mode, ctx.scaling
-        top_TK = ctx.saved_tensors[0]
-        work = ctx.saved_tensors[1].dtype
+        # saved_tensors is read once: under non-reentrant checkpointing a second read raises.
+        saved = ctx.saved_tensors
+        top_TK = saved[0]
+        work = saved[1].dtype
         g_TK = grad_TE.gather(1, top_TK).to(work)
         if scaling:
             g_TK = g_TK * scaling
         if mode == "softmax_post":
-            probs_TK = ctx.saved_tensors[1]
+            probs_TK = saved[1]
             g_TK = torch._softmax_backward_data(g_TK, probs_TK, -1, probs_TK.dtype)
         elif mode == "softmax_pre":
-            scores_TE = ctx.saved_tensors[1]
+            scores_TE = saved[1]
             dense = torch.zeros_like(scores_TE).scatter_(1, top_TK, g_TK)
             grad = torch._softmax_backward_data(dense, scores_TE, -1, scores_TE.dtype)
             return grad.to(ctx.out_dtype), None, None, None, None, None
         else:
-            _, s_TK, denom_T1, logits_TK = ctx.saved_tensors
+            _, s_TK, denom_T1, logits_TK = saved
             if denom_T1 is not None:  # q = a / b: grad_a = g / b, grad_b = -g * ((a / b) / b)
                 g_b = (-g_TK * ((s_TK / denom_T1) / denom_T1)).sum(dim=-1, keepdim=True)
                 g_TK = g_TK / denom_T1 + g_b
