@@ -1,5 +1,8 @@
 """init_process_groups on real gloo ranks: each group reduces over exactly its members."""
 
+import os
+from datetime import timedelta
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -74,23 +77,101 @@ def test_layout_on_a_subset_of_the_world():
             assert list(out[name][1]) == members
 
 
-def _init_with_bad_config():
-    try:
-        init_process_groups(ParallelConfig(tp=3))
-    except ValueError as error:
-        # Nothing was created: the default group is the only one and still works.
-        value = torch.ones(1)
-        dist.all_reduce(value)
-        return str(error), value.item()
-    return None
+def _init_with_bad_arguments():
+    messages = []
+    for kwargs in (
+        dict(config=ParallelConfig(tp=3)),
+        dict(config=ParallelConfig(), world_size=3),
+        dict(config=ParallelConfig(), rank=1 - dist.get_rank()),
+        dict(config=ParallelConfig(), ranks=[0, 1, 2]),
+    ):
+        try:
+            init_process_groups(**kwargs)
+        except ValueError as error:
+            messages.append(str(error))
+    # Nothing was created: the default group is the only one and still works.
+    value = torch.ones(1)
+    dist.all_reduce(value)
+    return messages, value.item()
 
 
 @pytest.mark.multirank
-def test_bad_config_fails_before_any_group_is_created():
-    results = run_on_ranks(_init_with_bad_config, world_size=2)
-    for message, total in results:
-        assert "world_size=2 is not divisible by tp*cp*pp" in message
+def test_bad_arguments_fail_before_any_group_is_created():
+    results = run_on_ranks(_init_with_bad_arguments, world_size=2)
+    for rank, (messages, total) in enumerate(results):
+        assert len(messages) == 4
+        assert "world_size=2 is not divisible by tp*cp*pp" in messages[0]
+        assert "world_size=3 disagrees with the initialised torch.distributed world" in messages[1]
+        assert f"rank={1 - rank} disagrees with the initialised" in messages[2]
+        assert "[2] are not global ranks of a world of 2" in messages[3]
         assert total == 2.0
+
+
+_RENDEZVOUS_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _tp_and_dp_sums(groups):
+    sums = []
+    for group in (groups.tp, groups.dp):
+        value = torch.tensor([float(dist.get_rank() + 1)])
+        dist.all_reduce(value, group=group)
+        sums.append(value.item())
+    return sums
+
+
+def _init_uninitialised_from_file_store(store_dir):
+    """Leave the pool's default group, then let init_process_groups initialise torch.distributed.
+
+    After ``destroy_process_group`` this pooled process is in the state of a fresh one
+    (torch.distributed not initialised); the rendezvous environment variables are removed too.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dist.destroy_process_group()
+    saved = {name: os.environ.pop(name) for name in _RENDEZVOUS_ENV if name in os.environ}
+    out = {}
+    try:
+        store = dist.FileStore(os.path.join(store_dir, "arguments"), world)
+        config = ParallelConfig(tp=world)
+        for kwargs, missing in ((dict(world_size=world), "rank"), (dict(rank=rank), "world_size")):
+            try:
+                init_process_groups(config, store=store, **kwargs)
+            except ValueError as error:
+                out[f"missing {missing}"] = (str(error), dist.is_initialized())
+        # rank= and world_size= with a custom store; an explicit backend and timeout.
+        groups = init_process_groups(
+            config,
+            backend="cpu:gloo",
+            timeout=timedelta(seconds=60),
+            store=store,
+            rank=rank,
+            world_size=world,
+        )
+        out["arguments"] = (dist.get_backend(), dist.get_world_size(), _tp_and_dp_sums(groups))
+        dist.destroy_process_group()
+        # The environment variables as the fallback; default backend (gloo on CPU).
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+        store = dist.FileStore(os.path.join(store_dir, "environment"), world)
+        groups = init_process_groups(config, store=store)
+        out["environment"] = (dist.get_backend(), dist.get_world_size(), _tp_and_dp_sums(groups))
+    finally:
+        for name in _RENDEZVOUS_ENV:
+            os.environ.pop(name, None)
+        os.environ.update(saved)
+    return out
+
+
+@pytest.mark.multirank
+def test_initialises_torch_distributed_from_a_store_without_environment(tmp_path):
+    results = run_on_ranks(_init_uninitialised_from_file_store, world_size=2, args=(str(tmp_path),))
+    for rank, out in enumerate(results):
+        for missing in ("rank", "world_size"):
+            message, initialised = out[f"missing {missing}"]
+            assert f"init_process_groups: {missing} is unknown" in message
+            assert f"pass {missing}=" in message
+            assert not initialised
+        # tp spans both ranks (1 + 2); dp holds only this rank.
+        assert out["arguments"] == ("cpu:gloo", 2, [3.0, float(rank + 1)])
+        assert out["environment"] == ("gloo", 2, [3.0, float(rank + 1)])
 
 
 def test_single_process_bundle():

@@ -6,8 +6,9 @@
   communicators, as in Megatron-Core: collectives issued on one (an overlapped
   gradient all-reduce) must never queue behind or interleave with another's (an
   expert all-to-all in backward).
-- It works inside an existing default group, initialises one itself (from
-  ``torchrun``'s environment or a given ``Store``), and can place the layout
+- It works inside an existing default group, or initialises one itself (a
+  given ``Store`` or torchrun's rendezvous; ``rank=``/``world_size=`` or the
+  ``RANK``/``WORLD_SIZE`` environment variables), and can place the layout
   on a subset of the world's ranks (``ranks=``), so one pool of processes can
   host layouts of several sizes.
 - ``gloo_twins=True`` adds gloo copies of the dp, dp_cp and edp groups for
@@ -19,6 +20,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -104,63 +106,109 @@ class ProcessGroups:
         return self.rank("pp") == self.size("pp") - 1
 
 
+def _known(argument: str, value: int | None, env: str) -> int:
+    """``value`` if given, else the integer in environment variable ``env``; ValueError if neither."""
+    if value is not None:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"init_process_groups: {argument}={value!r} must be an int")
+        return value
+    text = os.environ.get(env)
+    if text is None:
+        raise ValueError(
+            f"init_process_groups: {argument} is unknown: torch.distributed is not initialised, so "
+            f"pass {argument}= or set the {env} environment variable (torchrun sets it)"
+        )
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(
+            f"init_process_groups: environment variable {env}={text!r} must be an integer ({argument})"
+        ) from None
+
+
+def _world_to_initialise(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """This process's global rank and the world size, for initialising torch.distributed here."""
+    world_size = _known("world_size", world_size, "WORLD_SIZE")
+    rank = _known("rank", rank, "RANK")
+    if world_size < 1:
+        raise ValueError(f"init_process_groups: world_size={world_size} must be >= 1")
+    if not 0 <= rank < world_size:
+        raise ValueError(
+            f"init_process_groups: rank={rank} must be in [0, {world_size}) for world_size={world_size}"
+        )
+    return rank, world_size
+
+
+def _check_live_world(rank: int | None, world_size: int | None) -> int:
+    """The initialised world's size; ``rank``/``world_size``, when given, must agree with it."""
+    live = {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
+    for argument, value in (("rank", rank), ("world_size", world_size)):
+        if value is not None and value != live[argument]:
+            raise ValueError(
+                f"init_process_groups: {argument}={value} disagrees with the initialised "
+                f"torch.distributed world ({argument}={live[argument]}); omit it or pass {live[argument]}"
+            )
+    return live["world_size"]
+
+
 def init_process_groups(
     config: ParallelConfig,
     *,
     backend: str | None = None,
     timeout: timedelta | None = None,
     store: dist.Store | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
     ranks: Sequence[int] | None = None,
     gloo_twins: bool = False,
 ) -> ProcessGroups:
     """Create every group of ``config`` and return this rank's :class:`ProcessGroups`.
 
     If torch.distributed is not initialised yet, it is initialised here with
-    ``backend`` (default: nccl when CUDA is available, else gloo), ``timeout``
-    and ``store`` (or torchrun's environment variables). ``ranks`` places the
-    layout on those global ranks (default: the whole world); only those ranks
-    call this function. The config is validated before anything is created.
+    ``backend`` (default: nccl when CUDA is available, else gloo), ``timeout``,
+    ``store`` (default: torchrun's ``MASTER_ADDR``/``MASTER_PORT`` rendezvous),
+    and this process's global ``rank`` and the ``world_size`` (default: the
+    ``RANK`` and ``WORLD_SIZE`` environment variables; a ValueError names the
+    one that is missing). If it is initialised, ``rank``/``world_size`` may be
+    omitted and must match it if given. ``ranks`` places the layout on those
+    global ranks (default: the whole world); only those ranks call this
+    function. Everything is validated before anything is created.
     """
-    if ranks is not None:
-        ranks = list(ranks)
-        if len(set(ranks)) != len(ranks) or not ranks:
-            raise ValueError(f"ranks={ranks} must be a non-empty list of distinct global ranks")
-        world_size = len(ranks)
-    elif dist.is_initialized():
-        world_size = dist.get_world_size()
+    initialise = not dist.is_initialized()
+    if initialise:
+        me, world = _world_to_initialise(rank, world_size)
     else:
-        import os
+        me, world = dist.get_rank(), _check_live_world(rank, world_size)
+    if ranks is None:
+        global_ranks = list(range(world))
+    else:
+        global_ranks = list(ranks)
+        if len(set(global_ranks)) != len(global_ranks) or not global_ranks:
+            raise ValueError(f"ranks={ranks} must be a non-empty list of distinct global ranks")
+        outside = [r for r in global_ranks if not isinstance(r, int) or not 0 <= r < world]
+        if outside:
+            raise ValueError(f"ranks={ranks}: {outside} are not global ranks of a world of {world}")
+        if me not in global_ranks:
+            raise ValueError(
+                f"global rank {me} called init_process_groups but is not in ranks={global_ranks}"
+            )
+    layout = RankLayout.build(config, len(global_ranks))  # raises before anything exists
 
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    layout = RankLayout.build(config, world_size)  # raises before any group exists
-
-    if not dist.is_initialized():
+    if initialise:
         if backend is None:
             import torch
 
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-        kwargs: dict[str, Any] = {"backend": backend}
+        kwargs: dict[str, Any] = {"backend": backend, "rank": me, "world_size": world}
         if timeout is not None:
             kwargs["timeout"] = timeout
         if store is not None:
-            import os
-
-            kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=world_size)
+            kwargs["store"] = store
         dist.init_process_group(**kwargs)
 
-    global_ranks = ranks if ranks is not None else list(range(dist.get_world_size()))
-    if len(global_ranks) != layout.world_size:
-        raise ValueError(
-            f"layout needs {layout.world_size} ranks but {len(global_ranks)} are available"
-        )
-    me = dist.get_rank()
-    if me not in global_ranks:
-        raise ValueError(
-            f"global rank {me} called init_process_groups but is not in ranks={global_ranks}"
-        )
     local_me = global_ranks.index(me)
     world_backend = dist.get_backend()
-    local = ranks is not None and len(global_ranks) != dist.get_world_size()
+    local = len(global_ranks) != world
 
     created: dict[tuple[str, tuple[int, ...]], Any] = {}
     gloo_created: dict[tuple[str, tuple[int, ...]], Any] = {}
