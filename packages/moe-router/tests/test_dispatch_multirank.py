@@ -1,4 +1,4 @@
-"""Dispatchers at EP=2, EP=4 and EP=2×ETP=2 (dropless and padded to capacity, and with a
+"""Dispatchers at EP=2, EP=4, EP=2×ETP=2 and (slow, 8 ranks) EP=4×ETP=2 (dropless and padded to capacity, and with a
 TP-replicated input) on real gloo ranks.
 
 Every rank holds different tokens (as with sequence parallelism); the MoE block's outputs and
@@ -110,6 +110,9 @@ LAYOUTS = [
     pytest.param("allgather", 2, 2, 2, False, id="ag-ep2-etp2"),
     pytest.param("alltoall", 2, 2, 2, True, id="a2a-ep2-etp2-padded"),
     pytest.param("allgather", 4, 1, 2, True, id="ag-ep4-padded"),
+    # 8 ranks: EP=4 × ETP=2 (each expert's FFN split over an ETP pair inside EP=4).
+    pytest.param("alltoall", 4, 2, 2, False, id="a2a-ep4-etp2", marks=pytest.mark.slow),
+    pytest.param("allgather", 4, 2, 2, True, id="ag-ep4-etp2-padded", marks=pytest.mark.slow),
 ]
 
 

@@ -143,5 +143,27 @@ def test_sinkhorn_iterations_are_capped():
     torch.manual_seed(0)
     w = torch.randn(8, 16)
     w[0] += 2.0
-    plan = sinkhorn(torch.randn(256, 16).abs() @ w.t(), max_iters=50)
+    cost = (torch.randn(256, 16).abs() @ w.t()).double()
+    plan = sinkhorn(cost, max_iters=50)
     assert plan.shape == (256, 8) and torch.isfinite(plan).all()
+
+    def scaled(iters):  # the Sinkhorn-Knopp scaling written out, exactly `iters` rounds
+        k = torch.exp(cost)
+        r, c = torch.ones(256, dtype=k.dtype), torch.ones(8, dtype=k.dtype)
+        for _ in range(iters):
+            r = 1 / (256 * ((k * c).sum(1) + 1e-8))
+            c = 1 / (8 * ((k * r.unsqueeze(1)).sum(0) + 1e-8))
+        return c * k * r.unsqueeze(1)
+
+    # tol=0 never converges, so the cap alone decides the number of rounds.
+    for cap in (1, 3):
+        torch.testing.assert_close(sinkhorn(cost, tol=0.0, max_iters=cap), scaled(cap))
+    assert not torch.allclose(scaled(3), scaled(4))  # the cap, not convergence, stopped it
+    # Uncapped enough, the column marginals reach the uniform 1/E (milder logits converge fast).
+    mild = torch.randn(256, 8, dtype=torch.float64) * 0.5
+    torch.testing.assert_close(
+        sinkhorn(mild, tol=1e-12, max_iters=10_000).sum(0),
+        torch.full((8,), 1 / 8, dtype=mild.dtype),
+        rtol=1e-6,
+        atol=1e-8,
+    )

@@ -134,3 +134,114 @@ def test_expert_bias_update_reduces_counts_over_group():
         for _, biases, left in results:
             torch.testing.assert_close(biases[layer], expected)
             assert left[layer].sum() == 0
+
+
+# Data parallelism: the global aux loss counts tokens over every DP rank and accumulates them
+# over the micro-batches of a step; the tracker averages per-rank losses over DP (aux) or sums
+# them (global). World 2 = DP 2, two micro-batches per rank.
+DP, MICRO, K_DP = 2, 2, 2
+COEFF_AUX, COEFF_GLOBAL = 0.1, 0.3
+
+
+def _dp_config():
+    return RouterConfig(
+        num_experts=E,
+        hidden_size=H,
+        top_k=K_DP,
+        load_balancing_type=("aux_loss", "global_aux_loss"),
+        aux_loss_coeff=(COEFF_AUX, COEFF_GLOBAL),
+    )
+
+
+def _dp_data():
+    """weight [E, H]; per rank and micro-batch: x [S, B, H] and the output gradient [S·B, E]."""
+    g = torch.Generator().manual_seed(11)
+    weight = torch.randn(E, H, generator=g, dtype=torch.float64)
+    x = torch.randn(DP, MICRO, S, B, H, generator=g, dtype=torch.float64)
+    grad_out = torch.randn(DP, MICRO, S * B, E, generator=g, dtype=torch.float64)
+    return weight, x, grad_out
+
+
+def _run_dp():
+    pg = ps.init_process_groups(ps.ParallelConfig())
+    r = pg.rank("dp")
+    tracker = AuxLossTracker(num_layers=1, num_experts=E)
+    router = TopKRouter(
+        _dp_config(),
+        tp_cp_group=pg.tp_cp,
+        tp_dp_cp_group=pg.tp_dp_cp,
+        tracker=tracker,
+        loss_scale=AuxLossScale(SCALE),
+        layer_index=0,
+    ).double()
+    weight, x, grad_out = _dp_data()
+    router.weight.data.copy_(weight)
+    grads_x = []
+    for m in range(MICRO):
+        x_m = x[r, m].clone().requires_grad_(True)
+        probs, _ = router(x_m)
+        (probs * grad_out[r, m]).sum().backward()
+        grads_x.append(x_m.grad)
+    grad_w = router.weight.grad.clone()
+    dist.all_reduce(grad_w, group=pg.dp)
+    tracker.reduce(pp_group=pg.pp, tp_cp_group=pg.tp_cp, dp_group=pg.dp)
+    return {
+        "rank": r,
+        "grad_w": grad_w,
+        "grads_x": grads_x,
+        "losses": tracker.loss_values(),
+        "tokens": tracker.tokens_per_expert.clone(),
+    }
+
+
+def _plain_switch(scores_TE, tokens_E, num_tokens, coeff):
+    """Switch/GShard balance loss written out: E·coeff/(K·N²) · Σ_i (Σ_t p_ti)·f_i."""
+    return E * coeff / (K_DP * num_tokens**2) * (scores_TE.sum(0) * tokens_E).sum()
+
+
+def _dp_reference():
+    """One process, plain autograd, every (rank, micro-batch) token group in turn."""
+    weight, x, grad_out = _dp_data()
+    T = S * B
+    w = weight.clone().requires_grad_(True)
+    xs = x.clone().requires_grad_(True)
+    logits, counts = {}, torch.zeros(MICRO, DP, E, dtype=torch.float64)
+    for m in range(MICRO):
+        for r in range(DP):
+            logits[r, m] = xs[r, m].reshape(T, H) @ w.t()
+            top = torch.topk(logits[r, m].detach(), K_DP, dim=-1).indices
+            counts[m, r] = torch.bincount(top.reshape(-1), minlength=E).double()
+    running_mean = counts.sum(1).cumsum(0) / torch.arange(1, MICRO + 1).double().unsqueeze(1)
+    total, aux_values, global_values = 0.0, [], []
+    for m in range(MICRO):
+        for r in range(DP):
+            lg = logits[r, m]
+            top_vals, top_idx = torch.topk(lg, K_DP, dim=-1)
+            probs = torch.zeros_like(lg).scatter(1, top_idx, torch.softmax(top_vals, dim=-1))
+            scores = torch.softmax(lg, dim=-1)
+            aux = _plain_switch(scores, counts[m, r], T, COEFF_AUX)
+            glob = _plain_switch(scores, running_mean[m], T * DP, COEFF_GLOBAL)
+            total = total + (probs * grad_out[r, m]).sum() + SCALE * (aux + glob)
+            aux_values.append(aux.detach() / COEFF_AUX)
+            global_values.append(glob.detach() / COEFF_GLOBAL)
+    total.backward()
+    losses = {
+        "load_balancing_loss": torch.stack(aux_values).sum() / DP,  # summed over micro, DP mean
+        "global_load_balancing_loss": torch.stack(global_values).sum(),  # summed over both
+    }
+    return w.grad, xs.grad, losses, counts.sum((0, 1))
+
+
+@pytest.mark.multirank
+def test_global_aux_loss_and_tracker_over_data_parallel_ranks():
+    results = testing.run_on_ranks(_run_dp, DP)
+    grad_w, grad_x, losses, tokens = _dp_reference()
+    tol = {"rtol": 1e-10, "atol": 1e-13}
+    for res in results:
+        torch.testing.assert_close(res["grad_w"], grad_w, **tol)
+        for m in range(MICRO):
+            expected = grad_x[res["rank"], m]
+            torch.testing.assert_close(res["grads_x"][m], expected, **tol, msg=f"micro {m}")
+        for name, value in losses.items():
+            torch.testing.assert_close(res["losses"][name][0], value, **tol, msg=name)
+        torch.testing.assert_close(res["tokens"][0], tokens, **tol)
