@@ -16,7 +16,24 @@ from shardwork.parallel_state import (
     group_size,
     init_process_groups,
 )
+from shardwork.parallel_state.groups import _GLOO_TWINNED, _create_groups, _world_is_gloo_only
 from shardwork.parallel_state.testing import run_on_ranks
+
+
+def _twin_report(twins, handles):
+    """Per twinned name: is it the world's own group, its backend, its ranks, its sum of rank+1."""
+    report = {}
+    for name in _GLOO_TWINNED:
+        twin = twins[name]
+        value = torch.tensor([float(dist.get_rank() + 1)], dtype=torch.float64)
+        dist.all_reduce(value, group=twin)
+        report[name] = (
+            twin is handles[name],
+            dist.get_backend(twin),
+            dist.get_process_group_ranks(twin),
+            value.item(),
+        )
+    return report
 
 
 def _member_sums(config_kwargs, ranks=None):
@@ -34,10 +51,24 @@ def _member_sums(config_kwargs, ranks=None):
             groups.rank(name),
             group_rank(groups.group(name)),
         )
-    twin = torch.ones(1)
-    dist.all_reduce(twin, group=groups.gloo_group("dp"))
-    out["gloo_dp"] = twin.item()
+    # On a gloo world the twins are the world's groups; an NCCL world gets separate gloo
+    # groups from _create_groups(backend="gloo"), asked for explicitly here.
+    out["twins"] = _twin_report(groups.gloo, groups.handles)
+    global_ranks = ranks if ranks is not None else list(range(dist.get_world_size()))
+    layout = RankLayout.build(config, len(global_ranks))
+    separate = _create_groups(
+        layout, _GLOO_TWINNED, global_ranks, dist.get_rank(), backend="gloo", timeout=None
+    )
+    out["separate twins"] = _twin_report(separate, groups.handles)
     return out
+
+
+def _check_twins(out, layout, global_ranks, local_rank):
+    for name in _GLOO_TWINNED:
+        members = [global_ranks[r] for r in layout.group_of(name, local_rank)]
+        expected = ("gloo", members, float(sum(r + 1 for r in members)))
+        assert out["twins"][name] == (True, *expected), name
+        assert out["separate twins"][name] == (False, *expected), name
 
 
 @pytest.mark.multirank
@@ -60,7 +91,7 @@ def test_each_group_all_reduce_sums_exactly_its_members(config_kwargs):
             assert total == sum(r + 1 for r in members), (name, rank)
             assert list(seen_members) == members
             assert index == torch_index == members.index(rank)
-        assert out["gloo_dp"] == layout.size("dp")
+        _check_twins(out, layout, list(range(8)), rank)
 
 
 @pytest.mark.multirank
@@ -75,6 +106,7 @@ def test_layout_on_a_subset_of_the_world():
             members = [ranks[r] for r in layout.group_of(name, local)]
             assert out[name][0] == sum(r + 1 for r in members)
             assert list(out[name][1]) == members
+        _check_twins(out, layout, ranks, local)
 
 
 def _init_with_bad_arguments():
@@ -172,6 +204,52 @@ def test_initialises_torch_distributed_from_a_store_without_environment(tmp_path
         # tp spans both ranks (1 + 2); dp holds only this rank.
         assert out["arguments"] == ("cpu:gloo", 2, [3.0, float(rank + 1)])
         assert out["environment"] == ("gloo", 2, [3.0, float(rank + 1)])
+
+
+@pytest.mark.parametrize(
+    ("world_backend", "gloo_only"),
+    [
+        ("gloo", True),
+        ("cpu:gloo", True),
+        ("nccl", False),
+        ("cuda:nccl", False),
+        ("cpu:gloo,cuda:nccl", False),
+        ("mpi", False),
+    ],
+)
+def test_twins_reuse_the_world_groups_only_when_every_device_uses_gloo(world_backend, gloo_only):
+    assert _world_is_gloo_only(world_backend) is gloo_only
+
+
+def _nccl_world_twins(store_dir):
+    """Leave the pool's gloo world, start an NCCL world (one GPU per rank) with gloo twins."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dist.destroy_process_group()
+    torch.cuda.set_device(rank)
+    store = dist.FileStore(os.path.join(store_dir, "nccl"), world)
+    config = ParallelConfig(tp=2) if world % 2 == 0 else ParallelConfig()
+    groups = init_process_groups(
+        config, backend="nccl", store=store, rank=rank, world_size=world, gloo_twins=True
+    )
+    value = torch.tensor([float(rank + 1)], device="cuda")
+    dist.all_reduce(value, group=groups.dp)
+    return dist.get_backend(), value.item(), _twin_report(groups.gloo, groups.handles)
+
+
+@pytest.mark.gpu
+@pytest.mark.multirank
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (an NCCL world)")
+def test_nccl_world_gets_separate_gloo_twins(tmp_path):
+    world = min(torch.cuda.device_count(), 8)
+    results = run_on_ranks(_nccl_world_twins, world_size=world, args=(str(tmp_path),))
+    config = ParallelConfig(tp=2) if world % 2 == 0 else ParallelConfig()
+    layout = RankLayout.build(config, world)
+    for rank, (backend, dp_sum, twins) in enumerate(results):
+        assert backend == "nccl"
+        assert dp_sum == sum(r + 1 for r in layout.group_of("dp", rank))
+        for name in _GLOO_TWINNED:
+            members = layout.group_of(name, rank)
+            assert twins[name] == (False, "gloo", members, float(sum(r + 1 for r in members)))
 
 
 def test_single_process_bundle():

@@ -12,8 +12,8 @@
   on a subset of the world's ranks (``ranks=``), so one pool of processes can
   host layouts of several sizes.
 - ``gloo_twins=True`` adds gloo copies of the dp, dp_cp and edp groups for
-  CPU-side collectives next to NCCL groups; on a gloo world they are the
-  same objects.
+  CPU-side collectives next to NCCL groups; on a world that is gloo on every
+  device (``"gloo"``, ``"cpu:gloo"``) they are the same objects.
 - A ``None`` group means "not distributed"; :func:`group_size` and
   :func:`group_rank` accept it.
 """
@@ -151,6 +151,49 @@ def _check_live_world(rank: int | None, world_size: int | None) -> int:
     return live["world_size"]
 
 
+def _world_is_gloo_only(world_backend: str) -> bool:
+    """Whether every device of a world with backend ``world_backend`` already uses gloo.
+
+    ``"gloo"`` and ``"cpu:gloo"`` are; ``"nccl"`` and ``"cpu:gloo,cuda:nccl"`` are not. Only
+    then can the world's own groups serve as the gloo twins.
+    """
+    return {part.rsplit(":", 1)[-1].strip() for part in world_backend.split(",")} == {"gloo"}
+
+
+def _create_groups(
+    layout: RankLayout,
+    names: Sequence[str],
+    global_ranks: Sequence[int],
+    me: int,
+    *,
+    backend: str | None,
+    timeout: timedelta | None,
+) -> dict[str, ProcessGroup]:
+    """Create one communicator per group of each name in ``names``; return this rank's by name.
+
+    Layout rank ``i`` is global rank ``global_ranks[i]``; ``me`` is this process's global rank.
+    ``backend=None`` gives the world's backend. Every rank of the layout makes the same calls
+    in the same order. When the layout covers only part of the world, groups are created with
+    local synchronisation and only by their members, so ranks outside the layout take no part.
+    """
+    local = len(global_ranks) != dist.get_world_size()
+    local_me = list(global_ranks).index(me)
+    mine: dict[str, ProcessGroup] = {}
+    for name in names:
+        for group in layout.groups[name]:
+            if local and local_me not in group:
+                continue
+            handle = dist.new_group(
+                [global_ranks[r] for r in group],
+                timeout=timeout,
+                backend=backend,
+                use_local_synchronization=local,
+            )
+            if local_me in group:
+                mine[name] = handle
+    return mine
+
+
 def init_process_groups(
     config: ParallelConfig,
     *,
@@ -206,45 +249,20 @@ def init_process_groups(
             kwargs["store"] = store
         dist.init_process_group(**kwargs)
 
+    handles = _create_groups(layout, GROUP_NAMES, global_ranks, me, backend=None, timeout=timeout)
+    if not gloo_twins:
+        gloo = dict.fromkeys(_GLOO_TWINNED)
+    elif _world_is_gloo_only(dist.get_backend()):
+        gloo = {name: handles[name] for name in _GLOO_TWINNED}
+    else:
+        gloo = _create_groups(
+            layout, _GLOO_TWINNED, global_ranks, me, backend="gloo", timeout=timeout
+        )
     local_me = global_ranks.index(me)
-    world_backend = dist.get_backend()
-    local = len(global_ranks) != world
-
-    created: dict[tuple[str, tuple[int, ...]], Any] = {}
-    gloo_created: dict[tuple[str, tuple[int, ...]], Any] = {}
-
-    def make(name: str, members: tuple[int, ...], use_backend: str | None, cache: dict) -> Any:
-        if (name, members) not in cache:
-            cache[(name, members)] = dist.new_group(
-                list(members), timeout=timeout, backend=use_backend, use_local_synchronization=local
-            )
-        return cache[(name, members)]
-
-    members_by_name: dict[str, tuple[int, ...]] = {}
-    handles: dict[str, Any] = {}
-    for name in GROUP_NAMES:
-        for group in layout.groups[name]:
-            mapped = tuple(global_ranks[r] for r in group)
-            if local and local_me not in group:
-                continue  # with local synchronisation only members create a group
-            handle = make(name, mapped, None, created)
-            if local_me in group:
-                members_by_name[name] = mapped
-                handles[name] = handle
-    gloo: dict[str, Any] = {}
-    for name in _GLOO_TWINNED:
-        if not gloo_twins:
-            gloo[name] = None
-        elif world_backend == "gloo":
-            gloo[name] = handles[name]
-        else:
-            for group in layout.groups[name]:
-                mapped = tuple(global_ranks[r] for r in group)
-                if local and local_me not in group:
-                    continue
-                handle = make(name, mapped, "gloo", gloo_created)
-                if local_me in group:
-                    gloo[name] = handle
+    members_by_name = {
+        name: tuple(global_ranks[r] for r in layout.group_of(name, local_me))
+        for name in GROUP_NAMES
+    }
     return ProcessGroups(
         config=layout.config,
         global_rank=me,
