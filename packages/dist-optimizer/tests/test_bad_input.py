@@ -167,3 +167,65 @@ def test_rank_without_parameters_joins_the_norm(layerwise):
         want.append(float(nn.utils.clip_grad_norm_(ref.parameters(), 0.5)))
         opt.step()
     assert n0 == pytest.approx(want, rel=1e-5)
+
+
+def tied_mlp() -> nn.Module:
+    """Linear -> tanh -> the same Linear again (one parameter used twice per forward)."""
+    torch.manual_seed(3)
+    layer = nn.Linear(4, 4)
+    return nn.Sequential(layer, nn.Tanh(), layer, nn.Tanh(), nn.Linear(4, 2))
+
+
+def micro_batches(rank: int) -> torch.Tensor:
+    return torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(20 + rank))
+
+
+def _second_backward_without_no_sync(overlap: bool):
+    pg = init_process_groups(ParallelConfig())
+    rank = pg.rank("dp")
+    model = tied_mlp()
+    cfg = DDPConfig(
+        use_distributed_optimizer=True, bucket_size=10, overlap_grad_reduce=overlap, pad_multiple=1
+    )
+    ddp = DistributedDataParallel(model, config=cfg, process_groups=pg)
+    opt = DistributedOptimizer(ddp, sgd, process_groups=pg)
+    x = micro_batches(rank)
+    errors = []
+    opt.zero_grad()
+    ddp(x[0]).square().sum().backward()
+    if not overlap:
+        ddp.finish_grad_sync()  # without overlap the buckets are launched here
+    before = [p.main_grad.clone() for p in model.parameters()]
+    try:
+        ddp(x[1]).square().sum().backward()
+    except RuntimeError as e:
+        errors.append(str(e))
+    untouched = all(torch.equal(b, p.main_grad) for b, p in zip(before, model.parameters()))
+    # the legitimate flow afterwards: accumulation inside no_sync(), then one step
+    opt.zero_grad()
+    with ddp.no_sync():
+        ddp(x[0]).square().sum().backward()
+    ddp(x[1]).square().sum().backward()
+    assert opt.step().update_successful
+    ddp.finish_param_sync()
+    return errors, untouched, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("overlap", [True, False])
+def test_second_backward_without_no_sync_raises(overlap):
+    results = run_on_ranks(_second_backward_without_no_sync, 2, args=(overlap,), timeout=60)
+    ref = tied_mlp()
+    for rank in range(2):
+        for micro in micro_batches(rank):
+            (ref(micro).square().sum() / 2).backward()  # averaged over the 2 DP ranks
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.1 * p.grad
+    for errors, untouched, params in results:
+        assert len(errors) == 1
+        assert "no_sync()" in errors[0] and "zero_grad()" in errors[0]
+        assert "'4.weight'" in errors[0] or "'4.bias'" in errors[0]  # the first hook to fire
+        assert untouched  # nothing was added to the launched buckets
+        for got, want in zip(params, ref.parameters()):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)

@@ -115,8 +115,9 @@ def test_bf16_params_accumulate_in_fp32_by_default_and_by_rule():
     assert len(ddp.buffers) == 2
     # accumulation: main_grad holds the sum of micro-batch gradients
     x = torch.randn(4, WIDTH, dtype=torch.bfloat16)
-    for _ in range(2):
+    with ddp.no_sync():
         ddp(x).float().square().sum().backward()
+    ddp(x).float().square().sum().backward()
     ref = build_model(torch.bfloat16)
     for _ in range(2):
         ref(x).float().square().sum().backward()

@@ -93,6 +93,10 @@ class Bucket:
     def ready(self) -> bool:
         return not self._pending
 
+    def marked_ready(self, param: torch.Tensor) -> bool:
+        """True when ``param`` was already marked ready since the last :meth:`reset`."""
+        return id(param) not in self._pending
+
     def start_grad_sync(self) -> None:
         """Launch this bucket's gradient reduction (asynchronous)."""
         assert not self.grad_launched, "bucket launched twice"

@@ -7,7 +7,10 @@
   still get fp32 accumulation). Frozen parameters (``requires_grad=False``) are left alone.
 - A post-accumulate-grad hook adds each ``param.grad`` into ``main_grad`` and frees it; when
   the last gradient of a bucket arrives (and we are not inside :meth:`no_sync`), the
-  bucket's collective is launched asynchronously while backward continues.
+  bucket's collective is launched asynchronously while backward continues. A gradient
+  that arrives for a bucket already launched (or for a parameter already marked ready) in
+  the same iteration — a second backward outside :meth:`no_sync` — raises a RuntimeError
+  instead of being added to a buffer that is reduced or being reduced.
 - Dense parameters reduce over ``dp_group`` (the dp×cp group), expert parameters over
   ``expert_dp_group`` (edp); both are divided by dp×cp when averaging.
 - With ``use_distributed_optimizer=True`` buckets are padded to a multiple of the group size
@@ -197,6 +200,9 @@ class DistributedDataParallel(nn.Module):
 
     def _make_hook(self, param: nn.Parameter) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
+            bucket = self._bucket_of[id(param)]
+            if bucket.grad_launched or bucket.marked_ready(param):
+                raise RuntimeError(self._late_gradient_message(param, bucket.grad_launched))
             if p.grad is not None:
                 p.main_grad.add_(p.grad)
                 p.grad = None
@@ -207,6 +213,21 @@ class DistributedDataParallel(nn.Module):
                     q.launch_ready()
 
         return hook
+
+    def _late_gradient_message(self, param: nn.Parameter, launched: bool) -> str:
+        what = (
+            "after its bucket's reduction was launched"
+            if launched
+            else "after it was already marked ready for reduction"
+        )
+        return (
+            f"DistributedDataParallel: a gradient for parameter {self.param_names[id(param)]!r} "
+            f"arrived {what} in this iteration (a second backward without no_sync()?); adding it "
+            "now would make the reduced gradient wrong. Run every backward of an iteration but "
+            "the last inside ddp.no_sync() (gradient accumulation), or finish the iteration "
+            "first: finish_grad_sync() or the optimizer's step(), then zero_grad() "
+            "(ddp.zero_grad_buffer()) before the next backward"
+        )
 
     def _wait_params(self, module: nn.Module, _args: Any) -> None:
         if not self._param_gather_pending:
