@@ -162,23 +162,35 @@ def test_import_per_expert_and_fused_match_hf(model_type, tmp_path):
     torch.testing.assert_close(logits2, ref_logits, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
 def test_export_loads_in_transformers(model_type, tmp_path):
+    """Both exports reload in transformers with the logits (1e-5) and chosen experts of the
+    model that was imported."""
     ref = hf_model(model_type)
     ids = _ids()
-    ref_logits, _ = hf_forward(ref, ids)
+    ref_logits, ref_chosen = hf_forward(ref, ids)
+    assert len(ref_chosen) > 0
     ours = from_pretrained(_saved(ref, tmp_path / "in"))
     # fused in-memory export -> load_state_dict into a fresh transformers model
     fresh = hf_model(model_type, seed=9)
     missing, unexpected = fresh.load_state_dict(moe_hf_state_dict(ours, fused=True), strict=False)
     assert not unexpected and all("inv_freq" in k for k in missing), (missing, unexpected)
-    torch.testing.assert_close(hf_forward(fresh, ids)[0], ref_logits, rtol=1e-5, atol=1e-5)
+    _assert_same_forward(hf_forward(fresh, ids), (ref_logits, ref_chosen))
     # per-expert folder export -> transformers.from_pretrained
     save_pretrained(ours, tmp_path / "out")
     back = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "out", attn_implementation="eager"
     ).eval()
-    torch.testing.assert_close(hf_forward(back, ids)[0], ref_logits, rtol=1e-5, atol=1e-5)
+    assert type(back) is type(ref)
+    _assert_same_forward(hf_forward(back, ids), (ref_logits, ref_chosen))
+
+
+def _assert_same_forward(got, want):
+    (logits, chosen), (ref_logits, ref_chosen) = got, want
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    assert len(chosen) == len(ref_chosen)
+    for layer, (a, b) in enumerate(zip(chosen, ref_chosen, strict=True)):
+        assert torch.equal(a, b), f"MoE layer {layer}: chosen experts differ"
 
 
 def _saved(model, folder):
@@ -243,15 +255,18 @@ def _layout_logits(model_type, folder, parallel_kwargs):
 
 
 @pytest.mark.multirank
-@pytest.mark.slow
 @pytest.mark.parametrize(
-    ("model_type", "kwargs"),
+    ("model_type", "kwargs", "world"),
     [
-        ("deepseek_v3", {"tp": 2, "pp": 2, "ep": 2, "etp": 1}),
-        ("qwen2_moe", {"tp": 2, "ep": 2, "etp": 2}),
+        ("qwen3_moe", {"ep": 2}, 2),
+        pytest.param(
+            "deepseek_v3", {"tp": 2, "pp": 2, "ep": 2, "etp": 1}, 4, marks=pytest.mark.slow
+        ),
+        pytest.param("qwen2_moe", {"tp": 2, "ep": 2, "etp": 2}, 4, marks=pytest.mark.slow),
     ],
-    ids=["dsv3-tp2-pp2-ep2", "qwen2moe-tp2-ep2-etp2"],
+    ids=["qwen3moe-ep2", "dsv3-tp2-pp2-ep2", "qwen2moe-tp2-ep2-etp2"],
 )
-def test_import_at_layout_matches_hf(model_type, kwargs, tmp_path):
+def test_import_at_layout_matches_hf(model_type, kwargs, world, tmp_path):
+    """Each rank reads only its shards; logits (1e-4) and chosen experts equal transformers'."""
     args = (model_type, tmp_path / "ckpt", kwargs)
-    assert all(run_on_ranks(_layout_logits, 4, args=args, timeout=400))
+    assert all(run_on_ranks(_layout_logits, world, args=args, timeout=400))
