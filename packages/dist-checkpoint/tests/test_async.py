@@ -3,6 +3,7 @@ a training-style loop with async saves, and background failures raised at finali
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -47,12 +48,39 @@ def _check(out, seed, rank, world):
     )
 
 
+def _check_phase_timings(timings, *, asynchronous, save_call, finalize_call, total):
+    """Phases are non-negative, disjoint sub-intervals of what the caller measured around
+    the calls (``save_call``: around `save`; ``finalize_call``: around `finalize`; ``total``:
+    from `save` to the end of `finalize`), so they cannot add up to more."""
+    assert set(timings) == {"plan", "stage", "write", "finalize", "blocking"}
+    assert all(v >= 0.0 for v in timings.values()), timings
+    assert timings["blocking"] <= save_call
+    if asynchronous:
+        assert timings["plan"] + timings["stage"] <= timings["blocking"]
+        assert timings["finalize"] <= finalize_call
+    else:
+        assert timings["stage"] == 0.0
+        assert timings["plan"] + timings["write"] + timings["finalize"] <= timings["blocking"]
+    assert sum(timings[k] for k in ("plan", "stage", "write", "finalize")) <= total
+
+
 def _sync_vs_async(root):
     rank, world = _rank_world()
     state = example_state(rank, world, seed=3)
     sync_path, async_path = os.path.join(root, "sync"), os.path.join(root, "async")
-    save(state, sync_path)
+    t0 = time.perf_counter()
+    sync_result = save(state, sync_path)
+    sync_call = time.perf_counter() - t0
+    _check_phase_timings(
+        sync_result.timings,
+        asynchronous=False,
+        save_call=sync_call,
+        finalize_call=0.0,
+        total=sync_call,
+    )
+    t0 = time.perf_counter()
     handle = save(state, async_path, async_save=True)
+    save_call = time.perf_counter() - t0
     assert isinstance(handle, AsyncSave)
     # the caller owns the state again as soon as save() returns: scribble over it
     for leaf in (
@@ -61,17 +89,32 @@ def _sync_vs_async(root):
         state["optimizer"]["moment"],
     ):
         leaf.data.add_(1000.0)
+    t1 = time.perf_counter()
     result = handle.finalize()
-    assert set(result.timings) >= {"plan", "stage", "write", "finalize", "blocking"}
+    finalize_call = time.perf_counter() - t1
+    _check_phase_timings(
+        result.timings,
+        asynchronous=True,
+        save_call=save_call,
+        finalize_call=finalize_call,
+        total=time.perf_counter() - t0,
+    )
     out = load(example_state(rank, world, seed=3, fill=False), async_path)
-    return _check(out, 3, rank, world)
+    return _check(out, 3, rank, world), sync_result.timings, result.timings
 
 
 @pytest.mark.multirank
 def test_async_save_writes_the_same_files_as_sync(tmp_path):
-    assert run_on_ranks(_sync_vs_async, 2, args=(str(tmp_path),)) == [True, True]
+    results = run_on_ranks(_sync_vs_async, 2, args=(str(tmp_path),))
+    assert [ok for ok, _, _ in results] == [True, True]
     sync_files, async_files = _files(tmp_path / "sync"), _files(tmp_path / "async")
     assert sync_files == async_files and len(sync_files) == 2
+    # shardwork.json records, per phase, the slowest rank's time
+    for name, which in (("sync", 1), ("async", 2)):
+        with open(tmp_path / name / "shardwork.json") as f:
+            recorded = json.load(f)["timings"]
+        for phase in ("plan", "stage", "write"):
+            assert recorded[phase] == max(r[which][phase] for r in results)
 
 
 def _training_loop(root):

@@ -32,14 +32,20 @@ def test_retention(tmp_path, keep_last, keep_every, kept):
 def test_retention_never_deletes_the_latest_and_skips_incomplete(tmp_path):
     manager = CheckpointManager(tmp_path, keep_last=1, keep_every=10)
     _save_steps(manager, [10, 20])
-    # an interrupted save at a later step is not "latest" and is removed by the next save
+    # an interrupted save at a later step is neither "latest" nor one of the last N
     partial = manager.step_path(30)
     partial.mkdir()
     (partial / "__0_0.distcp").write_bytes(b"partial")
     assert manager.latest() == 20 and manager.incomplete() == [partial]
+    assert manager.list() == [10, 20]
+    # the next save removes it; 25 is the latest and kept although 25 % 10 != 0
     _save_steps(manager, [25])
-    assert manager.list() == [10, 20, 25] or manager.list() == [10, 20, 25][::1]
     assert not partial.exists()
+    assert manager.list() == [10, 20, 25] and manager.latest() == 25
+    # a newer save makes 25 the one the policy drops (not the last 1, not a multiple of 10)
+    _save_steps(manager, [26])
+    assert manager.list() == [10, 20, 26] and manager.latest() == 26
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"step_{s:09d}" for s in (10, 20, 26)]
 
 
 def test_granular_loads(tmp_path):

@@ -1,4 +1,5 @@
-"""Save at 4 ranks, load at 1, 2, 3 and 8 ranks with other shardings; every element equal.
+"""Save at 4 ranks (and at 1), load at 1, 2, 3 and 8 ranks with other shardings; every element
+equal. The data files hold exactly the bytes the plan assigned to each rank.
 
 The saved state (tp=2 x dp=2) has a 2x2-sharded 2-D tensor, tensors replicated over all ranks
 and over DP, ZeRO-style flat shards (ranges crossing rows of 1-, 2- and 3-D rectangles),
@@ -7,6 +8,8 @@ generator, so each rank checks its loaded pieces against slices of the same glob
 """
 
 import math
+import os
+from collections import defaultdict
 
 import pytest
 import torch
@@ -134,6 +137,41 @@ def _load_and_check(path, tp, w2d_grid):
     return bad
 
 
+#: Bytes a data file holds per item beyond the tensor payload: each tensor chunk is one
+#: ``torch.save``-format zip archive (local headers of its 5 records with their alignment
+#: padding, data descriptors, central directory and end record, the ~150-byte pickle: about
+#: 1.5 KiB); objects and plain values are pickled byte items of a few hundred bytes.
+ITEM_OVERHEAD_MAX = 2048
+
+
+def _check_files_against_plan(path, bytes_per_rank):
+    """The plan's ``bytes_per_rank`` against the data files on disk, read back through DCP's
+    own metadata (which item lies where in which file) and ``os.path.getsize``."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = FileSystemReader(path).read_metadata()
+    payload, items, extent = defaultdict(int), defaultdict(int), defaultdict(int)
+    for index, where in meta.storage_data.items():
+        name = where.relative_path
+        items[name] += 1
+        extent[name] = max(extent[name], where.offset + where.length)
+        entry = meta.state_dict_metadata[index.fqn]
+        if isinstance(entry, TensorStorageMetadata):
+            chunk = next(c for c in entry.chunks if c.offsets == index.offset)
+            nbytes = math.prod(chunk.sizes) * entry.properties.dtype.itemsize
+            assert 0 <= where.length - nbytes <= ITEM_OVERHEAD_MAX, (index, where)
+            payload[name] += nbytes
+    files = sorted(f for f in os.listdir(path) if f.endswith(".distcp"))
+    assert files == [f"__{r}_0.distcp" for r in range(len(bytes_per_rank))]
+    for rank, written in enumerate(bytes_per_rank):
+        name = f"__{rank}_0.distcp"
+        size = os.path.getsize(os.path.join(path, name))
+        assert size == extent[name]  # the items tile the file: no byte unaccounted for
+        assert payload[name] == written
+        assert 0 <= size - written <= items[name] * ITEM_OVERHEAD_MAX
+
+
 def _dist_on():
     import torch.distributed as dist
 
@@ -151,6 +189,7 @@ def test_save_at_4_load_at_1_2_3(tmp_path):
     info = read_info(path)
     assert info["world_size"] == 4 and info["layout"] == {"tp": 2}
     assert info["keys"]["w2d"]["global_shape"] == [8, 6]
+    _check_files_against_plan(path, bytes_per_rank)
 
     assert _load_and_check(path, 1, (1, 1)) == []  # in this process, no torch.distributed
     assert run_on_ranks(_load_and_check, 2, args=(path, 1, (1, 2))) == [[]] * 2
@@ -159,11 +198,20 @@ def test_save_at_4_load_at_1_2_3(tmp_path):
 
 @pytest.mark.multirank
 @pytest.mark.slow
-def test_save_at_4_load_at_8_and_back_to_1(tmp_path):
+def test_save_at_4_and_at_1_load_at_8_and_back_to_1(tmp_path):
     # slow only because growing the rank pool to 8 processes costs ~40 s on 2 cores
     path = str(tmp_path / "ckpt")
     run_on_ranks(_save4, 4, args=(path,))
     assert run_on_ranks(_load_and_check, 8, args=(path, 2, (4, 2))) == [[]] * 8
+
+    # literally 1 -> 8: this process (no torch.distributed) saves, 8 ranks load
+    path1 = str(tmp_path / "ckpt1")
+    single = state(0, 1, 1, (1, 1), fill=True)
+    # the one process holds every cell of the 4-cell RNG grid
+    single["rng"] = [ShardedObject("rng", {"rank": i}, (4,), (i,)) for i in range(4)]
+    save(single, path1)
+    assert read_info(path1)["world_size"] == 1
+    assert run_on_ranks(_load_and_check, 8, args=(path1, 4, (2, 4))) == [[]] * 8
 
     # and back: 8 ranks save (w2d 4x2, flat shards over dp=4), one process loads
     path8 = str(tmp_path / "ckpt8")
