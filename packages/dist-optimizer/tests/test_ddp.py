@@ -1,4 +1,5 @@
-"""DistributedDataParallel: reduced gradients, overlap with backward, accumulation, fp32 rule."""
+"""DistributedDataParallel: reduced gradients, overlap with backward, accumulation, fp32 rule,
+parameter all-gathers overlapped with the next forward."""
 
 from __future__ import annotations
 
@@ -8,7 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from shardwork.dist_optimizer import DDPConfig, DistributedDataParallel
+from shardwork.dist_optimizer import (
+    DDPConfig,
+    DistributedDataParallel,
+    DistributedOptimizer,
+    OptimizerConfig,
+)
 from shardwork.parallel_state import ParallelConfig, init_process_groups
 from shardwork.parallel_state.testing import run_on_ranks
 
@@ -134,3 +140,75 @@ def test_frozen_parameters_stay_out_of_buffers():
     assert id(model[0].weight) not in in_buffers and id(model[0].bias) in in_buffers
     ddp(torch.randn(2, WIDTH)).sum().backward()
     assert model[0].weight.grad is None and not hasattr(model[0].weight, "main_grad")
+
+
+def _param_gather_overlap():
+    """One ZeRO step with and without overlap; then the overlapped model's next forward."""
+    pg = init_process_groups(ParallelConfig())
+    dp, rank = pg.size("dp"), pg.rank("dp")
+    x, y = data(dp, 2)
+    local = slice(rank * BATCH, (rank + 1) * BATCH)
+    runs = {}
+    for overlap in (False, True):
+        model = build_model()
+        cfg = DDPConfig(
+            bucket_size=40,
+            use_distributed_optimizer=True,
+            overlap_grad_reduce=overlap,
+            pad_multiple=1,
+        )
+        ddp = DistributedDataParallel(model, config=cfg, process_groups=pg)
+        opt = DistributedOptimizer(
+            ddp,
+            lambda g: torch.optim.AdamW(g, lr=1e-2),
+            config=OptimizerConfig(overlap_param_gather=overlap),
+            process_groups=pg,
+        )
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(x[0, local]), y[0, local]).backward()
+        opt.step()
+        runs[overlap] = (model, ddp)
+    model, ddp = runs[True]
+    after_step = list(ddp.param_gather_log)
+    pending = [b.param_handle is not None for buf in ddp.buffers.values() for b in buf.buckets]
+    layers = [m for m in model if isinstance(m, nn.Linear)]
+    buckets_of = [
+        sorted({(ddp._bucket_of[id(p)].key, ddp._bucket_of[id(p)].index) for p in m.parameters()})
+        for m in layers
+    ]
+    seen = []
+
+    def probe(i):
+        # registered after DDP's own pre-hook, so it runs after DDP's wait for this module
+        def hook(module, _args):
+            waited = [(k, j) for event, k, j in ddp.param_gather_log if event == "wait"]
+            seen.append((i, waited, [p.detach().clone() for p in module.parameters()]))
+
+        return hook
+
+    for i, m in enumerate(layers):
+        m.register_forward_pre_hook(probe(i))
+    out = ddp(x[1, local])
+    serial_model = runs[False][0]
+    serial = [[p.detach().clone() for p in m.parameters()] for m in serial_model]
+    serial = [s for s, m in zip(serial, serial_model) if isinstance(m, nn.Linear)]
+    return after_step, pending, buckets_of, seen, serial, out, serial_model(x[1, local])
+
+
+@pytest.mark.multirank
+def test_param_gather_overlaps_next_forward():
+    for after_step, pending, buckets_of, seen, serial, out, serial_out in run_on_ranks(
+        _param_gather_overlap, 2
+    ):
+        # after step(): one asynchronous gather per bucket, in forward order, none waited for
+        assert [e for e, *_ in after_step] == ["launch"] * LAYERS and all(pending)
+        assert [tuple(k) for _, *k in after_step] == [b for bs in buckets_of for b in bs]
+        assert [i for i, *_ in seen] == list(range(LAYERS))
+        for i, waited, params in seen:
+            own = set(buckets_of[i])
+            later = {b for bs in buckets_of[i + 1 :] for b in bs}
+            assert own <= set(waited)  # this module's buckets were waited for before it ran
+            assert not later & set(waited)  # later modules' gathers still pending
+            for got, want in zip(params, serial[i]):
+                assert torch.equal(got, want)  # the values of the non-overlapped run
+        assert torch.equal(out, serial_out)

@@ -123,20 +123,25 @@ class Bucket:
             self.grad_handle.wait()
             self.grad_handle = None
 
-    def start_param_sync(self, *, async_op: bool) -> None:
-        """All-gather every rank's updated shard of the parameter buffer."""
+    def start_param_sync(self, *, async_op: bool) -> bool:
+        """All-gather every rank's updated shard of the parameter buffer; True when an
+        asynchronous gather was launched and is now pending."""
         if not self.reduce_scatter or self.group is None or group_size(self.group) == 1:
-            return
+            return False
         shard = self.param_data[self.shard_slice]
         handle = dist.all_gather_into_tensor(
             self.param_data, shard, group=self.group, async_op=async_op
         )
         self.param_handle = handle if async_op else None
+        return async_op
 
-    def finish_param_sync(self) -> None:
-        if self.param_handle is not None:
-            self.param_handle.wait()
-            self.param_handle = None
+    def finish_param_sync(self) -> bool:
+        """Wait for a pending all-gather; True when there was one."""
+        if self.param_handle is None:
+            return False
+        self.param_handle.wait()
+        self.param_handle = None
+        return True
 
 
 class LaunchQueue:

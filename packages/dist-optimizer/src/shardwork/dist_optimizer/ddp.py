@@ -172,6 +172,11 @@ class DistributedDataParallel(nn.Module):
         :meth:`zero_grad_buffer`, in launch order (for tests and debugging)."""
         for q in self._queues:
             q.launch_log = self.grad_sync_launch_log
+        self.param_gather_log: list[tuple[str, BufferKey, int]] = []
+        """``("launch" | "wait", buffer key, bucket index)`` of each asynchronous parameter
+        all-gather launched (:meth:`start_param_sync` with overlap) and each wait for one (a
+        forward pre-hook, or :meth:`finish_param_sync`) since the last
+        :meth:`zero_grad_buffer`, in order (for tests and debugging)."""
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(p)) for p in trainable]
         if config.use_distributed_optimizer:
             for submodule in module.modules():
@@ -234,8 +239,8 @@ class DistributedDataParallel(nn.Module):
             return
         for p in module.parameters(recurse=False):
             bucket = self._bucket_of.get(id(p))
-            if bucket is not None:
-                bucket.finish_param_sync()
+            if bucket is not None and bucket.finish_param_sync():
+                self.param_gather_log.append(("wait", bucket.key, bucket.index))
 
     # ------------------------------------------------------------------ public API
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -290,6 +295,7 @@ class DistributedDataParallel(nn.Module):
             for p in buffer.params:
                 p.grad = None
         self.grad_sync_launch_log.clear()
+        self.param_gather_log.clear()
         self._grads_dirty = False
 
     def start_param_sync(self, *, overlap: bool, expert: bool | None = None) -> None:
@@ -302,14 +308,16 @@ class DistributedDataParallel(nn.Module):
         for q in self._queues:
             for bucket in reversed(q.buckets):  # forward order: first layers first
                 if expert is None or bucket.key.is_expert == expert:
-                    bucket.start_param_sync(async_op=overlap)
+                    if bucket.start_param_sync(async_op=overlap):
+                        self.param_gather_log.append(("launch", bucket.key, bucket.index))
         self._param_gather_pending = self._param_gather_pending or overlap
 
     def finish_param_sync(self) -> None:
         """Wait for every outstanding parameter all-gather."""
         for buffer in self.buffers.values():
             for bucket in buffer.buckets:
-                bucket.finish_param_sync()
+                if bucket.finish_param_sync():
+                    self.param_gather_log.append(("wait", bucket.key, bucket.index))
         self._param_gather_pending = False
 
     def broadcast_params(self) -> None:
