@@ -123,6 +123,8 @@ def _vocab_parallel(backend, reduction, smoothing, n, v):
         ("torch", "mean", 0.0),
         ("torch", "sum", 0.1),
         ("triton", "mean", 0.1),
+        ("triton", "none", 0.0),
+        ("triton", "sum", 0.1),
     ],
 )
 def test_vocab_parallel_equals_single_rank(world, backend, reduction, smoothing):
