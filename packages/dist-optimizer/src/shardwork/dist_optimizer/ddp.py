@@ -307,9 +307,10 @@ class DistributedDataParallel(nn.Module):
             return
         for q in self._queues:
             for bucket in reversed(q.buckets):  # forward order: first layers first
-                if expert is None or bucket.key.is_expert == expert:
-                    if bucket.start_param_sync(async_op=overlap):
-                        self.param_gather_log.append(("launch", bucket.key, bucket.index))
+                if expert is not None and bucket.key.is_expert != expert:
+                    continue
+                if bucket.start_param_sync(async_op=overlap):
+                    self.param_gather_log.append(("launch", bucket.key, bucket.index))
         self._param_gather_pending = self._param_gather_pending or overlap
 
     def finish_param_sync(self) -> None:
