@@ -3,14 +3,25 @@
 Run from the repository root: ``python tools/check_dependencies.py``. Reads each
 ``packages/*/pyproject.toml`` and every module under ``src/`` and ``tests/``:
 
-- the graph of shardwork runtime dependencies must be a DAG;
+- the graph of shardwork runtime dependencies and optional extras must be a DAG;
 - parallel-state, moe-router, dist-checkpoint and fused-kernels declare no
   shardwork runtime dependency (optional extras are allowed);
 - a source module may import ``shardwork.<x>`` only if ``x`` is the package
-  itself, a runtime dependency, or an optional extra imported inside a
-  ``try``/``except ImportError`` block or a function (so the import is gated);
-- a test module may also import its ``test`` group's packages, and any other
-  shardwork package only through ``pytest.importorskip``.
+  itself, a runtime dependency, or an optional extra whose import is gated:
+  inside a ``try`` that catches ImportError, inside a function (imported on
+  first use), or under ``if TYPE_CHECKING:``;
+- a test module may also import its ``test`` group's packages (and their
+  runtime dependencies); any other shardwork package only behind
+  ``pytest.importorskip("shardwork.<x>...")``, so the package's isolated CI
+  job skips instead of failing: a module-level import needs a module-level
+  importorskip above it (or a try/except ImportError); an import inside a
+  function needs an importorskip of that package somewhere in the module
+  (typically in the test that calls the function; not proven to run first).
+
+What it reads is the source text: ``import shardwork.x``, ``from shardwork.x import ...``
+and ``from shardwork import x``; imports made by name at run time
+(``importlib.import_module``) are not seen. Tests call :func:`find_problems` with
+another repository root.
 """
 
 from __future__ import annotations
@@ -20,138 +31,237 @@ import pathlib
 import re
 import sys
 import tomllib
+from dataclasses import dataclass
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TORCH_ONLY = {"parallel-state", "moe-router", "dist-checkpoint", "fused-kernels"}
+_IMPORT_ERRORS = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException", None}
 
 
-def _names(requirements: list[str]) -> set[str]:
+@dataclass(frozen=True)
+class Declared:
+    """A package's shardwork dependencies by kind (package folder names)."""
+
+    runtime: frozenset[str]
+    extras: frozenset[str]
+    test: frozenset[str]
+
+
+@dataclass(frozen=True)
+class Use:
+    """``import shardwork.<module>`` (or an importorskip of it) at ``line``."""
+
+    module: str
+    line: int
+    gated: bool  # inside a try catching ImportError, a function, or `if TYPE_CHECKING:`
+    scope: ast.AST | None  # the enclosing function; None at module level
+
+
+def _names(requirements: list[str]) -> frozenset[str]:
     out = set()
     for requirement in requirements:
         name = re.split(r"[\s<>=!~;\[]", requirement, maxsplit=1)[0]
         if name.startswith("shardwork-"):
             out.add(name.removeprefix("shardwork-"))
-    return out
+    return frozenset(out)
 
 
-def _module_of(package: str) -> str:
-    return package.replace("-", "_")
-
-
-def _gated_lines(tree: ast.AST) -> set[int]:
-    """Line numbers of imports inside try/except ImportError blocks or inside functions."""
-    gated: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Try):
-            catches: set[str | None] = set()
-            for handler in node.handlers:
-                types = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
-                catches |= {getattr(t, "id", None) for t in types}
-            if catches & {"ImportError", "ModuleNotFoundError", "Exception", None}:
-                for inner in node.body:
-                    gated.update(n.lineno for n in ast.walk(inner) if hasattr(n, "lineno"))
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-            gated.update(n.lineno for n in ast.walk(node) if hasattr(n, "lineno") and n is not node)
-    return gated
-
-
-def _imports(path: pathlib.Path) -> list[tuple[str, int, bool]]:
-    tree = ast.parse(path.read_text(), filename=str(path))
-    gated = _gated_lines(tree)
-    found = []
-    for node in ast.walk(tree):
-        modules = []
-        if isinstance(node, ast.Import):
-            modules = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            modules = [node.module]
-        for module in modules:
-            parts = module.split(".")
-            if parts[0] == "shardwork" and len(parts) > 1:
-                found.append((parts[1], node.lineno, node.lineno in gated))
-    return found
-
-
-def main() -> int:
+def read_packages(root: pathlib.Path = ROOT) -> dict[str, Declared]:
+    """Every ``packages/<name>/pyproject.toml``'s declared shardwork dependencies."""
     packages = {}
-    for pyproject in sorted(ROOT.glob("packages/*/pyproject.toml")):
+    for pyproject in sorted(root.glob("packages/*/pyproject.toml")):
         data = tomllib.loads(pyproject.read_text())
-        name = pyproject.parent.name
         project = data["project"]
-        extras = set()
+        extras: set[str] = set()
         for requirements in project.get("optional-dependencies", {}).values():
             extras |= _names(requirements)
-        packages[name] = {
-            "runtime": _names(project.get("dependencies", [])),
-            "extras": extras,
-            "test": _names(data.get("dependency-groups", {}).get("test", [])),
-        }
-    errors = []
-    for name, deps in packages.items():
-        unknown = (deps["runtime"] | deps["extras"] | deps["test"]) - set(packages)
-        if unknown:
-            errors.append(f"{name}: depends on unknown shardwork packages {sorted(unknown)}")
-        if name in TORCH_ONLY and deps["runtime"]:
-            errors.append(
-                f"{name}: must depend on torch only, but declares {sorted(deps['runtime'])}"
-            )
+        packages[pyproject.parent.name] = Declared(
+            runtime=_names(project.get("dependencies", [])),
+            extras=frozenset(extras),
+            test=_names(data.get("dependency-groups", {}).get("test", [])),
+        )
+    return packages
 
-    # Cycle check on runtime + extras (an extra that closes a cycle is still a cycle).
-    state: dict[str, int] = {}
+
+def graph_problems(packages: dict[str, Declared]) -> list[str]:
+    """Unknown packages, torch-only packages with shardwork dependencies, and cycles."""
+    problems = []
+    for name, deps in packages.items():
+        unknown = (deps.runtime | deps.extras | deps.test) - set(packages)
+        if unknown:
+            problems.append(f"{name}: depends on unknown shardwork packages {sorted(unknown)}")
+        if name in TORCH_ONLY and deps.runtime:
+            problems.append(
+                f"{name}: must depend on torch only, but declares {sorted(deps.runtime)}"
+            )
+    # Runtime + extras: an extra that closes a cycle is still a cycle.
+    state: dict[str, str] = {}
 
     def visit(node: str, trail: list[str]) -> None:
-        if state.get(node) == 1:
-            errors.append("dependency cycle: " + " -> ".join([*trail, node]))
+        if state.get(node) == "open":
+            problems.append("dependency cycle: " + " -> ".join([*trail, node]))
             return
-        if state.get(node) == 2:
+        if state.get(node) == "done":
             return
-        state[node] = 1
-        for dep in sorted(packages[node]["runtime"] | packages[node]["extras"]):
+        state[node] = "open"
+        for dep in sorted(packages[node].runtime | packages[node].extras):
             if dep in packages:
                 visit(dep, [*trail, node])
-        state[node] = 2
+        state[node] = "done"
 
     for name in packages:
         visit(name, [])
+    return problems
 
-    module_to_package = {_module_of(name): name for name in packages}
+
+def _catches_import_error(node: ast.Try) -> bool:
+    caught: set[str | None] = set()
+    for handler in node.handlers:
+        types = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+        caught |= {None if t is None else getattr(t, "id", getattr(t, "attr", None)) for t in types}
+    return bool(caught & _IMPORT_ERRORS)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return getattr(test, "id", None) == "TYPE_CHECKING" or getattr(test, "attr", None) == (
+        "TYPE_CHECKING"
+    )
+
+
+def _skip_target(node: ast.Call) -> str | None:
+    """``x`` of ``pytest.importorskip("shardwork.x...")``, else None."""
+    func = node.func
+    if getattr(func, "attr", getattr(func, "id", None)) != "importorskip" or not node.args:
+        return None
+    first = node.args[0]
+    if isinstance(first, ast.Constant) and isinstance(first.value, str):
+        parts = first.value.split(".")
+        if parts[0] == "shardwork" and len(parts) > 1:
+            return parts[1]
+    return None
+
+
+def uses(tree: ast.AST, *, skips_too: bool = True) -> tuple[list[Use], list[Use]]:
+    """Shardwork imports and ``importorskip`` calls of a module, with their context.
+
+    With ``skips_too=False`` (a module whose text has no "importorskip") expressions are
+    not visited, which is most of the tree.
+    """
+    imports: list[Use] = []
+    skips: list[Use] = []
+
+    def walk(node: ast.AST, gated: bool, scope: ast.AST | None) -> None:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "shardwork" and len(parts) > 1:
+                    imports.append(Use(parts[1], node.lineno, gated, scope))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            parts = node.module.split(".")
+            if parts[0] == "shardwork":
+                modules = [parts[1]] if len(parts) > 1 else [a.name for a in node.names]
+                imports.extend(Use(m, node.lineno, gated, scope) for m in modules)
+        elif isinstance(node, ast.Call) and (target := _skip_target(node)):
+            skips.append(Use(target, node.lineno, gated, scope))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            for child in ast.iter_child_nodes(node):
+                walk(child, True, node)
+        elif isinstance(node, ast.Try | ast.TryStar) and _catches_import_error(node):
+            for child in node.body:
+                walk(child, True, scope)
+            for child in [*node.handlers, *node.orelse, *node.finalbody]:
+                walk(child, gated, scope)
+        elif isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.body:
+                walk(child, True, scope)
+            for child in node.orelse:
+                walk(child, gated, scope)
+        else:
+            for child in ast.iter_child_nodes(node):
+                if skips_too or not isinstance(child, ast.expr):
+                    walk(child, gated, scope)
+
+    walk(tree, False, None)
+    return imports, skips
+
+
+def _uses_of(path: pathlib.Path) -> tuple[list[Use], list[Use]]:
+    text = path.read_text()
+    if "shardwork" not in text:
+        return [], []
+    return uses(ast.parse(text, filename=str(path)), skips_too="importorskip" in text)
+
+
+def _skipped(use: Use, skips: list[Use]) -> bool:
+    """Whether a test module's import of ``use.module`` runs only where the package exists.
+
+    At module level (collection time) it needs a module-level importorskip above it or an
+    ImportError gate; in a function (a test or a rank function it calls) an importorskip of
+    the package anywhere in the module is trusted to run first.
+    """
+    same = [skip for skip in skips if skip.module == use.module]
+    if use.scope is None:
+        return use.gated or any(skip.scope is None and skip.line < use.line for skip in same)
+    return bool(same)
+
+
+def import_problems(root: pathlib.Path, packages: dict[str, Declared]) -> list[str]:
+    """Source and test imports of shardwork packages that the importer does not declare."""
+    module_to_package = {name.replace("-", "_"): name for name in packages}
+    problems = []
     for name, deps in packages.items():
-        base = ROOT / "packages" / name
+        base = root / "packages" / name
         for path in sorted((base / "src").rglob("*.py")):
-            for module, line, gated in _imports(path):
-                target = module_to_package.get(module)
-                if target is None or target == name or target in deps["runtime"]:
+            imports, _ = _uses_of(path)
+            for use in imports:
+                target = module_to_package.get(use.module)
+                if target is None or target == name or target in deps.runtime:
                     continue
-                if target in deps["extras"] and gated:
+                if target in deps.extras and use.gated:
                     continue
                 how = (
-                    "an optional extra imported without a try/except ImportError gate"
-                    if target in deps["extras"]
+                    "an optional extra imported without a gate (try/except ImportError, "
+                    "a function, or if TYPE_CHECKING)"
+                    if target in deps.extras
                     else "not a declared runtime dependency"
                 )
-                errors.append(f"{path.relative_to(ROOT)}:{line}: imports shardwork.{module}, {how}")
+                where = path.relative_to(root)
+                problems.append(f"{where}:{use.line}: imports shardwork.{use.module}, {how}")
+        allowed = {name} | deps.runtime | deps.test
+        for dep in deps.runtime | deps.test:
+            allowed |= packages[dep].runtime if dep in packages else set()
         for path in sorted((base / "tests").rglob("*.py")):
-            text = path.read_text()
-            skipped = set(re.findall(r"importorskip\(\s*[\"']shardwork\.(\w+)", text))
-            for module, line, _ in _imports(path):
-                target = module_to_package.get(module)
-                allowed = {name} | deps["runtime"] | deps["test"]
-                for dep in deps["runtime"] | deps["test"]:
-                    allowed |= packages.get(dep, {}).get("runtime", set())
-                if target is None or target in allowed or module in skipped:
+            imports, skips = _uses_of(path)
+            for use in imports:
+                target = module_to_package.get(use.module)
+                if target is None or target in allowed:
                     continue
-                errors.append(
-                    f"{path.relative_to(ROOT)}:{line}: test imports shardwork.{module} without declaring it "
-                    "(add it to the test group or use pytest.importorskip)"
+                if _skipped(use, skips):
+                    continue
+                problems.append(
+                    f"{path.relative_to(root)}:{use.line}: test imports shardwork.{use.module} "
+                    f"without declaring it (add shardwork-{target} to the test group, or call "
+                    f'pytest.importorskip("shardwork.{use.module}") before it)'
                 )
-    for error in errors:
-        print(f"dependency check: {error}")
-    if not errors:
-        graph = ", ".join(
-            f"{n} <- {sorted(d['runtime']) or '[torch]'}" for n, d in packages.items()
-        )
+    return problems
+
+
+def find_problems(root: pathlib.Path = ROOT) -> list[str]:
+    """Every problem of the workspace at ``root`` (empty: the check passes)."""
+    packages = read_packages(root)
+    return graph_problems(packages) + import_problems(root, packages)
+
+
+def main(root: pathlib.Path = ROOT) -> int:
+    problems = find_problems(root)
+    for problem in problems:
+        print(f"dependency check: {problem}")
+    if not problems:
+        packages = read_packages(root)
+        graph = ", ".join(f"{n} <- {sorted(d.runtime) or '[torch]'}" for n, d in packages.items())
         print(f"dependency check: {len(packages)} packages, acyclic, imports declared ({graph})")
-    return 1 if errors else 0
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":
