@@ -63,15 +63,22 @@ def test_every_rank_in_exactly_one_group_per_dimension(layout):
         "pp": config.pp,
         "dp_cp": config.dp * config.cp,
         "tp_cp": config.tp * config.cp,
+        "tp_dp": config.tp * config.dp,
         "tp_dp_cp": config.tp * config.dp * config.cp,
         "mp": config.tp * config.pp,
         "ep": config.ep,
         "etp": config.etp,
         "edp": config.edp,
+        "etp_ep": config.etp * config.ep,
         "expert_mp": config.etp * config.ep * config.pp,
+        "embedding": min(config.pp, 2),  # first and last stage, one rank when pp == 1
     }
+    assert set(expected) == set(GROUP_NAMES)  # a new group needs its formula here
+    assert config.edp == config.tp * config.cp * config.dp // (config.etp * config.ep)
     for name, size in expected.items():
-        assert layout.size(name) == size, name
+        assert {len(group) for group in layout.groups[name]} == {size}, name
+    # One embedding group per pp group, holding its first and last stage.
+    assert len(layout.groups["embedding"]) == len(layout.groups["pp"])
     for rank in range(layout.world_size):
         # Dense and expert layers of a rank live on the same pipeline stage.
         assert layout.group_of("pp", rank) == sorted(layout.group_of("pp", rank))
