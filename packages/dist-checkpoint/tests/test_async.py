@@ -12,10 +12,13 @@ from shardwork.dist_checkpoint import (
     AsyncSave,
     CheckpointManager,
     CheckpointSaveError,
+    StagingBuffers,
+    is_committed,
     load,
     save,
 )
 from shardwork.dist_checkpoint.faults import FAULT_ENV
+from shardwork.dist_checkpoint.inflight import IN_FLIGHT_MARKER
 from shardwork.dist_checkpoint.testing import example_global, example_state
 
 pytest.importorskip("shardwork.parallel_state")
@@ -187,3 +190,82 @@ def test_background_failure_surfaces_at_finalize(tmp_path):
         assert message is not None and "injected fault at 'mid_file' on rank 1" in message
         assert after == (1, ["step_000000002"])
         assert steps == [1, 3] and incomplete == []
+
+
+def _refused(fn):
+    try:
+        fn()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _second_save_waits_for_the_first(root):
+    rank, world = _rank_world()
+    buffers = StagingBuffers()
+    a, b = os.path.join(root, "ckpts", "a"), os.path.join(root, "ckpts", "b")
+    elsewhere = os.path.join(root, "elsewhere", "c")
+    first = save(example_state(rank, world, seed=1), a, async_save=True, staging_buffers=buffers)
+    in_flight = os.path.exists(os.path.join(a, IN_FLIGHT_MARKER)) if rank == 0 else None
+    # without previous=, a save into the same root is refused (sync or async), and so is a
+    # save elsewhere that would restage into the buffers the first write still reads
+    refusals = [
+        _refused(lambda: save(example_state(rank, world, seed=2), b, async_save=True)),
+        _refused(lambda: save(example_state(rank, world, seed=2), b)),
+        _refused(
+            lambda: save(
+                example_state(rank, world, seed=2),
+                elsewhere,
+                async_save=True,
+                staging_buffers=buffers,
+            )
+        ),
+    ]
+    untouched = not os.path.exists(b) and not os.path.exists(elsewhere)
+    # with previous=, the second save finalizes (commits) the first before it plans
+    second = save(
+        example_state(rank, world, seed=2),
+        b,
+        async_save=True,
+        staging_buffers=buffers,
+        previous=first,
+    )
+    first_committed_before_second_returned = is_committed(a) and first.finalized
+    first_result = first.finalize()  # idempotent: no second commit, no collective
+    second.finalize()
+    no_marker_left = not any(os.path.exists(os.path.join(d, IN_FLIGHT_MARKER)) for d in (a, b))
+    # a marker left by a process that died does not block anything
+    stale = os.path.join(root, "ckpts", "stale")
+    if rank == 0:
+        os.makedirs(stale)
+        with open(os.path.join(stale, IN_FLIGHT_MARKER), "w") as f:
+            json.dump({"host": "gone", "pid": 1, "start": "0"}, f)
+    torch.distributed.barrier()
+    save(example_state(rank, world, seed=4), os.path.join(root, "ckpts", "d"))
+    ok = [
+        _check(load(example_state(rank, world, seed=s, fill=False), p), s, rank, world)
+        for s, p in ((1, a), (2, b), (4, os.path.join(root, "ckpts", "d")))
+    ]
+    return (
+        in_flight,
+        refusals,
+        untouched,
+        first_committed_before_second_returned,
+        first_result.path.name,
+        no_marker_left,
+        ok,
+    )
+
+
+@pytest.mark.multirank
+def test_a_second_save_waits_for_the_first_or_is_refused(tmp_path):
+    results = run_on_ranks(_second_save_waits_for_the_first, 2, args=(str(tmp_path),))
+    assert results[0][0] is True  # rank 0 marked the first save in flight
+    for _, refusals, untouched, committed_first, name, no_marker, ok in results:
+        same_root, sync_same_root, held_buffers = refusals
+        for text in (same_root, sync_same_root):
+            assert text is not None and "ckpts/a' in the same root is not finalized" in text
+            assert "previous=" in text
+        assert held_buffers is not None and "staging_buffers are held" in held_buffers
+        assert untouched and committed_first and name == "a" and no_marker
+        assert ok == [True, True, True]

@@ -17,6 +17,12 @@ Phases (each timed, see `SaveResult.timings`):
    if every rank succeeded does the first rank write ``shardwork.json`` and then the
    ``COMMITTED`` marker; the outcome is broadcast so every rank returns or raises together.
    For async saves this runs in `AsyncSave.finalize`; a background failure is raised there.
+
+A second save waits for the first: an async save is *in flight* until its `AsyncSave.finalize`
+ran (marker file in its directory, see `inflight`; its `StagingBuffers` held). ``save(...,
+previous=handle)`` finalizes the earlier save first; a save without it while one of this
+process is in flight in the same root, or with held buffers, raises ValueError before touching
+anything, so two saves never overlap silently.
 """
 
 from __future__ import annotations
@@ -52,6 +58,12 @@ from shardwork.dist_checkpoint.comm import (
     resolve_group,
 )
 from shardwork.dist_checkpoint.faults import fault_point
+from shardwork.dist_checkpoint.inflight import (
+    IN_FLIGHT_MARKER,
+    clear_in_flight,
+    in_flight_here,
+    mark_in_flight,
+)
 from shardwork.dist_checkpoint.plan import (
     COMMON_KEY,
     GlobalPlan,
@@ -104,6 +116,7 @@ class _Job:
     info: dict[str, Any]
     timings: dict[str, float]
     owned_group: Any = None
+    staging_buffers: StagingBuffers | None = None
     error: str | None = None
     checksums: dict[str, dict[str, int]] = field(default_factory=dict)
 
@@ -114,6 +127,7 @@ def _is_checkpoint_file(name: str) -> bool:
         md.DCP_METADATA_FILE,
         md.INFO_FILE,
         md.COMMIT_MARKER,
+        IN_FLIGHT_MARKER,
     )
 
 
@@ -132,6 +146,13 @@ def _inspect_target(path: Path, overwrite: bool) -> str | None:
         return (
             f"path={str(path)!r} already holds a committed checkpoint; valid: a new or "
             f"incomplete directory, or overwrite=True"
+        )
+    pending = in_flight_here(path)
+    if pending:
+        return (
+            f"the async save to {str(pending[0])!r} in the same root is not finalized; a second "
+            f"save waits for the first: pass previous=<its AsyncSave> (save finalizes it "
+            f"first) or call its finalize() before saving to path={str(path)!r}"
         )
     return None
 
@@ -227,6 +248,8 @@ def _finalize(job: _Job, agree_g: GroupInfo) -> SaveResult:
     }
     everyone = all_gather_object(mine, agree_g)
     failed = {r: m["error"] for r, m in enumerate(everyone) if m["error"]}
+    if job.g.rank == 0:
+        clear_in_flight(job.path)  # every rank's write has ended
     if failed:
         text = "\n".join(f"--- rank {r} ---\n{err}" for r, err in sorted(failed.items()))
         raise CheckpointSaveError(
@@ -249,9 +272,6 @@ def _finalize(job: _Job, agree_g: GroupInfo) -> SaveResult:
     outcome = broadcast_object(outcome, agree_g)
     if outcome is not None:
         raise CheckpointSaveError(f"commit of {str(job.path)!r} failed on rank 0: {outcome}")
-    if job.owned_group is not None:
-        dist.destroy_process_group(job.owned_group)
-        job.owned_group = None
     job.timings["finalize"] = time.perf_counter() - start
     return SaveResult(
         job.path,
@@ -267,11 +287,21 @@ class AsyncSave:
     Call `finalize` on the training thread (on every rank of the group) to wait for the
     write, agree across ranks and commit; it raises `CheckpointSaveError` if any rank's
     background write failed. `done` tells, without blocking, whether this rank's write ended.
+
+    Until `finalize` ran, the save is *in flight*: its directory holds the ``ASYNC_IN_FLIGHT``
+    marker and its `StagingBuffers` are held, and a later `save` of this process into the
+    same root, or with the same buffers, is refused unless it gets this handle as
+    ``previous=`` (it then finalizes it first: a second save waits for the first).
     """
 
     def __init__(self, job: _Job) -> None:
         self._job = job
         self._result: SaveResult | None = None
+        self._finalize_started = False
+        if job.g.rank == 0:
+            mark_in_flight(job.path)
+        if job.staging_buffers is not None:
+            job.staging_buffers.hold(self)
         self._thread = threading.Thread(
             target=_run_write, args=(job,), name="shardwork-ckpt-writer", daemon=True
         )
@@ -281,16 +311,46 @@ class AsyncSave:
     def path(self) -> Path:
         return self._job.path
 
+    @property
+    def finalized(self) -> bool:
+        """Whether `finalize` has run (committed, or raised the save's error)."""
+        return self._finalize_started
+
     def done(self) -> bool:
         """Whether this rank's background write has ended (successfully or not)."""
         return not self._thread.is_alive()
 
     def finalize(self) -> SaveResult:
-        """Block until the write ended, agree across ranks and commit. Idempotent."""
-        if self._result is None:
-            self._thread.join()
+        """Block until the write ended, agree across ranks and commit.
+
+        Idempotent once it succeeded. If it raised, the save is over (not committed): a later
+        call raises `CheckpointSaveError` again without communicating.
+        """
+        if self._result is not None:
+            return self._result
+        if self._finalize_started:
+            raise CheckpointSaveError(
+                f"the async save to {str(self.path)!r} already failed at finalize; it was "
+                f"not committed"
+            )
+        self._finalize_started = True
+        self._thread.join()
+        try:
             self._result = _finalize(self._job, self._job.write_g)
+        finally:
+            self._release()
         return self._result
+
+    def _release(self) -> None:
+        """The save is over: free its buffers, marker and owned background group."""
+        job = self._job
+        if job.staging_buffers is not None:
+            job.staging_buffers.release(self)
+        if job.g.rank == 0:
+            clear_in_flight(job.path)
+        if job.owned_group is not None:
+            dist.destroy_process_group(job.owned_group)
+            job.owned_group = None
 
 
 def save(
@@ -307,6 +367,7 @@ def save(
     overwrite: bool = False,
     sync_files: bool = True,
     staging_buffers: StagingBuffers | None = None,
+    previous: AsyncSave | None = None,
 ) -> SaveResult | AsyncSave:
     """Save a sharded state dict to the directory ``path`` (collective over ``group``).
 
@@ -325,8 +386,12 @@ def save(
             parallel layout the state was saved at, e.g. ``{"tp": 2, "pp": 2, "dp": 2}``).
         overwrite: allow replacing a committed checkpoint at ``path``.
         sync_files: fsync data files (needed for crash safety; off only for benchmarks).
-        staging_buffers: reuse these host buffers for async staging (only once the previous
-            save that used them was finalized).
+        staging_buffers: reuse these host buffers for async staging; refused while an
+            unfinalized async save holds them (unless it is ``previous``).
+        previous: an earlier async save of this group; it is finalized first (collective,
+            raising its error if its background write failed), so the two never overlap.
+            Without it, a save while an async save of this process is in flight in the same
+            root (or holds ``staging_buffers``) raises ValueError before anything is touched.
 
     Returns:
         `SaveResult` once committed (sync), or an `AsyncSave` handle (async).
@@ -335,8 +400,19 @@ def save(
         raise ValueError(f"thread_count={thread_count!r} is not valid; valid: an int >= 1")
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"path={path!r} is not valid; valid: a str or os.PathLike directory")
+    if previous is not None and not isinstance(previous, AsyncSave):
+        raise ValueError(
+            f"previous={previous!r} is not valid; valid: None or the AsyncSave of an earlier save"
+        )
     path = Path(path)
     g = resolve_group(group)
+    if previous is not None and not previous.finalized:
+        previous.finalize()  # a second save waits for the first
+    if async_save and staging_buffers is not None and staging_buffers.holder is not None:
+        raise ValueError(
+            f"staging_buffers are held by the async save to {str(staging_buffers.holder.path)!r}, "
+            f"which is not finalized; valid: pass previous=<its AsyncSave> or finalize it first"
+        )
     blocking_start = time.perf_counter()
     timings: dict[str, float] = {"stage": 0.0}
 
@@ -364,6 +440,7 @@ def save(
         "bytes_per_rank": plan.bytes_per_rank,
     }
     job = _Job(path, g, g, plan, items, data, thread_count, sync_files, info, timings)
+    job.staging_buffers = staging_buffers if async_save else None
     if not async_save:
         _run_write(job)
         result = _finalize(job, g)

@@ -20,11 +20,21 @@ __all__ = ["StagingBuffers", "stage"]
 class StagingBuffers:
     """Host buffers kept between async saves, so staging is a copy into memory that is
     already allocated and faulted in (and pinned, for CUDA sources) instead of a fresh
-    allocation each time. Safe to reuse once the previous save using it was finalized
-    (`CheckpointManager` guarantees that); costs one host copy of this rank's write set."""
+    allocation each time. An async save holds them until it is finalized (`holder`), and
+    `save` refuses buffers that are held, so a background write never reads buffers that the
+    next staging overwrites. Costs one host copy of this rank's write set."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, Any], torch.Tensor] = {}
+        #: the unfinalized async save whose background write reads these buffers, if any
+        self.holder: Any = None
+
+    def hold(self, save: Any) -> None:
+        self.holder = save
+
+    def release(self, save: Any) -> None:
+        if self.holder is save:
+            self.holder = None
 
     def get(self, key: tuple[str, Any], like: torch.Tensor) -> torch.Tensor:
         """A contiguous host tensor shaped like ``like`` for ``key`` (reused when it fits)."""
