@@ -50,20 +50,86 @@ def test_70b_for_64_gpus_builds_local_shards_only():
     assert total == PUBLISHED_PARAMS["llama3-70b"]
 
 
-@pytest.mark.parametrize("name", ["tiny-llama3-8b", "tiny-qwen2.5-7b"])
-def test_flops_match_torch_flop_counter(name):
-    config = preset(name)
+def _grouped_mm_flops(a_shape, b_shape, *_args, **_kwargs) -> int:
+    """FLOPs of ``aten._grouped_mm`` (torch's counter has no formula for it): every row of
+    ``a`` is multiplied by one group's matrix, so the work is that of one plain matmul over
+    all rows. ``[N, K] × [G, K, O]`` (forward, input grad) and ``[K, N] × [N, O]`` split along
+    ``N`` (weight grad) both give ``2·N·K·O``."""
+    if len(a_shape) == 2 and len(b_shape) in (2, 3):
+        return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
+    raise NotImplementedError(f"grouped_mm {a_shape} x {b_shape}")
+
+
+def _flash_recomputed_scores(config, seq: int) -> int:
+    """QKᵀ that torch's counter charges the CPU flash-attention backward again (2·s²·a·d per
+    GQA layer); the calculator does not count it as model FLOPs. MLA's query and value head
+    widths differ, so it runs the math SDPA (plain bmms, no recompute)."""
+    if config.mla is not None:
+        return 0
+    return config.num_layers * 2 * seq * seq * config.num_attention_heads * config.kv_channels
+
+
+def _replay_skipped(config, seq: int) -> int:
+    """Forward matmuls that a full-recompute replay never reruns.
+
+    torch's non-reentrant checkpoint stops replaying a layer once the last tensor saved for
+    backward has been regenerated. The output of a trailing ``fc2`` is saved by nothing after
+    it, so that matmul is skipped. This applies to a dense MLP's ``fc2`` and to an ungated
+    shared expert's ``fc2``. A routed expert's ``fc2`` output is saved by the probability-
+    weighted unpermute, so it is replayed.
+    """
+    h, moe, skipped = config.hidden_size, config.moe, 0
+    for layer in range(config.num_layers):
+        if moe is None or not moe.is_moe_layer(layer):
+            skipped += 2 * seq * config.ffn_hidden_size * h
+        elif moe.shared_expert_ffn_hidden_size is not None and not moe.shared_expert_gate:
+            skipped += 2 * seq * moe.shared_expert_ffn_hidden_size * h
+    return skipped
+
+
+@pytest.mark.parametrize(
+    ("name", "recompute"),
+    [
+        ("tiny-llama3-8b", "none"),
+        ("tiny-llama3-8b", "full"),
+        ("tiny-qwen2.5-7b", "none"),
+        ("tiny-mixtral-8x7b", "none"),
+        ("tiny-qwen2-57b-a14b", "none"),
+        ("tiny-qwen2-57b-a14b", "full"),
+        ("tiny-deepseek-v3", "none"),
+        ("tiny-deepseek-v3", "full"),
+    ],
+)
+def test_flops_match_torch_flop_counter(name, recompute):
+    """``flops_per_token`` equals torch's FlopCounterMode on a real forward and backward.
+
+    Dense, Mixtral, Qwen2-MoE (QKV bias, gated shared expert) and DeepSeek-V3 (MLA, a
+    dense-first layer, a shared expert, one MTP depth) are checked, with and without full
+    recompute. MoE routing is dropless (no capacity factor), so each token passes through
+    exactly ``top_k`` experts and the routed GEMM rows are ``tokens·top_k`` whatever the
+    router chooses. The counter's only blind spots are added here explicitly:
+    ``_grouped_mm`` (formula above), flash-attention's recomputed QKᵀ (counted by the
+    counter, not by the calculator), and the replay's early stop (counted by the
+    calculator, not run by torch).
+    """
+    config = preset(name, recompute=recompute)
+    if config.moe is not None:
+        assert config.moe.capacity_factor is None  # dropless: expert rows are deterministic
     model = GPTModel(config)
     seq = 16
-    ids = torch.randint(0, config.vocab_size, (1, seq))
-    with FlopCounterMode(display=False) as counter:
-        model(ids, labels=ids).__getitem__(0).backward()
-    # torch counts matmuls and full (non-causal) SDPA; forward + backward. Its CPU flash
-    # attention backward also recomputes QK^T once (2·s²·a·d per layer), which the calculator
-    # does not count as model FLOPs.
-    recomputed_scores = config.num_layers * 2 * seq * seq * config.num_attention_heads * 16
-    expected = flops_per_token(config, seq, causal=False) * seq + recomputed_scores
-    assert counter.get_total_flops() == pytest.approx(expected, rel=1e-9)
+    ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
+    grouped = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
+    with FlopCounterMode(display=False, custom_mapping=grouped) as counter:
+        model(ids, labels=ids)[0].backward()
+    counted = counter.get_flop_counts()["Global"]
+    if config.moe is not None:  # the routed experts really ran as grouped GEMMs
+        assert counted.get(torch.ops.aten._grouped_mm, 0) > 0
+    full = recompute == "full"
+    expected = flops_per_token(config, seq, causal=False, full_recompute=full) * seq
+    expected += _flash_recomputed_scores(config, seq)
+    if full:
+        expected -= _replay_skipped(config, seq)
+    assert counter.get_total_flops() == pytest.approx(expected, rel=1e-12)
 
 
 def test_memory_estimate_basics():

@@ -58,8 +58,7 @@ def flops_per_token(
     if config.moe is not None or config.mla is not None or config.mtp is not None:
         from shardwork.models.calculator_moe import moe_flops_per_token
 
-        fwd_bwd = moe_flops_per_token(config, seq_length, causal=causal)
-        return fwd_bwd * (4 / 3 if full_recompute else 1.0)  # recompute: one more forward
+        return moe_flops_per_token(config, seq_length, causal=causal, full_recompute=full_recompute)
     c = config
     d, a, g, h = c.kv_channels, c.num_attention_heads, c.kv_heads, c.hidden_size
     matmul = c.num_layers * (h * (a + 2 * g) * d + a * d * h + 3 * h * c.ffn_hidden_size)

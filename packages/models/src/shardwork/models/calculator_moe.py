@@ -15,11 +15,19 @@ Per layer (exact, as the model builds them):
 Model: ``Σ layers + V·h (embedding) [+ V·h untied head] + h (final norm)``; each MTP depth adds
 ``2h·h (eh_proj) + 3h (norms) +`` one MoE layer (embedding and head are shared).
 
-Training FLOPs per token: ``3 × forward``, forward ``= 2·(active matmul weights, norms and
-embedding excluded) +
-attention scores`` where the scores are ``2·s·n·(dq + dv)·c`` per layer (``dq`` the query/key
-head width, ``c = 1/2`` causal), the router ``2·h·E`` is a matmul like any other, and the head
-``2·V_pad·h`` is counted once per prediction depth (main + D).
+Training FLOPs per token: ``3 × forward``, forward ``= 2·(matmul weights a token passes
+through) + attention scores``.
+
+- Matmul weights per layer are the active weights without norms and biases. Attention is
+  ``h·(n+2g)·d + n·d·h`` (GQA) or the MLA projections. The MLP is ``3·h·f`` when dense. An MoE
+  MLP is ``E·h`` (router) ``+ k·3·h·F`` (each token passes through exactly ``k`` experts; dropless
+  routing) ``+ 3·h·S [+ h gate]``.
+- The attention scores are ``2·s·n·(dq + dv)·c`` per layer. ``dq`` is the query/key head width,
+  and ``c = 1/2`` for causal attention.
+- Each MTP depth adds ``2·2h·h`` (``eh_proj``) and one layer. The head, ``2·V_pad·h``, is counted
+  once per prediction depth (main + D).
+- Full recompute adds one more forward of the ``L`` decoder layers. The head, the embedding
+  and the MTP depths are not recomputed.
 """
 
 from __future__ import annotations
@@ -128,31 +136,49 @@ def moe_param_counts(config: GPTConfig) -> ParamCounts:
     )
 
 
-def _norm_params(c: GPTConfig) -> int:
-    """Norm weights (not matmuls) of the layers and MTP depths (final norm excluded)."""
-    h = c.hidden_size
-    per_layer = 2 * h
-    if c.mla is not None:
-        per_layer += c.mla.kv_lora_rank + (c.mla.q_lora_rank or 0)
-    elif c.qk_layernorm:
-        per_layer += 2 * c.kv_channels
-    depths = c.mtp.num_layers if c.mtp is not None else 0
-    return c.num_layers * per_layer + depths * (per_layer + 3 * h)
-
-
-def moe_flops_per_token(config: GPTConfig, seq_length: int, *, causal: bool = True) -> float:
-    """Training FLOPs per token (forward + backward) from the active parameters."""
-    c = config
-    counts = moe_param_counts(c)
+def _attention_matmul(c: GPTConfig) -> int:
+    """Matmul weights of one attention block (biases and norms excluded)."""
     h, n = c.hidden_size, c.num_attention_heads
-    emb_params = c.vocab_size * h * (1 if c.tie_word_embeddings else 2) + h
-    matmul = counts.active - emb_params - _norm_params(c)  # matmul weights only
     if c.mla is None:
-        dq = dv = c.kv_channels
+        d, g = c.kv_channels, c.kv_heads
+        return h * (n + 2 * g) * d + n * d * h
+    m = c.mla
+    if m.q_lora_rank is None:
+        q = h * n * m.qk_head_dim
     else:
-        dq, dv = c.mla.qk_head_dim, c.mla.v_head_dim
-    depths = 1 + (c.mtp.num_layers if c.mtp is not None else 0)
-    layers = c.num_layers + depths - 1
-    scores = layers * 2 * seq_length * n * (dq + dv) * (0.5 if causal else 1.0)
-    head = depths * 2 * c.padded_vocab_size * h
-    return 3 * (2 * matmul + scores + head)
+        q = h * m.q_lora_rank + m.q_lora_rank * n * m.qk_head_dim
+    kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * n * (
+        m.qk_nope_head_dim + m.v_head_dim
+    )
+    return q + kv + n * m.v_head_dim * h
+
+
+def _mlp_matmul(c: GPTConfig, moe_layer: bool) -> int:
+    """Matmul weights one token passes through in an MLP (router and k experts if MoE)."""
+    if not moe_layer:
+        return 3 * c.hidden_size * c.ffn_hidden_size
+    return _moe_mlp(c)[1]  # active: router + k experts + shared (+ gate); all matmuls
+
+
+def _layer_forward(c: GPTConfig, seq_length: int, moe_layer: bool, causal: bool) -> float:
+    """Forward FLOPs per token of one transformer layer (matmuls and attention scores)."""
+    n = c.num_attention_heads
+    dq, dv = (c.kv_channels,) * 2 if c.mla is None else (c.mla.qk_head_dim, c.mla.v_head_dim)
+    scores = 2 * seq_length * n * (dq + dv) * (0.5 if causal else 1.0)
+    return 2 * (_attention_matmul(c) + _mlp_matmul(c, moe_layer)) + scores
+
+
+def moe_flops_per_token(
+    config: GPTConfig, seq_length: int, *, causal: bool = True, full_recompute: bool = False
+) -> float:
+    """Training FLOPs per token (forward + backward [+ recomputed layers]; module docstring)."""
+    c, h = config, config.hidden_size
+    moe = c.moe
+    layers = sum(
+        _layer_forward(c, seq_length, moe is not None and moe.is_moe_layer(i), causal)
+        for i in range(c.num_layers)
+    )
+    depths = c.mtp.num_layers if c.mtp is not None else 0
+    mtp = depths * (2 * 2 * h * h + _layer_forward(c, seq_length, moe is not None, causal))
+    heads = (1 + depths) * 2 * c.padded_vocab_size * h
+    return 3 * (layers + mtp + heads) + (layers if full_recompute else 0.0)
