@@ -6,6 +6,8 @@ Run from the repository root: ``python tools/check_dependencies.py``. Reads each
 - the graph of shardwork runtime dependencies and optional extras must be a DAG;
 - parallel-state, moe-router, dist-checkpoint and fused-kernels declare no
   shardwork runtime dependency (optional extras are allowed);
+- every known package depends (at run time or through an extra) only on the packages the
+  design's layering allows it (``LAYERS``): skipping a layer fails even without a cycle;
 - a source module may import ``shardwork.<x>`` only if ``x`` is the package
   itself, a runtime dependency, or an optional extra whose import is gated:
   inside a ``try`` that catches ImportError, inside a function (imported on
@@ -35,6 +37,25 @@ from dataclasses import dataclass
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TORCH_ONLY = {"parallel-state", "moe-router", "dist-checkpoint", "fused-kernels"}
+LAYERS = {
+    "parallel-state": set(),
+    "fused-kernels": set(),
+    "moe-router": {"fused-kernels"},  # the optional [fused] extra
+    "dist-checkpoint": set(),
+    "dist-optimizer": {"parallel-state", "dist-checkpoint"},
+    "models": {"parallel-state", "fused-kernels", "moe-router", "dist-checkpoint"},
+    "trainer": {
+        "parallel-state",
+        "fused-kernels",
+        "moe-router",
+        "dist-checkpoint",
+        "dist-optimizer",
+        "models",
+    },
+}
+"""The design's layering (docs/architecture.md): the shardwork packages each known package may
+depend on, at run time or through an extra. An edge outside it fails even without a cycle
+(e.g. dist-optimizer -> models). Packages not listed (fixture workspaces) are not checked."""
 _IMPORT_ERRORS = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException", None}
 
 
@@ -93,6 +114,12 @@ def graph_problems(packages: dict[str, Declared]) -> list[str]:
         if name in TORCH_ONLY and deps.runtime:
             problems.append(
                 f"{name}: must depend on torch only, but declares {sorted(deps.runtime)}"
+            )
+        elif name in LAYERS and (deps.runtime | deps.extras) - LAYERS[name] - unknown:
+            outside = sorted((deps.runtime | deps.extras) - LAYERS[name] - unknown)
+            problems.append(
+                f"{name}: depends on {outside}, outside the design's layering "
+                f"(allowed: {sorted(LAYERS[name]) or 'torch only'})"
             )
     # Runtime + extras: an extra that closes a cycle is still a cycle.
     state: dict[str, str] = {}

@@ -95,7 +95,9 @@ def test_cycle_is_named(tmp_path, capsys):
     packages["trainer"] = {"runtime": ["shardwork-models"], "extras": {}, "test": []}
     root = write_workspace(tmp_path, packages)
     assert check_dependencies.find_problems(root) == [
-        "dependency cycle: models -> trainer -> models"
+        "models: depends on ['trainer'], outside the design's layering "
+        "(allowed: ['dist-checkpoint', 'fused-kernels', 'moe-router', 'parallel-state'])",
+        "dependency cycle: models -> trainer -> models",
     ]
     assert check_dependencies.main(root) == 1
     assert (
@@ -106,7 +108,9 @@ def test_cycle_is_named(tmp_path, capsys):
 def test_cycle_closed_by_an_optional_extra_is_a_cycle(tmp_path):
     root = write_workspace(tmp_path, with_deps("moe-router", extras={"m": ["shardwork-models"]}))
     assert check_dependencies.find_problems(root) == [
-        "dependency cycle: models -> moe-router -> models"
+        "moe-router: depends on ['models'], outside the design's layering "
+        "(allowed: ['fused-kernels'])",
+        "dependency cycle: models -> moe-router -> models",
     ]
 
 
@@ -114,6 +118,15 @@ def test_torch_only_package_growing_a_shardwork_dependency(tmp_path):
     root = write_workspace(tmp_path, with_deps("moe-router", runtime=["shardwork-parallel-state"]))
     assert check_dependencies.find_problems(root) == [
         "moe-router: must depend on torch only, but declares ['parallel-state']"
+    ]
+
+
+def test_edge_outside_the_layering_without_a_cycle(tmp_path):
+    packages = with_deps("dist-optimizer", runtime=["shardwork-models"])
+    root = write_workspace(tmp_path, packages)
+    assert check_dependencies.find_problems(root) == [
+        "dist-optimizer: depends on ['models'], outside the design's layering "
+        "(allowed: ['dist-checkpoint', 'parallel-state'])"
     ]
 
 
