@@ -1,5 +1,6 @@
 """Layer-wise distributed Muon equals single-process Muon (DP=2, and DP=2 x TP=2 with a
-fused [gate | up] weight split over TP); Newton–Schulz and owner assignment unit tests."""
+fused [gate | up] weight split over TP, and with a fused GQA [Q | K | V] weight against
+separate Q, K, V matrices or separate heads); Newton–Schulz and owner assignment unit tests."""
 
 from __future__ import annotations
 
@@ -162,3 +163,134 @@ def test_orthogonalize_per_head():
         param.grad = g.clone()
         opt.step()
     torch.testing.assert_close(p.detach(), q.detach() + 0.1 * orthogonalize(g, meta) - 0.1 * want)
+
+
+# ---------------------------------------------------------------- fused GQA QKV over TP=2
+NQ, NKV, D = 4, 2, 2  # query heads, key/value heads, head dim
+QKV_SIZES = (NQ * D, NKV * D, NKV * D)
+
+
+def mix_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """A per-head function of q, k, v (GQA: each k/v head serves NQ/NKV query heads)."""
+    b, nq, nkv = q.shape[0], q.shape[1] // D, k.shape[1] // D
+    q = q.view(b, nq, D)
+    k = k.view(b, nkv, D).repeat_interleave(nq // nkv, dim=1)
+    v = v.view(b, nkv, D).repeat_interleave(nq // nkv, dim=1)
+    return (torch.tanh(q) * k + v * q).reshape(b, nq * D)
+
+
+def qkv_init() -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(5)
+    return torch.randn(HID, IN) / IN**0.5, torch.randn(sum(QKV_SIZES), HID) / HID**0.5
+
+
+class FusedQKV(nn.Module):
+    """tanh(W_in x) -> column-parallel fused [Q | K | V] (whole heads per TP rank) -> heads."""
+
+    def __init__(self, tp_group=None, tp_size: int = 1, tp_rank: int = 0) -> None:
+        super().__init__()
+        w_in, w_qkv = qkv_init()
+        self.w_in = nn.Parameter(w_in)
+        blocks = [b.chunk(tp_size)[tp_rank] for b in w_qkv.split(QKV_SIZES)]
+        self.w_qkv = nn.Parameter(torch.cat(blocks))
+        set_param_meta(self.w_qkv, ParamMeta(tp_axis=0, tp_partition_sizes=QKV_SIZES))
+        self.local_sizes = [b.size(0) for b in blocks]
+        self.tp_group = tp_group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = copy_to_tp_region(torch.tanh(x @ self.w_in.T), self.tp_group)
+        q, k, v = (h @ self.w_qkv.T).split(self.local_sizes, dim=-1)
+        return gather_from_tp_region(mix_heads(q, k, v), self.tp_group)
+
+
+class SeparateQKV(nn.Module):
+    """The same function with the QKV rows as separate plain matrices (no ParamMeta):
+    ``pieces`` row counts, e.g. Q, K, V blocks or one matrix per head."""
+
+    def __init__(self, pieces: list[int]) -> None:
+        super().__init__()
+        w_in, w_qkv = qkv_init()
+        self.w_in = nn.Parameter(w_in)
+        self.pieces = nn.ParameterList(nn.Parameter(w) for w in w_qkv.split(pieces))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(x @ self.w_in.T)
+        qkv = torch.cat([h @ w.T for w in self.pieces], dim=-1)
+        return mix_heads(*qkv.split(QKV_SIZES, dim=-1))
+
+
+def qkv_data(dp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(9)
+    return torch.randn(STEPS, dp * BATCH, IN, generator=g), torch.randn(
+        STEPS, dp * BATCH, NQ * D, generator=g
+    )
+
+
+def separate_qkv_reference(per_head: bool, dp: int) -> tuple[torch.Tensor, list[float]]:
+    """Plain single-process Muon on separate matrices; returns the full [Q | K | V] rows."""
+    pieces = [D] * (sum(QKV_SIZES) // D) if per_head else list(QKV_SIZES)
+    model = SeparateQKV(pieces)
+    opt = muon(model.parameters())
+    x, y = qkv_data(dp)
+    norms = []
+    for s in range(STEPS):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x[s]), y[s]).backward()
+        norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), 1e30)))
+        opt.step()
+    return torch.cat([w.detach() for w in model.pieces]), norms
+
+
+def _run_fused_qkv():
+    pg = init_process_groups(ParallelConfig(tp=2))
+    dp, rank, tp_rank = pg.size("dp"), pg.rank("dp"), pg.rank("tp")
+    x, y = qkv_data(dp)
+    local = slice(rank * BATCH, (rank + 1) * BATCH)
+    out = {}
+    for per_head in (False, True):
+        model = FusedQKV(pg.tp, 2, tp_rank)
+        ddp = DistributedDataParallel(model, config=DDPConfig(bucket_size=20), process_groups=pg)
+        qkv_group = {"fused_blocks": 3, **({"head_dim": D} if per_head else {})}
+        opt = LayerWiseDistributedOptimizer(
+            ddp,
+            lambda groups: muon(groups, pg.tp),
+            config=OptimizerConfig(overlap_param_gather=True),
+            process_groups=pg,
+            param_group_fn=lambda name, p, g=qkv_group: g if name == "w_qkv" else None,
+        )
+        norms = []
+        for s in range(STEPS):
+            opt.zero_grad()
+            nn.functional.mse_loss(ddp(x[s, local]), y[s, local]).backward()
+            norms.append(opt.step().grad_norm)
+        opt.finish_param_sync()
+        out[per_head] = (model.w_qkv.detach().clone(), norms)
+    return tp_rank, out
+
+
+@pytest.mark.multirank
+def test_fused_qkv_over_tp_equals_separate_matrices():
+    """TP=2 x DP=2: the fused, TP-split GQA weight gets exactly the update of plain Muon on
+    separate Q, K, V matrices (default) or on separate heads (``head_dim``)."""
+    refs = {per_head: separate_qkv_reference(per_head, 2) for per_head in (False, True)}
+    assert not torch.allclose(refs[False][0], refs[True][0], atol=1e-3)  # the two differ
+    for tp_rank, out in run_on_ranks(_run_fused_qkv, 4):
+        for per_head, (w_qkv, norms) in out.items():
+            full, ref_norms = refs[per_head]
+            want = torch.cat([b.chunk(2)[tp_rank] for b in full.split(QKV_SIZES)])
+            torch.testing.assert_close(w_qkv, want, rtol=1e-5, atol=1e-6)
+            assert norms == pytest.approx(ref_norms, rel=1e-5)
+
+
+def test_fused_blocks_option_checks_the_layout():
+    fused = torch.nn.Parameter(torch.randn(sum(QKV_SIZES), HID))
+    set_param_meta(fused, ParamMeta(tp_axis=0, tp_partition_sizes=QKV_SIZES))
+    Muon([{"params": [fused], "fused_blocks": 3}])
+    with pytest.raises(
+        ValueError, match=r"fused_blocks=2: parameter 0 .*tp_partition_sizes=\(8, 4, 4\)"
+    ):
+        Muon([{"params": [fused], "fused_blocks": 2}])
+    with pytest.raises(ValueError, match="tp_partition_sizes=None"):
+        Muon([{"params": [torch.nn.Parameter(torch.randn(4, 4))], "fused_blocks": 3}])
+    with pytest.raises(ValueError, match="head_dim"):
+        Muon([fused], head_dim=0)

@@ -7,9 +7,16 @@
   ``p *= 1 - lr·wd``; ``p -= lr·o``. Computed in fp32.
 - Orthogonalisation is per *logical* matrix: a parameter whose ``ParamMeta`` has
   ``tp_partition_sizes`` (fused [gate | up], fused [Q | K | V]) is split along ``tp_axis``
-  into those blocks and each block is orthogonalised on its own. ``ParamMeta`` has no head
-  count, so per-head splitting of QKV is a param-group option (``head_dim``): each block is
-  further cut into heads along ``tp_axis``.
+  into those blocks and each block is orthogonalised on its own, so a fused weight gets the
+  update the unfused model's separate matrices would get. For attention this means one
+  Newton–Schulz per Q, K and V projection (all heads of each together) — what Muon does on
+  models with separate q/k/v projections (Moonlight, Kimi) and what Megatron-Core's
+  ``split_qkv`` does to its fused QKV. ``ParamMeta`` has no head count, so per-head
+  orthogonalisation (each head's rows on their own) is an opt-in param-group option
+  (``head_dim``). The group option ``fused_blocks`` asserts the split: every parameter of
+  the group must be a fused weight of that many blocks (3 for [Q | K | V]), checked when
+  the group is added, so a model whose layout metadata went missing fails loudly instead
+  of having its fused weight orthogonalised as one matrix.
 - A TP-sharded parameter (``tp_axis`` set, ``tp_group`` of size > 1) is all-gathered over
   ``tp_group`` before orthogonalising — never shard by shard — and every TP rank keeps its
   own slice of the result (each rank of the TP group computes the same NS on the same full
@@ -103,9 +110,10 @@ class Muon(torch.optim.Optimizer):
     """Muon for matrices, AdamW for the rest (see the module docstring).
 
     Group options: ``lr``, ``momentum``, ``nesterov``, ``ns_steps``, ``weight_decay``,
-    ``adam_betas``, ``adam_eps``, ``use_muon`` (None: 2-D parameters only) and ``head_dim``
+    ``adam_betas``, ``adam_eps``, ``use_muon`` (None: 2-D parameters only), ``head_dim``
     (orthogonalise each ``head_dim`` rows of every block separately: per-head QKV; put the
-    QKV weights in their own param group).
+    QKV weights in their own param group) and ``fused_blocks`` (every parameter of the group
+    must carry ``ParamMeta.tp_partition_sizes`` with this many blocks; ValueError otherwise).
     ``tp_group`` is the group TP-sharded parameters are split over (None: not split).
     """
 
@@ -122,6 +130,7 @@ class Muon(torch.optim.Optimizer):
         adam_eps: float = 1e-8,
         use_muon: bool | None = None,
         head_dim: int | None = None,
+        fused_blocks: int | None = None,
         tp_group: Any = None,
     ) -> None:
         if not lr >= 0:
@@ -140,9 +149,31 @@ class Muon(torch.optim.Optimizer):
             "adam_eps": adam_eps,
             "use_muon": use_muon,
             "head_dim": head_dim,
+            "fused_blocks": fused_blocks,
         }
         super().__init__(params, defaults)
         self.tp_group = tp_group
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (torch's rules), then check its ``head_dim`` and ``fused_blocks``."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        head_dim = group["head_dim"]
+        if head_dim is not None and not (isinstance(head_dim, int) and head_dim >= 1):
+            raise ValueError(f"Muon head_dim={head_dim!r}; valid: a positive int or None")
+        blocks = group["fused_blocks"]
+        if blocks is None:
+            return
+        if not (isinstance(blocks, int) and blocks >= 2):
+            raise ValueError(f"Muon fused_blocks={blocks!r}; valid: an int >= 2 or None")
+        for i, p in enumerate(group["params"]):
+            sizes = get_param_meta(p).tp_partition_sizes
+            if sizes is None or len(sizes) != blocks:
+                raise ValueError(
+                    f"Muon fused_blocks={blocks}: parameter {i} of the group (shape "
+                    f"{tuple(p.shape)}) has ParamMeta.tp_partition_sizes={sizes}; valid: a "
+                    f"fused weight of {blocks} blocks along tp_axis (e.g. 3 for [Q | K | V])"
+                )
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:

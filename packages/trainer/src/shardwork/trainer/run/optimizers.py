@@ -10,6 +10,12 @@
   are all-gathered over TP inside Muon and fused blocks ([Q | K | V], [gate | up]) are
   orthogonalised block by block; the update is scaled by ``sqrt(max(1, rows/cols))`` (the
   scaling dist-optimizer's Muon applies).
+- Attention's fused ``linear_qkv`` weights form their own Muon group with
+  ``fused_blocks=3``: one Newton–Schulz per Q, K and V projection (all heads of each
+  together), the update separate q/k/v matrices get in Moonlight/Kimi-style Muon and the
+  split Megatron-Core's ``split_qkv`` makes; not per head. The option makes Muon check, when
+  the optimizer is built, that each of them carries its three [Q | K | V] blocks in its
+  layout metadata (else it would be orthogonalised as one fused matrix).
 - Which parameters get Muon, as Muon is commonly used: the 2-D weight matrices of the hidden
   layers (attention and MLP projections, shared experts, routers, MTP projections). AdamW
   (``beta1``, ``beta2``, ``eps``, inside the same Muon optimizer via ``use_muon=False``) for the
@@ -29,6 +35,12 @@ import torch
 
 _ADAMW_NAMES = ("embedding.", "output_layer.")
 """Prefixes of the token embedding and LM head; ``mtp.embedding_weight`` is matched apart."""
+_QKV_NAME = "linear_qkv.weight"
+
+
+def is_fused_qkv(name: str) -> bool:
+    """True for an attention layer's fused [Q | K | V] weight (``...linear_qkv.weight``)."""
+    return name.endswith(_QKV_NAME)
 
 
 def is_muon_matrix(name: str, param: torch.Tensor) -> bool:
@@ -105,7 +117,10 @@ def build_optimizer(config, runtime, chunks, *, model_config) -> Any:
 
         def param_group_fn(name: str, param: torch.nn.Parameter) -> dict[str, Any]:
             if is_muon_matrix(name, param):
-                return {"use_muon": True, "wd_mult": 1.0, "lr_mult": lr_mult}
+                group = {"use_muon": True, "wd_mult": 1.0, "lr_mult": lr_mult}
+                if is_fused_qkv(name):
+                    group["fused_blocks"] = 3  # [Q | K | V]: one Newton–Schulz per block
+                return group
             return {"use_muon": False, "wd_mult": 0.0 if param.ndim < 2 else 1.0}
 
     def part(expert: bool):
