@@ -1,7 +1,7 @@
 """The real GPT model through the pipeline schedules, against the single-rank model (fp64).
 
-PP=2 (1F1B), PP=2×VPP=2 (interleaved, tied embedding across stages), TP=2+SP×PP=2
-(tied) and CP=2×PP=2: loss and every parameter's gradient equal those of the same GPTModel built at world
+PP=2 (1F1B, even split and an uneven one with a tied embedding), PP=2×VPP=2 (interleaved,
+tied embedding across stages), TP=2+SP×PP=2 (tied) and CP=2×PP=2: loss and every parameter's gradient equal those of the same GPTModel built at world
 size 1 (layout-independent initialisation gives both the same weights), rtol 1e-9. The loss
 is plain torch cross entropy on TP-gathered float64 logits, so the comparison is exact to
 float64 rounding. Both copies of a tied embedding (first and last stage) are checked.
@@ -90,7 +90,8 @@ def _self_group():
     return mine
 
 
-def _gpt_case(tp, pp, vpp, num_microbatches, tied, sp, cp=1):
+def _gpt_case(tp, pp, vpp, num_microbatches, tied, sp, cp=1, first_stage_layers=None):
+    """Run the case; returns ``(result, this rank's chunks' layer ranges)``."""
     groups = init_process_groups(ParallelConfig(tp=tp, pp=pp, vpp=vpp, cp=cp))
     cfg = _config(tied, sp)
     data = _microbatches(cfg, num_microbatches, groups.rank("dp"))
@@ -105,7 +106,8 @@ def _gpt_case(tp, pp, vpp, num_microbatches, tied, sp, cp=1):
     (total / tokens).backward()
     ref_grads = full_state_dict(ref, grads=True, group=_self_group())
 
-    chunks = build_model_chunks(cfg, groups)
+    chunks = build_model_chunks(cfg, groups, first_stage_layers=first_stage_layers)
+    ranges = [chunk.decoder.layer_range for chunk in chunks]
     seq_local = SEQ // cp // (tp if sp else 1)
     cp_rank = groups.rank("cp")
     local = [
@@ -143,25 +145,37 @@ def _gpt_case(tp, pp, vpp, num_microbatches, tied, sp, cp=1):
         expected = torch.zeros_like(head.linear.weight.grad)
         expected[: real.shape[0]] = real
         torch.testing.assert_close(head.linear.weight.grad, expected, rtol=1e-9, atol=1e-13)
-        return "tied-checked"
-    return len(grads)
+        return "tied-checked", ranges
+    return len(grads), ranges
+
+
+def _pp2_even_and_uneven():
+    """PP=2 1F1B with the even split, then with an uneven one (first stage: 1 of 4 layers,
+    tied embedding), in one start of the ranks."""
+    even = _gpt_case(1, 2, None, 3, False, False)
+    uneven = _gpt_case(1, 2, None, 3, True, False, first_stage_layers=1)
+    return even, uneven
 
 
 def test_gpt_pp2_1f1b_matches_single_rank():
-    out = run_on_ranks(_gpt_case, 2, args=(1, 2, None, 3, False, False))
-    assert out[0] == out[1] > 10
+    (even0, uneven0), (even1, uneven1) = run_on_ranks(_pp2_even_and_uneven, 2)
+    assert even0[0] == even1[0] > 10
+    assert (even0[1], even1[1]) == ([(0, 2)], [(2, 4)])
+    assert uneven1[0] == "tied-checked"
+    assert (uneven0[1], uneven1[1]) == ([(0, 1)], [(1, 4)])
 
 
 def test_gpt_pp2_vpp2_interleaved_tied_embedding():
     out = run_on_ranks(_gpt_case, 2, args=(1, 2, 2, 4, True, False))
-    assert out[1] == "tied-checked"
+    assert out[1][0] == "tied-checked"
 
 
 def test_gpt_tp2_sp_pp2_tied_embedding():
     out = run_on_ranks(_gpt_case, 4, args=(2, 2, None, 2, True, True))
-    assert out[2:] == ["tied-checked"] * 2
+    assert [result for result, _ in out[2:]] == ["tied-checked"] * 2
 
 
 def test_gpt_cp2_pp2_interleaved():
     out = run_on_ranks(_gpt_case, 4, args=(1, 2, 2, 2, False, False), kwargs={"cp": 2})
-    assert len(set(out)) == 1 and out[0] > 10
+    results = [result for result, _ in out]
+    assert len(set(results)) == 1 and results[0] > 10
