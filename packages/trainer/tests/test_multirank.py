@@ -133,6 +133,77 @@ def test_dp_replica_check():
         assert "chunk0.bias" in message and "weight" not in message
 
 
+def _train_with_replica_check(run_dir, cache, perturb: bool):
+    """4 steps at dp=2 with reliability.check_dp_params_interval=2. With ``perturb``, rank 1
+    adds 1e-6 to one parameter after step index 1 (after ZeRO's all-gather made the replicas
+    equal again), just before the check at step 2. Returns ``(checks, outcome)``: the
+    ``(step, parameters compared)`` of every check that ran, and the error text (or the
+    final step)."""
+    import os
+
+    os.environ["SHARDWORK_CACHE"] = cache
+    import shardwork.trainer.run.trainer as trainer_module
+    from shardwork.trainer.run.params_check import ReplicaMismatchError
+    from shardwork.trainer.testing import tiny_config
+
+    real_step, real_check = trainer_module.train_step, trainer_module.check_dp_replicas
+    checks, steps = [], []
+    target = {}
+
+    def step(assembly, *args, **kwargs):
+        out = real_step(assembly, *args, **kwargs)
+        steps.append(1)
+        if perturb and len(steps) == 2 and dist.get_rank() == 1:
+            names = [n for n, _ in assembly.modules[0].named_parameters()]
+            target["name"] = names[len(names) // 2]
+            with torch.no_grad():
+                assembly.modules[0].get_parameter(target["name"]).view(-1)[0] += 1e-6
+        return out
+
+    def check(modules, groups, *, step):
+        compared = real_check(modules, groups, step=step)
+        checks.append((step, compared))
+        return compared
+
+    trainer_module.train_step, trainer_module.check_dp_replicas = step, check
+    try:
+        config = tiny_config(
+            run_dir,
+            world_size=2,
+            schedule={"train_steps": 4},
+            eval={"interval": None, "at_end": False},
+            reliability={"check_dp_params_interval": 2},
+        )
+        try:
+            result = trainer_module.train(config, stream=io.StringIO())
+        except ReplicaMismatchError as exc:
+            return checks, str(exc), target.get("name")
+        return checks, result.final_step, None
+    finally:  # the rank processes are pooled: leave the module as it was
+        trainer_module.train_step, trainer_module.check_dp_replicas = real_step, real_check
+
+
+def test_replica_check_in_the_loop(tmp_path, cache):
+    equal = run_on_ranks(
+        _train_with_replica_check, 2, args=(str(tmp_path / "a"), cache, False), timeout=300
+    )
+    (_, num_params), *_ = equal[0][0]
+    assert num_params > 0
+    for checks, final_step, _ in equal:  # checked at steps 2 and 4, all parameters equal
+        assert checks == [(2, num_params), (4, num_params)]
+        assert final_step == 4
+    broken = run_on_ranks(
+        _train_with_replica_check, 2, args=(str(tmp_path / "b"), cache, True), timeout=300
+    )
+    name = broken[1][2]
+    for checks, message, _ in broken:  # both replicas stop at the step-2 check, naming it
+        assert checks == []  # the check raised before returning
+        assert message.startswith(
+            "step 2: parameters differ across the dp_cp group (ranks [0, 1]): "
+        )
+        assert message.split("): ", 1)[1] == f"chunk0.{name}"
+
+
 def _hang_one_rank():
     import time
 

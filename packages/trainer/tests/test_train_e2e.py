@@ -3,7 +3,6 @@
 import math
 import os
 import signal
-import threading
 
 import pytest
 
@@ -73,22 +72,67 @@ def test_resume_reproduces_uninterrupted_losses_exactly(tmp_path):
     assert resumed.valid_losses[12] == full.valid_losses[12]
 
 
-def test_sigterm_checkpoints_and_exits_cleanly(tmp_path):
+def _signal_after_step(monkeypatch, signum, *, at_step: int, times: int = 1) -> None:
+    """Make the trainer's process receive ``signum`` (``times`` times) right after step
+    ``at_step`` (0-based) has run: deterministic, unlike a timer racing the set-up."""
+    import shardwork.trainer.run.trainer as trainer_module
+
+    real_step = trainer_module.train_step
+    calls = []
+
+    def step_then_signal(*args, **kwargs):
+        out = real_step(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == at_step + 1:
+            for _ in range(times):
+                os.kill(os.getpid(), signum)
+        return out
+
+    monkeypatch.setattr(trainer_module, "train_step", step_then_signal)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_checkpoints_and_exits_cleanly(tmp_path, monkeypatch, signum):
     config = tiny_config(
         tmp_path, schedule={"train_steps": 100_000}, eval={"interval": None, "at_end": False}
     )
-    timer = threading.Timer(3.0, os.kill, args=(os.getpid(), signal.SIGTERM))
-    timer.start()
-    try:
-        result = train(config)
-    finally:
-        timer.cancel()
-    assert result.stopped_by == "SIGTERM"
-    assert 0 < result.final_step < 100_000
-    assert result.checkpoint.endswith(f"step_{result.final_step:09d}")
+    before = signal.getsignal(signum)
+    _signal_after_step(monkeypatch, signum, at_step=2)
+    result = train(config)  # returns normally: the CLI exits 0
+    assert result.stopped_by == signal.Signals(signum).name
+    assert result.final_step == 3  # the step that was running finished, no later one started
+    assert sorted(result.train_losses) == [0, 1, 2]
+    assert result.checkpoint.endswith("step_000000003")
     assert os.path.isfile(os.path.join(result.checkpoint, "COMMITTED"))
     # and the handler was removed again
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert signal.getsignal(signum) is before
+
+
+def test_second_sigint_interrupts_at_once(tmp_path, monkeypatch):
+    config = tiny_config(
+        tmp_path, schedule={"train_steps": 100_000}, eval={"interval": None, "at_end": False}
+    )
+    before = signal.getsignal(signal.SIGINT)
+    _signal_after_step(monkeypatch, signal.SIGINT, at_step=1, times=2)
+    with pytest.raises(KeyboardInterrupt):
+        train(config)
+    # no checkpoint: Ctrl-C twice gets out without one
+    assert not list(tmp_path.glob("checkpoints/step_*"))
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_retention_keeps_the_last_and_every_kth_checkpoint(tmp_path):
+    config = tiny_config(
+        tmp_path,
+        schedule={"train_steps": 7},
+        eval={"interval": None, "at_end": False},
+        checkpoint={"interval": 1, "keep_last": 2, "keep_every": 3, "save_at_end": True},
+    )
+    result = train(config)
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    # saved after every step 1..7: the last two (6, 7) and the multiples of 3 (3, 6) remain
+    assert kept == ["step_000000003", "step_000000006", "step_000000007"]
+    assert result.checkpoint.endswith("step_000000007")
 
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])
