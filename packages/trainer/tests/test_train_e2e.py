@@ -56,20 +56,62 @@ def test_loss_falls_and_beats_unigram(tmp_path):
     assert (tmp_path / "metrics.jsonl").is_file()
 
 
-def test_resume_reproduces_uninterrupted_losses_exactly(tmp_path):
+def _record_step_inputs(monkeypatch) -> list[tuple[int, int]]:
+    """``(consumed, global_batch_size)`` that the loop passes to each train_step call."""
+    import shardwork.trainer.run.trainer as trainer_module
+
+    real_step, seen = trainer_module.train_step, []
+
+    def step(*args, consumed, global_batch_size, **kwargs):
+        seen.append((consumed, global_batch_size))
+        return real_step(*args, consumed=consumed, global_batch_size=global_batch_size, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "train_step", step)
+    return seen
+
+
+def test_batch_ramp_is_logged_per_step_and_resume_across_it_is_exact(tmp_path, monkeypatch):
+    from shardwork.trainer.observe.metrics import read_metrics
+
     common = dict(
-        schedule={"train_steps": 12},
-        eval={"interval": 6, "steps": 2},
+        # 4 sequences per step, 8 from step 3, 12 from step 8 (micro-batches of 4)
+        schedule={
+            "train_steps": 10,
+            "global_batch_size": 4,
+            "batch_size_ramp": [(3, 8), (8, 12)],
+        },
+        eval={"interval": 5, "steps": 2},
         checkpoint={"interval": 6, "keep_last": 3},
+        logging={"interval": 1},
     )
+    # by hand: the batch of step k, and the samples consumed before it
+    sizes = [4, 4, 4, 8, 8, 8, 8, 8, 12, 12]
+    before = [sum(sizes[:k]) for k in range(10)]  # 0, 4, 8, 12, 20, ..., 64
+    assert before[-1] == 64
+
+    seen = _record_step_inputs(monkeypatch)
     full = train(tiny_config(tmp_path / "a", **common))
+    assert seen == list(zip(before, sizes))  # what each step read
+    records = [r for r in read_metrics(tmp_path / "a" / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in records] == list(range(1, 11))
+    assert [r["batch_size"] for r in records] == sizes
+    assert [r["consumed_samples"] for r in records] == [b + n for b, n in zip(before, sizes)]
+    assert full.tokens == sum(sizes) * 32  # seq_length 32
+
+    # resume at step 6 (batch 8); the resumed run crosses the ramp to 12 at step 8
     ckpt = tmp_path / "a" / "checkpoints" / "step_000000006"
     assert ckpt.is_dir()
+    seen.clear()
     resumed = train(tiny_config(tmp_path / "b", **{**common, "checkpoint": {"resume": str(ckpt)}}))
-    assert sorted(resumed.train_losses) == list(range(6, 12))
-    for step in range(6, 12):
+    assert seen == list(zip(before, sizes))[6:]
+    assert sorted(resumed.train_losses) == list(range(6, 10))
+    for step in range(6, 10):
         assert resumed.train_losses[step] == full.train_losses[step], step
-    assert resumed.valid_losses[12] == full.valid_losses[12]
+    assert resumed.valid_losses[10] == full.valid_losses[10]
+    again = [r for r in read_metrics(tmp_path / "b" / "metrics.jsonl") if r["kind"] == "train"]
+    assert [(r["batch_size"], r["consumed_samples"]) for r in again] == [
+        (r["batch_size"], r["consumed_samples"]) for r in records[6:]
+    ]
 
 
 def _signal_after_step(monkeypatch, signum, *, at_step: int, times: int = 1) -> None:
