@@ -63,17 +63,18 @@ def muon(groups, tp_group=None):
     return Muon(groups, lr=0.05, momentum=0.9, weight_decay=0.01, tp_group=tp_group)
 
 
-def reference(dp: int, clip: float) -> list[torch.Tensor]:
+def reference(dp: int, clip: float) -> tuple[list[torch.Tensor], list[float]]:
+    """Parameters after STEPS plain Muon steps, and each step's full-gradient norm."""
     model = GatedMLP()
     opt = muon(model.parameters())
     x, y = data(dp)
+    norms = []
     for s in range(STEPS):
         opt.zero_grad()
         nn.functional.mse_loss(model(x[s]), y[s]).backward()
-        if clip:
-            nn.utils.clip_grad_norm_(model.parameters(), clip)
+        norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), clip if clip else 1e30)))
         opt.step()
-    return [p.detach() for p in model.parameters()]
+    return [p.detach() for p in model.parameters()], norms
 
 
 def _run_layerwise(tp: int, clip: float, overlap: bool):
@@ -89,12 +90,16 @@ def _run_layerwise(tp: int, clip: float, overlap: bool):
     )
     x, y = data(dp)
     local = slice(rank * BATCH, (rank + 1) * BATCH)
+    norms = []
     for s in range(STEPS):
         opt.zero_grad()
         nn.functional.mse_loss(ddp(x[s, local]), y[s, local]).backward()
-        assert opt.step().update_successful
+        result = opt.step()
+        assert result.update_successful
+        norms.append(result.grad_norm)
     opt.finish_param_sync()
-    return [p.detach().clone() for p in model.parameters()], pg.rank("tp"), len(opt.owned)
+    params = [p.detach().clone() for p in model.parameters()]
+    return params, norms, pg.rank("tp"), len(opt.owned)
 
 
 @pytest.mark.multirank
@@ -103,10 +108,12 @@ def _run_layerwise(tp: int, clip: float, overlap: bool):
 )
 def test_layerwise_muon_matches_single_process(tp, world, clip, overlap):
     results = run_on_ranks(_run_layerwise, world, args=(tp, clip, overlap))
-    w1, b1, w2 = reference(world // tp, clip)
+    (w1, b1, w2), ref_norms = reference(world // tp, clip)
     gate, up = w2.split(FF)
     local = FF // tp
-    for params, tp_rank, _ in results:
+    for params, norms, tp_rank, _ in results:
+        # the norm of the full (unsplit, all-data) gradient: TP replicas of w1/b1 counted once
+        assert norms == pytest.approx(ref_norms, rel=1e-5)
         rows = slice(tp_rank * local, (tp_rank + 1) * local)
         torch.testing.assert_close(params[0], w1, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(params[1], b1, rtol=1e-5, atol=1e-6)

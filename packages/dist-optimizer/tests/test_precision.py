@@ -48,6 +48,7 @@ def _run_bf16():
     assert all(mp.master.dtype == torch.float32 for mp in opt.pieces)
     x, y = data(dp)
     local = slice(rank * BATCH, (rank + 1) * BATCH)
+    norms = []
     for s in range(STEPS):
         opt.zero_grad()
         for m in range(ACCUM):
@@ -55,9 +56,9 @@ def _run_bf16():
             with ctx:
                 out = ddp(x[s, m, local].bfloat16()).float()
                 (nn.functional.mse_loss(out, y[s, m, local]) / ACCUM).backward()
-        opt.step()
+        norms.append(opt.step().grad_norm)
     ddp.finish_param_sync()
-    return [p.detach().float().clone() for p in model.parameters()]
+    return [p.detach().float().clone() for p in model.parameters()], norms
 
 
 @pytest.mark.multirank
@@ -67,6 +68,7 @@ def test_bf16_params_with_fp32_masters_match_fp32_master_reference():
     masters = [p.detach().float().clone() for p in model.parameters()]
     opt = adamw(masters)
     x, y = data(2)
+    ref_norms = []
     for s in range(STEPS):
         acc = [torch.zeros_like(m) for m in masters]
         for m in range(ACCUM):
@@ -77,13 +79,17 @@ def test_bf16_params_with_fp32_masters_match_fp32_master_reference():
                 a += p.grad.float()  # each micro-batch's bf16 grad into fp32
         for mst, a in zip(masters, acc):
             mst.grad = a
+        ref_norms.append(float(nn.utils.clip_grad_norm_(masters, 1e30)))
         opt.step()
         with torch.no_grad():
             for p, mst in zip(model.parameters(), masters):
                 p.copy_(mst)
-    for params in results:
+    for params, norms in results:
         for got, want in zip(params, model.parameters()):
             torch.testing.assert_close(got, want.detach().float(), rtol=1e-2, atol=1e-2)
+        # bf16 forward/backward on half the batch per rank vs the whole batch: measured
+        # relative differences <= 6e-4; 3e-3 still fails a 1 % scale error
+        assert norms == pytest.approx(ref_norms, rel=3e-3)
 
 
 def _run_fp16_skip():
