@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from shardwork.dist_checkpoint import ShardedObject, ShardedTensor, load, read_info, save
+from shardwork.dist_checkpoint.cli import main
+from shardwork.dist_checkpoint.testing import example_state
 
 pytest.importorskip("shardwork.parallel_state")
 from shardwork.parallel_state.testing import run_on_ranks
@@ -102,6 +104,15 @@ def _save4(path):
     return result.bytes_per_rank
 
 
+def _save_on_ranks_1_and_3(path):
+    import torch.distributed as dist
+
+    group = dist.new_group([1, 3])
+    if dist.get_rank() in (1, 3):
+        rank = dist.get_rank(group)
+        save(example_state(rank, 2, seed=1), path, group=group)
+
+
 def _rank_world():
     import torch.distributed as dist
 
@@ -179,7 +190,7 @@ def _dist_on():
 
 
 @pytest.mark.multirank
-def test_save_at_4_load_at_1_2_3(tmp_path):
+def test_save_at_4_load_at_1_2_3(tmp_path, capsys):
     path = str(tmp_path / "ckpt")
     bytes_per_rank = run_on_ranks(_save4, 4, args=(path,))[0]
     # replicated tensors are written once, spread over the ranks holding them
@@ -188,6 +199,17 @@ def test_save_at_4_load_at_1_2_3(tmp_path):
     assert max(bytes_per_rank) < total / 2
     info = read_info(path)
     assert info["world_size"] == 4 and info["layout"] == {"tp": 2}
+    assert info["group_ranks"] == [0, 1, 2, 3]
+    assert main(["inspect", path]) == 0
+    out = capsys.readouterr().out
+    assert "world size 4 (global ranks 0-3)" in out and "layout          tp=2" in out
+    # a save by a subgroup records that group's size and global ranks
+    sub = str(tmp_path / "sub")
+    run_on_ranks(_save_on_ranks_1_and_3, 4, args=(sub,))
+    sub_info = read_info(sub)
+    assert sub_info["world_size"] == 2 and sub_info["group_ranks"] == [1, 3]
+    assert main(["inspect", sub]) == 0
+    assert "world size 2 (global ranks 1, 3)" in capsys.readouterr().out
     assert info["keys"]["w2d"]["global_shape"] == [8, 6]
     _check_files_against_plan(path, bytes_per_rank)
 

@@ -2,14 +2,18 @@
 `verify`, by `load` and by the ``shardwork-ckpt`` CLI."""
 
 import json
+import types
+from importlib import metadata as importlib_metadata
 
 import pytest
+import torch
 
 from shardwork.dist_checkpoint import (
     CheckpointCorruptError,
     CheckpointManager,
     load,
     read_info,
+    save,
     verify,
 )
 from shardwork.dist_checkpoint.cli import main
@@ -28,6 +32,9 @@ def test_verify_ok_and_recorded_metadata(ckpt):
     info = read_info(ckpt)
     assert summary["files"] == len(info["files"]) == 2  # one data file + .metadata
     assert info["content_version"] == 2 and info["layout"] == {"tp": 1, "dp": 1}
+    assert info["shardwork_version"] == importlib_metadata.version("shardwork-dist-checkpoint")
+    assert info["torch_version"] == torch.__version__
+    assert info["world_size"] == 1 and info["group_ranks"] == [0]
     assert info["user_metadata"] == {"step": 4}
     assert set(info["timings"]) == {"plan", "stage", "write"}
     assert info["keys"]["moment"] == {
@@ -64,7 +71,11 @@ def test_cli_inspect_and_verify(ckpt, capsys):
     assert "ok: 2 files" in capsys.readouterr().out
     assert main(["inspect", str(ckpt)]) == 0
     out = capsys.readouterr().out
-    assert "layout {'dp': 1, 'tp': 1}" in out and "world size 1" in out
+    assert "saved at        world size 1 (global ranks 0)" in out
+    assert "layout          tp=1 dp=1" in out
+    version = importlib_metadata.version("shardwork-dist-checkpoint")
+    assert f"shardwork       {version}   torch {torch.__version__}" in out
+    assert "content version 2" in out
     assert "matrix" in out and "(8, 6)" in out and "float32" in out
     assert main(["inspect", str(ckpt.parent)]) == 0  # a manager root: lists steps
     out = capsys.readouterr().out
@@ -73,3 +84,45 @@ def test_cli_inspect_and_verify(ckpt, capsys):
     assert json.loads(capsys.readouterr().out)["world_size"] == 1
     (ckpt / "COMMITTED").unlink()
     assert main(["verify", str(ckpt)]) == 2
+
+
+def test_layout_is_read_from_any_object_with_the_parallel_sizes(tmp_path, capsys):
+    state = example_state(0, 1, seed=1)
+    # duck typing: a ProcessGroups-like bundle (sizes on .config), or a config itself
+    bundle = types.SimpleNamespace(
+        config=types.SimpleNamespace(
+            tp=2, pp=2, vpp=None, cp=1, ep=4, etp=1, dp=2, order="tp-cp-ep-dp-pp"
+        ),
+        tp=object(),  # a process group handle: not a size, never read
+    )
+    save(state, tmp_path / "bundle", layout=bundle)
+    expected = {"tp": 2, "pp": 2, "vpp": None, "cp": 1, "ep": 4, "etp": 1, "dp": 2}
+    assert read_info(tmp_path / "bundle")["layout"] == {**expected, "order": "tp-cp-ep-dp-pp"}
+    save(state, tmp_path / "config", layout=types.SimpleNamespace(tp=4, dp=2))
+    assert read_info(tmp_path / "config")["layout"] == {"tp": 4, "dp": 2}
+    # no layout given: still the world size and ranks, and inspect says what is missing
+    save(state, tmp_path / "none")
+    info = read_info(tmp_path / "none")
+    assert info["layout"] is None and info["world_size"] == 1 and info["group_ranks"] == [0]
+    assert main(["inspect", str(tmp_path / "none")]) == 0
+    assert "layout          not recorded" in capsys.readouterr().out
+    # bad layouts are refused before anything is written
+    for bad, match in ((42, "layout=42 is not valid"), ({"tp": object()}, "layout=.*JSON")):
+        with pytest.raises(ValueError, match=match):
+            save(state, tmp_path / "bad", layout=bad)
+        with pytest.raises(ValueError, match=match):
+            CheckpointManager(tmp_path / "bad", layout=bad)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_layout_from_a_real_process_groups_bundle(tmp_path):
+    parallel_state = pytest.importorskip("shardwork.parallel_state")
+    groups = parallel_state.ProcessGroups.single()
+    manager = CheckpointManager(tmp_path, layout=groups)
+    manager.save(1, example_state(0, 1, seed=1))
+    layout = read_info(manager.step_path(1))["layout"]
+    c = groups.config
+    assert layout == {
+        name: getattr(c, name) for name in ("tp", "pp", "vpp", "cp", "ep", "etp", "dp", "order")
+    }
+    assert layout["tp"] == 1 and layout["dp"] == 1

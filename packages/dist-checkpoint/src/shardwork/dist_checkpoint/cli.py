@@ -1,7 +1,7 @@
 """``shardwork-ckpt``: look into and check checkpoints without torch.distributed.
 
-- ``shardwork-ckpt inspect PATH [--json]``: versions, the layout and world size it was saved
-  at, total size, and per key: kind, dtype, global shape, number of chunks. For a
+- ``shardwork-ckpt inspect PATH [--json]``: versions, the layout, world size and global ranks
+  it was saved at, total size, and per key: kind, dtype, global shape, number of chunks. For a
   `CheckpointManager` root it lists the steps (complete or interrupted) and inspects the latest.
 - ``shardwork-ckpt verify PATH``: re-checksums every file; exit status 1 naming the corrupt
   files, 2 if the directory is not a complete checkpoint.
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwork.dist_checkpoint import metadata as md
+from shardwork.dist_checkpoint.layout import LAYOUT_FIELDS
 from shardwork.dist_checkpoint.verify import verify
 
 __all__ = ["main"]
@@ -59,7 +60,8 @@ def _inspect(path: Path, as_json: bool) -> int:
     print(f"format          {info['format']} v{info['format_version']}")
     print(f"shardwork       {info['shardwork_version']}   torch {info['torch_version']}")
     print(f"content version {info.get('content_version')}")
-    print(f"saved at        world size {info['world_size']}, layout {info.get('layout')}")
+    print(f"saved at        world size {info['world_size']}{_ranks(info.get('group_ranks'))}")
+    print(f"layout          {_layout(info.get('layout'))}")
     print(f"size            {_human(total)} in {len(info.get('files', {}))} files")
     if info.get("user_metadata"):
         print(f"metadata        {info['user_metadata']}")
@@ -84,6 +86,24 @@ def _inspect(path: Path, as_json: bool) -> int:
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     return 0
+
+
+def _ranks(ranks: list[int] | None) -> str:
+    """`` (global ranks 0-7)`` for a contiguous range, the list otherwise (first 16)."""
+    if not ranks:
+        return ""
+    if ranks == list(range(ranks[0], ranks[0] + len(ranks))) and len(ranks) > 2:
+        return f" (global ranks {ranks[0]}-{ranks[-1]})"
+    shown = ", ".join(map(str, ranks[:16])) + (", ..." if len(ranks) > 16 else "")
+    return f" (global ranks {shown})"
+
+
+def _layout(layout: dict[str, Any] | None) -> str:
+    if not layout:
+        return "not recorded (pass layout= to save / CheckpointManager)"
+    rank = {name: i for i, name in enumerate(LAYOUT_FIELDS)}
+    keys = sorted(layout, key=lambda k: (rank.get(k, len(rank)), k))
+    return " ".join(f"{k}={layout[k]}" for k in keys)
 
 
 def _itemsize(dtype: str) -> int:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from shardwork.dist_checkpoint import metadata as md
 from shardwork.dist_checkpoint.comm import all_gather_object, broadcast_object, resolve_group
+from shardwork.dist_checkpoint.layout import describe_layout
 from shardwork.dist_checkpoint.load import load
 from shardwork.dist_checkpoint.save import AsyncSave, SaveResult, StagingBuffers, save
 from shardwork.dist_checkpoint.tree import Path as TreePath
@@ -57,7 +58,9 @@ class CheckpointManager:
         async_save: default for `save`.
         thread_count: writer threads (and data files) per rank at save; files read
             concurrently per rank at load.
-        layout, content_version: recorded with every checkpoint.
+        layout, content_version: recorded with every checkpoint (``layout``: a mapping, or
+            an object with the parallel sizes such as the ``ProcessGroups`` bundle; the
+            group's size and global ranks are recorded in any case).
         sync_files: fsync data files (keep True for crash safety).
         reuse_staging_buffers: keep the async staging buffers between saves (staging is then
             a copy into memory already allocated/pinned; costs a host copy of the rank's
@@ -73,7 +76,7 @@ class CheckpointManager:
         keep_every: int | None = None,
         async_save: bool = False,
         thread_count: int = 1,
-        layout: Mapping[str, Any] | None = None,
+        layout: Any = None,
         content_version: int | str | None = None,
         sync_files: bool = True,
         reuse_staging_buffers: bool = True,
@@ -89,7 +92,7 @@ class CheckpointManager:
         self.keep_every = keep_every
         self.async_save = async_save
         self.thread_count = thread_count
-        self.layout = dict(layout) if layout is not None else None
+        self.layout = describe_layout(layout)
         self.content_version = content_version
         self.sync_files = sync_files
         self._g = resolve_group(group)

@@ -3,7 +3,8 @@
 A checkpoint directory holds DCP's files (``__<rank>_<n>.distcp`` data, ``.metadata``) plus:
 
 - ``shardwork.json``: format version, shardwork and torch versions, the caller's content
-  version and layout, the world size, every key's kind/dtype/global shape/paths, per-file size
+  version and layout (`layout.describe_layout`), the group's size (``world_size``) and global
+  ranks (``group_ranks``), every key's kind/dtype/global shape/paths, per-file size
   and CRC-32, bytes written per rank and per-phase timings;
 - ``COMMITTED``: written last (write to a temporary name, fsync, rename, fsync the directory).
   A directory is a complete checkpoint if and only if this marker exists, so a save killed at

@@ -64,6 +64,7 @@ from shardwork.dist_checkpoint.inflight import (
     in_flight_here,
     mark_in_flight,
 )
+from shardwork.dist_checkpoint.layout import describe_layout, group_ranks
 from shardwork.dist_checkpoint.plan import (
     COMMON_KEY,
     GlobalPlan,
@@ -362,7 +363,7 @@ def save(
     thread_count: int = 1,
     async_group: Any = None,
     content_version: int | str | None = None,
-    layout: Mapping[str, Any] | None = None,
+    layout: Any = None,
     metadata: Mapping[str, Any] | None = None,
     overwrite: bool = False,
     sync_files: bool = True,
@@ -382,8 +383,10 @@ def save(
         async_group: a gloo group over the same ranks for the background collectives; when
             None one is created (``new_group``, local synchronisation) and destroyed at
             finalize. `CheckpointManager` creates one and reuses it.
-        content_version, layout, metadata: recorded in ``shardwork.json`` (``layout``: the
-            parallel layout the state was saved at, e.g. ``{"tp": 2, "pp": 2, "dp": 2}``).
+        content_version, layout, metadata: recorded in ``shardwork.json``. ``layout`` is the
+            parallel layout the state was saved at: a mapping (``{"tp": 2, "pp": 2}``) or any
+            object with the sizes as attributes, e.g. the ``ProcessGroups`` bundle (see
+            `layout.describe_layout`). The group's size and global ranks are always recorded.
         overwrite: allow replacing a committed checkpoint at ``path``.
         sync_files: fsync data files (needed for crash safety; off only for benchmarks).
         staging_buffers: reuse these host buffers for async staging; refused while an
@@ -404,6 +407,7 @@ def save(
         raise ValueError(
             f"previous={previous!r} is not valid; valid: None or the AsyncSave of an earlier save"
         )
+    layout_record = describe_layout(layout)
     path = Path(path)
     g = resolve_group(group)
     if previous is not None and not previous.finalized:
@@ -431,9 +435,10 @@ def save(
 
     info = {
         "content_version": content_version,
-        "layout": dict(layout) if layout is not None else None,
+        "layout": layout_record,
         "user_metadata": dict(metadata) if metadata is not None else None,
         "world_size": g.size,
+        "group_ranks": group_ranks(g),
         "thread_count": thread_count,
         "keys": plan.catalogue,
         "plain_paths": plan.plain_paths,
