@@ -53,31 +53,37 @@ class StagingBuffers:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The host buffers currently kept (to inspect: size, pinning)."""
+        return list(self._buffers.values())
+
 
 def stage(
     data: dict[tuple[str, Any], Any], buffers: StagingBuffers | None
 ) -> dict[tuple[str, Any], Any]:
     """Host copies of tensors (pinned when on CUDA) and serialised objects."""
     staged: dict[tuple[str, Any], Any] = {}
-    pending_cuda = False
+    cuda_devices: set[torch.device] = set()
     for key, value in data.items():
         if isinstance(value, torch.Tensor):
             value = value.detach()
             if buffers is not None:
                 host = buffers.get(key, value)
                 host.copy_(value, non_blocking=value.is_cuda)
-                pending_cuda |= value.is_cuda
             elif value.is_cuda:
                 host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
                 host.copy_(value, non_blocking=True)
-                pending_cuda = True
             else:
                 host = value.clone(memory_format=torch.contiguous_format)
+            if value.is_cuda:
+                cuda_devices.add(value.device)
             staged[key] = host
         else:
             buffer = io.BytesIO()
             torch.save(value, buffer)
             staged[key] = buffer.getvalue()
-    if pending_cuda:
-        torch.cuda.synchronize()
+    # the copies are queued on each device's current stream: wait for all of them before the
+    # caller may modify its tensors and the writer thread reads the host copies
+    for device in cuda_devices:
+        torch.cuda.synchronize(device)
     return staged
