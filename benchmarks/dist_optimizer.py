@@ -5,27 +5,47 @@
     after one step (what the optimizer actually allocated), against the ZeRO-1 formula
     ``12Ψ/DP`` (fp32 master + two fp32 moments). The same comparison from the layout alone
     (no processes) for a Llama-2-7B-shaped parameter list, where bucket padding is visible.
-(b) speed: one training step (forward, backward, step) of an fp32 MLP at DP=4 on gloo with
-    gradient reduce-scatter overlapped with backward and parameter all-gather overlapped with
-    the next forward, against the same run with both serial, and against a compute-only run
-    (no data-parallel group) to estimate the communication time and how much of it is hidden.
-    On this 2-core machine gloo shares the cores with compute, so there is no goal on CPU.
-(c) GPU (≥ 80 % of communication hidden): not measured unless a GPU is present.
+(b) speed on CPU, gloo, DP=4: an MLP whose parameters are large against its compute (small
+    batch), so communication is a measurable part of a step. Four kinds of iteration, each on
+    the same DDP buckets, interleaved in rounds (the order rotates per round):
+    - comm-only: the step's collectives alone — every bucket's gradient reduce-scatter, then
+      every bucket's parameter all-gather — with no forward, backward or optimizer work;
+    - compute-only: forward, backward, the norm statistics and the local AdamW step on this
+      rank's 1/DP shard, with no collective at all;
+    - serial: a full step, reduce-scatter after backward, all-gather after the update;
+    - overlapped: a full step with the reduce-scatter overlapped with backward and the
+      all-gather with the next forward.
+    An iteration's time is the slowest rank's; per round the median over iterations; per
+    kind the median over rounds. Headline: overlapped/serial as the ratio of those medians,
+    with the per-round ratios listed; hidden fraction = (serial - overlapped) / comm-only.
+    4 ranks share 2 cores here (gloo's threads compete with compute), so there is no goal on CPU.
+(c) the same four kinds on GPUs: one process per CUDA device (``torch.multiprocessing.spawn``,
+    NCCL, FileStore rendezvous, at least 2 devices), bf16 parameters with fp32 gradient
+    reduction, timed with CUDA events on the compute stream. Goal: hidden fraction >= 0.8.
+    Without (enough) CUDA devices the JSON says why the part was not run (found at run time).
 
-Prints tables and writes ``benchmarks/results/dist_optimizer.json`` and ``.md``.
-Usage: ``uv run python benchmarks/dist_optimizer.py [--width 1024 --layers 8 --iters 6]``.
+Prints tables and writes ``dist_optimizer.json`` and ``.md`` to ``--results-dir``
+(default ``benchmarks/results``).
+Usage: ``uv run python benchmarks/dist_optimizer.py [--device auto|cpu|cuda]``; a smoke run:
+``--mem-width 16 --mem-layers 2 --width 64 --layers 2 --iters 2 --rounds 1 --results-dir /tmp/x``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
+import tempfile
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as torch_mp
 from torch import nn
 
 from shardwork.dist_optimizer import (
@@ -127,139 +147,322 @@ def memory_layout() -> list[dict]:
     return rows
 
 
-def _speed_rank(width: int, layers: int, iters: int, mode: str, bucket: int) -> list[float]:
-    pg = init_process_groups(ParallelConfig())
-    overlap = mode == "overlap"
-    model = mlp(width, layers, torch.float32)
-    cfg = DDPConfig(use_distributed_optimizer=True, bucket_size=bucket, overlap_grad_reduce=overlap)
-    if mode == "compute_only":
-        ddp = DistributedDataParallel(model, config=cfg)  # no group: nothing to communicate
-        opt = DistributedOptimizer(ddp, lambda g: torch.optim.AdamW(g, lr=1e-4))
+KINDS = ("comm_only", "compute_only", "serial", "overlap")
+
+
+@dataclass(frozen=True)
+class SpeedCase:
+    """Model and schedule of one speed measurement (b or c)."""
+
+    width: int
+    layers: int
+    batch: int
+    bucket: int
+    iters: int
+    rounds: int
+    dtype: str  # "float32" | "bfloat16"
+
+    @property
+    def params(self) -> int:
+        return self.layers * (self.width * self.width + self.width)
+
+
+class Clock:
+    """Per-iteration wall time: ``perf_counter`` on CPU, CUDA events on the current stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals(self) -> list[float]:
+        """Seconds between consecutive pairs of marks (start, end, start, end, ...)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            pairs = zip(self.marks[::2], self.marks[1::2])
+            return [a.elapsed_time(b) / 1e3 for a, b in pairs]
+        return [b - a for a, b in zip(self.marks[::2], self.marks[1::2])]
+
+
+def _build(case: SpeedCase, pg: Any, device: torch.device, overlap: bool):
+    model = mlp(case.width, case.layers, getattr(torch, case.dtype)).to(device)
+    cfg = DDPConfig(
+        use_distributed_optimizer=True, bucket_size=case.bucket, overlap_grad_reduce=overlap
+    )
+    ddp = DistributedDataParallel(model, config=cfg, process_groups=pg)
+    opt = DistributedOptimizer(
+        ddp,
+        lambda g: torch.optim.AdamW(g, lr=1e-5),
+        config=OptimizerConfig(overlap_param_gather=overlap),
+        process_groups=pg,
+    )
+    return ddp, opt
+
+
+def _iteration(kind: str, runs: dict, x: torch.Tensor) -> None:
+    ddp, opt = runs["overlap" if kind == "overlap" else "serial"]
+    if kind == "comm_only":  # the serial step's collectives, on the same buckets
+        ddp.zero_grad_buffer()
+        ddp.finish_grad_sync()
+        ddp.start_param_sync(overlap=False)
+        return
+    opt.zero_grad()
+    ddp(x).float().square().mean().backward()
+    if kind == "compute_only":  # the step's local work without any collective
+        opt.local_grad_stats().cpu()
+        opt.step_local()
     else:
-        ddp = DistributedDataParallel(model, config=cfg, process_groups=pg)
-        opt = DistributedOptimizer(
-            ddp,
-            lambda g: torch.optim.AdamW(g, lr=1e-4),
-            config=OptimizerConfig(overlap_param_gather=overlap),
-            process_groups=pg,
-        )
-    x = torch.randn(16, width)
-    times = []
-    for _ in range(iters + 2):
-        start = time.perf_counter()
-        opt.zero_grad()
-        ddp(x).square().mean().backward()
         opt.step()
-        times.append(time.perf_counter() - start)
-    ddp.finish_param_sync()
-    return times[2:]
 
 
-def speed(width: int, layers: int, iters: int, bucket: int, rounds: int) -> dict:
-    """Interleaved rounds of serial and overlapped runs (the machine is shared: noisy)."""
-    samples: dict[str, list[float]] = {"serial": [], "overlap": [], "compute_only": []}
-    for r in range(rounds):
-        modes = ("serial", "overlap") if r % 2 == 0 else ("overlap", "serial")
-        for mode in (*modes, "compute_only") if r == 0 else modes:
-            per_rank = run_on_ranks(
-                _speed_rank, 4, args=(width, layers, iters, mode, bucket), timeout=600
-            )
-            samples[mode].append(statistics.median(max(ts) for ts in zip(*per_rank)))
-    t = {k: statistics.median(v) for k, v in samples.items()}
-    comm = t["serial"] - t["compute_only"]
-    ratios = [o / s for o, s in zip(samples["overlap"], samples["serial"])]
+def _speed_rank(case: SpeedCase, device_type: str, pg: Any = None) -> dict[str, list[list[float]]]:
+    """On one rank: ``rounds`` x every kind, ``iters`` timed iterations each after one warm-up;
+    returns ``{kind: [[seconds per iteration] per round]}``."""
+    if pg is None:
+        pg = init_process_groups(ParallelConfig())
+    device = (
+        torch.device(device_type, torch.cuda.current_device())
+        if device_type == "cuda"
+        else torch.device("cpu")
+    )
+    runs = {"serial": _build(case, pg, device, False), "overlap": _build(case, pg, device, True)}
+    gen = torch.Generator().manual_seed(pg.rank("dp"))
+    x = torch.randn(case.batch, case.width, generator=gen).to(device, getattr(torch, case.dtype))
+    out: dict[str, list[list[float]]] = {k: [] for k in KINDS}
+    for r in range(case.rounds):
+        for kind in KINDS[r % len(KINDS) :] + KINDS[: r % len(KINDS)]:
+            clock = Clock(device)
+            _iteration(kind, runs, x)  # warm-up (and, overlapped, gathers left pending)
+            for _ in range(case.iters):
+                clock.mark()
+                _iteration(kind, runs, x)
+                clock.mark()
+            runs["overlap"][0].finish_param_sync()
+            out[kind].append(clock.intervals())
+    return out
+
+
+def summarise(per_rank: list[dict[str, list[list[float]]]], case: SpeedCase, dp: int) -> dict:
+    """Slowest rank per iteration, median per round, median over rounds, ratios."""
+    rounds: dict[str, list[float]] = {}
+    for kind in KINDS:
+        rounds[kind] = [
+            statistics.median(max(ts) for ts in zip(*(rank[kind][r] for rank in per_rank)))
+            for r in range(case.rounds)
+        ]
+    median = {k: statistics.median(v) for k, v in rounds.items()}
+    comm = median["comm_only"]
     return {
-        "dp": 4,
-        "width": width,
-        "layers": layers,
-        "params": layers * (width * width + width),
-        "bucket_size": bucket,
-        "samples_s": samples,
-        "step_s": t,
-        "overlap_over_serial_per_round": ratios,
-        "overlap_over_serial": statistics.median(ratios),
-        "estimated_comm_s": comm,
-        # None when the serial run is not measurably slower than compute alone (noise)
-        "hidden_fraction": (t["serial"] - t["overlap"]) / comm if comm > 0 else None,
+        "dp": dp,
+        **asdict(case),
+        "params": case.params,
+        "round_medians_s": rounds,
+        "median_s": median,
+        "overlap_over_serial": median["overlap"] / median["serial"],
+        "overlap_over_serial_per_round": [
+            o / s for o, s in zip(rounds["overlap"], rounds["serial"])
+        ],
+        "hidden_fraction": (median["serial"] - median["overlap"]) / comm if comm > 0 else None,
+        "serial_minus_compute_over_comm": (median["serial"] - median["compute_only"]) / comm
+        if comm > 0
+        else None,
     }
+
+
+def speed_cpu(case: SpeedCase, dp: int = 4) -> dict:
+    per_rank = run_on_ranks(_speed_rank, dp, args=(case, "cpu"), timeout=3600)
+    return summarise(per_rank, case, dp)
+
+
+def _spawned_rank(rank: int, world: int, store_path: str, device_type: str, case, out_dir: str):
+    """One process of a spawned run: its own device, the rendezvous, the measurement."""
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+    store = dist.FileStore(store_path, world)
+    pg = init_process_groups(
+        ParallelConfig(),
+        backend="nccl" if device_type == "cuda" else "gloo",
+        store=store,
+        rank=rank,
+        world_size=world,
+    )
+    try:
+        result = _speed_rank(case, device_type, pg)
+        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_spawned(case: SpeedCase, device_type: str, world: int) -> list[dict]:
+    """Spawn ``world`` processes (one per CUDA device for ``cuda``) and collect their times."""
+    with tempfile.TemporaryDirectory() as tmp:
+        store = str(Path(tmp) / "store")
+        torch_mp.spawn(
+            _spawned_rank, args=(world, store, device_type, case, tmp), nprocs=world, join=True
+        )
+        return [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def gpu_unavailable_reason() -> str | None:
+    """Why part (c) cannot run here (None when it can), found at run time."""
+    if not torch.cuda.is_available():
+        return "not run: no CUDA device present (torch.cuda.is_available() is False)"
+    n = torch.cuda.device_count()
+    if n < 2:
+        return f"not run: a data-parallel group needs >= 2 CUDA devices; found {n}"
+    return None
+
+
+def speed_gpu(case: SpeedCase) -> dict:
+    world = torch.cuda.device_count()
+    result = summarise(run_spawned(case, "cuda", world), case, world)
+    version = torch.cuda.nccl.version()
+    frac = result["hidden_fraction"]
+    result.update(
+        device=torch.cuda.get_device_name(0),
+        nccl=".".join(map(str, version)) if isinstance(version, tuple) else str(version),
+        goal_hidden_fraction=0.8,
+        goal_met=None if frac is None else frac >= 0.8,
+    )
+    return result
+
+
+def speed_table(t: dict) -> list[str]:
+    m = t["median_s"]
+    frac = t["hidden_fraction"]
+    hidden = "n/a (comm-only not measurable)" if frac is None else f"{100 * frac:.0f} %"
+    return [
+        "| comm-only s | compute-only s | serial s | overlapped s | overlapped/serial | hidden |",
+        "|---|---|---|---|---|---|",
+        f"| {m['comm_only']:.4f} | {m['compute_only']:.4f} | {m['serial']:.4f} "
+        f"| {m['overlap']:.4f} | {t['overlap_over_serial']:.3f} | {hidden} |",
+        "",
+        "overlapped/serial per round: "
+        + ", ".join(f"{r:.3f}" for r in t["overlap_over_serial_per_round"])
+        + " (headline: ratio of the medians over rounds).",
+        f"(serial - compute-only) / comm-only = {t['serial_minus_compute_over_comm']:.2f}"
+        if t["serial_minus_compute_over_comm"] is not None
+        else "",
+    ]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="cpu: parts (a) and (b); cuda: part (c) only; auto: (a), (b) and (c) when possible",
+    )
     ap.add_argument("--mem-width", type=int, default=500)
     ap.add_argument("--mem-layers", type=int, default=6)
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--iters", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--bucket", type=int, default=1_000_000)
+    ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--gpu-width", type=int, default=4096)
+    ap.add_argument("--gpu-layers", type=int, default=16)
+    ap.add_argument("--gpu-batch", type=int, default=8192)
+    ap.add_argument("--gpu-bucket", type=int, default=40_000_000)
+    ap.add_argument("--gpu-iters", type=int, default=10)
+    ap.add_argument("--gpu-rounds", type=int, default=3)
+    ap.add_argument("--results-dir", type=Path, default=RESULTS)
     args = ap.parse_args()
+    gpu_reason = gpu_unavailable_reason()
+    if args.device == "cuda" and gpu_reason is not None:
+        raise SystemExit(f"--device cuda: {gpu_reason.removeprefix('not run: ')}")
+    if args.device == "cpu" and gpu_reason is None:
+        gpu_reason = "not run: --device cpu"
+    cpu_case = SpeedCase(
+        args.width, args.layers, args.batch, args.bucket, args.iters, args.rounds, "float32"
+    )
+    gpu_case = SpeedCase(
+        args.gpu_width,
+        args.gpu_layers,
+        args.gpu_batch,
+        args.gpu_bucket,
+        args.gpu_iters,
+        args.gpu_rounds,
+        "bfloat16",
+    )
+    measured = layout = timing = None
     try:
-        measured = memory_measured(args.mem_width, args.mem_layers)
-        layout = memory_layout()
-        timing = speed(args.width, args.layers, args.iters, args.bucket, args.rounds)
+        if args.device != "cuda":
+            measured = memory_measured(args.mem_width, args.mem_layers)
+            layout = memory_layout()
+            timing = speed_cpu(cpu_case)
     finally:
         shutdown_pool()
+    gpu = speed_gpu(gpu_case) if gpu_reason is None else {"run": False, "reason": gpu_reason}
     result = {
-        "machine": {"platform": platform.platform(), "cpus": __import__("os").cpu_count()},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "torch": torch.__version__,
         "memory_measured_bf16_adamw": measured,
         "memory_layout_llama2_7b": layout,
         "speed_cpu_gloo": timing,
-        "gpu": "not yet measured (no GPU in this session)",
+        "gpu": gpu,
     }
-    lines = [
-        "# dist_optimizer benchmark",
-        "",
-        "## (a) ZeRO-1 bytes per rank (bf16 params, AdamW), measured",
-        "",
-    ]
-    lines += [
-        "| DP | Ψ | max bytes/rank | 12Ψ/DP | padding bytes/rank | excess % |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in measured:
-        lines.append(
-            f"| {r['dp']} | {r['psi']:,} | {r['max_bytes_per_rank']:,} | {r['formula_12psi_over_dp']:,.0f} "
-            f"| {r['padding_bytes_per_rank']:,.0f} | {r['excess_over_formula_pct']:.4f} |"
-        )
-    lines += ["", "## (a') same from the layout, Llama-2-7B shapes (40 M-element buckets)", ""]
-    lines += [
-        "| DP | Ψ | bytes/rank incl. padding | 12Ψ/DP | excess % | buckets |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in layout:
-        lines.append(
-            f"| {r['dp']} | {r['psi']:,} | {r['bytes_per_rank_incl_padding']:,.0f} "
-            f"| {r['formula_12psi_over_dp']:,.0f} | {r['excess_over_formula_pct']:.5f} | {r['num_buckets']} |"
-        )
-    t = timing
-    frac = t["hidden_fraction"]
-    hidden = "n/a (comm below noise)" if frac is None else f"{100 * frac:.0f} %"
-    lines += [
-        "",
-        f"## (b) step time at DP=4, CPU gloo, {t['params']:,}-param fp32 MLP, bucket {t['bucket_size']:,}",
-        "",
-        "| serial s | overlapped s | compute-only s | overlapped/serial | est. comm s | hidden |",
-        "|---|---|---|---|---|---|",
-        f"| {t['step_s']['serial']:.4f} | {t['step_s']['overlap']:.4f} | {t['step_s']['compute_only']:.4f} "
-        f"| {t['overlap_over_serial']:.3f} | {t['estimated_comm_s']:.4f} | {hidden} |",
-        "",
-        "overlapped/serial per round: "
-        + ", ".join(f"{r:.3f}" for r in t["overlap_over_serial_per_round"]),
-        "(median shown above; medians of the step times per mode).",
-        "",
-        "4 ranks share 2 cores here, so a rank waiting in a collective frees a core for",
-        "another's compute: the compute-only run is not a clean lower bound and the hidden",
-        "fraction is only an estimate (n/a when compute-only is not faster than serial).",
-        "",
-        "## (c) GPU: not yet measured (no GPU in this session)",
-    ]
+    lines = ["# dist_optimizer benchmark", ""]
+    if measured is not None:
+        lines += ["## (a) ZeRO-1 bytes per rank (bf16 params, AdamW), measured", ""]
+        lines += [
+            "| DP | Ψ | max bytes/rank | 12Ψ/DP | padding bytes/rank | excess % |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in measured:
+            lines.append(
+                f"| {r['dp']} | {r['psi']:,} | {r['max_bytes_per_rank']:,} "
+                f"| {r['formula_12psi_over_dp']:,.0f} | {r['padding_bytes_per_rank']:,.0f} "
+                f"| {r['excess_over_formula_pct']:.4f} |"
+            )
+        lines += ["", "## (a') same from the layout, Llama-2-7B shapes (40 M-element buckets)", ""]
+        lines += [
+            "| DP | Ψ | bytes/rank incl. padding | 12Ψ/DP | excess % | buckets |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in layout:
+            lines.append(
+                f"| {r['dp']} | {r['psi']:,} | {r['bytes_per_rank_incl_padding']:,.0f} "
+                f"| {r['formula_12psi_over_dp']:,.0f} | {r['excess_over_formula_pct']:.5f} "
+                f"| {r['num_buckets']} |"
+            )
+    if timing is not None:
+        t = timing
+        lines += [
+            "",
+            f"## (b) step time at DP={t['dp']}, CPU gloo, {t['params']:,}-param fp32 MLP, "
+            f"batch {t['batch']}, bucket {t['bucket']:,}",
+            "",
+            *speed_table(t),
+            "",
+            "4 ranks share 2 cores here: a rank waiting in a collective frees a core for",
+            "another's compute, and gloo's threads compete with compute, so the hidden fraction",
+            "is an estimate on this machine (no goal on CPU).",
+        ]
+    lines += ["", "## (c) GPU (goal: >= 80 % of communication hidden)", ""]
+    if gpu.get("run") is False:
+        lines.append(gpu["reason"])
+    else:
+        lines += [
+            f"{gpu['device']} x {gpu['dp']}, NCCL {gpu['nccl']}, {gpu['params']:,}-param bf16 "
+            f"MLP, batch {gpu['batch']}, bucket {gpu['bucket']:,}; goal met: {gpu['goal_met']}",
+            "",
+            *speed_table(gpu),
+        ]
     text = "\n".join(lines)
     print(text)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "dist_optimizer.json").write_text(json.dumps(result, indent=2))
-    (RESULTS / "dist_optimizer.md").write_text(text + "\n")
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    (args.results_dir / "dist_optimizer.json").write_text(json.dumps(result, indent=2))
+    (args.results_dir / "dist_optimizer.md").write_text(text + "\n")
 
 
 if __name__ == "__main__":
