@@ -133,6 +133,21 @@ def test_dp_replica_check():
         assert "chunk0.bias" in message and "weight" not in message
 
 
+def _eval_count_from_first_stage(counts):
+    from shardwork.parallel_state import ParallelConfig, init_process_groups
+    from shardwork.trainer.run.setup import Runtime
+    from shardwork.trainer.run.trainer import _eval_micro_batches_of_first_stage
+
+    groups = init_process_groups(ParallelConfig(pp=2))
+    runtime = Runtime(groups, torch.device("cpu"), dist.get_rank(), 2, owns_distributed=False)
+    return _eval_micro_batches_of_first_stage(counts[groups.rank("pp")], runtime)
+
+
+def test_stages_take_the_first_stages_evaluation_length():
+    # a stage without the data (here: the last one, given 0) gets the first stage's count
+    assert run_on_ranks(_eval_count_from_first_stage, 2, args=([5, 0],)) == [5, 5]
+
+
 def _train_with_replica_check(run_dir, cache, perturb: bool):
     """4 steps at dp=2 with reliability.check_dp_params_interval=2. With ``perturb``, rank 1
     adds 1e-6 to one parameter after step index 1 (after ZeRO's all-gather made the replicas

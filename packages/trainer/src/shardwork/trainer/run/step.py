@@ -4,8 +4,8 @@
   pipelining, 1F1B, or interleaved 1F1B; it calls :func:`forward_step` once
   per micro-batch and chunk.
 - Only the first pipeline stage reads input ids (and the last, for models
-  with multi-token prediction) and only the last reads labels; middle stages read nothing (their micro-batch iterator yields
-  empty dicts). With vpp chunks each chunk gets its own iterator over the
+  with multi-token prediction) and only the last reads labels; middle stages read nothing (their
+  micro-batch iterator yields empty dicts and they are given no dataset). With vpp chunks each chunk gets its own iterator over the
   same micro-batches.
 - Loss: the model returns ``(loss_sum, num_tokens)``; backward starts from
   the sum (times the fp16 loss scale), ``finalize_model_grads`` finishes the

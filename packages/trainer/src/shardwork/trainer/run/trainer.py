@@ -99,6 +99,46 @@ def _baseline(components, runtime) -> float | None:
     return bigram_entropy(np.concatenate(parts))
 
 
+def reads_data(groups) -> bool:
+    """Whether this rank reads samples: the first pipeline stage (input ids) and the last
+    (labels; and input ids for multi-token prediction). Middle stages only receive
+    activations, so they never open the dataset files."""
+    return groups.is_first_pp_stage or groups.is_last_pp_stage
+
+
+def _datasets(config: TrainConfig, groups):
+    """``(components by split, train set, valid set, evaluation micro-batches per dp rank)``;
+    empty / None / 0 on a rank that does not :func:`reads_data`."""
+    if not reads_data(groups):
+        return {"train": [], "valid": [], "test": []}, None, None, 0
+    comps = split_components(config.data)
+    seq = config.data.seq_length
+    train_set = build_blend(
+        comps["train"],
+        size=_train_samples(config),
+        seq_length=seq,
+        seed=config.seed,
+        shuffle=config.data.shuffle,
+    )
+    dp, mbs = groups.size("dp"), config.schedule.micro_batch_size
+    eval_samples = None if config.eval.steps is None else config.eval.steps * mbs * dp
+    valid_set = build_eval_set(comps["valid"], seq_length=seq, num_samples=eval_samples)
+    eval_micro = 0 if valid_set is None else max(1, len(valid_set) // (mbs * dp))
+    return comps, train_set, valid_set, eval_micro
+
+
+def _eval_micro_batches_of_first_stage(count: int, runtime) -> int:
+    """The first stage's evaluation micro-batch count on every pipeline stage (one broadcast
+    over the pp group at start-up): middle stages run the same schedule without the data
+    it is derived from (the validation set's size)."""
+    groups = runtime.groups
+    if groups.size("pp") == 1:
+        return count
+    value = torch.tensor([count], dtype=torch.int64, device=runtime.device)
+    dist.broadcast(value, src=groups.members["pp"][0], group=groups.pp)
+    return int(value.item())
+
+
 class Trainer:
     """One training run for a resolved, validated :class:`TrainConfig`."""
 
@@ -128,19 +168,9 @@ class Trainer:
         run_dir = Path(config.logging.run_dir)
         seed_everything(derived_seed(config.seed, 0, rank_role(groups)), runtime.device)
 
-        comps = split_components(config.data)
         seq = config.data.seq_length
-        train_set = build_blend(
-            comps["train"],
-            size=_train_samples(config),
-            seq_length=seq,
-            seed=config.seed,
-            shuffle=config.data.shuffle,
-        )
-        dp, mbs = groups.size("dp"), config.schedule.micro_batch_size
-        eval_samples = None if config.eval.steps is None else config.eval.steps * mbs * dp
-        valid_set = build_eval_set(comps["valid"], seq_length=seq, num_samples=eval_samples)
-        eval_micro = 0 if valid_set is None else max(1, len(valid_set) // (mbs * dp))
+        comps, train_set, valid_set, eval_micro = _datasets(config, groups)
+        eval_micro = _eval_micro_batches_of_first_stage(eval_micro, runtime)
 
         assembly = build_assembly(config, runtime)
         writer = None
@@ -298,7 +328,7 @@ class Trainer:
                     and step % r.check_dp_params_interval == 0
                 ):
                     check_dp_replicas(assembly.modules, groups, step=step)
-                evaluate_now = valid_set is not None and (
+                evaluate_now = eval_micro > 0 and (
                     (config.eval.interval is not None and step % config.eval.interval == 0)
                     or (step == s.train_steps and config.eval.at_end)
                 )
