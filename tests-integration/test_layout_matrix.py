@@ -18,6 +18,18 @@
   per-layer expert load and load imbalance (routed-token counts reduced over the token groups
   of that step) — is compared with the world-1 record of the same step and the same
   micro-batches, as is the final validation loss.
+- Statistics that are per rank by definition (:data:`STATS_CELLS`): MoE models with
+  load-balancing losses (micro-batch, per-sequence or global), z-loss and token dropping
+  (capacity factor 1) trained 20 steps at TP=2+SP, EP=2 and DP=2, each compared with a
+  world-1 run that computes them over the cell's per-rank token groups (:class:`TokenGroups`):
+  its routers drop tokens at the capacity of each rank's share (:func:`_capacity_per_rank`),
+  and for the global loss its micro-batch holds the data-parallel ranks' micro-batches. The
+  aux losses over TP×CP shares need no emulation: the router sums their token counts over
+  the ranks that share a micro-batch. Dropping keeps the earliest tokens
+  (``token_drop_policy = "position"``): with ``"probs"`` an expert's capacity boundary often
+  falls between tokens of exactly equal probability (tokens with identical contexts; 4 such
+  ties in the first step here), and which one ``torch.topk`` keeps depends on the rest of
+  the column and on last-bit rounding, not on the tokens.
 - One pool of rank processes runs the cells: ``run_on_ranks`` keeps its processes between
   calls and a cell of N ranks runs on the pool's first N (a fresh default process group of
   size N each time), so no cell starts a process. Each cell returns its ranks' pids and
@@ -25,12 +37,13 @@
   worker has its own pool: cells take a lock shared by the workers (one cell at a time), and
   ``xdist_group`` keeps them on one worker when pytest runs with ``--dist loadgroup``.
 - Cells with 8 ranks and the costlier 4-rank cells are marked ``slow``; the default run
-  covers the other 11 cells (and the fp32 cell).
+  covers the other 11 cells, the fp32 cell and the TP=2+SP per-rank-statistics cell.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import io
 import json
@@ -56,6 +69,32 @@ MODELS = {
     # 4 layers so pp=2 x vpp=2 has one layer per virtual stage
     "dense": {"num_layers": 4},
     "moe": {"preset": "tiny-mixtral-8x7b", "num_layers": 4},
+    # per-rank statistics on: micro-batch and per-sequence load-balancing losses, z-loss and
+    # token dropping at capacity factor 1 (each expert keeps at most its balanced share)
+    "moe-aux": {
+        "preset": "tiny-mixtral-8x7b",
+        "num_layers": 4,
+        "overrides": {
+            "moe.load_balancing_type": ["aux_loss", "seq_aux_loss"],
+            "moe.aux_loss_coeff": [1e-2, 1e-2],
+            "moe.z_loss_coeff": 1e-3,
+            "moe.capacity_factor": 1.0,
+            "moe.token_drop_policy": "position",
+        },
+    },
+    # the global load-balancing loss (token counts over the data-parallel ranks and the
+    # micro-batches so far), z-loss and token dropping
+    "moe-gaux": {
+        "preset": "tiny-mixtral-8x7b",
+        "num_layers": 4,
+        "overrides": {
+            "moe.load_balancing_type": "global_aux_loss",
+            "moe.aux_loss_coeff": 1e-2,
+            "moe.z_loss_coeff": 1e-3,
+            "moe.capacity_factor": 1.0,
+            "moe.token_drop_policy": "position",
+        },
+    },
 }
 
 CELL_TIMEOUT = 420
@@ -86,28 +125,93 @@ CELLS = [
 FP32_CELL = ("tp2-ep2-pp2", 4, {"tp": 2, "ep": 2, "etp": 1, "pp": 2}, "moe")
 """The fp32 cell: TP, EP and PP at once, 3 steps at rtol 1e-4."""
 
+
+@dataclasses.dataclass(frozen=True)
+class TokenGroups:
+    """How the world-1 reference of a cell reproduces the token groups of the cell's ranks.
+
+    ``seq_shards``: each rank routes 1/seq_shards of a micro-batch's positions (sequence
+    parallelism: TP rank r holds positions [r·s/tp, (r+1)·s/tp) of every sequence), so it
+    drops tokens at the capacity of that share. ``batch_shards``: a statistic is reduced over
+    this many data-parallel ranks per micro-batch (the global load-balancing loss), so the
+    reference's micro-batch holds those ranks' micro-batches side by side — micro-batch i of
+    DP rank d is the trainer's sequences ``(i·dp + d)·mbs ...``, the reference's micro-batch i
+    those of all d — and inside it each rank's sequences drop tokens separately.
+    """
+
+    seq_shards: int = 1
+    batch_shards: int = 1
+
+    @property
+    def name(self) -> str:
+        return f"seq{self.seq_shards}-batch{self.batch_shards}"
+
+
+WORLD_ONE = TokenGroups()
+
+# (name, world, parallel section, model kind, token groups of the reference, marks)
+STATS_CELLS = [
+    # sequence parallelism: each TP rank drops at the capacity of its half of the positions
+    ("tp2-sp", 2, {"tp": 2, "sequence_parallel": True}, "moe-aux", TokenGroups(seq_shards=2), ()),
+    # expert parallelism: ranks route their own micro-batches, the world-1 micro-batches,
+    # and send the tokens kept at capacity through the all-to-all
+    ("ep2", 2, {"ep": 2}, "moe-aux", WORLD_ONE, (SLOW,)),
+    # data parallelism: the global loss counts both ranks' tokens of each micro-batch
+    ("dp2", 2, {}, "moe-gaux", TokenGroups(batch_shards=2), (SLOW,)),
+]
+"""Cells with per-rank statistics on (aux losses, z-loss, token dropping), each compared with
+a world-1 run over the same token groups (:class:`TokenGroups`)."""
+
 EVAL_SAMPLES = 8
 """Validation sequences per evaluation (eval.steps × micro_batch_size × dp, kept equal)."""
 
-STATS = ("loss", "grad_norm", "load_imbalance", "expert_load")
-"""Per-step metrics compared with world 1 (the last two exist for the MoE only)."""
+STATS = (
+    "loss",
+    "grad_norm",
+    "load_imbalance",
+    "expert_load",
+    "load_balancing_loss",
+    "seq_load_balancing_loss",
+    "global_load_balancing_loss",
+    "z_loss",
+)
+"""Per-step metrics compared with world 1 (all but the first two exist for the MoE only, the
+aux losses when their coefficient is set)."""
+
+MICRO_BATCH = 2
 
 
-def _sections(kind: str, parallel: dict, world: int = 1, *, dtype: str = "fp64") -> dict:
+def _sections(
+    kind: str,
+    parallel: dict,
+    world: int = 1,
+    *,
+    dtype: str = "fp64",
+    groups: TokenGroups = WORLD_ONE,
+) -> dict:
+    """Config sections of a cell (``parallel`` at ``world`` ranks) or of a world-1 reference
+    over ``groups``: its micro-batch holds ``groups.batch_shards`` ranks' micro-batches."""
     dp = world // (parallel.get("tp", 1) * parallel.get("pp", 1) * parallel.get("cp", 1))
     steps = STEPS if dtype == "fp64" else FP32_STEPS
+    mbs = MICRO_BATCH * groups.batch_shards
+    model = {**MODELS[kind], "overrides": dict(MODELS[kind].get("overrides", {}))}
+    if "moe.z_loss_coeff" in model["overrides"]:
+        # the z-loss is a mean over each rank's micro-batch, and the ranks' means add up:
+        # batch_shards of them equal batch_shards × the mean over their union
+        model["overrides"]["moe.z_loss_coeff"] *= groups.batch_shards
     return {
-        "model": dict(MODELS[kind]),
+        "model": model,
         "parallel": parallel,
         "precision": {"dtype": dtype},
-        "schedule": {"train_steps": steps, "warmup_steps": 2, "micro_batch_size": 2},
-        "eval": {"interval": None, "steps": EVAL_SAMPLES // (2 * dp), "at_end": True},
+        "schedule": {"train_steps": steps, "warmup_steps": 2, "micro_batch_size": mbs},
+        "eval": {"interval": None, "steps": EVAL_SAMPLES // (mbs * dp), "at_end": True},
         "logging": {"interval": 1, "per_rank": True},
     }
 
 
-def _train(run_dir: str, sections: dict, cache: str) -> dict:
-    """Train with ``sections`` on this rank (or one process).
+def _train(run_dir: str, sections: dict, cache: str, groups: TokenGroups = WORLD_ONE) -> dict:
+    """Train with ``sections`` on this rank (or one process); a world-1 reference drops
+    tokens over ``groups`` (:func:`_capacity_per_rank`).
 
     Returns this rank's curve, validation losses, per-step records of its metrics file and
     its process id.
@@ -118,7 +222,10 @@ def _train(run_dir: str, sections: dict, cache: str) -> dict:
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    result = train(tiny_config(run_dir, world_size=world, **sections), stream=io.StringIO())
+    config = tiny_config(run_dir, world_size=world, **sections)
+    with _capacity_per_rank(config.schedule.micro_batch_size, groups) as calls:
+        result = train(config, stream=io.StringIO())
+    assert groups == WORLD_ONE or calls, "the reference never dropped tokens by rank groups"
     name = "metrics.jsonl" if rank == 0 else f"metrics-rank{rank}.jsonl"
     lines = (Path(run_dir) / name).read_text().splitlines()
     records = [json.loads(line) for line in lines]
@@ -131,29 +238,70 @@ def _train(run_dir: str, sections: dict, cache: str) -> dict:
     }
 
 
+@contextlib.contextmanager
+def _capacity_per_rank(micro_batch_size: int, groups: TokenGroups):
+    """In this (world-1) process, every router drops tokens at capacity separately within
+    each rank's token group of a micro-batch (``groups``); yields the list of calls.
+
+    The router's own ``drop_to_capacity`` runs on each group's rows, in their order: the
+    capacity is that of the group's token count, as on the rank that routes the group. Rows
+    are tokens ``t = position · b + sequence`` of the micro-batch ``[s, b]``.
+    """
+    if groups == WORLD_ONE:
+        yield []
+        return
+    import torch
+
+    from shardwork.moe_router import router as router_module
+
+    drop = router_module.drop_to_capacity
+    calls = []
+
+    def grouped(probs_TE, map_TE, **options):
+        calls.append(probs_TE.shape)
+        tokens, b = probs_TE.shape[0], micro_batch_size
+        positions = tokens // b
+        t = torch.arange(tokens)
+        group = (t // b) // (positions // groups.seq_shards) * groups.batch_shards + (t % b) // (
+            b // groups.batch_shards
+        )
+        rows = [torch.nonzero(group == g).squeeze(1) for g in range(int(group.max()) + 1)]
+        parts = [drop(probs_TE[r], map_TE[r], **options) for r in rows]
+        order = torch.argsort(torch.cat(rows))
+        return torch.cat([p for p, _ in parts])[order], torch.cat([m for _, m in parts])[order]
+
+    router_module.drop_to_capacity = grouped
+    try:
+        yield calls
+    finally:
+        router_module.drop_to_capacity = drop
+
+
 @pytest.fixture(scope="module")
 def references(tmp_path_factory, corpus_cache, cell_lock):
-    """World-1 runs, computed once per (model kind, dtype) on first use.
+    """World-1 runs, computed once per (model kind, dtype, token groups) on first use.
 
     Under xdist the first worker that needs one computes it (holding the cell lock) and
     leaves it beside the lock file; the other workers read it instead of training again.
     """
-    cache: dict[tuple[str, str], dict] = {}
+    cache: dict[tuple[str, str, TokenGroups], dict] = {}
 
-    def get(kind: str, dtype: str = "fp64") -> dict:
-        if (kind, dtype) in cache:
-            return cache[kind, dtype]
+    def get(kind: str, dtype: str = "fp64", groups: TokenGroups = WORLD_ONE) -> dict:
+        key = (kind, dtype, groups)
+        if key in cache:
+            return cache[key]
+        name = f"ref-{kind}-{dtype}-{groups.name}"
         with _exclusive(cell_lock):
-            shared = None if cell_lock is None else cell_lock.with_name(f"ref-{kind}-{dtype}.pkl")
+            shared = None if cell_lock is None else cell_lock.with_name(f"{name}.pkl")
             if shared is not None and shared.exists():
-                cache[kind, dtype] = pickle.loads(shared.read_bytes())
+                cache[key] = pickle.loads(shared.read_bytes())
             else:
-                run_dir = tmp_path_factory.mktemp(f"ref-{kind}-{dtype}")
-                sections = _sections(kind, {}, dtype=dtype)
-                cache[kind, dtype] = _train(str(run_dir), sections, corpus_cache)
+                run_dir = tmp_path_factory.mktemp(name)
+                sections = _sections(kind, {}, dtype=dtype, groups=groups)
+                cache[key] = _train(str(run_dir), sections, corpus_cache, groups)
                 if shared is not None:
-                    shared.write_bytes(pickle.dumps(cache[kind, dtype]))
-        return cache[kind, dtype]
+                    shared.write_bytes(pickle.dumps(cache[key]))
+        return cache[key]
 
     return get
 
@@ -264,6 +412,25 @@ def test_layout_matches_world_one(
     _assert_matches(results, reference, steps=STEPS, rtol=RTOL)
 
 
+@pytest.mark.parametrize(
+    ("world", "parallel", "kind", "groups"),
+    [pytest.param(w, p, k, g, id=f"{k}-{n}", marks=m) for n, w, p, k, g, m in STATS_CELLS],
+)
+def test_per_rank_statistics_match_world_one(
+    tmp_path, corpus_cache, references, pool_pids, cell_lock, world, parallel, kind, groups
+):
+    """Aux losses, z-loss and token dropping on: 20 steps equal a world-1 run whose routers
+    compute these statistics over the cell's per-rank token groups."""
+    reference = references(kind, "fp64", groups)
+    assert reference["train"][0] - reference["train"][STEPS - 1] > 1.0
+    logged = {"z_loss", "load_imbalance", "expert_load"}
+    logged |= {"global_load_balancing_loss"} if kind == "moe-gaux" else {"load_balancing_loss"}
+    assert logged <= set(reference["steps"][1])
+    sections = _sections(kind, parallel, world)
+    results = _run_cell(tmp_path, corpus_cache, pool_pids, cell_lock, world, sections)
+    _assert_matches(results, reference, steps=STEPS, rtol=RTOL)
+
+
 def test_fp32_cell_matches_world_one(tmp_path, corpus_cache, references, pool_pids, cell_lock):
     name, world, parallel, kind = FP32_CELL
     reference = references(kind, "fp32")
@@ -289,11 +456,16 @@ def test_matrix_models_are_deterministic(tmp_path, corpus_cache, monkeypatch):
         model = gpt_config(tiny_config(tmp_path, **_sections(kind, {})))
         assert model.params_dtype == torch.float64, kind
         assert model.hidden_dropout == 0.0 and model.attention_dropout == 0.0, kind
-        if kind == "moe":
-            moe = model.moe
-            assert moe.input_jitter_eps is None  # no router jitter
-            assert moe.capacity_factor is None  # dropless: no token is dropped per rank
-            assert moe.router_dtype in (None, "fp64")  # the router follows float64
-            assert moe.aux_loss_coeff == 0.0 and moe.z_loss_coeff is None
-        else:
+        if kind == "dense":
             assert model.moe is None
+            continue
+        moe = model.moe
+        assert moe.input_jitter_eps is None, kind  # no router jitter
+        assert moe.router_dtype in (None, "fp64"), kind  # the router follows float64
+        if kind == "moe":
+            assert moe.capacity_factor is None  # dropless: no token is dropped per rank
+            assert moe.aux_loss_coeff == 0.0 and moe.z_loss_coeff is None
+        else:  # the per-rank statistics are on (compared over the ranks' token groups)
+            assert moe.capacity_factor == 1.0 and moe.z_loss_coeff > 0, kind
+            router = moe.router_config(hidden_size=model.hidden_size)
+            assert router.aux_loss_enabled, kind
