@@ -8,9 +8,12 @@
 - :func:`param_shards` turns one local parameter into the ShardedTensors that say where it sits
   in global coordinates: one per fused block (keys ``<name>.q`` ...), each a view of the
   parameter, so a checkpoint load fills the parameter in place.
-- :func:`init_from_shards` initialises a parameter from the same description: the global
-  tensor of every key is drawn from a generator seeded by ``(init_seed, key)`` and the local
-  slice copied in. Values therefore depend only on the key, never on tp/pp/cp.
+- :func:`init_from_shards` initialises a parameter from the same description. A key's global
+  tensor is cut, along the one axis any layout splits it on (the TP axis; axis 0 otherwise),
+  into blocks of ``INIT_BLOCK`` lines. Each block is drawn from its own generator, seeded by
+  ``(init_seed, key, block)``, and a rank draws only the blocks its slice overlaps
+  (:func:`normal_slice`). Values therefore depend only on the key, never on tp/pp/cp, and no
+  rank ever holds a whole global tensor.
 """
 
 from __future__ import annotations
@@ -25,15 +28,20 @@ from shardwork.dist_checkpoint import ShardedTensor
 from shardwork.parallel_state import ParamMeta, get_param_meta, set_param_meta
 
 __all__ = [
+    "INIT_BLOCK",
     "INIT_RULES",
     "ShardContext",
     "describe_param",
     "init_from_shards",
     "key_seed",
+    "normal_slice",
     "param_shards",
 ]
 
 INIT_RULES = ("normal", "scaled_normal", "ones", "zeros")
+INIT_BLOCK = 64
+"""Lines (indices along the split axis) per independently seeded block of an initial tensor.
+Part of the initial values' definition: changing it changes every model's initial weights."""
 _BLOCKS = "_shardwork_blocks"
 _ROWS = "_shardwork_real_rows"
 _INIT = "_shardwork_init"
@@ -156,14 +164,54 @@ def key_seed(init_seed: int, key: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def normal_slice(
+    init_seed: int,
+    key: str,
+    global_shape: tuple[int, ...],
+    global_offset: tuple[int, ...],
+    shape: tuple[int, ...],
+    *,
+    axis: int = 0,
+) -> torch.Tensor:
+    """The ``shape`` slice at ``global_offset`` of key ``key``'s layout-free N(0, 1) tensor.
+
+    ``axis`` is the axis any layout splits the key along (its TP or ETP axis; 0 if none). It
+    must not depend on the layout. The tensor is cut along it into blocks of
+    :data:`INIT_BLOCK` lines. Block ``b`` is ``randn`` of the global shape with that axis cut
+    to the block's lines, drawn in float32 from a CPU generator seeded by
+    ``key_seed(init_seed, f"{key}#{b}")``. Only the blocks the slice overlaps are drawn, so the
+    cost is the slice plus at most two partial blocks.
+    """
+    if not global_shape:  # a scalar parameter: one block
+        gen = torch.Generator(device="cpu").manual_seed(key_seed(init_seed, f"{key}#0"))
+        return torch.randn((), generator=gen, dtype=torch.float32)
+    for a, (g, o, n) in enumerate(zip(global_shape, global_offset, shape)):
+        if a != axis and (o, n) != (0, g):
+            raise ValueError(
+                f"{key}: slice {tuple(shape)} at {tuple(global_offset)} of {tuple(global_shape)} "
+                f"is cut along axis {a}; this key may only be split along axis {axis}"
+            )
+    lines = global_shape[axis]
+    start, stop = global_offset[axis], global_offset[axis] + shape[axis]
+    first, last = start // INIT_BLOCK, max(start, stop - 1) // INIT_BLOCK
+    parts = []
+    for block in range(first, last + 1):
+        block_shape = list(global_shape)
+        block_shape[axis] = min(INIT_BLOCK, lines - block * INIT_BLOCK)
+        gen = torch.Generator(device="cpu").manual_seed(key_seed(init_seed, f"{key}#{block}"))
+        parts.append(torch.randn(block_shape, generator=gen, dtype=torch.float32))
+    drawn = parts[0] if len(parts) == 1 else torch.cat(parts, dim=axis)
+    return drawn.narrow(axis, start - first * INIT_BLOCK, stop - start)
+
+
 @torch.no_grad()
 def init_from_shards(
     param: torch.Tensor, key: str, ctx: ShardContext, *, init_seed: int, std: float, num_layers: int
 ) -> None:
     """Initialise ``param`` from the global tensors of its keys (layout-independent values).
 
-    Normal draws use a CPU generator in float32 and are cast to the parameter dtype, so the
-    same config gives the same values in float32 and float64.
+    Normal draws are float32 (:func:`normal_slice`, only this rank's slice) and cast to the
+    parameter dtype, so the same config gives the same values in float32 and float64.
     """
     custom = getattr(param, _CUSTOM, None)
     if custom is not None:
@@ -178,12 +226,12 @@ def init_from_shards(
         return
     scale = std / math.sqrt(2.0 * num_layers) if rule == "scaled_normal" else std
     rows = getattr(param, _ROWS, None)
+    tp_axis = get_param_meta(param).tp_axis
+    axis = 0 if tp_axis is None else tp_axis  # the same at every layout
     for suffix, view, gshape, goff, _split in _tp_blocks(param, ctx):
         clipped = _real_rows(view, gshape, goff, rows)
         if clipped is None:
             continue
         view, gshape, goff = clipped
-        gen = torch.Generator(device="cpu").manual_seed(key_seed(init_seed, key + suffix))
-        full = torch.randn(gshape, generator=gen, dtype=torch.float32) * scale
-        index = tuple(slice(o, o + s) for o, s in zip(goff, view.shape))
-        view.copy_(full[index].to(view.dtype))
+        local = normal_slice(init_seed, key + suffix, gshape, goff, tuple(view.shape), axis=axis)
+        view.copy_((local * scale).to(view.dtype))

@@ -9,7 +9,7 @@ Legend: E experts, L = E/ep local experts, H hidden, F expert ffn width, f = F/e
 - Checkpoint keys are per expert (``...experts.linear_fc1.weight.<e>.gate``, global ``[F, H]``;
   ``...linear_fc2.weight.<e>``, ``[H, F]``), so a checkpoint loads at any ep/etp and maps one to
   one onto Hugging Face's per-expert tensors. :class:`ExpertShards` produces those
-  ShardedTensors and the layout-independent init (one seed per expert key); it is attached to
+  ShardedTensors and the layout-independent init (seeded per expert key and block of ffn lines); it is attached to
   the parameter and used by ``shardwork.models.sharding``'s ``param_shards``/``init_from_shards``.
 - GEMMs: torch's grouped matmul (``torch.nn.functional.grouped_mm``) over contiguous row
   blocks when the dtype and strides allow it, else a padded batched ``bmm``; never a loop
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from shardwork.dist_checkpoint import ShardedTensor
 from shardwork.fused_kernels import swiglu
 from shardwork.models.module import ShardedModule
-from shardwork.models.sharding import describe_param, key_seed
+from shardwork.models.sharding import describe_param, normal_slice
 from shardwork.parallel_state import ParamMeta, ProcessGroups
 
 __all__ = ["ExpertShards", "GroupedExperts", "grouped_linear"]
@@ -93,13 +93,13 @@ class ExpertShards:
     def init_param(
         self, param: torch.Tensor, key: str, *, init_seed: int, std: float, num_layers: int
     ) -> None:
-        """Normal init of every expert from a generator seeded by its own key."""
+        """Normal init of every expert key, drawing only this rank's (etp) slice of it."""
         scale = std / (2.0 * num_layers) ** 0.5 if self.init == "scaled_normal" else std
         for k, view, gshape, off in self._pieces(param, key):
-            gen = torch.Generator(device="cpu").manual_seed(key_seed(init_seed, k))
-            full = torch.randn(gshape, generator=gen, dtype=torch.float32) * scale
-            index = tuple(slice(o, o + s) for o, s in zip(off, view.shape))
-            view.copy_(full[index].to(view.dtype))
+            local = normal_slice(
+                init_seed, k, gshape, off, tuple(view.shape), axis=self.ffn_axis - 1
+            )
+            view.copy_((local * scale).to(view.dtype))
 
 
 def _use_grouped_mm(mode: str, x: torch.Tensor, w: torch.Tensor) -> bool:
