@@ -9,8 +9,9 @@ Legend: E experts, L = E/ep local experts, H hidden, F expert ffn width, f = F/e
 - Checkpoint keys are per expert (``...experts.linear_fc1.weight.<e>.gate``, global ``[F, H]``;
   ``...linear_fc2.weight.<e>``, ``[H, F]``), so a checkpoint loads at any ep/etp and maps one to
   one onto Hugging Face's per-expert tensors. :class:`ExpertShards` produces those
-  ShardedTensors and the layout-independent init (seeded per expert key and block of ffn lines); it is attached to
-  the parameter and used by ``shardwork.models.sharding``'s ``param_shards``/``init_from_shards``.
+  ShardedTensors and the layout-independent init (per expert key, seeded per block of ffn
+  lines, drawing only this rank's etp slice); it is attached to the parameter and used by
+  ``shardwork.models.sharding``'s ``param_shards``/``init_from_shards``.
 - GEMMs: torch's grouped matmul (``torch.nn.functional.grouped_mm``) over contiguous row
   blocks when the dtype and strides allow it, else a padded batched ``bmm``; never a loop
   over tokens. The SwiGLU is ``shardwork.fused_kernels.swiglu`` on the fused ``[gate | up]``.
