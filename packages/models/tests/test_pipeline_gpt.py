@@ -1,8 +1,9 @@
 """The real GPT model through the pipeline schedules, against the single-rank model (fp64).
 
 PP=2 (1F1B, even split and an uneven one with a tied embedding), PP=2×VPP=2 (interleaved,
-tied embedding across stages), TP=2+SP×PP=2 (tied) and CP=2×PP=2: loss and every parameter's gradient equal those of the same GPTModel built at world
-size 1 (layout-independent initialisation gives both the same weights), rtol 1e-9. The loss
+tied embedding across stages), TP=2+SP×PP=2 (tied) and CP=2×PP=2: loss and every
+parameter's gradient equal those of the same GPTModel built at world size 1
+(layout-independent initialisation gives both the same weights), rtol 1e-9. The loss
 is plain torch cross entropy on TP-gathered float64 logits, so the comparison is exact to
 float64 rounding. Both copies of a tied embedding (first and last stage) are checked.
 """
