@@ -72,8 +72,13 @@ class ProcessGroups:
         return cls(config, 0, members, handles, MappingProxyType(dict.fromkeys(_GLOO_TWINNED)))
 
     def group(self, name: str) -> ProcessGroup | None:
-        if name not in self.handles:
+        if name not in GROUP_NAMES:
             raise ValueError(f"unknown group name {name!r}; valid names: {', '.join(GROUP_NAMES)}")
+        if name not in self.handles:
+            raise ValueError(
+                f"global rank {self.global_rank} belongs to no {name!r} group (the embedding "
+                "group holds only the first and last pipeline stages)"
+            )
         return self.handles[name]
 
     def gloo_group(self, name: str) -> ProcessGroup | None:
@@ -259,9 +264,12 @@ def init_process_groups(
             layout, _GLOO_TWINNED, global_ranks, me, backend="gloo", timeout=timeout
         )
     local_me = global_ranks.index(me)
+    # A rank in no group of a name (a middle pipeline stage and 'embedding') has no entry.
     members_by_name = {
-        name: tuple(global_ranks[r] for r in layout.group_of(name, local_me))
+        name: tuple(global_ranks[r] for r in group)
         for name in GROUP_NAMES
+        for group in layout.groups[name]
+        if local_me in group
     }
     return ProcessGroups(
         config=layout.config,
