@@ -234,7 +234,7 @@ def _run_write(job: _Job) -> None:
             )
     except (Exception, CheckpointException) as exc:  # reported to all ranks at finalize
         job.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"
-    job.checksums = dict(writer.fs.checksums)
+    job.checksums = dict(writer.checksums)
     job.data = {}  # drop staged copies as soon as they are on disk
     job.timings["write"] = time.perf_counter() - start
 

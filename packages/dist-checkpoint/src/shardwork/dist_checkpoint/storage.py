@@ -1,10 +1,20 @@
-"""DCP storage writer with inline per-file checksums and the fault points.
+"""DCP storage writer: shardwork's data-file writing under DCP's planning and metadata.
 
-- `ChecksummingFileSystem` wraps every stream DCP opens for writing: bytes pass straight to the
-  file while their CRC-32 and count are accumulated, so recording checksums costs no re-read.
-  Only data files (``*.distcp``) are recorded; the ``.metadata`` file is summed at commit.
-- `ShardworkWriter` is DCP's `FileSystemWriter` (same file names, same format) with that file
-  system and the ``before_data`` / ``mid_file`` / ``before_metadata`` fault points.
+`ShardworkWriter` is DCP's `FileSystemWriter` (same file names, same ``.metadata``, same
+``_StorageInfo`` records, so every DCP reader reads the result) whose `write_data` writes the
+data files itself:
+
+- byte items (objects, plain values) as they are, then tensor chunks as ``torch.save``-format
+  archives (`archive.write_tensor_archive`: one pass over each chunk's bytes, views written
+  without a copy), through `datafile.DataFile` (inline per-file CRC-32 and size, early
+  writeback, ``fsync`` at the end);
+- one file per thread, ``thread_count`` threads; items split over files by size (bytes
+  items round-robin, tensors largest first to the least-filled file), as DCP does;
+- the ``before_data`` (before any file exists), ``mid_file`` (`DataFile`) and
+  ``before_metadata`` (coordinator, before DCP's ``.metadata``) fault points.
+
+`checksums` maps each data file's name to its ``{"size", "crc32"}``; the ``.metadata`` file
+is summed at commit.
 """
 
 from __future__ import annotations
@@ -13,94 +23,51 @@ import io
 import os
 import threading
 import zlib
-from collections.abc import Generator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
-from shardwork.dist_checkpoint.faults import fault_armed, fault_point
+from shardwork.dist_checkpoint.archive import write_tensor_archive
+from shardwork.dist_checkpoint.datafile import DataFile
+from shardwork.dist_checkpoint.faults import fault_point
 
-__all__ = ["DATA_SUFFIX", "ChecksummingFileSystem", "ShardworkWriter", "file_crc32"]
+__all__ = ["DATA_SUFFIX", "ShardworkWriter", "file_crc32"]
 
 DATA_SUFFIX = ".distcp"
 _READ_CHUNK = 16 * 2**20
 
 
-class _ChecksumStream(io.RawIOBase):
-    """Write-through stream that accumulates CRC-32 and size; fires ``mid_file``."""
-
-    def __init__(self, raw: Any, on_close: Any, rank: int) -> None:
-        super().__init__()
-        self._raw = raw
-        self._crc = 0
-        self._size = 0
-        self._on_close = on_close
-        self._rank = rank
-        self._fault = fault_armed("mid_file", rank)
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        if self._fault and self._size > 0:
-            self._raw.flush()
-            os.fsync(self._raw.fileno())
-            fault_point("mid_file", self._rank)
-        view = memoryview(b).cast("B")
-        self._crc = zlib.crc32(view, self._crc)
-        self._size += view.nbytes
-        self._raw.write(view)
-        return view.nbytes
-
-    def tell(self) -> int:
-        return self._raw.tell()
-
-    def flush(self) -> None:
-        self._raw.flush()
-
-    def fileno(self) -> int:
-        return self._raw.fileno()
-
-    def close(self) -> None:
-        if not self.closed:
-            self._on_close(self._size, self._crc)
-        super().close()
+def _item_nbytes(item: WriteItem) -> int:
+    data = item.tensor_data
+    numel = 1
+    for n in data.size if data.chunk is None else data.chunk.sizes:
+        numel *= n
+    return numel * data.properties.dtype.itemsize
 
 
-class ChecksummingFileSystem(FileSystem):
-    """DCP's local file system, recording ``{file name: (size, crc32)}`` of data files."""
-
-    def __init__(self, rank: int) -> None:
-        super().__init__()
-        self.rank = rank
-        self.checksums: dict[str, dict[str, int]] = {}
-        self._lock = threading.Lock()
-
-    @contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase]:
-        path = Path(path)
-        if mode != "wb" or not path.name.endswith(DATA_SUFFIX):
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-
-        def record(size: int, crc: int) -> None:
-            with self._lock:
-                self.checksums[path.name] = {"size": size, "crc32": crc}
-
-        with path.open("wb") as raw:
-            stream = _ChecksumStream(raw, record, self.rank)
-            try:
-                yield stream  # type: ignore[misc]
-            finally:
-                stream.close()
+def split_items(items: list[WriteItem], files: int) -> list[list[WriteItem]]:
+    """Items per file: byte items round-robin, tensor chunks largest first to the file with
+    the fewest bytes so far (ties: the first such file)."""
+    buckets: list[list[WriteItem]] = [[] for _ in range(files)]
+    filled = [0] * files
+    byte_items = [item for item in items if item.type == WriteItemType.BYTE_IO]
+    tensor_items = [item for item in items if item.type != WriteItemType.BYTE_IO]
+    for i, item in enumerate(byte_items):
+        buckets[i % files].append(item)
+    for item in sorted(tensor_items, key=_item_nbytes, reverse=True):
+        target = filled.index(min(filled))
+        buckets[target].append(item)
+        filled[target] += _item_nbytes(item)
+    return buckets
 
 
 class ShardworkWriter(FileSystemWriter):
-    """`FileSystemWriter` with checksums and fault points; one file per thread per rank."""
+    """`FileSystemWriter` writing its data files through `DataFile`; one file per thread."""
 
     def __init__(self, path: str | os.PathLike, *, rank: int, thread_count: int, sync_files: bool):
         super().__init__(
@@ -110,12 +77,69 @@ class ShardworkWriter(FileSystemWriter):
             thread_count=thread_count,
             overwrite=True,
         )
-        self.fs = ChecksummingFileSystem(rank)
         self._shardwork_rank = rank
+        self.checksums: dict[str, dict[str, int]] = {}
+        self._lock = threading.Lock()
 
-    def write_data(self, plan: Any, planner: Any) -> Any:
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         fault_point("before_data", self._shardwork_rank)
-        return super().write_data(plan, planner)
+        prefix = plan.storage_data.prefix
+        jobs = [
+            (f"{prefix}{i}{DATA_SUFFIX}", bucket)
+            for i, bucket in enumerate(split_items(plan.items, self.thread_count))
+        ]
+        results: list[list[WriteResult]] = [[] for _ in jobs]
+        errors: list[BaseException] = []
+
+        def run(i: int) -> None:
+            try:
+                results[i] = self._write_file(jobs[i][0], jobs[i][1], planner)
+            except BaseException as exc:  # re-raised on the calling thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(1, len(jobs))]
+        for t in threads:
+            t.start()
+        run(0)
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        future: Future[list[WriteResult]] = Future()
+        future.set_result([r for file_results in results for r in file_results])
+        return future
+
+    def _write_file(
+        self, name: str, items: list[WriteItem], planner: SavePlanner
+    ) -> list[WriteResult]:
+        out = DataFile(
+            Path(self.path) / name, rank=self._shardwork_rank, sync_files=self.sync_files
+        )
+        written = []
+        try:
+            ordered = [i for i in items if i.type == WriteItemType.BYTE_IO] + [
+                i for i in items if i.type != WriteItemType.BYTE_IO
+            ]
+            for item in ordered:
+                offset = out.tell()
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    out.write(data.getbuffer() if isinstance(data, io.BytesIO) else data)
+                    length = out.tell() - offset
+                else:
+                    length = write_tensor_archive(out, data)
+                written.append(
+                    WriteResult(
+                        index=item.index,
+                        size_in_bytes=length,
+                        storage_data=_StorageInfo(name, offset, length),
+                    )
+                )
+        finally:
+            out.close()
+        with self._lock:
+            self.checksums[name] = {"size": out.size, "crc32": out.crc}
+        return written
 
     def finish(self, metadata: Any, results: Any) -> None:
         fault_point("before_metadata", self._shardwork_rank)
