@@ -1,27 +1,38 @@
-"""Hugging Face round trip at a parallel layout: import, fine-tune, export, reload in transformers.
+"""Hugging Face round trip through the trainer at a parallel layout: import, fine-tune, export,
+reload in transformers.
 
 A tiny random-weight transformers model (Llama, and Mixtral for MoE; norms and router gates
-randomised away from their defaults, nothing downloaded) is saved by transformers, imported by
-``shardwork.models.hf.from_pretrained`` on 2 gloo ranks (Llama: TP=2; Mixtral: TP=2 with EP=2,
-ETP=1), fine-tuned 3 steps with a plain ``torch.optim.AdamW`` loop on each rank's local shards,
-exported by ``save_pretrained`` and reloaded by ``transformers.AutoModelForCausalLM``: its logits
-equal the fine-tuned shardwork model's (fp32, rtol/atol 1e-4) and differ from the imported
-model's (the fine-tune really changed the exported weights).
+randomised away from their defaults, nothing downloaded) is saved by transformers and
+fine-tuned by ``shardwork.trainer.train`` on 2 gloo ranks (Llama: TP=2; Mixtral: TP=2 with
+EP=2, ETP=1) for 3 steps on the built-in corpus with ``checkpoint.hf_init`` (import through
+``shardwork.models.hf`` at the run's layout) and ``checkpoint.hf_export`` (export at the end).
+
+- The import is right at the layout: step 0's logged loss equals transformers' mean cross
+  entropy of the original model on that step's global batch (fp32, rtol 1e-4).
+- The fine-tune trained (the loss falls) and every rank logged the same losses.
+- The export is right: the folder reloaded by ``transformers.AutoModelForCausalLM`` gives the
+  logits of the fine-tuned model rebuilt on one process from the run's shardwork checkpoint
+  (``shardwork-generate``'s loader; rtol/atol 1e-4), which differ from the original model's.
 """
 
 from __future__ import annotations
+
+import io
+import os
+import shutil
 
 import pytest
 import torch
 import torch.distributed as dist
 
 transformers = pytest.importorskip("transformers")
+pytest.importorskip("shardwork.trainer")
 
 from shardwork.parallel_state.testing import run_on_ranks  # noqa: E402
 
 pytestmark = pytest.mark.multirank
 
-VOCAB = 250
+VOCAB = 272  # the byte tokenizer's 257 ids fit
 COMMON = dict(
     vocab_size=VOCAB,
     hidden_size=64,
@@ -70,50 +81,79 @@ def _hf_logits(folder, ids) -> torch.Tensor:
         return model.eval()(ids).logits
 
 
-def _roundtrip(model_type: str, folder_in: str, folder_out: str, layout: dict):
-    from shardwork.models.hf import from_pretrained, save_pretrained
-    from shardwork.models.logits import gather_logits
-    from shardwork.parallel_state import ParallelConfig, init_process_groups
+def _config(run_dir, folder_in, folder_out, layout):
+    from shardwork.trainer.testing import tiny_config
 
-    groups = init_process_groups(ParallelConfig(**layout))
+    return tiny_config(
+        run_dir,
+        world_size=2,
+        parallel=layout,
+        schedule={"train_steps": 3, "warmup_steps": 1},
+        eval={"interval": None, "at_end": False},
+        checkpoint={"hf_init": folder_in, "hf_export": folder_out, "save_at_end": True},
+    )
+
+
+def _first_step_rows(config) -> torch.Tensor:
+    """Step 0's global batch ``[gbs, seq + 1]`` (dp = 1 at these layouts)."""
+    from shardwork.trainer.data.builder import build_blend, micro_batch, split_components
+
+    s = config.schedule
+    train_set = build_blend(
+        split_components(config.data)["train"],
+        size=s.train_steps * s.global_batch_size,
+        seq_length=config.data.seq_length,
+        seed=config.seed,
+        shuffle=config.data.shuffle,
+    )
+    mbs = s.micro_batch_size
+    parts = [
+        micro_batch(train_set, consumed=0, index=i, micro_batch_size=mbs, dp_rank=0, dp_size=1)
+        for i in range(s.global_batch_size // mbs)
+    ]
+    return torch.cat(parts)
+
+
+def _finetune(model_type: str, folder_in: str, folder_out: str, run_dir: str, cache: str, layout):
+    os.environ["SHARDWORK_CACHE"] = cache
+    from shardwork.trainer.run.trainer import train
+
     if dist.get_rank() == 0:
         _hf_model(model_type).save_pretrained(folder_in)
     dist.barrier()
-    model = from_pretrained(folder_in, groups)
-    probe = _batch(99)[:, :-1]
-
-    def logits_of(m):
-        with torch.no_grad():
-            return gather_logits(m(probe), tp_group=groups.tp, vocab_size=VOCAB)
-
-    imported = logits_of(model.eval())
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-    losses = []
-    tokens = _batch(0)  # one batch, fitted: its loss must fall
-    for _ in range(3):
-        loss_sum, count = model(tokens[:, :-1], labels=tokens[:, 1:])
-        loss = loss_sum / count
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    tuned = logits_of(model.eval())
-    save_pretrained(model, folder_out)
-    dist.barrier()
-    exported = _hf_logits(folder_out, probe)
-    return imported, tuned, exported, losses
+    config = _config(run_dir, folder_in, folder_out, layout)  # validated before training
+    result = train(config, stream=io.StringIO())
+    return result.train_losses, result.checkpoint, result.hf_export
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mixtral"])
-def test_finetuned_export_reloads_in_transformers(tmp_path, model_type):
-    args = (model_type, str(tmp_path / "in"), str(tmp_path / "out"), LAYOUTS[model_type])
-    results = run_on_ranks(_roundtrip, 2, args=args, timeout=600)
-    imported, tuned, exported, losses = results[0]
-    # the import itself matches transformers before training
-    torch.testing.assert_close(imported, _hf_logits(tmp_path / "in", _batch(99)[:, :-1]))
-    assert losses[-1] < losses[0]  # the fine-tune trained
-    assert (tuned - imported).abs().max() > 1e-2  # and moved the logits
+def test_finetuned_export_reloads_in_transformers(tmp_path, monkeypatch, model_type):
+    from shardwork.trainer.generate import load_for_inference
+
+    cache = str(tmp_path / "corpus")
+    monkeypatch.setenv("SHARDWORK_CACHE", cache)
+    folder_in, folder_out = str(tmp_path / "in"), str(tmp_path / "out")
+    _hf_model(model_type).save_pretrained(folder_in)  # for the parent's config and batch
+    config = _config(str(tmp_path / "run"), folder_in, folder_out, LAYOUTS[model_type])
+    rows = _first_step_rows(config)  # also builds the corpus once, before the ranks read it
+    shutil.rmtree(folder_in)  # the ranks write it again, as a user would have it
+
+    args = (model_type, folder_in, folder_out, str(tmp_path / "run"), cache, LAYOUTS[model_type])
+    results = run_on_ranks(_finetune, 2, args=args, timeout=600)
+    losses, checkpoint, exported_to = results[0]
+    assert [r[0] for r in results[1:]] == [losses]  # every rank logged the same global losses
+    assert exported_to == folder_out
+
+    # the import at TP=2 (EP=2) is transformers' model: step 0's loss on its batch
+    logits = _hf_logits(folder_in, rows[:, :-1])
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), rows[:, 1:].reshape(-1))
+    assert losses[0] == pytest.approx(float(want), rel=1e-4)
+    assert losses[2] < losses[0]  # the fine-tune trained
+
+    probe = _batch(99)[:, :-1]
+    tuned_model, _, _ = load_for_inference(checkpoint)  # the trained weights, resharded to 1
+    with torch.no_grad():
+        tuned = tuned_model(input_ids=probe).transpose(0, 1)[..., :VOCAB]  # [s, b, V] -> [b, s, V]
+    exported = _hf_logits(folder_out, probe)
     torch.testing.assert_close(exported, tuned, rtol=1e-4, atol=1e-4)
-    for other in results[1:]:  # every TP rank gathered the same full logits
-        torch.testing.assert_close(other[1], tuned, rtol=1e-5, atol=1e-5)
+    assert (tuned - _hf_logits(folder_in, probe)).abs().max() > 1e-2  # training moved the logits

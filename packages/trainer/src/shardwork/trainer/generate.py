@@ -65,8 +65,9 @@ def load_for_inference(checkpoint: str | Path):
     import tomllib
 
     config = config_from_dict(tomllib.loads(text))
+    hf = (info.get("user_metadata") or {}).get("hf_config")  # runs started from a HF folder
     groups = ProcessGroups.single()
-    (model,) = build_model_chunks(gpt_config(config), groups, device=torch.device("cpu"))
+    (model,) = build_model_chunks(gpt_config(config, hf=hf), groups, device=torch.device("cpu"))
     state = {"model": model.sharded_state_dict()}
     manager.load(state, step=step, include=("model",))
     model.eval()

@@ -1,9 +1,10 @@
 """From the trainer's model section to shardwork.models objects (no model code lives here).
 
-- :func:`gpt_config` builds the :class:`shardwork.models.GPTConfig`: a preset
-  (or the demo dimensions), then the explicit fields, the tokenizer's
-  vocabulary, precision and seeds, then ``model.overrides`` (``"field"`` for a GPTConfig
-  field, ``"section.field"`` for a field of a nested config such as ``moe`` or ``mtp``).
+- :func:`gpt_config` builds the :class:`shardwork.models.GPTConfig`: a preset, the
+  config.json of ``checkpoint.hf_init`` (translated by shardwork.models.hf) or the demo
+  dimensions, then the explicit fields, the tokenizer's vocabulary, precision and seeds,
+  then ``model.overrides`` (``"field"`` for a GPTConfig field, ``"section.field"`` for a
+  field of a nested config such as ``moe`` or ``mtp``).
 - :func:`build_model_chunks` builds this rank's model chunks through
   ``shardwork.models.pipeline.build_model_chunks`` (one per virtual stage).
 """
@@ -33,12 +34,42 @@ def preset_fields(name: str) -> dict[str, Any]:
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
 
 
-def gpt_config(config: TrainConfig):
-    """The GPTConfig this run trains (config must be resolved: vocab_size set)."""
+def hf_config(folder: str) -> dict[str, Any]:
+    """The config.json of a Hugging Face checkpoint folder (ValueError if it has none)."""
+    from shardwork.models.hf import read_hf_config
+
+    return read_hf_config(folder)
+
+
+def hf_gpt_config(hf: dict[str, Any]):
+    """The GPTConfig of a Hugging Face config.json dict (ValueError naming what is unsupported)."""
+    from shardwork.models.hf import gpt_config_from_hf
+
+    return gpt_config_from_hf(hf)
+
+
+def gpt_config(config: TrainConfig, *, hf: dict[str, Any] | None = None):
+    """The GPTConfig this run trains (config must be resolved: vocab_size set).
+
+    With ``checkpoint.hf_init`` the architecture is the folder's config.json, read from disk
+    unless ``hf`` (its contents, as a checkpoint stores them) is given.
+    """
     from shardwork.models.config import GPTConfig
     from shardwork.models.presets import preset
 
     m = config.model
+    if config.checkpoint.hf_init is not None:
+        base = hf_gpt_config(hf if hf is not None else hf_config(config.checkpoint.hf_init))
+        explicit = {name: getattr(m, name) for name in DEMO_MODEL if getattr(m, name) is not None}
+        explicit.update(
+            vocab_size=m.vocab_size or base.vocab_size,
+            params_dtype=_DTYPES[config.precision.dtype],
+            sequence_parallel=config.parallel.sequence_parallel,
+            init_seed=config.seed,
+            dropout_seed=config.seed,
+        )
+        flat = {k: v for k, v in m.overrides.items() if "." not in k}
+        return _nested_overrides(base.replace(**explicit, **flat), m.overrides)
     explicit = {name: getattr(m, name) for name in DEMO_MODEL if getattr(m, name) is not None}
     explicit["vocab_size"] = m.vocab_size
     if m.make_vocab_size_divisible_by is not None:

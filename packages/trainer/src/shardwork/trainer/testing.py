@@ -4,7 +4,8 @@
 32-wide GPT on the built-in corpus that trains a step in well under a second
 on one CPU core; keyword arguments override sections, e.g.
 ``tiny_config(run_dir, schedule={"train_steps": 12}, parallel={"tp": 2})``. A model
-section naming a ``preset`` replaces the tiny architecture with the preset's.
+section naming a ``preset`` replaces the tiny architecture with the preset's, and a
+checkpoint section naming ``hf_init`` with the Hugging Face folder's.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def tiny_config(run_dir: str | Path, *, world_size: int = 1, **sections: Any) ->
     merged = {name: dict(values) for name, values in TINY_SECTIONS.items()}
     merged["logging"]["run_dir"] = str(run_dir)
     merged["checkpoint"]["dir"] = str(Path(run_dir) / "checkpoints")
+    if (sections.get("checkpoint") or {}).get("hf_init"):
+        merged["model"] = {}  # the Hugging Face folder brings its architecture
     for name, values in sections.items():
         if name == "model" and isinstance(values, dict) and values.get("preset"):
             merged["model"] = dict(values)  # a preset brings its own (tiny) architecture

@@ -222,6 +222,15 @@ class CheckpointConfig:
     """Save a checkpoint when training finishes."""
     save_on_signal: bool = True
     """On SIGTERM/SIGINT, finish the current step, save a checkpoint and exit cleanly."""
+    hf_init: str | None = None
+    """A Hugging Face checkpoint folder (config.json + safetensors; Llama, Qwen 2/3, Mixtral,
+    Qwen-MoE, DeepSeek-V3) to fine-tune: the architecture comes from its config.json (leave
+    model.preset and the model dimensions unset, or equal to it; model.overrides may change
+    fields that keep every tensor's shape, e.g. dropout) and its weights are imported at this
+    run's layout before step 0. A run that resumes a shardwork checkpoint loads that instead."""
+    hf_export: str | None = None
+    """When training finishes (not when stopped by a signal), write the model as a Hugging Face
+    folder here (config.json + safetensors, loadable by transformers); a new or empty directory."""
 
 
 @dataclass(kw_only=True)

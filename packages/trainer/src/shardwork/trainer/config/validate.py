@@ -2,7 +2,8 @@
 
 :func:`validate_config` checks every section and the relations between them
 (batch sizes against data parallelism, heads against TP, layers against
-pipeline stages, schedule lengths, data sources) for a given world size and
+pipeline stages, schedule lengths, data sources, a Hugging Face folder to start from:
+:mod:`.validate_hf`) for a given world size and
 raises one :class:`ConfigError` listing every problem: each names the field,
 its value and what would be valid.
 
@@ -19,6 +20,7 @@ from pathlib import Path
 from shardwork.parallel_state import ParallelConfig
 from shardwork.trainer.config.load import ConfigError
 from shardwork.trainer.config.sections import DEMO_MODEL, TrainConfig
+from shardwork.trainer.config.validate_hf import check_hf_export, check_hf_init
 
 
 def parallel_config(config: TrainConfig) -> ParallelConfig:
@@ -38,12 +40,22 @@ def resolve_config(config: TrainConfig) -> TrainConfig:
     from shardwork.trainer.data.tokenizer import load_tokenizer
 
     model = config.model
-    base = _preset_dims(model.preset) if model.preset else dict(DEMO_MODEL)
+    if config.checkpoint.hf_init is not None:
+        from shardwork.trainer.config.validate_hf import hf_dimensions
+        from shardwork.trainer.model_factory import hf_config
+
+        base = hf_dimensions(hf_config(config.checkpoint.hf_init))
+    elif model.preset:
+        base = _preset_dims(model.preset)
+    else:
+        base = dict(DEMO_MODEL)
     updates = {}
     for name in DEMO_MODEL:
         if getattr(model, name) is None and base.get(name) is not None:
             updates[name] = base[name]
-    if model.vocab_size is None:
+    if model.vocab_size is None and config.checkpoint.hf_init is not None:
+        updates["vocab_size"] = base["vocab_size"]
+    elif model.vocab_size is None:
         tokenizer = load_tokenizer(config.data.tokenizer, eod_token=config.data.eod_token)
         updates["vocab_size"] = tokenizer.vocab_size
     run_dir = config.logging.run_dir or str(Path("runs") / config.logging.name)
@@ -87,20 +99,23 @@ def _check_parallel(config: TrainConfig, world_size: int, problems: list[str]) -
     return resolved.dp
 
 
-def _check_model(config: TrainConfig, problems: list[str]) -> None:
-    """Build the GPTConfig and check it against the layout (shardwork.models does the checking)."""
+def _check_model(config: TrainConfig, problems: list[str]) -> bool:
+    """Build the GPTConfig and check it against the layout (shardwork.models does the
+    checking); returns whether the model could be built."""
+    from shardwork.trainer.config.validate_hf import check_hf_shapes
     from shardwork.trainer.model_factory import gpt_config
 
     try:
         model = gpt_config(config)
     except (ValueError, TypeError) as exc:
         problems.append(f"model: {exc}")
-        return
+        return False
+    check_hf_shapes(config, problems)
     try:
         model.check_layout(parallel_config(config), seq_length=config.data.seq_length)
     except ValueError as exc:
         problems.append(f"model/parallel: {exc}")
-        return
+        return True
     from shardwork.models.pipeline import layers_per_rank
 
     p = config.parallel
@@ -114,6 +129,7 @@ def _check_model(config: TrainConfig, problems: list[str]) -> None:
         )
     except ValueError as exc:
         problems.append(f"parallel (pipeline split of model.num_layers={model.num_layers}): {exc}")
+    return True
 
 
 def _check_optimizer(config: TrainConfig, problems: list[str]) -> None:
@@ -350,10 +366,13 @@ def validate_config(config: TrainConfig, *, world_size: int) -> TrainConfig:
         except ValueError as exc:
             problems.append(f"model.preset={config.model.preset!r}: {exc}")
             preset_ok = False
-    resolved = resolve_config(config) if tokenizer_ok and preset_ok else config
+    hf_ok = check_hf_init(config, problems)
+    model_ok = tokenizer_ok and preset_ok and hf_ok
+    resolved = resolve_config(config) if model_ok else config
     dp = _check_parallel(resolved, world_size, problems)
-    if tokenizer_ok and preset_ok:
-        _check_model(resolved, problems)
+    if model_ok:
+        model_ok = _check_model(resolved, problems)
+    check_hf_export(resolved, problems, model_ok=model_ok)
     _check_optimizer(resolved, problems)
     _check_schedule(resolved, dp, problems)
     _check_rest(resolved, problems)

@@ -13,6 +13,9 @@ that it loads at any layout:
 - ``rng``: one object per rank (torch generators and the model chunks'
   dropout trackers), on a grid indexed by global rank.
 
+Its metadata holds the resolved config as TOML and, for a run started from a Hugging Face
+folder, that folder's config.json (the architecture), so the checkpoint alone rebuilds the model.
+
 At the same layout everything is restored and the run continues bit for bit.
 At a different layout the RNG grid does not fit: ``rng`` is left out of the
 load and each rank re-derives its RNG from (seed, step, rank role), with a
@@ -131,9 +134,12 @@ class Checkpointer:
         from shardwork.trainer.config.load import config_to_toml
 
         if step not in self.manager.list():
-            self.manager.save(
-                step, self.state(step), metadata={"train_config": config_to_toml(self.config)}
-            )
+            metadata = {"train_config": config_to_toml(self.config)}
+            if self.config.checkpoint.hf_init is not None:  # the architecture (generate reads it)
+                from shardwork.trainer.model_factory import hf_config
+
+                metadata["hf_config"] = hf_config(self.config.checkpoint.hf_init)
+            self.manager.save(step, self.state(step), metadata=metadata)
         return str(self.manager.step_path(step))
 
     def close(self) -> None:

@@ -10,6 +10,8 @@
   Muon's whole-matrix owners.
 - The optimizer (AdamW / Muon, dense + expert parts for MoE, weight-decay
   and LR multipliers per parameter group) is built by :mod:`.optimizers`.
+- With ``checkpoint.hf_init`` the chunks are filled from the Hugging Face folder before
+  DDP wraps them (:mod:`.hf`).
 """
 
 from __future__ import annotations
@@ -81,7 +83,11 @@ class Assembly:
     """Parameters of the whole model (all ranks), from shardwork.models' calculator."""
 
 
-def build_assembly(config: TrainConfig, runtime: Runtime) -> Assembly:
+def build_assembly(
+    config: TrainConfig, runtime: Runtime, *, hf_init: str | None = None
+) -> Assembly:
+    """Model chunks, DDP wrappers and optimizer; ``hf_init``: a Hugging Face folder whose weights
+    the chunks get before DDP and the optimizer see them (:mod:`.hf`)."""
     from shardwork.dist_optimizer import DDPConfig, DistributedDataParallel
     from shardwork.trainer.model_factory import build_model_chunks, gpt_config
     from shardwork.trainer.run.optimizers import build_optimizer, uses_zero_shards
@@ -94,6 +100,10 @@ def build_assembly(config: TrainConfig, runtime: Runtime) -> Assembly:
         first_stage_layers=config.parallel.first_stage_layers,
         last_stage_layers=config.parallel.last_stage_layers,
     )
+    if hf_init is not None:
+        from shardwork.trainer.run.hf import import_hf_weights
+
+        import_hf_weights(modules, hf_init)
     o = config.optimizer
     ddp_config = DDPConfig(
         bucket_size=max(1, int(o.bucket_size_mb * 2**20 / 4)),

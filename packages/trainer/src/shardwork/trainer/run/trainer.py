@@ -14,6 +14,9 @@ through shardwork.dist_checkpoint. Per step it:
    checks data-parallel replicas (every ``reliability.check_dp_params_interval``),
    checkpoints (every ``checkpoint.interval``),
 5. stops cleanly, with a checkpoint, when any rank received SIGTERM/SIGINT.
+
+With ``checkpoint.hf_init`` the model starts from a Hugging Face folder, and with
+``checkpoint.hf_export`` a finished run also writes one (:mod:`.hf`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from shardwork.trainer.observe.metrics import MetricsWriter
 from shardwork.trainer.observe.progress import Progress, format_duration
 from shardwork.trainer.observe.throughput import memory_gib, peak_tflops
 from shardwork.trainer.run.checkpointing import Checkpointer
+from shardwork.trainer.run.hf import export_hf, will_resume
 from shardwork.trainer.run.params_check import check_dp_replicas
 from shardwork.trainer.run.rng import derived_seed, rank_role, seed_everything
 from shardwork.trainer.run.setup import build_assembly, init_runtime
@@ -64,6 +68,8 @@ class RunResult:
     valid_losses: dict[int, float] = field(default_factory=dict)
     bigram_nats: float | None = None
     checkpoint: str | None = None
+    hf_export: str | None = None
+    """The Hugging Face folder written at the end (checkpoint.hf_export), if any."""
     run_dir: str | None = None
     stopped_by: str | None = None
     skipped_steps: int = 0
@@ -172,7 +178,13 @@ class Trainer:
         comps, train_set, valid_set, eval_micro = _datasets(config, groups)
         eval_micro = _eval_micro_batches_of_first_stage(eval_micro, runtime)
 
-        assembly = build_assembly(config, runtime)
+        hf_init = config.checkpoint.hf_init
+        if hf_init is not None and will_resume(config):
+            self.say(f"checkpoint.hf_init={hf_init!r} not read: the run resumes a checkpoint")
+            hf_init = None
+        assembly = build_assembly(config, runtime, hf_init=hf_init)
+        if hf_init is not None:
+            self.say(f"imported the Hugging Face checkpoint {hf_init} at this layout")
         writer = None
         if runtime.is_logging_rank or config.logging.per_rank:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -369,6 +381,9 @@ class Trainer:
         if result.stopped_by is not None or config.checkpoint.save_at_end:
             result.checkpoint = checkpointer.save(step)
         checkpointer.close()
+        if config.checkpoint.hf_export is not None and result.stopped_by is None:
+            export_hf(assembly.modules, config.checkpoint.hf_export)
+            result.hf_export = config.checkpoint.hf_export
         if writer is not None:
             writer.close()
         result.seconds = time.perf_counter() - t_start
@@ -399,6 +414,8 @@ class Trainer:
         if result.checkpoint:
             lines.append(f"checkpoint: {result.checkpoint}")
             lines.append(f"sample:     shardwork-generate {result.checkpoint} --prompt 'The '")
+        if result.hf_export:
+            lines.append(f"hf export:  {result.hf_export} (transformers loads it)")
         for line in lines:
             print(line, file=self.stream, flush=True)
 

@@ -1,0 +1,55 @@
+"""Start a run from a Hugging Face checkpoint (``checkpoint.hf_init``) and export its result
+(``checkpoint.hf_export``), through shardwork.models.hf.
+
+- Import happens on the model chunks *before* DistributedDataParallel wraps them and the
+  optimizer copies its fp32 master weights, so step 0 trains the imported weights at any
+  layout: each rank reads only the slices it holds (``load_hf_weights``). Every parameter is
+  zeroed first, as ``shardwork.models.hf.from_pretrained`` does: the padding rows of the
+  embedding and LM head are not in a Hugging Face checkpoint.
+- A run that will resume a shardwork checkpoint skips the import (the checkpoint holds the
+  trained weights); :func:`will_resume` decides that from ``checkpoint.resume`` alone.
+- Export: every rank calls ``save_pretrained`` with its (only) chunk; the first rank writes
+  config.json and safetensors. The trained model's config.json (also stored in the run's
+  checkpoints) keeps ``shardwork-generate`` independent of the original folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def will_resume(config) -> bool:
+    """Whether :class:`~shardwork.trainer.run.checkpointing.Checkpointer` will load a checkpoint
+    (``checkpoint.resume``: a path, or 'auto' with a complete checkpoint in ``checkpoint.dir``)."""
+    from shardwork.dist_checkpoint import is_committed
+
+    c = config.checkpoint
+    if c.resume == "none":
+        return False
+    if c.resume != "auto":
+        return True
+    root = Path(c.dir)
+    return root.is_dir() and any(
+        p.name.startswith("step_") and is_committed(p) for p in root.iterdir()
+    )
+
+
+@torch.no_grad()
+def import_hf_weights(modules, folder: str) -> None:
+    """Fill every model chunk of this rank with its slices of the checkpoint in ``folder``."""
+    from shardwork.models.hf import load_hf_weights
+
+    for module in modules:
+        for p in module.parameters():
+            p.zero_()
+        load_hf_weights(module, folder)
+
+
+def export_hf(modules, folder: str) -> None:
+    """Write the model (every rank calls this with its one chunk) as a Hugging Face folder."""
+    from shardwork.models.hf import save_pretrained
+
+    (module,) = modules  # validation rejects virtual pipeline stages with hf_export
+    save_pretrained(module, folder)

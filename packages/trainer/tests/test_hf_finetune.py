@@ -1,0 +1,184 @@
+"""Fine-tuning from a Hugging Face folder (``checkpoint.hf_init``) and exporting to one
+(``checkpoint.hf_export``) on one process; validation of both before any work.
+
+The folder is written by shardwork.models.hf from a random Llama-style GPTModel (norms
+randomised away from 1), so this needs no transformers; tests-integration/test_hf_roundtrip.py
+does the same at parallel layouts against transformers itself.
+"""
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+
+from shardwork.trainer.config.load import ConfigError
+from shardwork.trainer.config.validate import validate_config
+from shardwork.trainer.run.trainer import train
+from shardwork.trainer.testing import tiny_config
+
+VOCAB = 260  # the byte tokenizer's 257 ids fit
+
+
+@pytest.fixture(autouse=True)
+def _corpus_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("SHARDWORK_CACHE", str(tmp_path_factory.getbasetemp() / "corpus"))
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """``(folder, model)``: a random 2-layer Llama-style model saved as a Hugging Face folder."""
+    from shardwork.models import GPTConfig, GPTModel
+    from shardwork.models.hf import save_pretrained
+
+    config = GPTConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        init_seed=7,
+    )
+    model = GPTModel(config).eval()
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=generator))
+    folder = tmp_path_factory.mktemp("hf") / "source"
+    save_pretrained(model, folder)
+    return str(folder), model
+
+
+def _first_step_rows(config) -> torch.Tensor:
+    """The global batch of step 0 (``[gbs, seq + 1]``), read with the trainer's data layout."""
+    from shardwork.trainer.data.builder import build_blend, micro_batch, split_components
+
+    s = config.schedule
+    train_set = build_blend(
+        split_components(config.data)["train"],
+        size=s.train_steps * s.global_batch_size,
+        seq_length=config.data.seq_length,
+        seed=config.seed,
+        shuffle=True,
+    )
+    count = s.global_batch_size // s.micro_batch_size
+    return torch.cat(
+        [
+            micro_batch(
+                train_set,
+                consumed=0,
+                index=i,
+                micro_batch_size=s.micro_batch_size,
+                dp_rank=0,
+                dp_size=1,
+            )
+            for i in range(count)
+        ]
+    )
+
+
+def _mean_loss(model, rows) -> float:
+    with torch.no_grad():
+        loss_sum, count = model(input_ids=rows[:, :-1], labels=rows[:, 1:])
+    return float(loss_sum) / int(count)
+
+
+def test_finetune_from_and_export_to_a_hugging_face_folder(tmp_path, source):
+    from shardwork.models.hf import from_pretrained
+    from shardwork.trainer.generate import load_for_inference
+
+    folder, model = source
+    out = tmp_path / "exported"
+    config = tiny_config(
+        tmp_path / "run",
+        schedule={"train_steps": 3, "warmup_steps": 1},
+        eval={"interval": None, "at_end": False},
+        checkpoint={"hf_init": folder, "hf_export": str(out), "save_at_end": True},
+    )
+    # the architecture came from the folder
+    assert (config.model.num_layers, config.model.hidden_size, config.model.vocab_size) == (
+        2,
+        32,
+        VOCAB,
+    )
+    result = train(config)
+    # step 0 trained the imported weights: its loss is the source model's on that batch
+    assert result.train_losses[0] == pytest.approx(
+        _mean_loss(model, _first_step_rows(config)), rel=1e-5
+    )
+    assert result.hf_export == str(out)
+    exported = from_pretrained(out).eval()
+    trained, _, _ = load_for_inference(result.checkpoint)  # through the shardwork checkpoint
+    probe = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = trained(input_ids=probe)
+        torch.testing.assert_close(exported(input_ids=probe), want, rtol=1e-5, atol=1e-5)
+        assert (model(input_ids=probe) - want).abs().max() > 1e-3  # and training moved it
+
+
+def _problems(config, world_size=1) -> str:
+    with pytest.raises(ConfigError) as err:
+        validate_config(config, world_size=world_size)
+    return str(err.value)
+
+
+def _with(config, **checkpoint):
+    return dataclasses.replace(
+        config, checkpoint=dataclasses.replace(config.checkpoint, **checkpoint)
+    )
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing",
+        "not-hf",
+        "preset",
+        "dimension",
+        "shape-override",
+        "vocabulary",
+        "export-not-empty",
+        "export-vpp",
+    ],
+)
+def test_hf_options_are_validated_before_any_work(tmp_path, source, case):
+    folder, _ = source
+    base = tiny_config(tmp_path / "run", checkpoint={"hf_init": folder})
+    model = base.model
+    if case == "missing":
+        config, want = _with(base, hf_init=str(tmp_path / "nowhere")), "no such directory"
+    elif case == "not-hf":
+        (tmp_path / "empty").mkdir()
+        config = _with(base, hf_init=str(tmp_path / "empty"))
+        want = "not a Hugging Face checkpoint folder"
+    elif case == "preset":
+        model = dataclasses.replace(model, preset="tiny-llama3-8b")
+        config, want = dataclasses.replace(base, model=model), "model.preset='tiny-llama3-8b'"
+    elif case == "dimension":
+        config = dataclasses.replace(base, model=dataclasses.replace(model, num_layers=3))
+        want = "model.num_layers=3 differs from checkpoint.hf_init"
+    elif case == "shape-override":
+        model = dataclasses.replace(model, overrides={"qk_layernorm": True})
+        config = dataclasses.replace(base, model=model)
+        want = "q_layernorm.weight only here"
+    elif case == "vocabulary":
+        small = tmp_path / "small-vocab"
+        shutil.copytree(folder, small)
+        hf = json.loads((small / "config.json").read_text())
+        (small / "config.json").write_text(json.dumps({**hf, "vocab_size": 200}))
+        config = _with(base, hf_init=str(small))
+        want = "has 257 ids but the vocabulary of checkpoint.hf_init"
+    elif case == "export-not-empty":
+        config = _with(base, hf_export=folder)
+        want = f"checkpoint.hf_export={folder!r}: exists and is not an empty directory"
+    else:
+        parallel = dataclasses.replace(base.parallel, pp=2, vpp=2)
+        config = _with(dataclasses.replace(base, parallel=parallel), hf_export=str(tmp_path / "x"))
+        want = "with parallel.vpp=2: the export writes one model chunk per rank"
+    problems = _problems(config, world_size=2 if case == "export-vpp" else 1)
+    assert want in problems, problems
+    assert not (tmp_path / "run").exists()  # nothing started
