@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from shardwork.dist_optimizer.ddp import DistributedDataParallel
+from shardwork.dist_optimizer.grad_stats import grad_stats
 from shardwork.dist_optimizer.layout import BufferKey, ShardPiece
 from shardwork.dist_optimizer.optimizer_groups import resolve_optimizer_groups
 from shardwork.dist_optimizer.step_flow import StepResult, run_step
@@ -215,18 +216,14 @@ class DistributedOptimizer:
             if inv_scale != 1.0:
                 mp.master.grad.mul_(inv_scale)
 
-    def local_grad_stats(self) -> torch.Tensor:
-        """``[non-finite count, Σg², zero count]`` over this rank's (counted) master grads."""
-        items = self.pieces
-        device = items[0].master.device if items else torch.device("cpu")
-        out = torch.zeros(3, dtype=torch.float64, device=device)
-        for mp in self.pieces:
-            g = mp.master.grad
-            out[0] += (~torch.isfinite(g)).sum()
-            if mp.counted:
-                out[1] += torch.linalg.vector_norm(g, dtype=torch.float64).square()
-                out[2] += (g == 0).sum()
-        return out
+    def local_grad_stats(self, count_zeros: bool = True) -> torch.Tensor:
+        """``[pieces with a non-finite value, Σg², zero count]`` over this rank's master grads
+        (Σg² and zeros over counted pieces only; see :func:`grad_stats.grad_stats`)."""
+        return grad_stats(
+            [mp.master.grad for mp in self.pieces],
+            [mp.counted for mp in self.pieces],
+            count_zeros=count_zeros,
+        )
 
     def scale_grads(self, factor: float) -> None:
         for mp in self.pieces:

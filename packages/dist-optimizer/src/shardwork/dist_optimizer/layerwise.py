@@ -31,6 +31,7 @@ from shardwork.dist_optimizer.distributed_optimizer import (
     _as_models,
     group_ranks,
 )
+from shardwork.dist_optimizer.grad_stats import grad_stats
 from shardwork.dist_optimizer.optimizer_groups import resolve_optimizer_groups
 from shardwork.dist_optimizer.step_flow import StepResult, run_step
 from shardwork.parallel_state import ProcessGroups, get_param_meta, group_rank, set_param_meta
@@ -171,17 +172,13 @@ class LayerWiseDistributedOptimizer:
                 else:
                     op.master.grad.mul_(inv_scale)
 
-    def local_grad_stats(self) -> torch.Tensor:
-        items = self.owned
-        device = items[0].master.device if items else torch.device("cpu")
-        out = torch.zeros(3, dtype=torch.float64, device=device)
-        for op in self.owned:
-            g = op.master.grad
-            out[0] += (~torch.isfinite(g)).sum()
-            if op.counted:
-                out[1] += torch.linalg.vector_norm(g, dtype=torch.float64).square()
-                out[2] += (g == 0).sum()
-        return out
+    def local_grad_stats(self, count_zeros: bool = True) -> torch.Tensor:
+        """``[pieces with a non-finite value, Σg², zero count]`` over the owned master grads."""
+        return grad_stats(
+            [op.master.grad for op in self.owned],
+            [op.counted for op in self.owned],
+            count_zeros=count_zeros,
+        )
 
     def scale_grads(self, factor: float) -> None:
         for op in self.owned:

@@ -7,7 +7,8 @@ expert, ...). :func:`run_step` drives them through the same phases so a
 
 1. each part finishes its gradient reduction and fills its fp32 master gradients, divided
    by the loss scale;
-2. each part sums, over its own rank's gradients, ``[non-finite count, Σg², zero count]``
+2. each part sums, over its own rank's gradients, ``[non-finite pieces, Σg², zero count]``
+   (the zero count only when asked for)
    (parameters replicated across TP counted on TP rank 0 only, the shared embedding on the
    first pipeline stage only) and all-reduces that one 3-vector over its ``stats_groups``,
    whose product spans every rank holding a piece of its parameters. A rank with no
@@ -46,7 +47,7 @@ class StepPart(Protocol):
     stats_groups: Sequence[Any]
 
     def prepare_grads(self, inv_scale: float) -> None: ...
-    def local_grad_stats(self) -> torch.Tensor: ...
+    def local_grad_stats(self, count_zeros: bool = True) -> torch.Tensor: ...
     def scale_grads(self, factor: float) -> None: ...
     def step_local(self) -> None: ...
     def finish_step(self) -> None: ...
@@ -83,7 +84,8 @@ def run_step(
         part.prepare_grads(1.0 / scale)
     totals = torch.zeros(3, dtype=torch.float64)
     for part in parts:
-        stats = reduce_stats(part.local_grad_stats().to(torch.float64), part.stats_groups)
+        local = part.local_grad_stats(count_zeros=count_zeros)
+        stats = reduce_stats(local.to(torch.float64), part.stats_groups)
         totals += stats
     found = bool(totals[0] > 0)
     if loss_scaler is not None:
