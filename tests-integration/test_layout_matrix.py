@@ -33,7 +33,9 @@
 - One pool of rank processes runs the cells: ``run_on_ranks`` keeps its processes between
   calls and a cell of N ranks runs on the pool's first N (a fresh default process group of
   size N each time), so no cell starts a process. Each cell returns its ranks' pids and
-  asserts they are those of the cells before it in this test process. Under xdist every
+  asserts they are those of the cells before it in this test process; where one differs
+  (the pool replaced a process another test had killed) the old process must be dead and the
+  new ones must run the next call too (:func:`_run_cell`). Under xdist every
   worker has its own pool: cells take a lock shared by the workers (one cell at a time), and
   ``xdist_group`` keeps them on one worker when pytest runs with ``--dist loadgroup``.
 - Cells with 8 ranks and the costlier 4-rank cells are marked ``slow``; the default run
@@ -339,29 +341,50 @@ def _exclusive(lock: Path | None):
 
 
 def _run_cell(tmp_path, corpus_cache, pool_pids, cell_lock, world, sections) -> list[dict]:
+    """Run a cell on ``world`` pooled ranks and prove no process was started for it.
+
+    A rank's process is pooled when it is the process that ran that rank in the earlier
+    cells. A different one is accepted only where the earlier process has died (another test
+    in this pytest process had the pool kill it, a hang test say, and the pool replaced it)
+    *and* the processes that ran this cell run the next call too (a probe right after it).
+    A pool that started processes per call fails the probe; one that kept a set of
+    processes per world size fails the first condition (the earlier process still lives).
+    """
     try:
         with _exclusive(cell_lock):
             results = run_on_ranks(
                 _train, world, args=(str(tmp_path), sections, corpus_cache), timeout=CELL_TIMEOUT
             )
+            pids = [result["pid"] for result in results]
+            if any(pool_pids.get(rank) != pid for rank, pid in enumerate(pids)):
+                again = run_on_ranks(_pid, world, timeout=CELL_TIMEOUT)
+                assert again == pids, f"cell ranks {pids}, next call {again}: not pooled"
     except Exception:
         pool_pids.clear()  # a failed cell may have had its ranks killed and restarted
         raise
-    for rank, result in enumerate(results):
-        expected = pool_pids.setdefault(rank, result["pid"])
-        if result["pid"] != expected and not _alive(expected):
-            # another test in this process had the pool kill that rank (a hang test, say):
-            # the pool replaced it, which is not a per-cell start
-            pool_pids[rank] = expected = result["pid"]
-        assert result["pid"] == expected, f"rank {rank} ran in a new process: not pooled"
+    for rank, pid in enumerate(pids):
+        earlier = pool_pids.setdefault(rank, pid)
+        assert pid == earlier or not _alive(earlier), (
+            f"rank {rank} ran in process {pid} while its earlier process {earlier} still "
+            "lives: a process was started for this cell"
+        )
+        pool_pids[rank] = pid
     return results
 
 
+def _pid() -> int:
+    return os.getpid()
+
+
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
+    stat = Path(f"/proc/{pid}/stat")
+    with contextlib.suppress(OSError):
+        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
     return True
 
 
