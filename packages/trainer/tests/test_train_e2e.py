@@ -166,15 +166,15 @@ def test_second_sigint_interrupts_at_once(tmp_path, monkeypatch):
 def test_retention_keeps_the_last_and_every_kth_checkpoint(tmp_path):
     config = tiny_config(
         tmp_path,
-        schedule={"train_steps": 7},
+        schedule={"train_steps": 5},
         eval={"interval": None, "at_end": False},
-        checkpoint={"interval": 1, "keep_last": 2, "keep_every": 3, "save_at_end": True},
+        checkpoint={"interval": 1, "keep_last": 1, "keep_every": 2, "save_at_end": True},
     )
     result = train(config)
     kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    # saved after every step 1..7: the last two (6, 7) and the multiples of 3 (3, 6) remain
-    assert kept == ["step_000000003", "step_000000006", "step_000000007"]
-    assert result.checkpoint.endswith("step_000000007")
+    # saved after every step 1..5: the last one (5) and the multiples of 2 (2, 4) remain
+    assert kept == ["step_000000002", "step_000000004", "step_000000005"]
+    assert result.checkpoint.endswith("step_000000005")
 
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])
