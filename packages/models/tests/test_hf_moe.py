@@ -198,25 +198,17 @@ def _saved(model, folder):
     return folder
 
 
-def _layout_logits(model_type, folder, parallel_kwargs):
-    import torch.distributed as dist
-
+def _layout_logits(folder, parallel_kwargs, ref_logits, ref_chosen):
+    """On each rank: build this rank's stage from the saved HF folder, reading only its
+    shards, and compare its logits and chosen experts with transformers' (computed once by
+    the test, so the ranks never build a transformers model)."""
+    from shardwork.models.hf import load_hf_weights, read_hf_config
+    from shardwork.models.module import to_empty_keep_meta
     from shardwork.models.pipeline import build_stage, get_schedule
     from shardwork.parallel_state import ParallelConfig, init_process_groups
 
     groups = init_process_groups(ParallelConfig(**parallel_kwargs))
-    if dist.get_rank() == 0:
-        _saved(hf_model(model_type), folder)
-    dist.barrier()
-    ref_logits, ref_chosen = hf_forward(hf_model(model_type), _ids())
-    stage = build_stage(
-        gpt_config_from_hf(transformers.AutoConfig.from_pretrained(folder).to_dict()),
-        groups,
-        device="meta",
-    )
-    from shardwork.models.hf import load_hf_weights
-    from shardwork.models.module import to_empty_keep_meta
-
+    stage = build_stage(gpt_config_from_hf(read_hf_config(folder)), groups, device="meta")
     to_empty_keep_meta(stage, "cpu")
     stage.rng_tracker.to("cpu")
     load_hf_weights(stage, folder)
@@ -249,7 +241,9 @@ def _layout_logits(model_type, folder, parallel_kwargs):
     first = stage.decoder.layer_range[0]
     moe_layers = [i for i in range(*stage.decoder.layer_range) if stage.config.moe.is_moe_layer(i)]
     skip = sum(1 for i in range(first) if stage.config.moe.is_moe_layer(i))
-    for a, b in zip(our_chosen(stage, 2, 12), ref_chosen[skip : skip + len(moe_layers)]):
+    ours = our_chosen(stage, 2, 12)
+    assert len(ours) == len(moe_layers)
+    for a, b in zip(ours, ref_chosen[skip : skip + len(moe_layers)], strict=True):
         assert torch.equal(a, b)
     return True
 
@@ -268,5 +262,8 @@ def _layout_logits(model_type, folder, parallel_kwargs):
 )
 def test_import_at_layout_matches_hf(model_type, kwargs, world, tmp_path):
     """Each rank reads only its shards; logits (1e-4) and chosen experts equal transformers'."""
-    args = (model_type, tmp_path / "ckpt", kwargs)
+    ref = hf_model(model_type)
+    ref_logits, ref_chosen = hf_forward(ref, _ids())
+    folder = _saved(ref, tmp_path / "ckpt")
+    args = (folder, kwargs, ref_logits, ref_chosen)
     assert all(run_on_ranks(_layout_logits, world, args=args, timeout=400))
