@@ -2,6 +2,7 @@
 changes on resume, the data-parallel replica check, collective timeouts naming groups."""
 
 import io
+import os
 from datetime import timedelta
 
 import pytest
@@ -131,6 +132,52 @@ def test_dp_replica_check():
     for message in messages:
         assert "step 7: parameters differ across the dp_cp group (ranks [0, 1])" in message
         assert "chunk0.bias" in message and "weight" not in message
+
+
+def _train_recording_data_files(run_dir, sections, cache):
+    """Train like :func:`_train` and record every file under the data cache that this rank
+    opened during ``train()`` (``open`` and ``io.open`` cover numpy's memory maps and
+    pathlib). Returns ``(pp rank, opened paths, train losses, valid losses)``."""
+    import builtins
+
+    os.environ["SHARDWORK_CACHE"] = cache
+    from shardwork.trainer.run.trainer import train
+    from shardwork.trainer.testing import tiny_config
+
+    config = tiny_config(run_dir, world_size=dist.get_world_size(), **sections)
+    real_open, opened = builtins.open, []
+
+    def spy(file, *args, **kwargs):
+        if isinstance(file, str | os.PathLike) and os.fspath(file).startswith(cache):
+            opened.append(os.fspath(file))
+        return real_open(file, *args, **kwargs)
+
+    builtins.open = io.open = spy
+    try:
+        result = train(config, stream=io.StringIO())
+    finally:  # the rank processes are pooled: restore
+        builtins.open = io.open = real_open
+    pp_rank = dist.get_rank() // (dist.get_world_size() // config.parallel.pp)
+    return pp_rank, opened, result.train_losses, result.valid_losses
+
+
+def test_middle_pipeline_stage_opens_no_data_file(tmp_path, cache, reference):
+    # pp=3 (2 + 1 + 1 layers): stage 1 neither reads inputs nor labels
+    sections = _sections({"pp": 3, "first_stage_layers": 2})
+    results = run_on_ranks(
+        _train_recording_data_files, 3, args=(str(tmp_path), sections, cache), timeout=300
+    )
+    ref_train, ref_valid, _ = reference
+    by_stage = {pp_rank: opened for pp_rank, opened, _, _ in results}
+    assert by_stage[1] == []
+    for stage in (0, 2):  # the first and last stages read the .idx and .bin of the corpus
+        suffixes = {os.path.splitext(path)[1] for path in by_stage[stage]}
+        assert {".idx", ".bin"} <= suffixes, by_stage[stage]
+    for _, _, train_losses, valid_losses in results:  # and the run is the one-process run
+        for step in range(6):
+            assert train_losses[step] == pytest.approx(ref_train[step], rel=2e-4, abs=2e-4)
+        # the middle stage got the evaluation's micro-batch count from the first
+        assert valid_losses[6] == pytest.approx(ref_valid[6], rel=2e-4, abs=2e-4)
 
 
 def _eval_count_from_first_stage(counts):
