@@ -72,10 +72,11 @@ MODELS = {
     "dense": {"num_layers": 4},
     "moe": {"preset": "tiny-mixtral-8x7b", "num_layers": 4},
     # per-rank statistics on: micro-batch and per-sequence load-balancing losses, z-loss and
-    # token dropping at capacity factor 1 (each expert keeps at most its balanced share)
+    # token dropping at capacity factor 1 (each expert keeps at most its balanced share);
+    # 2 layers, as these cells run no pipeline
     "moe-aux": {
         "preset": "tiny-mixtral-8x7b",
-        "num_layers": 4,
+        "num_layers": 2,
         "overrides": {
             "moe.load_balancing_type": ["aux_loss", "seq_aux_loss"],
             "moe.aux_loss_coeff": [1e-2, 1e-2],
@@ -88,7 +89,7 @@ MODELS = {
     # micro-batches so far), z-loss and token dropping
     "moe-gaux": {
         "preset": "tiny-mixtral-8x7b",
-        "num_layers": 4,
+        "num_layers": 2,
         "overrides": {
             "moe.load_balancing_type": "global_aux_loss",
             "moe.aux_loss_coeff": 1e-2,
