@@ -13,9 +13,8 @@
   shardwork.trainer`` (the ``shardwork-train`` entry point): exit status 2, the message on
   stderr, no traceback.
 - ``test_cli_reports_corrupt_checkpoint``: the truncated checkpoint through the CLI: non-zero
-  exit, one paragraph naming the checkpoint and the file, no traceback, nothing written or
-  deleted. Expected to fail (strict xfail) until the CLI reports checkpoint errors and the
-  trainer reads the checkpoint before it writes the run directory.
+  exit (4), one paragraph naming the checkpoint and the file, no traceback, nothing written or
+  deleted (the trainer resumes before it writes the run directory).
 """
 
 from __future__ import annotations
@@ -217,7 +216,7 @@ def _resume_fails(scratch: Path, path: Path, needles: list[str], error: type) ->
     for needle in needles:
         assert needle in str(info.value), str(info.value)
     assert _snapshot(path) == before  # the bad checkpoint is kept as it was
-    assert not (run / "checkpoints").exists()  # and no new checkpoint appears
+    assert not run.exists()  # resuming fails before the run directory is written
 
 
 def test_resume_from_a_directory_without_checkpoint(scratch):
@@ -294,12 +293,6 @@ def test_cli_reports_bad_input(scratch, case):
     assert not (scratch / "run").exists() and _snapshot(scratch) == before
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="shardwork.trainer.cli catches only ConfigError and NonFiniteLossError: the "
-    "CheckpointCorruptError of a resume escapes as a traceback (exit 1), and the trainer writes "
-    "the run dir (config.toml, metrics.jsonl) before it reads the checkpoint",
-)
 def test_cli_reports_corrupt_checkpoint(scratch, truncated_checkpoint):
     """Resuming from a truncated checkpoint through the CLI: non-zero exit, one paragraph
     naming the checkpoint and its bad file, no traceback, nothing written or deleted."""
@@ -312,7 +305,7 @@ def test_cli_reports_corrupt_checkpoint(scratch, truncated_checkpoint):
     (scratch / "resume.toml").write_text(config_to_toml(config))
     before = _snapshot(scratch)
     proc = _run_cli(scratch, ["--config", str(scratch / "resume.toml")])
-    assert proc.returncode != 0
+    assert proc.returncode == 4, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     message = proc.stderr.strip()
     assert message.startswith("shardwork-train:") and "\n\n" not in message, message

@@ -1,7 +1,10 @@
 """``shardwork-train`` (also ``python -m shardwork.trainer``, e.g. under torchrun).
 
 Parses and validates the whole configuration before any process group is
-created; a bad value exits with status 2 and one line per problem.
+created; a bad value exits with status 2 and one line per problem. A non-finite
+loss that stops the run exits with 3; a checkpoint that cannot be resumed (none
+complete at ``checkpoint.resume``, or a missing/truncated/corrupt file) exits with
+4 and one paragraph naming it, before the run directory is written.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ def train_main(argv: Sequence[str] | None = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(config_to_toml(resolved), end="")
         return 0
+    from shardwork.dist_checkpoint import CheckpointCorruptError
+    from shardwork.trainer.run.checkpointing import ResumeError
     from shardwork.trainer.run.trainer import NonFiniteLossError, train
 
     try:
@@ -47,4 +52,9 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     except NonFiniteLossError as exc:
         print(f"shardwork-train: {exc}", file=sys.stderr)
         return 3
+    except (CheckpointCorruptError, ResumeError) as exc:
+        # Raised while resuming, before the run directory is written: nothing to clean up.
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"shardwork-train: cannot resume: {exc}", file=sys.stderr)
+        return 4
     return 0

@@ -64,6 +64,10 @@ def locate_checkpoint(path: str | Path) -> tuple[Path, int | None]:
     return path, None
 
 
+class ResumeError(ValueError):
+    """``checkpoint.resume`` names a place with no complete checkpoint to resume from."""
+
+
 class Checkpointer:
     """Saves and restores the run's state (see module docstring)."""
 
@@ -161,7 +165,7 @@ class Checkpointer:
             manager = CheckpointManager(root)
             step = manager.latest() if step is None else step
             if step is None:
-                raise ValueError(f"checkpoint.resume={c.resume!r}: no complete checkpoint there")
+                raise ResumeError(f"checkpoint.resume={c.resume!r}: no complete checkpoint there")
         path = manager.step_path(step)
         saved_layout = read_info(path).get("layout") or {}
         same_layout = saved_layout == layout_of(self.runtime)

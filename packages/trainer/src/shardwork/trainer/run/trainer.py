@@ -185,6 +185,11 @@ class Trainer:
         assembly = build_assembly(config, runtime, hf_init=hf_init)
         if hf_init is not None:
             self.say(f"imported the Hugging Face checkpoint {hf_init} at this layout")
+        # Resume before anything is written: a bad checkpoint stops the run with the run
+        # directory (config.toml, metrics) untouched.
+        checkpointer = Checkpointer(config, runtime, assembly)
+        start_step = checkpointer.maybe_resume(say=self.say)
+        result = RunResult(final_step=start_step, run_dir=str(run_dir))
         writer = None
         if runtime.is_logging_rank or config.logging.per_rank:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -197,11 +202,6 @@ class Trainer:
                 (run_dir / "config.toml").write_text(config_to_toml(config))
                 if writer.notice is not None:
                     self.say(f"notice: {writer.notice}")
-
-        result = RunResult(final_step=0, run_dir=str(run_dir))
-        checkpointer = Checkpointer(config, runtime, assembly)
-        start_step = checkpointer.maybe_resume(say=self.say)
-        result.final_step = start_step
 
         baseline = _baseline(comps["train"] + comps["valid"], runtime)
         result.bigram_nats = baseline
