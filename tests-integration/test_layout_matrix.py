@@ -165,9 +165,6 @@ STATS_CELLS = [
 """Cells with per-rank statistics on (aux losses, z-loss, token dropping), each compared with
 a world-1 run over the same token groups (:class:`TokenGroups`)."""
 
-EVAL_SAMPLES = 8
-"""Validation sequences per evaluation (eval.steps × micro_batch_size × dp, kept equal)."""
-
 STATS = (
     "loss",
     "grad_norm",
@@ -187,14 +184,12 @@ MICRO_BATCH = 2
 def _sections(
     kind: str,
     parallel: dict,
-    world: int = 1,
     *,
     dtype: str = "fp64",
     groups: TokenGroups = WORLD_ONE,
 ) -> dict:
-    """Config sections of a cell (``parallel`` at ``world`` ranks) or of a world-1 reference
-    over ``groups``: its micro-batch holds ``groups.batch_shards`` ranks' micro-batches."""
-    dp = world // (parallel.get("tp", 1) * parallel.get("pp", 1) * parallel.get("cp", 1))
+    """Config sections of a cell (``parallel``) or of a world-1 reference over ``groups``: its
+    micro-batch holds ``groups.batch_shards`` ranks' micro-batches."""
     steps = STEPS if dtype == "fp64" else FP32_STEPS
     mbs = MICRO_BATCH * groups.batch_shards
     model = {**MODELS[kind], "overrides": dict(MODELS[kind].get("overrides", {}))}
@@ -207,7 +202,8 @@ def _sections(
         "parallel": parallel,
         "precision": {"dtype": dtype},
         "schedule": {"train_steps": steps, "warmup_steps": 2, "micro_batch_size": mbs},
-        "eval": {"interval": None, "steps": EVAL_SAMPLES // (mbs * dp), "at_end": True},
+        # one global batch of validation sequences: the same samples at every layout
+        "eval": {"interval": None, "steps": 1, "at_end": True},
         "logging": {"interval": 1, "per_rank": True},
     }
 
@@ -431,7 +427,7 @@ def test_layout_matches_world_one(
     assert reference["train"][0] - reference["train"][STEPS - 1] > 1.0
     if kind == "moe":
         assert {"expert_load", "load_imbalance"} <= set(reference["steps"][1])
-    sections = _sections(kind, parallel, world)
+    sections = _sections(kind, parallel)
     results = _run_cell(tmp_path, corpus_cache, pool_pids, cell_lock, world, sections)
     _assert_matches(results, reference, steps=STEPS, rtol=RTOL)
 
@@ -450,7 +446,7 @@ def test_per_rank_statistics_match_world_one(
     logged = {"z_loss", "load_imbalance", "expert_load"}
     logged |= {"global_load_balancing_loss"} if kind == "moe-gaux" else {"load_balancing_loss"}
     assert logged <= set(reference["steps"][1])
-    sections = _sections(kind, parallel, world)
+    sections = _sections(kind, parallel)
     results = _run_cell(tmp_path, corpus_cache, pool_pids, cell_lock, world, sections)
     _assert_matches(results, reference, steps=STEPS, rtol=RTOL)
 
@@ -458,7 +454,7 @@ def test_per_rank_statistics_match_world_one(
 def test_fp32_cell_matches_world_one(tmp_path, corpus_cache, references, pool_pids, cell_lock):
     name, world, parallel, kind = FP32_CELL
     reference = references(kind, "fp32")
-    sections = _sections(kind, parallel, world, dtype="fp32")
+    sections = _sections(kind, parallel, dtype="fp32")
     results = _run_cell(tmp_path, corpus_cache, pool_pids, cell_lock, world, sections)
     _assert_matches(results, reference, steps=FP32_STEPS, rtol=FP32_RTOL)
     # fp32 rounding is visible: this cell is not secretly running in float64

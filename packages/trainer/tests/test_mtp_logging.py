@@ -124,15 +124,16 @@ def _valid_reference(checkpoint, config):
 
     model, _, _ = load_for_inference(checkpoint)
     model.eval()
-    mbs = config.schedule.micro_batch_size
+    mbs, gbs = config.schedule.micro_batch_size, config.schedule.global_batch_size
+    samples = config.eval.steps * gbs  # eval.steps counts global batches
     valid = build_eval_set(
         split_components(config.data)["valid"],
         seq_length=config.data.seq_length,
-        num_samples=config.eval.steps * mbs,
+        num_samples=samples,
     )
     batches = [
         micro_batch(valid, consumed=0, index=i, micro_batch_size=mbs, dp_rank=0, dp_size=1)
-        for i in range(config.eval.steps)
+        for i in range(samples // mbs)
     ]
     return _plain_losses(model, batches)
 

@@ -59,7 +59,7 @@ def _sections(parallel, **extra):
         "model": MODEL,
         "parallel": parallel,
         "schedule": {"train_steps": 6, "warmup_steps": 2},
-        "eval": {"interval": 3, "steps": 2},
+        "eval": {"interval": 3, "steps": 1},  # one global batch (8 samples)
     }
     sections.update(extra)
     return sections
@@ -84,10 +84,6 @@ def test_layouts_match_single_process(tmp_path, cache, reference, world, paralle
         # interleaving needs micro-batches in multiples of pp: 8 / (2 × dp=2) = 2
         mbs = 2
         sections["schedule"] = {**sections["schedule"], "micro_batch_size": mbs}
-    # eval.steps counts micro-batches per data-parallel rank: evaluate the reference's 8
-    # validation samples (2 micro-batches of 4 on one process) at every layout
-    dp = world // (parallel.get("tp", 1) * parallel.get("pp", 1))
-    sections["eval"] = {**sections["eval"], "steps": 8 // (mbs * dp)}
     results = run_on_ranks(_train, world, args=(str(tmp_path), sections, cache), timeout=300)
     ref_train, ref_valid, _ = reference
     for train_losses, valid_losses, _ in results:
@@ -304,13 +300,11 @@ def test_moe_models_match_single_process(tmp_path, cache, preset, parallel):
     sections = {
         "model": {"preset": preset},
         "schedule": {"train_steps": 4, "warmup_steps": 2},
-        "eval": {"interval": 4, "steps": 2},
+        "eval": {"interval": 4, "steps": 1},
     }
     layout = {**sections, "parallel": parallel}
-    # eval.steps counts micro-batches per data-parallel rank: one process evaluates dp times as
-    # many, so that both see the same validation samples
-    dp = 2 // parallel.get("pp", 1)
-    reference = {**sections, "eval": {"interval": 4, "steps": 2 * dp}}
+    # eval.steps counts global batches: every layout evaluates the same validation samples
+    reference = sections
     ref_train, ref_valid, ref_mtp = _train_mtp(str(tmp_path / "ref"), reference, cache)
     for train_losses, valid_losses, mtp_losses in run_on_ranks(
         _train_mtp, 2, args=(str(tmp_path / "par"), layout, cache), timeout=300

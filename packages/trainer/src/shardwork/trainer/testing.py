@@ -34,7 +34,7 @@ TINY_SECTIONS: dict[str, dict[str, Any]] = {
         "warmup_steps": 4,
     },
     "optimizer": {"lr": 1e-2, "min_lr": 1e-3},
-    "eval": {"interval": 20, "steps": 2},
+    "eval": {"interval": 20, "steps": 1},
     "logging": {"interval": 5, "progress": "none", "tensorboard": False, "plot": False},
     "checkpoint": {"resume": "none", "save_at_end": False},
 }

@@ -262,7 +262,9 @@ class EvalConfig:
     interval: int | None = 100
     """Evaluate every this many steps; None: only at the end."""
     steps: int | None = None
-    """Micro-batches per evaluation on each data-parallel rank; None: the whole validation split."""
+    """Global batches per evaluation (``steps × schedule.global_batch_size`` validation samples,
+    the same at every layout, as Megatron's ``eval_iters``); None: the whole validation split,
+    rounded down to whole global batches."""
     at_end: bool = True
     """Evaluate after the last step."""
 

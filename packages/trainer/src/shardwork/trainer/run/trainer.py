@@ -127,9 +127,15 @@ def _datasets(config: TrainConfig, groups):
         shuffle=config.data.shuffle,
     )
     dp, mbs = groups.size("dp"), config.schedule.micro_batch_size
-    eval_samples = None if config.eval.steps is None else config.eval.steps * mbs * dp
+    gbs = config.schedule.global_batch_size
+    eval_samples = None if config.eval.steps is None else config.eval.steps * gbs
     valid_set = build_eval_set(comps["valid"], seq_length=seq, num_samples=eval_samples)
-    eval_micro = 0 if valid_set is None else max(1, len(valid_set) // (mbs * dp))
+    if valid_set is None:
+        return comps, train_set, None, 0
+    # Whole global batches, so every layout evaluates the same samples (a split smaller than
+    # one global batch: as many micro-batches as fit on each data-parallel rank).
+    usable = len(valid_set) // gbs * gbs or len(valid_set)
+    eval_micro = max(1, usable // (mbs * dp))
     return comps, train_set, valid_set, eval_micro
 
 
