@@ -1,6 +1,7 @@
 """Async save: same files as a sync save, the state may change right after `save` returns,
 a training-style loop with async saves, and background failures raised at finalize."""
 
+import dataclasses
 import json
 import os
 import time
@@ -190,6 +191,33 @@ def test_background_failure_surfaces_at_finalize(tmp_path):
         assert message is not None and "injected fault at 'mid_file' on rank 1" in message
         assert after == (1, ["step_000000002"])
         assert steps == [1, 3] and incomplete == []
+
+
+def _staging_failure(root):
+    """Rank 1's state holds an object that cannot be pickled: its staging fails."""
+    rank, world = _rank_world()
+    state = example_state(rank, world, seed=1)
+    if rank == 1:
+        state["rng"] = dataclasses.replace(state["rng"], data={"unpicklable": lambda: None})
+    try:
+        save(state, os.path.join(root, "bad"), async_save=True)
+    except Exception as exc:
+        outcome = (type(exc).__name__, str(exc))
+    else:
+        outcome = None
+    # the group stays usable: the next async save of good state commits
+    handle = save(example_state(rank, world, seed=2), os.path.join(root, "good"), async_save=True)
+    handle.finalize()
+    return outcome, is_committed(os.path.join(root, "bad")), is_committed(handle.path)
+
+
+@pytest.mark.multirank
+def test_staging_failure_on_one_rank_raises_on_every_rank(tmp_path):
+    results = run_on_ranks(_staging_failure, 2, args=(str(tmp_path),), timeout=60)
+    (kind0, message0), bad0, good0 = results[0]
+    assert kind0 == "CheckpointSaveError" and "staging failed on rank(s) [1]" in message0
+    assert results[1][0] is not None and results[1][0][0] != "CheckpointSaveError"
+    assert not bad0 and good0 and results[1][1:] == (False, True)
 
 
 def _refused(fn):

@@ -282,6 +282,29 @@ def _finalize(job: _Job, agree_g: GroupInfo) -> SaveResult:
     )
 
 
+def _stage_on_every_rank(
+    data: dict, staging_buffers: StagingBuffers | None, path: Path, g: GroupInfo
+) -> dict:
+    """`stage`, then agree over ``g`` that every rank staged: one rank failing (out of pinned
+    memory, an object that does not pickle) makes every rank raise here, before any
+    background write starts; otherwise the others' writes would wait in DCP's collectives for
+    a rank that never joins."""
+    error: BaseException | None = None
+    try:
+        staged = stage(data, staging_buffers)
+    except Exception as exc:
+        error = exc
+    failed = [r for r, bad in enumerate(all_gather_object(error is not None, g)) if bad]
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointSaveError(
+            f"async save to {str(path)!r}: staging failed on rank(s) {failed} of the group; "
+            "nothing was written and the checkpoint is not committed"
+        )
+    return staged
+
+
 class AsyncSave:
     """Handle of an async save whose write runs on a background thread.
 
@@ -453,7 +476,7 @@ def save(
         return result
 
     stage_start = time.perf_counter()
-    job.data = stage(data, staging_buffers)
+    job.data = _stage_on_every_rank(data, staging_buffers, path, g)
     timings["stage"] = time.perf_counter() - stage_start
     if g.distributed:
         if async_group is None:
