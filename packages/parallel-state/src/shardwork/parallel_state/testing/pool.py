@@ -7,7 +7,10 @@
   ``pytest -n auto`` workers never clash.
 - A rank that raises sends its formatted traceback back; the caller re-raises
   it as :class:`RankFailedError`. Ranks still running when the timeout expires are
-  killed (the pool restarts them lazily) and reported as hung.
+  killed (the pool restarts them lazily) and reported as hung. A rank whose
+  rendezvous failed exits after reporting, so the next call gets a fresh process.
+- Every call starts with a barrier after the rendezvous: no rank runs (and tears
+  its connections down) before all ranks finished connecting.
 - Functions are sent by reference (module name, file, qualified name), so test
   functions defined at module level in pytest's ``importlib`` mode work.
 """
@@ -100,6 +103,10 @@ def _worker_main(conn: Connection) -> None:
         try:
             fn = _resolve(ref)
             args, kwargs = pickle.loads(payload)
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+            continue
+        try:
             store = dist.FileStore(store_path, world_size)
             dist.init_process_group(
                 "gloo",
@@ -108,6 +115,17 @@ def _worker_main(conn: Connection) -> None:
                 world_size=world_size,
                 timeout=timedelta(seconds=gloo_timeout_s),
             )
+            # Every rank's end of the mesh is connected before any rank runs (and possibly
+            # finishes and tears down): a rank done with a trivial function could otherwise
+            # close its sockets while a slower peer is still in gloo's connect handshake
+            # ("Connection closed by peer" in connectFullMesh, seen under load).
+            dist.barrier()
+        except BaseException:
+            # A failed rendezvous leaves this process's torch.distributed state unknown:
+            # report and exit, so the pool starts a fresh process for the next call.
+            conn.send(("error", traceback.format_exc()))
+            return
+        try:
             try:
                 result = fn(*args, **kwargs)
             finally:
