@@ -8,8 +8,8 @@ For world sizes 1, 2 and 4 (gloo ranks on this machine, FileStore rendezvous) a 
 - save: sync (blocking until committed), async (time the caller is blocked, and the total
   until finalize), load: into a template of the same layout, page cache dropped first
   (``posix_fadvise(DONTNEED)`` on every file), so reads come from the disk. Async saves reuse
-  their staging buffers as `CheckpointManager` does; with ``--repeats 2`` (default) the best
-  repetition is the one with warm buffers.
+  their staging buffers as `CheckpointManager` does; from the second of ``--repeats 3`` (default)
+  repetitions on, they are warm.
 
 Compared in the same run, in one process: the same bytes written sequentially into one file
 with fsync (the disk's practical write limit), ``torch.save`` of the full state + fsync, the
@@ -17,6 +17,14 @@ sequential file read back after the same cache drop into one preallocated buffer
 ``readinto`` calls (the disk's practical read limit: no allocation per read) and ``torch.load``.
 Load is reported against both the sequential read and the sequential write. Prints a table and
 writes ``benchmarks/results/dist_checkpoint.json`` and ``.md``.
+
+Before every timed phase, on both sides, 1.5x the state's size of anonymous memory is touched
+and freed (`warm_free_memory`): on these VMs the first touch of guest memory that was freed
+back to the host is slow enough to dominate whichever phase first needs fresh page cache.
+
+Each rank runs ``cpu_count // world`` torch threads (its share of the cores). The async
+blocking time is set beside a floor measured in the same run: a bare ``copy_`` of the rank's
+tensors into touched buffers, which staging cannot beat (every byte read and written once).
 
 Each metric is the best repetition (per repetition the slowest rank decides); the per-phase
 timings (``sync_phases_rank0``, ``async_phases_rank0``) and read paths (``load_paths_rank0``)
@@ -34,6 +42,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import resource
 import shutil
 import tempfile
 import time
@@ -44,6 +53,75 @@ import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TENSOR_MB = 16
+
+
+def warm_free_memory(mib: int) -> None:
+    """Touch and free ``mib`` MiB of anonymous memory right before a timed phase.
+
+    On this project's VMs guest memory that was freed is handed back to the host, and the
+    first touch of such a page later costs far more than a copy (measured: a cold 1 GiB load
+    ran at 0.41 GB/s with 2.26 s of kernel CPU, and at 1.69 GB/s with 0.23 s right after
+    warming). Whichever phase first needs fresh page cache or buffers would pay it, so every
+    timed phase (baselines and shardwork alike) is preceded by this, on every process.
+    """
+    if mib > 0:
+        torch.empty(mib << 20, dtype=torch.uint8).fill_(1)
+
+
+def threads_per_rank(world: int) -> int:
+    """Each rank's share of the machine's cores (as ``OMP_NUM_THREADS`` would be set per rank)."""
+    return max(1, (os.cpu_count() or 1) // world)
+
+
+def copy_floor(state: dict, repeats: int) -> list[float]:
+    """Seconds to copy this rank's tensors into preallocated, touched buffers, per repetition.
+
+    This is what async staging must do at the least (read and write every byte once), so
+    ``copy_floor / sync`` is the lowest async-blocking fraction this machine allows.
+    """
+    import torch.distributed as dist
+
+    sources = [getattr(v, "data", v) for v in state["model"].values()]
+    targets = [torch.empty_like(t).fill_(1) for t in sources]
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for dst, src in zip(targets, sources):
+            dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def in_rank_sequential_read(checkpoint: Path, rank: int) -> float:
+    """Seconds for this rank to read its own data files sequentially (64 MiB ``readinto``
+    calls into one touched buffer), page cache dropped before and after.
+
+    The files partition the checkpoint's bytes, so over the ranks this reads each byte once:
+    the disk's practical read limit measured inside the rank processes, under the same memory
+    state as the shardwork load that follows (on these VMs a process that has just saved
+    reads markedly slower than a fresh one; see docs/dist-checkpoint.md).
+    """
+    import torch.distributed as dist
+
+    files = sorted(checkpoint.glob(f"__{rank}_*.distcp"))
+    size = sum(f.stat().st_size for f in files)
+    target = memoryview(torch.empty(max(size, 1), dtype=torch.uint8).fill_(1).numpy())
+    chunk = 64 * 2**20
+    dist.barrier()
+    t0 = time.perf_counter()
+    done = 0
+    for path in files:
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(target[done : done + chunk]):
+                done += n
+    elapsed = time.perf_counter() - t0
+    assert done == size, (done, size)
+    dist.barrier()
+    for path in files:
+        evict(path)
+    dist.barrier()
+    return elapsed
 
 
 def evict(path: Path) -> None:
@@ -71,12 +149,16 @@ def global_tensors(size_mb: int) -> dict[str, torch.Tensor]:
 
 
 def rank_state(tensors: dict[str, torch.Tensor], rank: int, world: int, *, fill: bool):
-    """This rank's sharded state: copies of its pieces (``fill``) or zeros shaped like them
-    (a load template; ``tensors`` may then be on the meta device)."""
+    """This rank's sharded state: copies of its pieces (``fill``) or NaN-filled tensors shaped
+    like them (a load template; ``tensors`` may then be on the meta device). The template's
+    pages are touched, as an existing model's state is, so a load does not also pay for the
+    first touch of its destination (the sequential-read baseline reads into a touched buffer)."""
     from shardwork.dist_checkpoint import ShardedTensor
 
     def local(data: torch.Tensor) -> torch.Tensor:
-        return data.clone() if fill else torch.zeros(data.shape, dtype=data.dtype)
+        if fill:
+            return data.clone()
+        return torch.empty(data.shape, dtype=data.dtype).fill_(float("nan"))
 
     state = {}
     for key, full in tensors.items():
@@ -107,7 +189,7 @@ def _rank_main(rank, world, store_path, workdir, size_mb, repeats, queue):
 
     from shardwork.dist_checkpoint import StagingBuffers, load, save
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads_per_rank(world))
     dist.init_process_group(
         "gloo",
         store=dist.FileStore(store_path, world),
@@ -118,6 +200,7 @@ def _rank_main(rank, world, store_path, workdir, size_mb, repeats, queue):
     tensors = global_tensors(size_mb)
     state = rank_state(tensors, rank, world, fill=True)
     tensors = {k: v.to("meta") for k, v in tensors.items()}  # only shapes are needed now
+    warm_mib = 3 * size_mb // (2 * world)  # 1.5x the state, shared over the ranks
     async_group = dist.new_group(backend="gloo")
     buffers = StagingBuffers()  # as CheckpointManager does: reused from the second save on
     out = {
@@ -128,10 +211,13 @@ def _rank_main(rank, world, store_path, workdir, size_mb, repeats, queue):
         "phases": [],
         "async_phases": [],
         "load_paths": [],
+        "load_kernel_cpu": [],
+        "in_rank_read": [],
     }
     for rep in range(repeats):
         for mode in ("sync", "async"):
             path = Path(workdir) / f"{mode}-{rep}"
+            warm_free_memory(warm_mib)
             dist.barrier()
             t0 = time.perf_counter()
             if mode == "sync":
@@ -147,15 +233,19 @@ def _rank_main(rank, world, store_path, workdir, size_mb, repeats, queue):
                 result = handle.finalize()
                 out["async_total"].append(time.perf_counter() - t0)
                 out["async_phases"].append(result.timings)
+        template = rank_state(tensors, rank, world, fill=False)
         dist.barrier()
         if rank == 0:
             evict(Path(workdir) / f"sync-{rep}")
         dist.barrier()
-        template = rank_state(tensors, rank, world, fill=False)
-        t0 = time.perf_counter()
+        out["in_rank_read"].append(in_rank_sequential_read(Path(workdir) / f"sync-{rep}", rank))
+        warm_free_memory(warm_mib)
+        dist.barrier()
+        t0, kernel0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_stime
         stats: dict[str, int] = {}
         loaded = load(template, Path(workdir) / f"sync-{rep}", stats=stats)
         out["load"].append(time.perf_counter() - t0)
+        out["load_kernel_cpu"].append(resource.getrusage(resource.RUSAGE_SELF).ru_stime - kernel0)
         out["load_paths"].append(stats)
         for key, st in state["model"].items():
             assert torch.equal(loaded["model"][key], st.data), key
@@ -163,6 +253,7 @@ def _rank_main(rank, world, store_path, workdir, size_mb, repeats, queue):
         if rank == 0:
             for mode in ("sync", "async"):
                 shutil.rmtree(Path(workdir) / f"{mode}-{rep}")
+    out["copy_floor"] = copy_floor(state, repeats)
     if world > 1:
         dist.destroy_process_group(async_group)
     dist.destroy_process_group()
@@ -187,7 +278,14 @@ def run_world(world: int, workdir: str, size_mb: int, repeats: int) -> dict:
     # the phases of exactly that repetition (rank 0's), named by its index
     per_rep = {
         metric: [max(results[r][metric][i] for r in results) for i in range(repeats)]
-        for metric in ("sync", "async_blocking", "async_total", "load")
+        for metric in (
+            "sync",
+            "async_blocking",
+            "async_total",
+            "load",
+            "copy_floor",
+            "in_rank_read",
+        )
     }
     best_rep = {
         metric: min(range(repeats), key=times.__getitem__) for metric, times in per_rep.items()
@@ -207,6 +305,7 @@ def run_world(world: int, workdir: str, size_mb: int, repeats: int) -> dict:
         "repetition": best_rep["load"],
         **results[0]["load_paths"][best_rep["load"]],
     }
+    best["load_kernel_cpu_rank0_s"] = results[0]["load_kernel_cpu"]
     return best
 
 
@@ -217,8 +316,11 @@ def baselines(workdir: str, size_mb: int, repeats: int) -> dict:
     seq_path = Path(workdir) / "sequential.bin"
     pt_path = Path(workdir) / "state.pt"
     out = {"sequential_write": [], "torch_save": [], "sequential_read": [], "torch_load": []}
+    read_kernel: list[float] = []
     chunk = 64 * 2**20
+    warm_mib = 3 * size_mb // 2
     for _ in range(repeats):
+        warm_free_memory(warm_mib)
         t0 = time.perf_counter()
         with open(seq_path, "wb") as f:
             for i in range(0, raw.nbytes, chunk):
@@ -226,6 +328,7 @@ def baselines(workdir: str, size_mb: int, repeats: int) -> dict:
             f.flush()
             os.fsync(f.fileno())
         out["sequential_write"].append(time.perf_counter() - t0)
+        warm_free_memory(warm_mib)
         t0 = time.perf_counter()
         with open(pt_path, "wb") as f:
             torch.save(tensors, f)
@@ -235,25 +338,32 @@ def baselines(workdir: str, size_mb: int, repeats: int) -> dict:
         evict(seq_path)
         evict(pt_path)
         target = memoryview(torch.empty(raw.nbytes, dtype=torch.uint8).fill_(1).numpy())
-        t0 = time.perf_counter()
+        warm_free_memory(warm_mib)
+        t0, kernel0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_stime
         with open(seq_path, "rb", buffering=0) as f:
             for i in range(0, raw.nbytes, chunk):
                 assert f.readinto(target[i : i + chunk]) == min(chunk, raw.nbytes - i)
         out["sequential_read"].append(time.perf_counter() - t0)
+        read_kernel.append(resource.getrusage(resource.RUSAGE_SELF).ru_stime - kernel0)
         del target
+        warm_free_memory(warm_mib)
         t0 = time.perf_counter()
         torch.load(pt_path, weights_only=True)
         out["torch_load"].append(time.perf_counter() - t0)
     seq_path.unlink()
     pt_path.unlink()
-    return {k: min(v) for k, v in out.items()}
+    return {
+        **{k: min(v) for k, v in out.items()},
+        "sequential_read_per_repetition": out["sequential_read"],
+        "sequential_read_kernel_cpu": read_kernel,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-mb", type=int, default=1024, help="unique state size (MiB)")
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--out", default=str(RESULTS / "dist_checkpoint"))
     args = parser.parse_args()
@@ -295,6 +405,7 @@ def main() -> None:
         save_gbs = gb / r["sync"]
         load_gbs = gb / r["load"]
         frac = r["async_blocking"] / r["sync"]
+        floor = r["copy_floor"] / r["sync"]
         record["worlds"][str(w)] = {
             **r,
             "save_GBps": save_gbs,
@@ -302,24 +413,41 @@ def main() -> None:
             "save_vs_sequential": save_gbs / seq_gbs,
             "load_vs_sequential_read": load_gbs / read_gbs,
             "load_vs_sequential_write": load_gbs / seq_gbs,
+            "load_vs_in_rank_read": r["in_rank_read"] / r["load"],
             "async_blocking_fraction": frac,
+            "copy_floor_fraction": floor,
+            "threads_per_rank": threads_per_rank(w),
         }
         ph, sp = r["async_phases_rank0"], r["sync_phases_rank0"]
         note = (
             f"sync rep {sp['repetition']} (rank 0: plan {1e3 * sp['plan']:.0f}, write "
             f"{1e3 * sp['write']:.0f}, finalize {1e3 * sp['finalize']:.0f} ms); async blocks "
             f"{100 * frac:.1f}% of sync (rep {ph['repetition']}, rank 0: plan "
-            f"{1e3 * ph['plan']:.0f} ms, stage {1e3 * ph['stage']:.0f} ms)"
+            f"{1e3 * ph['plan']:.0f} ms, stage {1e3 * ph['stage']:.0f} ms); a bare copy of "
+            f"the rank's bytes is {100 * floor:.1f}% of sync ({threads_per_rank(w)} thread(s)/rank)"
         )
         rows.append(row(f"shardwork save, {w} rank(s)", save_gbs, note))
-    rows.append(row("sequential read (cache dropped)", read_gbs))
+    reps = ", ".join(f"{t:.2f}" for t in base["sequential_read_per_repetition"])
+    kernel = ", ".join(f"{t:.2f}" for t in base["sequential_read_kernel_cpu"])
+    rows.append(
+        row(
+            "sequential read (cache dropped)", read_gbs, f"s per rep {reps} (kernel CPU s {kernel})"
+        )
+    )
     rows.append(row("torch.load full state", gb / base["torch_load"]))
     for w, r in worlds.items():
         lp = dict(r["load_paths_rank0"])
         paths = f"rep {lp.pop('repetition')}: " + ", ".join(
             f"{k} {v}" for k, v in sorted(lp.items())
         )
-        rows.append(row(f"shardwork load, {w} rank(s)", gb / r["load"], f"rank 0 reads: {paths}"))
+        reps = ", ".join(f"{t:.2f}" for t in r["per_repetition_s"]["load"])
+        kernel = ", ".join(f"{t:.2f}" for t in r["load_kernel_cpu_rank0_s"])
+        note = (
+            f"{r['in_rank_read'] / r['load']:.2f}x the in-rank sequential read of the same "
+            f"files ({gb / r['in_rank_read']:.3f} GB/s); rank 0 reads: {paths}; load s per rep "
+            f"{reps} (rank 0 kernel CPU s {kernel})"
+        )
+        rows.append(row(f"shardwork load, {w} rank(s)", gb / r["load"], note))
     header = ("what", "GB/s", "vs seq. write", "vs seq. read", "note")
     widths = [max(len(x[i]) for x in [header, *rows]) for i in range(len(header))]
     lines = [" | ".join(c.ljust(wd) for c, wd in zip(row, widths)) for row in [header, *rows]]
