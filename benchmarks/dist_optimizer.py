@@ -184,11 +184,11 @@ class Clock:
 
     def intervals(self) -> list[float]:
         """Seconds between consecutive pairs of marks (start, end, start, end, ...)."""
+        pairs = zip(self.marks[::2], self.marks[1::2])
         if self.cuda:
             torch.cuda.synchronize()
-            pairs = zip(self.marks[::2], self.marks[1::2])
             return [a.elapsed_time(b) / 1e3 for a, b in pairs]
-        return [b - a for a, b in zip(self.marks[::2], self.marks[1::2])]
+        return [b - a for a, b in pairs]
 
 
 def _build(case: SpeedCase, pg: Any, device: torch.device, overlap: bool):

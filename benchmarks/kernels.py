@@ -125,6 +125,7 @@ def _cases(s: dict, device: torch.device, dtype: torch.dtype) -> dict:
 
     th, ti, rows = t * h, t * inter, t * s["heads"] * s["head_dim"]
     pk = s["perm_tokens"] * s["topk"] * s["perm_hidden"]
+    perm = (2 * pk + pk + s["perm_tokens"] * s["perm_hidden"]) * e  # same bytes fwd and bwd
     ce = s["ce_tokens"] * s["vocab"]
     re = s["router_tokens"] * s["experts"]
     return {
@@ -142,9 +143,7 @@ def _cases(s: dict, device: torch.device, dtype: torch.dtype) -> dict:
                         lambda inp, b: fk.router_topk(inp[0], topk=s["topk"], score_function="sigmoid",
                                                       num_groups=8, group_topk=4, backend=b).probs,
                         re * (2 * e + 1 + 4), re * (3 * e + 1)),
-        "permute+unpermute": (route_inputs, permute_round_trip,
-                              (2 * pk + pk + s["perm_tokens"] * s["perm_hidden"]) * e,
-                              (2 * pk + pk + s["perm_tokens"] * s["perm_hidden"]) * e),
+        "permute+unpermute": (route_inputs, permute_round_trip, perm, perm),
     }  # fmt: skip
 
 

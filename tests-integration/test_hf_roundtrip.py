@@ -94,26 +94,6 @@ def _config(run_dir, folder_in, folder_out, layout):
     )
 
 
-def _first_step_rows(config) -> torch.Tensor:
-    """Step 0's global batch ``[gbs, seq + 1]`` (dp = 1 at these layouts)."""
-    from shardwork.trainer.data.builder import build_blend, micro_batch, split_components
-
-    s = config.schedule
-    train_set = build_blend(
-        split_components(config.data)["train"],
-        size=s.train_steps * s.global_batch_size,
-        seq_length=config.data.seq_length,
-        seed=config.seed,
-        shuffle=config.data.shuffle,
-    )
-    mbs = s.micro_batch_size
-    parts = [
-        micro_batch(train_set, consumed=0, index=i, micro_batch_size=mbs, dp_rank=0, dp_size=1)
-        for i in range(s.global_batch_size // mbs)
-    ]
-    return torch.cat(parts)
-
-
 def _finetune(model_type: str, folder_in: str, folder_out: str, run_dir: str, cache: str, layout):
     os.environ["SHARDWORK_CACHE"] = cache
     from shardwork.trainer.run.trainer import train
@@ -129,13 +109,16 @@ def _finetune(model_type: str, folder_in: str, folder_out: str, run_dir: str, ca
 @pytest.mark.parametrize("model_type", ["llama", "mixtral"])
 def test_finetuned_export_reloads_in_transformers(tmp_path, monkeypatch, model_type):
     from shardwork.trainer.generate import load_for_inference
+    from shardwork.trainer.testing import first_global_batch
 
     cache = str(tmp_path / "corpus")
     monkeypatch.setenv("SHARDWORK_CACHE", cache)
     folder_in, folder_out = str(tmp_path / "in"), str(tmp_path / "out")
     _hf_model(model_type).save_pretrained(folder_in)  # for the parent's config and batch
     config = _config(str(tmp_path / "run"), folder_in, folder_out, LAYOUTS[model_type])
-    rows = _first_step_rows(config)  # also builds the corpus once, before the ranks read it
+    # step 0's global batch (dp = 1 at these layouts); also builds the corpus once, before the
+    # ranks read it
+    rows = torch.cat(first_global_batch(config))
     shutil.rmtree(folder_in)  # the ranks write it again, as a user would have it
 
     args = (model_type, folder_in, folder_out, str(tmp_path / "run"), cache, LAYOUTS[model_type])

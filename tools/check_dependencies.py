@@ -105,7 +105,8 @@ def read_packages(root: pathlib.Path = ROOT) -> dict[str, Declared]:
 
 
 def graph_problems(packages: dict[str, Declared]) -> list[str]:
-    """Unknown packages, torch-only packages with shardwork dependencies, and cycles."""
+    """Unknown packages, torch-only packages with shardwork dependencies, edges outside
+    ``LAYERS``, and cycles."""
     problems = []
     for name, deps in packages.items():
         unknown = (deps.runtime | deps.extras | deps.test) - set(packages)
@@ -115,8 +116,9 @@ def graph_problems(packages: dict[str, Declared]) -> list[str]:
             problems.append(
                 f"{name}: must depend on torch only, but declares {sorted(deps.runtime)}"
             )
-        elif name in LAYERS and (deps.runtime | deps.extras) - LAYERS[name] - unknown:
-            outside = sorted((deps.runtime | deps.extras) - LAYERS[name] - unknown)
+        elif name in LAYERS and (
+            outside := sorted((deps.runtime | deps.extras) - LAYERS[name] - unknown)
+        ):
             problems.append(
                 f"{name}: depends on {outside}, outside the design's layering "
                 f"(allowed: {sorted(LAYERS[name]) or 'torch only'})"

@@ -57,6 +57,15 @@ def with_deps(name, **changes):
     return packages
 
 
+def only_problem_in(tmp_path, path, source):
+    """The base workspace plus ``path`` holding ``source`` has exactly one problem, reported at
+    ``path``; return it."""
+    problems = check_dependencies.find_problems(write_workspace(tmp_path, files=[(path, source)]))
+    assert len(problems) == 1
+    assert problems[0].startswith(f"{path}:")
+    return problems[0]
+
+
 def test_the_valid_fixture_passes(tmp_path, capsys):
     allowed = [
         # runtime dependencies, one level of their dependencies in tests, gated extras
@@ -165,13 +174,8 @@ def test_undeclared_import_in_a_source_module(tmp_path, source):
 )
 def test_ungated_optional_extra_import(tmp_path, source):
     path = "packages/moe-router/src/shardwork/moe_router/fused.py"
-    root = write_workspace(tmp_path, files=[(path, source)])
-    problems = check_dependencies.find_problems(root)
-    assert len(problems) == 1
-    assert problems[0].startswith(f"{path}:")
-    assert (
-        "imports shardwork.fused_kernels, an optional extra imported without a gate" in problems[0]
-    )
+    problem = only_problem_in(tmp_path, path, source)
+    assert "imports shardwork.fused_kernels, an optional extra imported without a gate" in problem
 
 
 @pytest.mark.parametrize(
@@ -187,12 +191,9 @@ def test_ungated_optional_extra_import(tmp_path, source):
 )
 def test_undeclared_import_in_a_test_module(tmp_path, source):
     path = "packages/moe-router/tests/test_models.py"
-    root = write_workspace(tmp_path, files=[(path, source)])
-    problems = check_dependencies.find_problems(root)
-    assert len(problems) == 1
-    assert problems[0].startswith(f"{path}:")
-    assert "test imports shardwork.models without declaring it" in problems[0]
-    assert 'pytest.importorskip("shardwork.models")' in problems[0]
+    problem = only_problem_in(tmp_path, path, source)
+    assert "test imports shardwork.models without declaring it" in problem
+    assert 'pytest.importorskip("shardwork.models")' in problem
 
 
 def test_the_real_workspace_passes():

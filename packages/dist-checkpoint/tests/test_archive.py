@@ -15,26 +15,19 @@ from shardwork.dist_checkpoint.archive import write_tensor_archive
 from shardwork.dist_checkpoint.blob import HEAD_BYTES, parse_tensor_blob
 from shardwork.dist_checkpoint.crc import crc32_combine
 from shardwork.dist_checkpoint.datafile import DataFile
+from shardwork.dist_checkpoint.testing import TENSOR_CASES, seeded
 
-
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
-
-
+# the shared cases (seeds 1-7), then what only the writer meets: a row block (contiguous, at
+# an offset), an empty tensor, a lazily conjugated complex tensor, a dtype it leaves to
+# torch.save, and a payload large enough to be written in slices (last: it ends the file)
 TENSORS = {
-    "float32": lambda: torch.randn(7, 5, generator=_gen(1)),
-    "bfloat16": lambda: torch.randn(3, 9, generator=_gen(2)).to(torch.bfloat16),
-    "transposed": lambda: torch.randn(6, 4, generator=_gen(3)).t(),
-    "column_block": lambda: torch.randn(10, 8, generator=_gen(4))[3:7, 2:5],
-    "row_block": lambda: torch.randn(10, 8, generator=_gen(5))[3:7],
-    "zero_dim": lambda: torch.randn((), generator=_gen(6)),
+    **TENSOR_CASES,
+    "row_block": lambda: torch.randn(10, 8, generator=seeded(8))[3:7],
     "empty": lambda: torch.empty(0, 4),
-    "bool": lambda: torch.randn(5, 3, generator=_gen(7)) > 0,
-    "int64_3d": lambda: torch.randint(-9, 9, (2, 3, 4), generator=_gen(8)),
-    "complex_conj": lambda: torch.randn(4, 3, dtype=torch.complex64, generator=_gen(9)).conj(),
-    "float8_fallback": lambda: torch.randn(4, 4, generator=_gen(10)).to(torch.float8_e4m3fn),
+    "complex_conj": lambda: torch.randn(4, 3, dtype=torch.complex64, generator=seeded(9)).conj(),
+    "float8_fallback": lambda: torch.randn(4, 4, generator=seeded(10)).to(torch.float8_e4m3fn),
     # 3 MiB + 28 bytes: written in slices, its CRC combined into the file's
-    "sliced_payload": lambda: torch.randn(3 * 2**18 + 7, generator=_gen(11)),
+    "sliced_payload": lambda: torch.randn(3 * 2**18 + 7, generator=seeded(11)),
 }
 
 
@@ -82,7 +75,7 @@ def test_archives_load_with_torch_and_the_file_checksum_is_the_files(tmp_path):
 
 
 def test_a_view_is_written_without_the_rest_of_its_storage(tmp_path):
-    base = torch.randn(1000, 256, generator=_gen(12))
+    base = torch.randn(1000, 256, generator=seeded(12))
     rows = base[10:20]  # 10 KiB of a 1000 KiB storage
     out = DataFile(tmp_path / "f", rank=0, sync_files=False)
     length = write_tensor_archive(out, rows)

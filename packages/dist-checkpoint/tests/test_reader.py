@@ -13,6 +13,7 @@ import torch
 from shardwork.dist_checkpoint import ShardedTensor, load, save
 from shardwork.dist_checkpoint import reader as reader_module
 from shardwork.dist_checkpoint.blob import HEAD_BYTES, parse_tensor_blob
+from shardwork.dist_checkpoint.testing import TENSOR_CASES, seeded
 
 
 def _blob(value):
@@ -21,24 +22,9 @@ def _blob(value):
     return buffer.getvalue()
 
 
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
-
-
-TENSORS = {
-    "float32": lambda: torch.randn(7, 5, generator=_gen(1)),
-    "bfloat16": lambda: torch.randn(3, 9, generator=_gen(2)).to(torch.bfloat16),
-    "transposed": lambda: torch.randn(6, 4, generator=_gen(3)).t(),
-    "slice_with_offset": lambda: torch.randn(10, 8, generator=_gen(4))[3:7, 2:5],
-    "zero_dim": lambda: torch.randn((), generator=_gen(5)),
-    "bool": lambda: torch.randn(5, 3, generator=_gen(6)) > 0,
-    "int64_3d": lambda: torch.randint(-9, 9, (2, 3, 4), generator=_gen(7)),
-}
-
-
-@pytest.mark.parametrize("name", sorted(TENSORS))
+@pytest.mark.parametrize("name", sorted(TENSOR_CASES))
 def test_parse_tensor_blob_locates_the_storage_bytes(name):
-    tensor = TENSORS[name]()
+    tensor = TENSOR_CASES[name]()
     raw = _blob(tensor)
     stored = parse_tensor_blob(raw[:HEAD_BYTES], len(raw))
     assert stored is not None
@@ -56,7 +42,7 @@ def test_parse_tensor_blob_locates_the_storage_bytes(name):
 
 
 def test_parse_tensor_blob_returns_none_for_what_it_cannot_read():
-    tensor = torch.randn(16, 16, generator=_gen(8))
+    tensor = torch.randn(16, 16, generator=seeded(8))
     raw = _blob(tensor)
     assert parse_tensor_blob(raw[:HEAD_BYTES], len(raw)) is not None
     assert parse_tensor_blob(raw[:60], len(raw)) is None  # head ends inside the pickle
@@ -69,9 +55,9 @@ def test_parse_tensor_blob_returns_none_for_what_it_cannot_read():
 def _single_state(template):
     """One process, one chunk per tensor: values from seeded generators."""
     ref = {
-        "exact": torch.randn(64, 48, generator=_gen(10)),
-        "cast": torch.randn(32, 16, generator=_gen(11)),
-        "strided": torch.randn(40, 24, generator=_gen(12)),
+        "exact": torch.randn(64, 48, generator=seeded(10)),
+        "cast": torch.randn(32, 16, generator=seeded(11)),
+        "strided": torch.randn(40, 24, generator=seeded(12)),
     }
     if not template:
         return ref, {k: ShardedTensor.from_rank_offsets(k, v.clone()) for k, v in ref.items()}
@@ -115,10 +101,10 @@ def test_thread_count_is_checked():
 
 ROWS, COLS = 32, 2048  # rows of 8 KiB: column blocks are scatter-read
 GLOBAL = {
-    "rowwise": lambda: torch.randn(ROWS, COLS, generator=_gen(20)),
-    "grid": lambda: torch.randn(ROWS, COLS, generator=_gen(21)),
-    "narrow": lambda: torch.randn(ROWS, 12, generator=_gen(22)),
-    "flat": lambda: torch.randn(6, 7, generator=_gen(23)),
+    "rowwise": lambda: torch.randn(ROWS, COLS, generator=seeded(20)),
+    "grid": lambda: torch.randn(ROWS, COLS, generator=seeded(21)),
+    "narrow": lambda: torch.randn(ROWS, 12, generator=seeded(22)),
+    "flat": lambda: torch.randn(6, 7, generator=seeded(23)),
 }
 
 

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from unittest import mock
 
 import pytest
@@ -57,6 +58,16 @@ def test_any_slice_equals_the_slice_of_the_whole_draw(gshape, axis):
         torch.testing.assert_close(piece, whole.narrow(axis, start, extent), rtol=0, atol=0)
         other = gshape[1 - axis]
         assert drawn <= (extent + 2 * INIT_BLOCK) * other
+    # the documented definition, computed here: block b is randn of its lines from a CPU
+    # generator seeded by the first 63 bits (little-endian) of sha256("5:k#b")
+    blocks = []
+    for b, begin in enumerate(range(0, lines, INIT_BLOCK)):
+        digest = hashlib.sha256(f"5:k#{b}".encode()).digest()
+        gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+        block_shape = list(gshape)
+        block_shape[axis] = min(INIT_BLOCK, lines - begin)
+        blocks.append(torch.randn(block_shape, generator=gen))
+    torch.testing.assert_close(whole, torch.cat(blocks, dim=axis), rtol=0, atol=0)
     # blocks are independent streams, and the key and seed matter
     assert not torch.equal(whole.narrow(axis, 0, 4), whole.narrow(axis, INIT_BLOCK, 4))
     assert not torch.equal(whole, normal_slice(5, "k2", gshape, (0, 0), gshape, axis=axis))

@@ -49,21 +49,28 @@ def _data():
     )
 
 
+def _rank_router(config, pg, tracker, weight):
+    """Layer 0's fp64 router on this rank: token counts reduced over ``pg``'s tp_cp (sequence
+    shards) and tp_dp_cp (global aux loss) groups, gate weight ``weight``."""
+    router = TopKRouter(
+        config,
+        tp_cp_group=pg.tp_cp,
+        tp_dp_cp_group=pg.tp_dp_cp,
+        tracker=tracker,
+        loss_scale=AuxLossScale(SCALE),
+        layer_index=0,
+    ).double()
+    router.weight.data.copy_(weight)
+    return router
+
+
 def _run(tracker_kwargs):
     pg = ps.init_process_groups(ps.ParallelConfig(tp=2, pp=2))
     tracker = AuxLossTracker(num_layers=2, num_experts=E)
     weight, x, g = _data()
     result = {"stage": pg.rank("pp")}
     if pg.rank("pp") == 0:
-        router = TopKRouter(
-            _config(),
-            tp_cp_group=pg.tp_cp,
-            tp_dp_cp_group=pg.tp_dp_cp,
-            tracker=tracker,
-            loss_scale=AuxLossScale(SCALE),
-            layer_index=0,
-        ).double()
-        router.weight.data.copy_(weight)
+        router = _rank_router(_config(), pg, tracker, weight)
         r, half = pg.rank("tp"), S // 2
         x_local = x[r * half : (r + 1) * half].clone().requires_grad_(True)
         probs, _ = router(x_local)
@@ -166,16 +173,8 @@ def _run_dp():
     pg = ps.init_process_groups(ps.ParallelConfig())
     r = pg.rank("dp")
     tracker = AuxLossTracker(num_layers=1, num_experts=E)
-    router = TopKRouter(
-        _dp_config(),
-        tp_cp_group=pg.tp_cp,
-        tp_dp_cp_group=pg.tp_dp_cp,
-        tracker=tracker,
-        loss_scale=AuxLossScale(SCALE),
-        layer_index=0,
-    ).double()
     weight, x, grad_out = _dp_data()
-    router.weight.data.copy_(weight)
+    router = _rank_router(_dp_config(), pg, tracker, weight)
     grads_x = []
     for m in range(MICRO):
         x_m = x[r, m].clone().requires_grad_(True)

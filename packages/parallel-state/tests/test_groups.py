@@ -44,8 +44,11 @@ def _member_sums(config_kwargs, ranks=None):
     out = {}
     for name in GROUP_NAMES:
         if name not in groups.members:  # a middle pipeline stage has no embedding group
-            with pytest.raises(ValueError, match=f"belongs to no '{name}' group"):
-                groups.group(name)
+            for ask in (groups.group, groups.size, groups.rank):
+                with pytest.raises(ValueError, match=f"belongs to no '{name}' group"):
+                    ask(name)
+            with pytest.raises(AttributeError, match=f"belongs to no '{name}' group"):
+                getattr(groups, name)
             out[name] = None
             continue
         value = torch.tensor([float(dist.get_rank() + 1)], dtype=torch.float64)

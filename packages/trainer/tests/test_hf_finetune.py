@@ -16,7 +16,7 @@ import torch
 from shardwork.trainer.config.load import ConfigError
 from shardwork.trainer.config.validate import validate_config
 from shardwork.trainer.run.trainer import train
-from shardwork.trainer.testing import tiny_config
+from shardwork.trainer.testing import first_global_batch, tiny_config
 
 VOCAB = 260  # the byte tokenizer's 257 ids fit
 
@@ -53,34 +53,6 @@ def source(tmp_path_factory):
     return str(folder), model
 
 
-def _first_step_rows(config) -> torch.Tensor:
-    """The global batch of step 0 (``[gbs, seq + 1]``), read with the trainer's data layout."""
-    from shardwork.trainer.data.builder import build_blend, micro_batch, split_components
-
-    s = config.schedule
-    train_set = build_blend(
-        split_components(config.data)["train"],
-        size=s.train_steps * s.global_batch_size,
-        seq_length=config.data.seq_length,
-        seed=config.seed,
-        shuffle=True,
-    )
-    count = s.global_batch_size // s.micro_batch_size
-    return torch.cat(
-        [
-            micro_batch(
-                train_set,
-                consumed=0,
-                index=i,
-                micro_batch_size=s.micro_batch_size,
-                dp_rank=0,
-                dp_size=1,
-            )
-            for i in range(count)
-        ]
-    )
-
-
 def _mean_loss(model, rows) -> float:
     with torch.no_grad():
         loss_sum, count = model(input_ids=rows[:, :-1], labels=rows[:, 1:])
@@ -108,7 +80,7 @@ def test_finetune_from_and_export_to_a_hugging_face_folder(tmp_path, source):
     result = train(config)
     # step 0 trained the imported weights: its loss is the source model's on that batch
     assert result.train_losses[0] == pytest.approx(
-        _mean_loss(model, _first_step_rows(config)), rel=1e-5
+        _mean_loss(model, torch.cat(first_global_batch(config))), rel=1e-5
     )
     assert result.hf_export == str(out)
     exported = from_pretrained(out).eval()

@@ -22,7 +22,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 SHORT = ["--schedule.train_steps", "20", "--schedule.warmup_steps", "4", "--eval.steps", "4"]
-"""The default run, shortened: 20 steps, warmup 4, 4 validation micro-batches."""
+"""The default run, shortened: 20 steps, warmup 4, validation on 4 global batches."""
 
 
 def _script(name: str) -> str:

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from shardwork.trainer.observe.metrics import read_metrics
-from shardwork.trainer.run.trainer import _train_samples, train
-from shardwork.trainer.testing import tiny_config
+from shardwork.trainer.run.trainer import train
+from shardwork.trainer.testing import first_global_batch, tiny_config
 
 STEPS = 3
 
@@ -88,32 +88,13 @@ def _plain_losses(model, batches):
 def _step0_reference(config):
     """Step 0 of ``config`` recomputed outside the trainer: same seed, same micro-batches."""
     from shardwork.parallel_state import ProcessGroups
-    from shardwork.trainer.data.builder import build_blend, micro_batch, split_components
     from shardwork.trainer.model_factory import build_model_chunks, gpt_config
 
     (model,) = build_model_chunks(
         gpt_config(config), ProcessGroups.single(), device=torch.device("cpu")
     )
     model.train()  # routers record statistics in training mode; the twins have no dropout
-    s = config.schedule
-    train_set = build_blend(
-        split_components(config.data)["train"],
-        size=_train_samples(config),
-        seq_length=config.data.seq_length,
-        seed=config.seed,
-        shuffle=config.data.shuffle,
-    )
-    batches = [
-        micro_batch(
-            train_set,
-            consumed=0,
-            index=i,
-            micro_batch_size=s.micro_batch_size,
-            dp_rank=0,
-            dp_size=1,
-        )
-        for i in range(s.global_batch_size // s.micro_batch_size)
-    ]
+    batches = first_global_batch(config)
     return _plain_losses(model, batches)
 
 

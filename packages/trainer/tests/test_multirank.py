@@ -79,11 +79,9 @@ def _sections(parallel, **extra):
 )
 def test_layouts_match_single_process(tmp_path, cache, reference, world, parallel):
     sections = _sections(parallel)
-    mbs = 4
     if "vpp" in parallel:
         # interleaving needs micro-batches in multiples of pp: 8 / (2 × dp=2) = 2
-        mbs = 2
-        sections["schedule"] = {**sections["schedule"], "micro_batch_size": mbs}
+        sections["schedule"] = {**sections["schedule"], "micro_batch_size": 2}
     results = run_on_ranks(_train, world, args=(str(tmp_path), sections, cache), timeout=300)
     ref_train, ref_valid, _ = reference
     for train_losses, valid_losses, _ in results:
@@ -194,11 +192,10 @@ def test_stages_take_the_first_stages_evaluation_length():
 def _train_with_replica_check(run_dir, cache, perturb: bool):
     """4 steps at dp=2 with reliability.check_dp_params_interval=2. With ``perturb``, rank 1
     adds 1e-6 to one parameter after step index 1 (after ZeRO's all-gather made the replicas
-    equal again), just before the check at step 2. Returns ``(checks, outcome)``: the
-    ``(step, parameters compared)`` of every check that ran, and the error text (or the
-    final step)."""
-    import os
-
+    equal again), just before the check at step 2. Returns ``(checks, outcome, perturbed)``:
+    the ``(step, parameters compared)`` of every check that ran, the error text (or the final
+    step), and the name of the parameter rank 1 changed (None on rank 0 and when nothing was
+    raised)."""
     os.environ["SHARDWORK_CACHE"] = cache
     import shardwork.trainer.run.trainer as trainer_module
     from shardwork.trainer.run.params_check import ReplicaMismatchError
@@ -304,8 +301,7 @@ def test_moe_models_match_single_process(tmp_path, cache, preset, parallel):
     }
     layout = {**sections, "parallel": parallel}
     # eval.steps counts global batches: every layout evaluates the same validation samples
-    reference = sections
-    ref_train, ref_valid, ref_mtp = _train_mtp(str(tmp_path / "ref"), reference, cache)
+    ref_train, ref_valid, ref_mtp = _train_mtp(str(tmp_path / "ref"), sections, cache)
     for train_losses, valid_losses, mtp_losses in run_on_ranks(
         _train_mtp, 2, args=(str(tmp_path / "par"), layout, cache), timeout=300
     ):

@@ -62,16 +62,15 @@ class _StorageRef:
 class _TensorPickle:
     """Pickles as ``torch.save`` pickles a plain contiguous tensor with no autograd state."""
 
-    def __init__(self, storage: _StorageRef, size: tuple[int, ...]) -> None:
+    def __init__(
+        self, storage: _StorageRef, size: tuple[int, ...], stride: tuple[int, ...]
+    ) -> None:
         self.storage = storage
         self.size = size
+        self.stride = stride
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        stride, step = [], 1
-        for n in reversed(self.size):
-            stride.append(step)
-            step *= n
-        args = (self.storage, 0, self.size, tuple(reversed(stride)), False, OrderedDict())
+        args = (self.storage, 0, self.size, self.stride, False, OrderedDict())
         return torch._utils._rebuild_tensor_v2, args
 
 
@@ -83,11 +82,11 @@ class _Pickler(pickle.Pickler):
 
 
 def _tensor_pickle(tensor: torch.Tensor) -> bytes:
+    """``data.pkl`` of a contiguous ``tensor`` whose storage is exactly its elements."""
     storage_class = getattr(torch, _STORAGE_NAMES[tensor.dtype])
+    ref = _StorageRef(storage_class, tensor.numel())
     buffer = io.BytesIO()
-    _Pickler(buffer, protocol=2).dump(
-        _TensorPickle(_StorageRef(storage_class, tensor.numel()), tuple(tensor.shape))
-    )
+    _Pickler(buffer, protocol=2).dump(_TensorPickle(ref, tuple(tensor.shape), tensor.stride()))
     return buffer.getvalue()
 
 

@@ -20,6 +20,7 @@ is summed at commit.
 from __future__ import annotations
 
 import io
+import math
 import os
 import threading
 import zlib
@@ -43,16 +44,16 @@ _READ_CHUNK = 16 * 2**20
 
 
 def _item_nbytes(item: WriteItem) -> int:
+    """Bytes of the item's chunk (DCP's own split sizes by the whole tensor instead)."""
     data = item.tensor_data
-    numel = 1
-    for n in data.size if data.chunk is None else data.chunk.sizes:
-        numel *= n
-    return numel * data.properties.dtype.itemsize
+    shape = data.size if data.chunk is None else data.chunk.sizes
+    return math.prod(shape) * data.properties.dtype.itemsize
 
 
 def split_items(items: list[WriteItem], files: int) -> list[list[WriteItem]]:
     """Items per file: byte items round-robin, tensor chunks largest first to the file with
-    the fewest bytes so far (ties: the first such file)."""
+    the fewest bytes so far (ties: the first such file). Each file's byte items come before
+    its tensors."""
     buckets: list[list[WriteItem]] = [[] for _ in range(files)]
     filled = [0] * files
     byte_items = [item for item in items if item.type == WriteItemType.BYTE_IO]
@@ -117,10 +118,7 @@ class ShardworkWriter(FileSystemWriter):
         )
         written = []
         try:
-            ordered = [i for i in items if i.type == WriteItemType.BYTE_IO] + [
-                i for i in items if i.type != WriteItemType.BYTE_IO
-            ]
-            for item in ordered:
+            for item in items:  # byte items first (`split_items`)
                 offset = out.tell()
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:

@@ -1,4 +1,5 @@
-"""Test helpers: a small example state and a save that is killed at a fault point.
+"""Test helpers: a small example state, tensors of awkward layouts and a save that is killed
+at a fault point.
 
 - `example_state(rank, world, ...)`: a sharded state dict with a row-sharded matrix, a tensor
   replicated on every rank, ZeRO-style flat shards and per-rank objects; values are a function
@@ -7,6 +8,9 @@
   that save through a `CheckpointManager` with ``SHARDWORK_CKPT_FAULT`` set, waits until a
   process dies of SIGKILL at the fault point, then kills the survivors (they block in a
   collective waiting for the dead rank), as a job launcher would.
+- `TENSOR_CASES`: tensors whose dtype, shape or memory layout a ``torch.save``-format blob
+  parser (`blob`) and writer (`archive`) must both get right, shared so that a case added
+  once is checked on both sides; `seeded` is the generator their values come from.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import os
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -24,10 +29,28 @@ import torch
 from shardwork.dist_checkpoint.faults import FAULT_ENV
 from shardwork.dist_checkpoint.sharded import ShardedObject, ShardedTensor
 
-__all__ = ["example_global", "example_state", "run_killed_save"]
+__all__ = ["TENSOR_CASES", "example_global", "example_state", "run_killed_save", "seeded"]
 
 _ROWS, _COLS = 8, 6
 _FLAT_SHAPE = (5, 7)
+
+
+def seeded(seed: int) -> torch.Generator:
+    """A CPU generator seeded with ``seed``, so test values are a function of the seed only."""
+    return torch.Generator().manual_seed(seed)
+
+
+#: Name -> function making a fresh tensor: dtypes of other item sizes, a transposed view, a
+#: block with a storage offset and non-contiguous rows, a 0-d and a 3-d tensor (seeds 1-7).
+TENSOR_CASES: dict[str, Callable[[], torch.Tensor]] = {
+    "float32": lambda: torch.randn(7, 5, generator=seeded(1)),
+    "bfloat16": lambda: torch.randn(3, 9, generator=seeded(2)).to(torch.bfloat16),
+    "transposed": lambda: torch.randn(6, 4, generator=seeded(3)).t(),
+    "slice_with_offset": lambda: torch.randn(10, 8, generator=seeded(4))[3:7, 2:5],
+    "zero_dim": lambda: torch.randn((), generator=seeded(5)),
+    "bool": lambda: torch.randn(5, 3, generator=seeded(6)) > 0,
+    "int64_3d": lambda: torch.randint(-9, 9, (2, 3, 4), generator=seeded(7)),
+}
 
 
 def example_global(seed: int) -> dict[str, torch.Tensor]:

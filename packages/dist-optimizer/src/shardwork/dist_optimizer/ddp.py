@@ -204,8 +204,9 @@ class DistributedDataParallel(nn.Module):
         return queues
 
     def _make_hook(self, param: nn.Parameter) -> Callable[[torch.Tensor], None]:
+        bucket = self._bucket_of[id(param)]  # fixed at construction: looked up once
+
         def hook(p: torch.Tensor) -> None:
-            bucket = self._bucket_of[id(param)]
             if bucket.grad_launched or bucket.marked_ready(param):
                 raise RuntimeError(self._late_gradient_message(param, bucket.grad_launched))
             if p.grad is not None:
@@ -213,7 +214,7 @@ class DistributedDataParallel(nn.Module):
                 p.grad = None
             self._grads_dirty = True
             overlap = self._sync_enabled and self.config.overlap_grad_reduce
-            if overlap and self._bucket_of[id(param)].mark_ready(param):
+            if overlap and bucket.mark_ready(param):
                 for q in self._queues:
                     q.launch_ready()
 

@@ -21,7 +21,8 @@ def grad_stats(
     grads: Sequence[torch.Tensor], counted: Sequence[bool], *, count_zeros: bool
 ) -> torch.Tensor:
     """float64 ``[pieces with a non-finite value, Σ g² over counted pieces, zeros in counted
-    pieces]``. ``grads``: this rank's master gradient pieces (any float dtype, any device);
+    pieces]``. ``grads``: this rank's master gradient pieces (float32 or narrower, any device:
+    a float64 piece with values near 1e154 may overflow its squared norm and count as non-finite);
     ``counted[i]``: whether piece i counts towards the norm and zeros on this rank. The zero
     count is 0 unless ``count_zeros`` (it costs a pass over the gradients)."""
     if not grads:

@@ -64,24 +64,34 @@ class ParamCounts:
     """Active parameters of the MTP depths."""
 
 
-def _attention(c: GPTConfig) -> int:
+def _attention_matmul(c: GPTConfig) -> int:
+    """Matmul weights of one attention block (biases and norms excluded)."""
     h, n = c.hidden_size, c.num_attention_heads
     if c.mla is None:
         d, g = c.kv_channels, c.kv_heads
-        p = h * (n + 2 * g) * d + n * d * h
-        if c.add_qkv_bias:
-            p += (n + 2 * g) * d
-        if c.qk_layernorm:
-            p += 2 * d
-        return p
+        return h * (n + 2 * g) * d + n * d * h
     m = c.mla
     if m.q_lora_rank is None:
         q = h * n * m.qk_head_dim
     else:
-        q = h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * n * m.qk_head_dim
-    kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
-    kv += m.kv_lora_rank * n * (m.qk_nope_head_dim + m.v_head_dim)
+        q = h * m.q_lora_rank + m.q_lora_rank * n * m.qk_head_dim
+    kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * n * (
+        m.qk_nope_head_dim + m.v_head_dim
+    )
     return q + kv + n * m.v_head_dim * h
+
+
+def _attention(c: GPTConfig) -> int:
+    """All parameters of one attention block: its matmul weights plus biases and norms."""
+    p = _attention_matmul(c)
+    if c.mla is not None:  # the q and kv low-rank norms
+        return p + c.mla.kv_lora_rank + (c.mla.q_lora_rank or 0)
+    d, g = c.kv_channels, c.kv_heads
+    if c.add_qkv_bias:
+        p += (c.num_attention_heads + 2 * g) * d
+    if c.qk_layernorm:
+        p += 2 * d
+    return p
 
 
 def _moe_mlp(c: GPTConfig) -> tuple[int, int, int]:
@@ -134,23 +144,6 @@ def moe_param_counts(config: GPTConfig) -> ParamCounts:
         router=router,
         mtp_active=mtp_active,
     )
-
-
-def _attention_matmul(c: GPTConfig) -> int:
-    """Matmul weights of one attention block (biases and norms excluded)."""
-    h, n = c.hidden_size, c.num_attention_heads
-    if c.mla is None:
-        d, g = c.kv_channels, c.kv_heads
-        return h * (n + 2 * g) * d + n * d * h
-    m = c.mla
-    if m.q_lora_rank is None:
-        q = h * n * m.qk_head_dim
-    else:
-        q = h * m.q_lora_rank + m.q_lora_rank * n * m.qk_head_dim
-    kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * n * (
-        m.qk_nope_head_dim + m.v_head_dim
-    )
-    return q + kv + n * m.v_head_dim * h
 
 
 def _mlp_matmul(c: GPTConfig, moe_layer: bool) -> int:

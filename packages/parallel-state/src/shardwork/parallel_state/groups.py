@@ -71,14 +71,24 @@ class ProcessGroups:
         handles = MappingProxyType(dict.fromkeys(GROUP_NAMES))
         return cls(config, 0, members, handles, MappingProxyType(dict.fromkeys(_GLOO_TWINNED)))
 
-    def group(self, name: str) -> ProcessGroup | None:
+    def _not_member(self, name: str) -> str | None:
+        """Why this rank has no group ``name`` (unknown name, or not a member), else None."""
         if name not in GROUP_NAMES:
-            raise ValueError(f"unknown group name {name!r}; valid names: {', '.join(GROUP_NAMES)}")
-        if name not in self.handles:
-            raise ValueError(
+            return f"unknown group name {name!r}; valid names: {', '.join(GROUP_NAMES)}"
+        if name not in self.members:
+            return (
                 f"global rank {self.global_rank} belongs to no {name!r} group (the embedding "
                 "group holds only the first and last pipeline stages)"
             )
+        return None
+
+    def _members_of(self, name: str) -> tuple[int, ...]:
+        if (why := self._not_member(name)) is not None:
+            raise ValueError(why)
+        return self.members[name]
+
+    def group(self, name: str) -> ProcessGroup | None:
+        self._members_of(name)
         return self.handles[name]
 
     def gloo_group(self, name: str) -> ProcessGroup | None:
@@ -90,16 +100,18 @@ class ProcessGroups:
         return self.gloo[name]
 
     def size(self, name: str) -> int:
-        return len(self.members[name])
+        return len(self._members_of(name))
 
     def rank(self, name: str) -> int:
         """This rank's index in group ``name`` (e.g. its pipeline stage for "pp")."""
-        return self.members[name].index(self.global_rank)
+        return self._members_of(name).index(self.global_rank)
 
     def __getattr__(self, name: str) -> ProcessGroup | None:
         handles = self.__dict__.get("handles")
         if handles is not None and name in handles:
             return handles[name]
+        if handles is not None and name in GROUP_NAMES:
+            raise AttributeError(self._not_member(name))
         raise AttributeError(name)
 
     @property

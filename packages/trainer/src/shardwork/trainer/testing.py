@@ -6,6 +6,9 @@ on one CPU core; keyword arguments override sections, e.g.
 ``tiny_config(run_dir, schedule={"train_steps": 12}, parallel={"tp": 2})``. A model
 section naming a ``preset`` replaces the tiny architecture with the preset's, and a
 checkpoint section naming ``hf_init`` with the Hugging Face folder's.
+
+:func:`first_global_batch` reads step 0's micro-batches as the trainer does, for tests that
+score them with a reference model outside the trainer.
 """
 
 from __future__ import annotations
@@ -60,3 +63,21 @@ def tiny_config(run_dir: str | Path, *, world_size: int = 1, **sections: Any) ->
             config, **{name: dataclasses.replace(getattr(config, name), **values)}
         )
     return validate_config(config, world_size=world_size)
+
+
+def first_global_batch(config: TrainConfig) -> list[Any]:
+    """Step 0's global batch on one process (dp = 1): its micro-batches in order, each an int64
+    ``[micro_batch_size, seq_length + 1]`` tensor, read from the run's training set with the
+    trainer's data layout (the set's size, seed and shuffling as in training)."""
+    from shardwork.trainer.data.builder import micro_batch, split_components
+    from shardwork.trainer.run.trainer import build_train_set
+    from shardwork.trainer.schedules import batch_size
+
+    s = config.schedule
+    train_set = build_train_set(config, split_components(config.data)["train"])
+    size = batch_size(0, global_batch_size=s.global_batch_size, ramp=s.batch_size_ramp)
+    mbs = s.micro_batch_size
+    return [
+        micro_batch(train_set, consumed=0, index=i, micro_batch_size=mbs, dp_rank=0, dp_size=1)
+        for i in range(size // mbs)
+    ]

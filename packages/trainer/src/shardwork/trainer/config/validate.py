@@ -99,9 +99,9 @@ def _check_parallel(config: TrainConfig, world_size: int, problems: list[str]) -
     return resolved.dp
 
 
-def _check_model(config: TrainConfig, problems: list[str]) -> bool:
+def _check_model(config: TrainConfig, problems: list[str]):
     """Build the GPTConfig and check it against the layout (shardwork.models does the
-    checking); returns whether the model could be built."""
+    checking); returns the GPTConfig, or None when it could not be built."""
     from shardwork.trainer.config.validate_hf import check_hf_shapes
     from shardwork.trainer.model_factory import gpt_config
 
@@ -109,13 +109,13 @@ def _check_model(config: TrainConfig, problems: list[str]) -> bool:
         model = gpt_config(config)
     except (ValueError, TypeError) as exc:
         problems.append(f"model: {exc}")
-        return False
-    check_hf_shapes(config, problems)
+        return None
+    check_hf_shapes(config, model, problems)
     try:
         model.check_layout(parallel_config(config), seq_length=config.data.seq_length)
     except ValueError as exc:
         problems.append(f"model/parallel: {exc}")
-        return True
+        return model
     from shardwork.models.pipeline import layers_per_rank
 
     p = config.parallel
@@ -129,7 +129,7 @@ def _check_model(config: TrainConfig, problems: list[str]) -> bool:
         )
     except ValueError as exc:
         problems.append(f"parallel (pipeline split of model.num_layers={model.num_layers}): {exc}")
-    return True
+    return model
 
 
 def _check_optimizer(config: TrainConfig, problems: list[str]) -> None:
@@ -370,9 +370,8 @@ def validate_config(config: TrainConfig, *, world_size: int) -> TrainConfig:
     model_ok = tokenizer_ok and preset_ok and hf_ok
     resolved = resolve_config(config) if model_ok else config
     dp = _check_parallel(resolved, world_size, problems)
-    if model_ok:
-        model_ok = _check_model(resolved, problems)
-    check_hf_export(resolved, problems, model_ok=model_ok)
+    model = _check_model(resolved, problems) if model_ok else None
+    check_hf_export(resolved, problems, model=model)
     _check_optimizer(resolved, problems)
     _check_schedule(resolved, dp, problems)
     _check_rest(resolved, problems)

@@ -98,13 +98,14 @@ def _tensor_shapes(model_config) -> dict[str, tuple[int, ...]]:
     return {k: tuple(st.global_shape) for k, st in model.sharded_state_dict().items()}
 
 
-def check_hf_shapes(config: TrainConfig, problems: list[str]) -> None:
-    """The resolved model holds exactly the tensors (names and shapes) of the folder's model."""
+def check_hf_shapes(config: TrainConfig, model_config, problems: list[str]) -> None:
+    """The resolved model (``model_config``, the run's GPTConfig) holds exactly the tensors
+    (names and shapes) of the folder's model."""
     if config.checkpoint.hf_init is None:
         return
-    from shardwork.trainer.model_factory import gpt_config, hf_config, hf_gpt_config
+    from shardwork.trainer.model_factory import hf_config, hf_gpt_config
 
-    mine = _tensor_shapes(gpt_config(config))
+    mine = _tensor_shapes(model_config)
     theirs = _tensor_shapes(hf_gpt_config(hf_config(config.checkpoint.hf_init)))
     if mine == theirs:
         return
@@ -119,8 +120,10 @@ def check_hf_shapes(config: TrainConfig, problems: list[str]) -> None:
     )
 
 
-def check_hf_export(config: TrainConfig, problems: list[str], *, model_ok: bool) -> None:
-    """``checkpoint.hf_export``: a new or empty directory, a writable family, one chunk per rank."""
+def check_hf_export(config: TrainConfig, problems: list[str], *, model) -> None:
+    """``checkpoint.hf_export``: a new or empty directory, a writable family, one chunk per rank;
+    ``model`` is the run's GPTConfig (None when it could not be built: the family is not
+    checked)."""
     target = config.checkpoint.hf_export
     if target is None:
         return
@@ -134,12 +137,11 @@ def check_hf_export(config: TrainConfig, problems: list[str], *, model_ok: bool)
             "per rank; valid: parallel.vpp unset (resume the final checkpoint at such a layout "
             "to export it)"
         )
-    if not model_ok:
+    if model is None:
         return
     from shardwork.models.hf import hf_config_from_gpt
-    from shardwork.trainer.model_factory import gpt_config
 
     try:
-        hf_config_from_gpt(gpt_config(config))
+        hf_config_from_gpt(model)
     except ValueError as exc:
         problems.append(f"{where}: this model has no Hugging Face equivalent: {exc}")

@@ -73,6 +73,7 @@ class Checkpointer:
 
     def __init__(self, config, runtime, assembly) -> None:
         from shardwork.dist_checkpoint import CheckpointManager
+        from shardwork.trainer.config.load import config_to_toml
 
         self.config = config
         self.runtime = runtime
@@ -86,6 +87,12 @@ class Checkpointer:
             async_save=c.async_save,
             layout=layout_of(runtime),
         )
+        #: what every checkpoint of the run stores beside its state (read once, not per save)
+        self.metadata = {"train_config": config_to_toml(config)}
+        if c.hf_init is not None:  # the architecture (shardwork-generate reads it)
+            from shardwork.trainer.model_factory import hf_config
+
+            self.metadata["hf_config"] = hf_config(c.hf_init)
 
     # ---- state -------------------------------------------------------------------------------
     def _model_state(self) -> dict:
@@ -135,15 +142,8 @@ class Checkpointer:
 
         A step that already has a complete checkpoint (a resumed, finished run) is kept.
         """
-        from shardwork.trainer.config.load import config_to_toml
-
         if step not in self.manager.list():
-            metadata = {"train_config": config_to_toml(self.config)}
-            if self.config.checkpoint.hf_init is not None:  # the architecture (generate reads it)
-                from shardwork.trainer.model_factory import hf_config
-
-                metadata["hf_config"] = hf_config(self.config.checkpoint.hf_init)
-            self.manager.save(step, self.state(step), metadata=metadata)
+            self.manager.save(step, self.state(step), metadata=self.metadata)
         return str(self.manager.step_path(step))
 
     def close(self) -> None:

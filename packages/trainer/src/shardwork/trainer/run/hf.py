@@ -15,25 +15,20 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 
 def will_resume(config) -> bool:
     """Whether :class:`~shardwork.trainer.run.checkpointing.Checkpointer` will load a checkpoint
     (``checkpoint.resume``: a path, or 'auto' with a complete checkpoint in ``checkpoint.dir``)."""
-    from shardwork.dist_checkpoint import is_committed
+    from shardwork.dist_checkpoint import CheckpointManager
 
     c = config.checkpoint
     if c.resume == "none":
         return False
     if c.resume != "auto":
         return True
-    root = Path(c.dir)
-    return root.is_dir() and any(
-        p.name.startswith("step_") and is_committed(p) for p in root.iterdir()
-    )
+    return CheckpointManager(c.dir).latest() is not None  # what 'auto' resumes from
 
 
 @torch.no_grad()

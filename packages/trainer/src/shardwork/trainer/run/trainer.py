@@ -88,6 +88,18 @@ def _train_samples(config: TrainConfig) -> int:
     )
 
 
+def build_train_set(config: TrainConfig, components):
+    """The run's training set: the ``train`` split's blend, sized for every step's samples
+    (batch-size ramp included), shuffled with the run's seed as ``data.shuffle`` says."""
+    return build_blend(
+        components,
+        size=_train_samples(config),
+        seq_length=config.data.seq_length,
+        seed=config.seed,
+        shuffle=config.data.shuffle,
+    )
+
+
 def _baseline(components, runtime) -> float | None:
     """Bigram entropy (nats/token) of the training corpus, computed on the logging rank."""
     if not runtime.is_logging_rank or not components:
@@ -119,13 +131,7 @@ def _datasets(config: TrainConfig, groups):
         return {"train": [], "valid": [], "test": []}, None, None, 0
     comps = split_components(config.data)
     seq = config.data.seq_length
-    train_set = build_blend(
-        comps["train"],
-        size=_train_samples(config),
-        seq_length=seq,
-        seed=config.seed,
-        shuffle=config.data.shuffle,
-    )
+    train_set = build_train_set(config, comps["train"])
     dp, mbs = groups.size("dp"), config.schedule.micro_batch_size
     gbs = config.schedule.global_batch_size
     eval_samples = None if config.eval.steps is None else config.eval.steps * gbs
