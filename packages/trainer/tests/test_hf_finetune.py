@@ -92,6 +92,44 @@ def test_finetune_from_and_export_to_a_hugging_face_folder(tmp_path, source):
         assert (model(input_ids=probe) - want).abs().max() > 1e-3  # and training moved it
 
 
+def test_a_resumed_run_reads_its_checkpoint_not_the_hugging_face_folder(
+    tmp_path, source, monkeypatch
+):
+    """With ``hf_init`` and ``resume='auto'`` a run whose checkpoint directory holds a complete
+    checkpoint continues from it: the folder's weights are not imported again (the import is
+    made to fail), and steps 3 and 4 equal those of the uninterrupted run from the folder."""
+    import io
+
+    import shardwork.trainer.run.hf as hf_module
+
+    folder, _ = source
+    ckpt = tmp_path / "ckpt"
+    common = dict(
+        schedule={"train_steps": 5, "warmup_steps": 1},
+        eval={"interval": None, "at_end": False},
+        checkpoint={
+            "hf_init": folder,
+            "dir": str(ckpt),
+            "interval": 3,
+            "save_at_end": True,
+            "resume": "auto",
+        },
+    )
+    full = train(tiny_config(tmp_path / "full", **common))
+    shutil.rmtree(ckpt / "step_000000005")  # the newest complete checkpoint is now step 3
+
+    def no_import(*args, **kwargs):
+        raise AssertionError("the Hugging Face folder was imported on resume")
+
+    monkeypatch.setattr(hf_module, "import_hf_weights", no_import)
+    said = io.StringIO()
+    resumed = train(tiny_config(tmp_path / "resumed", **common), stream=said)
+    assert "not read: the run resumes a checkpoint" in said.getvalue()
+    assert sorted(resumed.train_losses) == [3, 4]
+    for step in (3, 4):
+        assert resumed.train_losses[step] == full.train_losses[step], step
+
+
 def _problems(config, world_size=1) -> str:
     with pytest.raises(ConfigError) as err:
         validate_config(config, world_size=world_size)
