@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
@@ -118,21 +119,30 @@ def megatron_router(m, cfg: RouterConfig, weight: torch.Tensor, expert_bias):
     return r
 
 
-def time_pair(fns, *, rounds=3, iters=3) -> list[float]:
+def time_pair(fns, *, rounds=5, min_batch_s=0.02) -> list[float]:
     """Best per-call time of each function, measured in alternating rounds.
 
-    The machine is shared: the minimum over interleaved rounds is the least disturbed
-    estimate, and interleaving exposes both sides to the same background load.
+    Each sample times a batch of back-to-back calls lasting at least ``min_batch_s`` (the
+    batch size is calibrated per function from its warm-up) and divides by the batch size:
+    sub-millisecond calls are otherwise dominated by timer and scheduler jitter (single-call
+    samples of the same [512, 8] routing differed by 1.5x between runs). The machine is
+    shared: the minimum over interleaved rounds is the least disturbed estimate, and
+    interleaving exposes both sides to the same background load.
     """
+    batch = []
     for fn in fns:
         fn()  # warm-up
+        start = time.perf_counter()
+        fn()
+        once = max(time.perf_counter() - start, 1e-6)
+        batch.append(max(1, math.ceil(min_batch_s / once)))
     best = [float("inf")] * len(fns)
     for _ in range(rounds):
         for i, fn in enumerate(fns):
-            for _ in range(iters):
-                start = time.perf_counter()
+            start = time.perf_counter()
+            for _ in range(batch[i]):
                 fn()
-                best[i] = min(best[i], time.perf_counter() - start)
+            best[i] = min(best[i], (time.perf_counter() - start) / batch[i])
     return best
 
 

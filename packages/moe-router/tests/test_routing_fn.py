@@ -1,7 +1,8 @@
 """The hand-written routing autograd (routing_fn, routing_dense) against plain autograd.
 
-- gradcheck (fp64, finite differences) of ``TopKProbs``, ``DenseTopKProbs`` and
-  ``AuxScoreSums`` in every mode, with the selection held fixed (random, ties-free logits);
+- gradcheck (fp64, finite differences) of ``TopKProbs`` and ``DenseTopKProbs`` in every
+  mode, with the selection held fixed (random, ties-free logits); ``AuxLossGradient`` and
+  ``aux_score_sums`` against the same statistic written with plain autograd;
 - ``route_topk`` equals ``scoring.topk_routing`` (the plain-autograd formula): same map,
   same probs, same logits gradient, over score functions, K, groups, bias, scaling and E on
   both the dense (few experts) and the top-k path;
@@ -18,11 +19,17 @@ import torch
 from shardwork.moe_router import AuxLossScale, RouterConfig, TopKRouter
 from shardwork.moe_router.aux_loss import switch_aux_loss
 from shardwork.moe_router.routing_dense import DenseTopKProbs, dense_threshold_map
-from shardwork.moe_router.routing_fn import AuxScoreSums, TopKProbs, route_topk
+from shardwork.moe_router.routing_fn import (
+    AuxLossGradient,
+    TopKProbs,
+    aux_score_sums,
+    route_topk,
+)
 from shardwork.moe_router.scoring import (
     _activate,
     aux_loss_scores,
     drop_to_capacity,
+    topk_indices_nonnegative,
     topk_routing,
 )
 
@@ -67,25 +74,51 @@ def test_dense_topk_probs_gradcheck(mode, k, scaling):
 
 @pytest.mark.parametrize("score_function", ["softmax", "sigmoid", "sqrtsoftplus"])
 @pytest.mark.parametrize("batch,padded", [(1, False), (3, True)])
-def test_aux_score_sums_gradcheck_and_value(score_function, batch, padded):
+def test_aux_loss_gradient_matches_plain_autograd(score_function, batch, padded):
+    """The injected gradient is scale * d(sum(sums_BE * dloss_BE))/d(logits), with sums_BE the
+    masked per-sequence sums of the normalised scores written here with plain autograd; the
+    probs pass through with their own gradient; and the sums' value is checked too."""
     S, E = 4, 6
-    logits = _logits(S * batch, E, seed=3).requires_grad_(True)
-    valid = None
-    if padded:
-        valid = torch.tensor([True, False, True] * S)[: S * batch]
+    logits = _logits(S * batch, E, seed=3)
+    valid = torch.tensor([True, False, True] * S)[: S * batch] if padded else None
+    g = torch.Generator().manual_seed(4)
+    dloss = torch.rand(batch, E, generator=g, dtype=torch.float64) + 0.1
+    probs = torch.randn(S * batch, E, generator=g, dtype=torch.float64)
+    grad_probs = torch.randn(S * batch, E, generator=g, dtype=torch.float64)
+    scale = AuxLossScale(0.375)  # exact in fp32 (the scale is held in fp32)
 
-    def fn(x):
-        return AuxScoreSums.apply(
-            x, _scores(x.detach(), score_function), score_function, batch, valid
-        )
+    x = logits.clone().requires_grad_(True)
+    p = probs.clone().requires_grad_(True)
+    scores = _scores(x.detach(), score_function)
+    out = AuxLossGradient.apply(p, x, scores, dloss, score_function, batch, valid, scale)
+    assert torch.equal(out, probs)
+    (out * grad_probs).sum().backward()
 
-    assert torch.autograd.gradcheck(fn, (logits,))
-    # Value: per-sequence column sums of the normalised scores over valid tokens.
-    _, norm = aux_loss_scores(logits.detach(), 2, score_function)
+    ref_x = logits.clone().requires_grad_(True)
+    if score_function == "softmax":
+        norm = torch.softmax(ref_x, -1)
+    else:
+        act = _activate(ref_x, score_function)
+        norm = act / (act.sum(-1, keepdim=True) + 1e-20)
     if valid is not None:
         norm = norm * valid.unsqueeze(-1)
-    expected = norm.view(S, batch, E).sum(0)
-    torch.testing.assert_close(fn(logits.detach()), expected, rtol=1e-12, atol=1e-12)
+    sums = norm.view(S, batch, E).sum(0)
+    (sums * dloss).sum().mul(0.375).backward()
+
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(p.grad, grad_probs, rtol=0, atol=0)
+    value = aux_score_sums(scores, score_function, batch, valid)
+    torch.testing.assert_close(value, sums.detach(), rtol=1e-12, atol=1e-12)
+    # A [1, E] coefficient (aux / global losses) is the same as repeating it over B.
+    x1 = logits.clone().requires_grad_(True)
+    AuxLossGradient.apply(
+        probs, x1, scores, dloss[:1], score_function, batch, valid, scale
+    ).sum().backward()
+    x2 = logits.clone().requires_grad_(True)
+    AuxLossGradient.apply(
+        probs, x2, scores, dloss[:1].expand(batch, E), score_function, batch, valid, scale
+    ).sum().backward()
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=0, atol=0)
 
 
 CASES = [
@@ -267,3 +300,20 @@ def test_router_route_under_non_reentrant_checkpoint(name, padded):
         (probs * grad_out).sum().backward()
         grads.append(x.grad)
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_topk_indices_nonnegative_equals_float_topk(dtype, k):
+    """Same indices, in the same order, as torch.topk over the floats: random scores, scores
+    quantised to a few levels (many ties), zeros, and saturated sigmoids (ties at 1.0)."""
+    g = torch.Generator().manual_seed(k)
+    rows = [
+        torch.rand(64, 40, generator=g, dtype=dtype),
+        torch.randint(0, 4, (64, 40), generator=g).to(dtype) / 3,
+        torch.zeros(4, 40, dtype=dtype),
+        torch.sigmoid(torch.randn(64, 40, generator=g, dtype=dtype) * 40),
+    ]
+    scores = torch.cat(rows)
+    expected = torch.topk(scores, k=k, dim=1)[1]
+    assert torch.equal(topk_indices_nonnegative(scores, k), expected)

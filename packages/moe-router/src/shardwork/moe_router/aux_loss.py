@@ -98,9 +98,20 @@ def switch_aux_loss_from_sums(
     coeff: float,
 ) -> torch.Tensor:
     """:func:`switch_aux_loss` from the per-expert score sums ``sum_{x local} s(x, i)``."""
-    return torch.sum(score_sums_E * tokens_per_expert_E) * (
-        num_experts * coeff / (top_k * total_num_tokens * total_num_tokens)
+    return torch.sum(score_sums_E * tokens_per_expert_E) * switch_loss_factor(
+        num_experts=num_experts, top_k=top_k, coeff=coeff, total_num_tokens=total_num_tokens
     )
+
+
+def switch_loss_factor(
+    *, num_experts: int, top_k: int, coeff: float, total_num_tokens: float | torch.Tensor
+):
+    """The constant c in loss = c * sum_i sums_i * c_i: coeff * E / (K * T^2).
+
+    The loss is linear in the score sums, so c * tokens_per_expert is its gradient w.r.t.
+    them (what the router injects in backward).
+    """
+    return num_experts * coeff / (top_k * total_num_tokens * total_num_tokens)
 
 
 def z_loss(

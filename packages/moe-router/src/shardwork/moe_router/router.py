@@ -4,8 +4,9 @@ Legend: S sequence, B batch, T = S*B tokens, H hidden, E experts, K top_k.
 
 - ``forward(hidden_SBH, padding_mask=...) -> (probs_TE, routing_map_TE)``, the same pair
   Megatron-Core's ``TopKRouter`` returns, option for option (see docs/moe-router.md).
-- Losses reach backward through :func:`attach_aux_loss` on the returned probs (load
-  balancing) or on the logits (z-loss); the layer's outputs are unchanged.
+- Losses reach backward without changing the layer's outputs: the load-balancing losses
+  through one ``AuxLossGradient`` node on the returned probs, the z-loss through
+  :func:`attach_aux_loss` on the logits; both scale their gradient by ``loss_scale``.
 - Groups, the tracker and the loss scale are constructor arguments: nothing global.
   ``tp_cp_group``: ranks sharing one micro-batch's tokens (sequence-parallel TP × CP);
   ``tp_dp_cp_group``: those plus data parallel (global aux loss).
@@ -24,14 +25,20 @@ import torch.distributed as dist
 from shardwork.moe_router.aux_loss import (
     AuxLossScale,
     attach_aux_loss,
-    switch_aux_loss_from_sums,
+    switch_loss_factor,
     z_loss,
 )
 from shardwork.moe_router.config import RouterConfig
 from shardwork.moe_router.gating import GatingLinear, StraightThroughRandom
 from shardwork.moe_router.routing_dense import dense_softmax, dense_threshold_map, use_dense
-from shardwork.moe_router.routing_fn import AuxScoreSums, route_topk
-from shardwork.moe_router.scoring import _activate, drop_to_capacity, score_dtype, sinkhorn_routing
+from shardwork.moe_router.routing_fn import AuxLossGradient, aux_score_sums, route_topk
+from shardwork.moe_router.scoring import (
+    _activate,
+    drop_to_capacity,
+    score_dtype,
+    sinkhorn_routing,
+    topk_indices_nonnegative,
+)
 from shardwork.moe_router.tracker import AuxLossTracker
 
 _FP32_BUFFERS = (
@@ -328,28 +335,36 @@ class TopKRouter(torch.nn.Module):
         if top_TK is None and use_dense(scores_TE, K, None):
             top_TK = dense_threshold_map(scores_TE, K)
         if top_TK is None:
-            top_TK = torch.topk(scores_TE, k=K, dim=1)[1]
+            top_TK = topk_indices_nonnegative(scores_TE, K)
         valid = None if not padded else ~padding_mask
         if top_TK.dtype == torch.bool:
             counted = top_TK if valid is None else top_TK & valid.unsqueeze(-1)
             counts_BE = counted.view(seq_len, batch, E).sum(dim=0)
         else:
             counts_BE = _index_counts(top_TK, E, batch, valid).view(batch, E)
-        # Per-sequence sums of the normalised scores; its backward is hand-written.
-        sums_BE = AuxScoreSums.apply(logits_TE, scores_TE, fn, batch, valid)
+        counts_E = None  # whole micro-batch counts, for the aux and global losses
         if cfg.aux_loss_coeff_for("aux_loss") > 0 or cfg.aux_loss_coeff_for("global_aux_loss") > 0:
-            sums_E = sums_BE.sum(dim=0) if batch > 1 else sums_BE[0]
             counts_E = counts_BE.sum(dim=0) if batch > 1 else counts_BE[0]
         num_tokens = logits_TE.shape[0]
+        # Each loss is L = c * sum(sums * tpe) with sums = aux_score_sums(...): collect
+        # dL/dsums per loss ([1, E] or [B, E]) and inject them all in one autograd node. The
+        # sums themselves are computed only for the tracker's loss values.
+        sums_BE = None
+        if self.tracker is not None:
+            with torch.no_grad():
+                sums_BE = aux_score_sums(scores_TE, fn, batch, valid)
+        terms = []  # in the scores' dtype (integer counts times a float would give fp32)
+        work = scores_TE.dtype
 
         coeff = cfg.aux_loss_coeff_for("aux_loss")
         if coeff > 0:
             tpe, n_local, n_total = self._counts(counts_E, num_tokens, self.tp_cp_group, K, padded)
-            loss = switch_aux_loss_from_sums(
-                sums_E, tpe, total_num_tokens=n_total, top_k=K, num_experts=E, coeff=coeff
+            factor = switch_loss_factor(
+                num_experts=E, top_k=K, coeff=coeff, total_num_tokens=n_total
             )
-            probs_TE = self._attach(probs_TE, loss, n_local)
-            self._record("load_balancing_loss", loss, coeff)
+            terms.append(tpe.to(work).view(1, E) * self._per_token(factor, n_local))
+            if sums_BE is not None:
+                self._record("load_balancing_loss", _loss(sums_BE.sum(dim=0), tpe, factor), coeff)
 
         coeff = cfg.aux_loss_coeff_for("seq_aux_loss")
         if coeff > 0:
@@ -357,19 +372,14 @@ class TopKRouter(torch.nn.Module):
             tpe, n_local, n_total = self._counts(
                 counts_BE.reshape(-1), seq_len, self.tp_cp_group, K * batch, padded
             )
-            loss = (
-                switch_aux_loss_from_sums(
-                    sums_BE.reshape(-1),
-                    tpe,
-                    total_num_tokens=n_total,
-                    top_k=K,
-                    num_experts=E,
-                    coeff=coeff,
-                )
+            factor = (
+                switch_loss_factor(num_experts=E, top_k=K, coeff=coeff, total_num_tokens=n_total)
                 / batch
             )
-            probs_TE = self._attach(probs_TE, loss, n_local * batch)
-            self._record("seq_load_balancing_loss", loss, coeff)
+            terms.append(tpe.to(work).view(batch, E) * self._per_token(factor, n_local * batch))
+            if sums_BE is not None:
+                loss = _loss(sums_BE.reshape(-1), tpe, factor)
+                self._record("seq_load_balancing_loss", loss, coeff)
 
         coeff = cfg.aux_loss_coeff_for("global_aux_loss")
         if coeff > 0:
@@ -380,12 +390,34 @@ class TopKRouter(torch.nn.Module):
                 self.global_tokens_per_expert += tpe
                 self.global_aux_steps += 1
             mean_tpe = self.global_tokens_per_expert / self.global_aux_steps
-            loss = switch_aux_loss_from_sums(
-                sums_E, mean_tpe, total_num_tokens=n_total, top_k=K, num_experts=E, coeff=coeff
+            factor = switch_loss_factor(
+                num_experts=E, top_k=K, coeff=coeff, total_num_tokens=n_total
             )
-            probs_TE = self._attach(probs_TE, loss, n_local)
-            self._record("global_load_balancing_loss", loss, coeff)
-        return probs_TE
+            terms.append(mean_tpe.to(work).view(1, E) * self._per_token(factor, n_local))
+            if sums_BE is not None:
+                loss = _loss(sums_BE.sum(dim=0), mean_tpe, factor)
+                self._record("global_load_balancing_loss", loss, coeff)
+
+        if not terms or not logits_TE.requires_grad:
+            return probs_TE
+        dloss_BE = terms[0]
+        for term in terms[1:]:
+            dloss_BE = dloss_BE + term
+        return AuxLossGradient.apply(
+            probs_TE, logits_TE, scores_TE, dloss_BE, fn, batch, valid, self.loss_scale
+        )
+
+    def _per_token(self, factor, num_tokens):
+        """``factor`` times num_tokens * |TP×CP| with ``calculate_per_token_loss`` (the loss is
+        then summed per token; the trainer divides by the global token count)."""
+        if self.config.calculate_per_token_loss:
+            return factor * num_tokens * _size(self.tp_cp_group)
+        return factor
+
+
+def _loss(sums, tokens_per_expert, factor) -> torch.Tensor:
+    """A Switch-style loss value, factor * sum(sums * counts) (for the tracker)."""
+    return torch.sum(sums * tokens_per_expert) * factor
 
 
 def _index_counts(top_TK, num_experts: int, batch: int, valid_T) -> torch.Tensor:

@@ -8,11 +8,11 @@ Legend: T tokens, E experts, K = top_k, S sequence, B batch (T = S*B, row-major 
   Jacobian is dense. The [T, K] formulas are the ones autograd runs on Megatron-Core's
   graph (division backward as ``-g * ((a / b) / b)``, ``sigmoid_backward``,
   ``softplus_backward``, ``_softmax_backward_data``), so results agree to fp32 rounding.
-- ``AuxScoreSums``: the load-balancing losses' statistic, per-sequence column sums of the
-  normalised dense scores (softmax, or activation / row sum), padding tokens left out.
-  Forward returns [B, E]; backward broadcasts the [B, E] gradient over the sequence axis
-  without materialising an expanded copy and applies the normalisation and activation
-  Jacobians in a handful of dense passes.
+- ``aux_score_sums``: the load-balancing losses' statistic, per-sequence column sums of the
+  normalised dense scores (softmax, or activation / row sum), padding tokens left out [B, E].
+- ``AuxLossGradient``: every Switch-style loss is linear in that statistic, so its gradient
+  w.r.t. the sums is fixed in forward; one node passes the probs through and, in backward,
+  adds the losses' gradient (times the aux-loss scale) to the logits' gradient.
 - Dense scores are computed once (no grad) by the caller and shared by selection, the probs
   and the aux statistic; nothing here builds an autograd graph of its own.
 """
@@ -103,31 +103,72 @@ def _score_dtype(logits: torch.Tensor) -> torch.dtype:
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
-class AuxScoreSums(torch.autograd.Function):
-    """sums_BE[b, i] = sum over valid tokens t of sequence b of n(t, i), with n the softmax of
-    the logits (``scores_TE`` is that softmax) or the activation ``scores_TE`` divided by its
-    row sum + 1e-20. ``valid_T``: bool, False for padding (or None)."""
+def normalised_scores(
+    scores_TE: torch.Tensor, score_function: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(n_TE, denom_T1): the load-balancing losses' per-token scores, summing to 1 per token.
+
+    Softmax scores are already normalised (denom None); an elementwise activation s is divided
+    by its row sum: n = s / (sum_j s_j + 1e-20).
+    """
+    if score_function == "softmax":
+        return scores_TE, None
+    denom_T1 = scores_TE.sum(dim=-1, keepdim=True) + _NORM_EPS
+    return scores_TE / denom_T1, denom_T1
+
+
+def aux_score_sums(
+    scores_TE: torch.Tensor, score_function: str, batch: int, valid_T: torch.Tensor | None
+) -> torch.Tensor:
+    """sums_BE[b, i] = sum over valid tokens t of sequence b of n(t, i) (no autograd).
+
+    The statistic every Switch-style loss is linear in; ``valid_T`` (bool, False for padding)
+    or None. Token t = s * batch + b (row-major [S, B]).
+    """
+    T, E = scores_TE.shape
+    norm_TE, _ = normalised_scores(scores_TE, score_function)
+    masked = norm_TE if valid_T is None else norm_TE * valid_T.unsqueeze(-1)
+    return masked.view(T // batch, batch, E).sum(dim=0)
+
+
+class AuxLossGradient(torch.autograd.Function):
+    """Returns ``probs_TE`` unchanged; backward adds every load-balancing loss's gradient to
+    the logits' gradient in one node.
+
+    Each Switch-style loss (aux, seq aux, global aux) is linear in ``aux_score_sums``'s
+    sums_BE with a coefficient fixed in forward (token counts, coefficient, token totals), so
+    d(sum of losses)/d(sums_BE) = ``dloss_BE`` ([B, E] or [1, E]) is known before backward.
+    Backward multiplies it by ``scale.value`` (read then, as ``attach_aux_loss`` does) and
+    applies the normalisation and activation Jacobians in a handful of dense [T, E] passes,
+    broadcasting over the sequence axis without an expanded copy. This replaces a chain of
+    ~6 autograd nodes per loss (scaler, constant, sum, product with the counts, select,
+    sums) with one.
+
+    Args (forward): ``probs_TE`` (passed through), ``logits_TE`` (receives the gradient),
+    ``scores_TE`` (softmax, or the elementwise activation, of the logits; no grad),
+    ``dloss_BE``, ``score_function``, ``batch`` B (T = S*B), ``valid_T`` (bool or None) and
+    ``scale`` (an ``AuxLossScale`` or None for 1).
+    """
 
     @staticmethod
-    def forward(ctx, logits_TE, scores_TE, score_function: str, batch: int, valid_T):
-        T, E = scores_TE.shape
-        if score_function == "softmax":
-            norm_TE, denom_T1 = scores_TE, None
-        else:
-            denom_T1 = scores_TE.sum(dim=-1, keepdim=True) + _NORM_EPS
-            norm_TE = scores_TE / denom_T1
-        ctx.score_function, ctx.batch, ctx.out_dtype = score_function, batch, logits_TE.dtype
+    def forward(
+        ctx, probs_TE, logits_TE, scores_TE, dloss_BE, score_function: str, batch, valid_T, scale
+    ):
+        ctx.score_function, ctx.batch, ctx.scale = score_function, batch, scale
+        ctx.out_dtype = logits_TE.dtype
+        norm_TE, denom_T1 = normalised_scores(scores_TE, score_function)
         logits_saved = logits_TE if score_function == "sqrtsoftplus" else None
-        ctx.save_for_backward(scores_TE, norm_TE, denom_T1, valid_T, logits_saved)
-        masked = norm_TE if valid_T is None else norm_TE * valid_T.unsqueeze(-1)
-        return masked.view(T // batch, batch, E).sum(dim=0)
+        ctx.save_for_backward(scores_TE, norm_TE, denom_T1, dloss_BE, valid_T, logits_saved)
+        return probs_TE.view_as(probs_TE)
 
     @staticmethod
-    def backward(ctx, grad_BE):
-        scores_TE, norm_TE, denom_T1, valid_T, logits_TE = ctx.saved_tensors
+    def backward(ctx, grad_probs_TE):
+        scores_TE, norm_TE, denom_T1, dloss_BE, valid_T, logits_TE = ctx.saved_tensors
         T, E = norm_TE.shape
         B = ctx.batch
-        g_SBE = grad_BE.to(norm_TE.dtype).unsqueeze(0)  # broadcast over the sequence axis
+        scale = ctx.scale.value if ctx.scale is not None else torch.ones(())
+        g_BE = dloss_BE.to(norm_TE.dtype) * scale.to(device=norm_TE.device, dtype=norm_TE.dtype)
+        g_SBE = g_BE.view(1, -1, E)  # broadcast over the sequence axis (and B when [1, E])
         if valid_T is not None:
             g_SBE = g_SBE * valid_T.view(T // B, B, 1)
         norm = norm_TE.view(T // B, B, E)
@@ -143,7 +184,7 @@ class AuxScoreSums(torch.autograd.Function):
                 grad = torch.ops.aten.sigmoid_backward.grad_input(g_s, scores_TE, grad_input=g_s)
             else:
                 grad = activation_grad(g_s, scores_TE, logits_TE, ctx.score_function)
-        return grad.to(ctx.out_dtype), None, None, None, None
+        return grad_probs_TE, grad.to(ctx.out_dtype), None, None, None, None, None, None
 
 
 def route_topk(
@@ -161,7 +202,7 @@ def route_topk(
 
     Returns (probs_TE, routing_map_TE, top_TK, scores_TE): the dense scores (softmax for
     pre-softmax, the activation for sigmoid/sqrtsoftplus, None for post-softmax) are computed
-    once without autograd and can be handed to :class:`AuxScoreSums`. Few experts and K <= 2
+    once without autograd and can be handed to :class:`AuxLossGradient`. Few experts and K <= 2
     on CPU (not post-softmax) take the dense path (``routing_dense``): ``top_TK = None``.
     """
     from shardwork.moe_router.routing_dense import dense_route, use_dense
