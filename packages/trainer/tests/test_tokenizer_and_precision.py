@@ -127,3 +127,26 @@ def test_fp64_run_keeps_float64_and_tracks_fp32(tmp_path, monkeypatch):
     np.testing.assert_allclose(
         [losses64[s] for s in (0, 1, 2)], [losses32[s] for s in (0, 1, 2)], rtol=1e-4
     )
+
+
+def test_concurrent_meta_writers_do_not_collide(tmp_path):
+    """Every rank of a fresh torchrun job may write the same dataset's side file at once:
+    concurrent writers all succeed, the file reads back whole, no temporary file is left."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from shardwork.trainer.data.dataset_meta import DatasetMeta, write_dataset_meta
+
+    prefix = tmp_path / "shared_data"
+    meta = DatasetMeta(tokenizer="byte", vocab_size=257, eod_id=256)
+    start = threading.Barrier(8)
+
+    def writer(_):
+        start.wait()
+        for _ in range(50):
+            write_dataset_meta(prefix, meta)
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(writer, range(8)))  # re-raises a writer's exception
+    assert read_dataset_meta(prefix) == meta
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shared_data.meta.json"]
