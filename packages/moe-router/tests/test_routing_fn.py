@@ -23,6 +23,7 @@ from shardwork.moe_router.routing_fn import (
     AuxLossGradient,
     TopKProbs,
     aux_score_sums,
+    normalised_scores,
     route_topk,
 )
 from shardwork.moe_router.scoring import (
@@ -76,49 +77,46 @@ def test_dense_topk_probs_gradcheck(mode, k, scaling):
 @pytest.mark.parametrize("batch,padded", [(1, False), (3, True)])
 def test_aux_loss_gradient_matches_plain_autograd(score_function, batch, padded):
     """The injected gradient is scale * d(sum(sums_BE * dloss_BE))/d(logits), with sums_BE the
-    masked per-sequence sums of the normalised scores written here with plain autograd; the
+    masked per-sequence sums of the normalised scores written here with plain autograd, for a
+    per-sequence [B, E] coefficient (seq aux loss) and a shared [1, E] one (aux / global); the
     probs pass through with their own gradient; and the sums' value is checked too."""
     S, E = 4, 6
     logits = _logits(S * batch, E, seed=3)
     valid = torch.tensor([True, False, True] * S)[: S * batch] if padded else None
     g = torch.Generator().manual_seed(4)
-    dloss = torch.rand(batch, E, generator=g, dtype=torch.float64) + 0.1
+    dloss_BE = torch.rand(batch, E, generator=g, dtype=torch.float64) + 0.1
     probs = torch.randn(S * batch, E, generator=g, dtype=torch.float64)
     grad_probs = torch.randn(S * batch, E, generator=g, dtype=torch.float64)
     scale = AuxLossScale(0.375)  # exact in fp32 (the scale is held in fp32)
+    scores = _scores(logits, score_function)
+    normalised = normalised_scores(scores, score_function)
 
-    x = logits.clone().requires_grad_(True)
-    p = probs.clone().requires_grad_(True)
-    scores = _scores(x.detach(), score_function)
-    out = AuxLossGradient.apply(p, x, scores, dloss, score_function, batch, valid, scale)
-    assert torch.equal(out, probs)
-    (out * grad_probs).sum().backward()
+    def plain_sums(x):
+        if score_function == "softmax":
+            norm = torch.softmax(x, -1)
+        else:
+            act = _activate(x, score_function)
+            norm = act / (act.sum(-1, keepdim=True) + 1e-20)
+        if valid is not None:
+            norm = norm * valid.unsqueeze(-1)
+        return norm.view(S, batch, E).sum(0)
 
-    ref_x = logits.clone().requires_grad_(True)
-    if score_function == "softmax":
-        norm = torch.softmax(ref_x, -1)
-    else:
-        act = _activate(ref_x, score_function)
-        norm = act / (act.sum(-1, keepdim=True) + 1e-20)
-    if valid is not None:
-        norm = norm * valid.unsqueeze(-1)
-    sums = norm.view(S, batch, E).sum(0)
-    (sums * dloss).sum().mul(0.375).backward()
+    for dloss in (dloss_BE, dloss_BE[:1]):
+        x = logits.clone().requires_grad_(True)
+        p = probs.clone().requires_grad_(True)
+        out = AuxLossGradient.apply(
+            p, x, scores, normalised, dloss, score_function, batch, valid, scale
+        )
+        assert torch.equal(out, probs)
+        (out * grad_probs).sum().backward()
 
-    torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-12, atol=1e-14)
-    torch.testing.assert_close(p.grad, grad_probs, rtol=0, atol=0)
-    value = aux_score_sums(scores, score_function, batch, valid)
-    torch.testing.assert_close(value, sums.detach(), rtol=1e-12, atol=1e-12)
-    # A [1, E] coefficient (aux / global losses) is the same as repeating it over B.
-    x1 = logits.clone().requires_grad_(True)
-    AuxLossGradient.apply(
-        probs, x1, scores, dloss[:1], score_function, batch, valid, scale
-    ).sum().backward()
-    x2 = logits.clone().requires_grad_(True)
-    AuxLossGradient.apply(
-        probs, x2, scores, dloss[:1].expand(batch, E), score_function, batch, valid, scale
-    ).sum().backward()
-    torch.testing.assert_close(x1.grad, x2.grad, rtol=0, atol=0)
+        ref_x = logits.clone().requires_grad_(True)
+        (plain_sums(ref_x) * dloss).sum().mul(0.375).backward()
+        torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(p.grad, grad_probs, rtol=0, atol=0)
+
+    value = aux_score_sums(normalised[0], batch, valid)
+    torch.testing.assert_close(value, plain_sums(logits), rtol=1e-12, atol=1e-12)
 
 
 CASES = [

@@ -25,13 +25,19 @@ import torch.distributed as dist
 from shardwork.moe_router.aux_loss import (
     AuxLossScale,
     attach_aux_loss,
+    switch_aux_loss_from_sums,
     switch_loss_factor,
     z_loss,
 )
 from shardwork.moe_router.config import RouterConfig
 from shardwork.moe_router.gating import GatingLinear, StraightThroughRandom
 from shardwork.moe_router.routing_dense import dense_softmax, dense_threshold_map, use_dense
-from shardwork.moe_router.routing_fn import AuxLossGradient, aux_score_sums, route_topk
+from shardwork.moe_router.routing_fn import (
+    AuxLossGradient,
+    aux_score_sums,
+    normalised_scores,
+    route_topk,
+)
 from shardwork.moe_router.scoring import (
     _activate,
     drop_to_capacity,
@@ -349,22 +355,22 @@ class TopKRouter(torch.nn.Module):
         # Each loss is L = c * sum(sums * tpe) with sums = aux_score_sums(...): collect
         # dL/dsums per loss ([1, E] or [B, E]) and inject them all in one autograd node. The
         # sums themselves are computed only for the tracker's loss values.
+        normalised = normalised_scores(scores_TE, fn)
         sums_BE = None
         if self.tracker is not None:
-            with torch.no_grad():
-                sums_BE = aux_score_sums(scores_TE, fn, batch, valid)
+            sums_BE = aux_score_sums(normalised[0], batch, valid)
         terms = []  # in the scores' dtype (integer counts times a float would give fp32)
         work = scores_TE.dtype
 
         coeff = cfg.aux_loss_coeff_for("aux_loss")
         if coeff > 0:
             tpe, n_local, n_total = self._counts(counts_E, num_tokens, self.tp_cp_group, K, padded)
-            factor = switch_loss_factor(
-                num_experts=E, top_k=K, coeff=coeff, total_num_tokens=n_total
-            )
+            formula = dict(num_experts=E, top_k=K, coeff=coeff, total_num_tokens=n_total)
+            factor = switch_loss_factor(**formula)
             terms.append(tpe.to(work).view(1, E) * self._per_token(factor, n_local))
             if sums_BE is not None:
-                self._record("load_balancing_loss", _loss(sums_BE.sum(dim=0), tpe, factor), coeff)
+                loss = switch_aux_loss_from_sums(sums_BE.sum(dim=0), tpe, **formula)
+                self._record("load_balancing_loss", loss, coeff)
 
         coeff = cfg.aux_loss_coeff_for("seq_aux_loss")
         if coeff > 0:
@@ -372,13 +378,11 @@ class TopKRouter(torch.nn.Module):
             tpe, n_local, n_total = self._counts(
                 counts_BE.reshape(-1), seq_len, self.tp_cp_group, K * batch, padded
             )
-            factor = (
-                switch_loss_factor(num_experts=E, top_k=K, coeff=coeff, total_num_tokens=n_total)
-                / batch
-            )
+            formula = dict(num_experts=E, top_k=K, coeff=coeff, total_num_tokens=n_total)
+            factor = switch_loss_factor(**formula) / batch  # the mean over the B sequences
             terms.append(tpe.to(work).view(batch, E) * self._per_token(factor, n_local * batch))
             if sums_BE is not None:
-                loss = _loss(sums_BE.reshape(-1), tpe, factor)
+                loss = switch_aux_loss_from_sums(sums_BE.reshape(-1), tpe, **formula) / batch
                 self._record("seq_load_balancing_loss", loss, coeff)
 
         coeff = cfg.aux_loss_coeff_for("global_aux_loss")
@@ -390,12 +394,11 @@ class TopKRouter(torch.nn.Module):
                 self.global_tokens_per_expert += tpe
                 self.global_aux_steps += 1
             mean_tpe = self.global_tokens_per_expert / self.global_aux_steps
-            factor = switch_loss_factor(
-                num_experts=E, top_k=K, coeff=coeff, total_num_tokens=n_total
-            )
+            formula = dict(num_experts=E, top_k=K, coeff=coeff, total_num_tokens=n_total)
+            factor = switch_loss_factor(**formula)
             terms.append(mean_tpe.to(work).view(1, E) * self._per_token(factor, n_local))
             if sums_BE is not None:
-                loss = _loss(sums_BE.sum(dim=0), mean_tpe, factor)
+                loss = switch_aux_loss_from_sums(sums_BE.sum(dim=0), mean_tpe, **formula)
                 self._record("global_load_balancing_loss", loss, coeff)
 
         if not terms or not logits_TE.requires_grad:
@@ -404,7 +407,7 @@ class TopKRouter(torch.nn.Module):
         for term in terms[1:]:
             dloss_BE = dloss_BE + term
         return AuxLossGradient.apply(
-            probs_TE, logits_TE, scores_TE, dloss_BE, fn, batch, valid, self.loss_scale
+            probs_TE, logits_TE, scores_TE, normalised, dloss_BE, fn, batch, valid, self.loss_scale
         )
 
     def _per_token(self, factor, num_tokens):
@@ -413,11 +416,6 @@ class TopKRouter(torch.nn.Module):
         if self.config.calculate_per_token_loss:
             return factor * num_tokens * _size(self.tp_cp_group)
         return factor
-
-
-def _loss(sums, tokens_per_expert, factor) -> torch.Tensor:
-    """A Switch-style loss value, factor * sum(sums * counts) (for the tracker)."""
-    return torch.sum(sums * tokens_per_expert) * factor
 
 
 def _index_counts(top_TK, num_experts: int, batch: int, valid_T) -> torch.Tensor:

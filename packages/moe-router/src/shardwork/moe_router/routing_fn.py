@@ -117,16 +117,14 @@ def normalised_scores(
     return scores_TE / denom_T1, denom_T1
 
 
-def aux_score_sums(
-    scores_TE: torch.Tensor, score_function: str, batch: int, valid_T: torch.Tensor | None
-) -> torch.Tensor:
+def aux_score_sums(norm_TE: torch.Tensor, batch: int, valid_T: torch.Tensor | None) -> torch.Tensor:
     """sums_BE[b, i] = sum over valid tokens t of sequence b of n(t, i) (no autograd).
 
-    The statistic every Switch-style loss is linear in; ``valid_T`` (bool, False for padding)
-    or None. Token t = s * batch + b (row-major [S, B]).
+    ``norm_TE``: :func:`normalised_scores`. The statistic every Switch-style loss is linear
+    in; ``valid_T`` (bool, False for padding) or None. Token t = s * batch + b (row-major
+    [S, B]).
     """
-    T, E = scores_TE.shape
-    norm_TE, _ = normalised_scores(scores_TE, score_function)
+    T, E = norm_TE.shape
     masked = norm_TE if valid_T is None else norm_TE * valid_T.unsqueeze(-1)
     return masked.view(T // batch, batch, E).sum(dim=0)
 
@@ -146,17 +144,28 @@ class AuxLossGradient(torch.autograd.Function):
 
     Args (forward): ``probs_TE`` (passed through), ``logits_TE`` (receives the gradient),
     ``scores_TE`` (softmax, or the elementwise activation, of the logits; no grad),
-    ``dloss_BE``, ``score_function``, ``batch`` B (T = S*B), ``valid_T`` (bool or None) and
-    ``scale`` (an ``AuxLossScale`` or None for 1).
+    ``normalised`` (:func:`normalised_scores` of them: ``(norm_TE, denom_T1)``, computed once
+    by the caller, which also needs them for the loss values), ``dloss_BE``,
+    ``score_function``, ``batch`` B (T = S*B), ``valid_T`` (bool or None) and ``scale`` (an
+    ``AuxLossScale`` or None for 1).
     """
 
     @staticmethod
     def forward(
-        ctx, probs_TE, logits_TE, scores_TE, dloss_BE, score_function: str, batch, valid_T, scale
+        ctx,
+        probs_TE,
+        logits_TE,
+        scores_TE,
+        normalised,
+        dloss_BE,
+        score_function: str,
+        batch,
+        valid_T,
+        scale,
     ):
         ctx.score_function, ctx.batch, ctx.scale = score_function, batch, scale
         ctx.out_dtype = logits_TE.dtype
-        norm_TE, denom_T1 = normalised_scores(scores_TE, score_function)
+        norm_TE, denom_T1 = normalised
         logits_saved = logits_TE if score_function == "sqrtsoftplus" else None
         ctx.save_for_backward(scores_TE, norm_TE, denom_T1, dloss_BE, valid_T, logits_saved)
         return probs_TE.view_as(probs_TE)
@@ -184,7 +193,7 @@ class AuxLossGradient(torch.autograd.Function):
                 grad = torch.ops.aten.sigmoid_backward.grad_input(g_s, scores_TE, grad_input=g_s)
             else:
                 grad = activation_grad(g_s, scores_TE, logits_TE, ctx.score_function)
-        return grad_probs_TE, grad.to(ctx.out_dtype), None, None, None, None, None, None
+        return grad_probs_TE, grad.to(ctx.out_dtype), None, None, None, None, None, None, None
 
 
 def route_topk(

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from shardwork.trainer.data.partial_files import partial_path
 
 META_SUFFIX = ".meta.json"
 
@@ -37,12 +38,11 @@ def meta_path(prefix: str | os.PathLike) -> Path:
 def write_dataset_meta(prefix: str | os.PathLike, meta: DatasetMeta) -> None:
     """Write ``PREFIX.meta.json`` (atomically: a reader never sees half a file).
 
-    The temporary name is unique per call: every rank of a fresh torchrun job may build the
-    same dataset at once, and with one shared name a rank's rename found the file already
-    renamed by its peer (FileNotFoundError, seen in CI).
+    The temporary name is unique per call (``partial_files``): with one shared name, a rank
+    of a fresh torchrun job found the file already renamed by its peer (FileNotFoundError).
     """
     path = meta_path(prefix)
-    tmp = path.with_name(f"{path.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp = partial_path(path)
     tmp.write_text(json.dumps({"format": 1, **asdict(meta)}, indent=1) + "\n")
     os.replace(tmp, path)
 

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import os
 import struct
-import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
+
+from shardwork.trainer.data.partial_files import partial_path, partial_tag
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
 _DTYPE_CODES = {
@@ -77,10 +78,8 @@ class IndexedDatasetWriter:
     def __enter__(self) -> IndexedDatasetWriter:
         bin_path, _ = data_file_paths(self.prefix)
         bin_path.parent.mkdir(parents=True, exist_ok=True)
-        # a unique temporary name: several processes may build the same dataset at once
-        # (every rank of a fresh torchrun job); each renames complete files into place
-        self._tag = f".partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._tmp_bin = bin_path.with_name(bin_path.name + self._tag)
+        self._tag = partial_tag()  # .bin and .idx of one write share it
+        self._tmp_bin = partial_path(bin_path, self._tag)
         self._bin = open(self._tmp_bin, "wb")
         return self
 
@@ -99,7 +98,7 @@ class IndexedDatasetWriter:
             self._tmp_bin.unlink(missing_ok=True)
             return
         bin_path, idx_path = data_file_paths(self.prefix)
-        tmp_idx = idx_path.with_name(idx_path.name + self._tag)
+        tmp_idx = partial_path(idx_path, self._tag)
         write_index(tmp_idx, self._lengths, self._documents, dtype=self.dtype)
         os.replace(self._tmp_bin, bin_path)
         os.replace(tmp_idx, idx_path)
