@@ -359,18 +359,16 @@ class TopKRouter(torch.nn.Module):
         sums_BE = None
         if self.tracker is not None:
             sums_BE = aux_score_sums(normalised[0], batch, valid)
-        terms = []  # in the scores' dtype (integer counts times a float would give fp32)
+        terms = []  # dL/dsums of each loss, [1, E] or [B, E]
         work = scores_TE.dtype
 
         coeff = cfg.aux_loss_coeff_for("aux_loss")
         if coeff > 0:
             tpe, n_local, n_total = self._counts(counts_E, num_tokens, self.tp_cp_group, K, padded)
-            formula = dict(num_experts=E, top_k=K, coeff=coeff, total_num_tokens=n_total)
-            factor = switch_loss_factor(**formula)
-            terms.append(tpe.to(work).view(1, E) * self._per_token(factor, n_local))
-            if sums_BE is not None:
-                loss = switch_aux_loss_from_sums(sums_BE.sum(dim=0), tpe, **formula)
-                self._record("load_balancing_loss", loss, coeff)
+            whole = None if sums_BE is None else sums_BE.sum(dim=0)
+            terms.append(
+                self._switch_term("load_balancing_loss", coeff, tpe, n_local, n_total, whole, work)
+            )
 
         coeff = cfg.aux_loss_coeff_for("seq_aux_loss")
         if coeff > 0:
@@ -378,12 +376,19 @@ class TopKRouter(torch.nn.Module):
             tpe, n_local, n_total = self._counts(
                 counts_BE.reshape(-1), seq_len, self.tp_cp_group, K * batch, padded
             )
-            formula = dict(num_experts=E, top_k=K, coeff=coeff, total_num_tokens=n_total)
-            factor = switch_loss_factor(**formula) / batch  # the mean over the B sequences
-            terms.append(tpe.to(work).view(batch, E) * self._per_token(factor, n_local * batch))
-            if sums_BE is not None:
-                loss = switch_aux_loss_from_sums(sums_BE.reshape(-1), tpe, **formula) / batch
-                self._record("seq_load_balancing_loss", loss, coeff)
+            folded = None if sums_BE is None else sums_BE.reshape(-1)
+            terms.append(
+                self._switch_term(
+                    "seq_load_balancing_loss",
+                    coeff,
+                    tpe,
+                    n_local,
+                    n_total,
+                    folded,
+                    work,
+                    batch=batch,
+                )
+            )
 
         coeff = cfg.aux_loss_coeff_for("global_aux_loss")
         if coeff > 0:
@@ -394,12 +399,18 @@ class TopKRouter(torch.nn.Module):
                 self.global_tokens_per_expert += tpe
                 self.global_aux_steps += 1
             mean_tpe = self.global_tokens_per_expert / self.global_aux_steps
-            formula = dict(num_experts=E, top_k=K, coeff=coeff, total_num_tokens=n_total)
-            factor = switch_loss_factor(**formula)
-            terms.append(mean_tpe.to(work).view(1, E) * self._per_token(factor, n_local))
-            if sums_BE is not None:
-                loss = switch_aux_loss_from_sums(sums_BE.sum(dim=0), mean_tpe, **formula)
-                self._record("global_load_balancing_loss", loss, coeff)
+            whole = None if sums_BE is None else sums_BE.sum(dim=0)
+            terms.append(
+                self._switch_term(
+                    "global_load_balancing_loss",
+                    coeff,
+                    mean_tpe,
+                    n_local,
+                    n_total,
+                    whole,
+                    work,
+                )
+            )
 
         if not terms or not logits_TE.requires_grad:
             return probs_TE
@@ -409,6 +420,20 @@ class TopKRouter(torch.nn.Module):
         return AuxLossGradient.apply(
             probs_TE, logits_TE, scores_TE, normalised, dloss_BE, fn, batch, valid, self.loss_scale
         )
+
+    def _switch_term(self, name, coeff, tpe, n_local, n_total, sums, dtype, *, batch: int = 1):
+        """dL/dsums of one Switch-style loss L = c * sum(sums * tpe), shaped [batch, E] in
+        ``dtype`` (the scores'; integer counts times a Python float would give fp32).
+        ``batch`` > 1: the seq aux loss, a mean over the B sequences folded into the expert
+        axis. Records L's value when the tracker's ``sums`` were computed."""
+        E, K = self.config.num_experts, self.config.top_k
+        formula = dict(num_experts=E, top_k=K, coeff=coeff, total_num_tokens=n_total)
+        factor = switch_loss_factor(**formula) / batch
+        dloss = tpe.to(dtype).view(batch, E)
+        if sums is not None:
+            loss = switch_aux_loss_from_sums(sums, tpe, **formula) / batch
+            self._record(name, loss, coeff)
+        return dloss * self._per_token(factor, n_local * batch)
 
     def _per_token(self, factor, num_tokens):
         """``factor`` times num_tokens * |TP×CP| with ``calculate_per_token_loss`` (the loss is
