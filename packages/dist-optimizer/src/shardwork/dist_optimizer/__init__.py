@@ -15,9 +15,10 @@
 from shardwork.dist_optimizer.adamw import AdamW
 from shardwork.dist_optimizer.chained import ChainedOptimizer, build_optimizer
 from shardwork.dist_optimizer.ddp import DDPConfig, DistributedDataParallel
-from shardwork.dist_optimizer.distributed_optimizer import DistributedOptimizer, OptimizerConfig
+from shardwork.dist_optimizer.distributed_optimizer import DistributedOptimizer
 from shardwork.dist_optimizer.layerwise import LayerWiseDistributedOptimizer
 from shardwork.dist_optimizer.layout import BufferKey, BufferLayout, ParamIndexMap, ShardPiece
+from shardwork.dist_optimizer.local_masters import OptimizerConfig
 from shardwork.dist_optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from shardwork.dist_optimizer.muon import Muon
 from shardwork.dist_optimizer.param_rects import ParamRect, rects_from_model_state

@@ -14,13 +14,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from shardwork.dist_optimizer.distributed_optimizer import (
-    DistributedOptimizer,
-    OptimizerConfig,
-    OptimizerFactory,
-    _as_models,
-)
+from shardwork.dist_optimizer.distributed_optimizer import DistributedOptimizer
 from shardwork.dist_optimizer.layerwise import LayerWiseDistributedOptimizer
+from shardwork.dist_optimizer.local_masters import OptimizerConfig, OptimizerFactory, _as_models
 from shardwork.dist_optimizer.step_flow import StepResult, run_step
 from shardwork.parallel_state import ProcessGroups
 

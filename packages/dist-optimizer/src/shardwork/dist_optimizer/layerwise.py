@@ -17,7 +17,7 @@ For optimizers that need entire matrices (Muon), ZeRO's flat shards do not work.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,15 +25,13 @@ import torch
 import torch.distributed as dist
 
 from shardwork.dist_optimizer.ddp import DistributedDataParallel
-from shardwork.dist_optimizer.distributed_optimizer import (
+from shardwork.dist_optimizer.local_masters import (
+    LocalMastersOptimizer,
     OptimizerConfig,
     OptimizerFactory,
-    _as_models,
+    ParamGroupFn,
     group_ranks,
 )
-from shardwork.dist_optimizer.grad_stats import grad_stats
-from shardwork.dist_optimizer.optimizer_groups import resolve_optimizer_groups
-from shardwork.dist_optimizer.step_flow import StepResult, run_step
 from shardwork.parallel_state import ProcessGroups, get_param_meta, group_rank, set_param_meta
 
 __all__ = ["LayerWiseDistributedOptimizer", "OwnedParam"]
@@ -53,7 +51,7 @@ class OwnedParam:
         return self.master.data_ptr() == self.param.data_ptr()
 
 
-class LayerWiseDistributedOptimizer:
+class LayerWiseDistributedOptimizer(LocalMastersOptimizer):
     """Owner-rank optimizer for whole parameters; arguments as :class:`DistributedOptimizer`,
     except that the DDP chunks must use all-reduce (``use_distributed_optimizer=False``)."""
 
@@ -68,35 +66,21 @@ class LayerWiseDistributedOptimizer:
         tp_group: Any = None,
         stats_groups: Sequence[Any] | None = None,
         pp_rank: int | None = None,
-        param_group_fn: Callable[[str, torch.nn.Parameter], Mapping[str, Any] | None] | None = None,
+        param_group_fn: ParamGroupFn | None = None,
         loss_scaler: Any = None,
     ) -> None:
-        self.models = _as_models(model)
-        self.config = config or OptimizerConfig()
-        self.expert = expert
-        for i, m in enumerate(self.models):
-            if m.config.use_distributed_optimizer:
-                raise ValueError(
-                    f"model[{i}] was built with DDPConfig(use_distributed_optimizer=True); "
-                    "valid: False (the layer-wise optimizer needs all-reduced gradients)"
-                )
-        resolved = resolve_optimizer_groups(
-            self.models,
+        super().__init__(
+            model,
             expert=expert,
+            config=config,
             process_groups=process_groups,
             tp_group=tp_group,
             stats_groups=stats_groups,
             pp_rank=pp_rank,
+            loss_scaler=loss_scaler,
+            sharded_grads=False,
+            why="the layer-wise optimizer needs all-reduced gradients",
         )
-        self.dp_group, tp_group = resolved.dp_group, resolved.tp_group
-        self.tp_group = tp_group
-        self.stats_groups = resolved.stats_groups
-        self.pp_rank = resolved.pp_rank
-        self.collision_axes = resolved.collision_axes
-        """Parallel axes whose ranks hold different parameters under possibly equal local
-        names: saving then needs ``param_rects`` with global keys."""
-        self.loss_scaler = loss_scaler
-        tp_rank = group_rank(tp_group)
         dp_size = len(group_ranks(self.dp_group))
         my_rank = group_rank(self.dp_group)
 
@@ -113,18 +97,9 @@ class LayerWiseDistributedOptimizer:
             meta = get_param_meta(p)
             master = p.data if p.dtype in (torch.float32, torch.float64) else p.data.float()
             set_param_meta(master, meta)
-            counted = (meta.tp_axis is not None or tp_rank == 0) and (
-                not meta.shared_embedding or self.pp_rank == 0
-            )
-            self.owned.append(OwnedParam(name, p, master, counted))
-        grouped: dict[tuple, dict[str, Any]] = {}
-        for op in self.owned:
-            overrides = dict(param_group_fn(op.name, op.param) or {}) if param_group_fn else {}
-            signature = tuple(sorted((k, repr(v)) for k, v in overrides.items()))
-            grouped.setdefault(signature, {"params": [], **overrides})["params"].append(op.master)
-        self.optimizer: torch.optim.Optimizer | None = (
-            optimizer_factory(list(grouped.values())) if self.owned else None
-        )
+            self.owned.append(OwnedParam(name, p, master, self._counted(meta)))
+        self.masters = self.owned
+        self._build_optimizer(optimizer_factory, param_group_fn)
         self._handles: dict[int, Any] = {}
         self._hooks = []
         if self.config.overlap_param_gather:
@@ -132,7 +107,6 @@ class LayerWiseDistributedOptimizer:
                 for sub in m.module.modules():
                     if any(True for _ in sub.parameters(recurse=False)):
                         self._hooks.append(sub.register_forward_pre_hook(self._wait_params))
-        self.last_result: StepResult | None = None
 
     @staticmethod
     def assign_owners(numels: Sequence[int], dp_size: int) -> list[int]:
@@ -172,22 +146,6 @@ class LayerWiseDistributedOptimizer:
                 else:
                     op.master.grad.mul_(inv_scale)
 
-    def local_grad_stats(self, count_zeros: bool = True) -> torch.Tensor:
-        """``[pieces with a non-finite value, Σg², zero count]`` over the owned master grads."""
-        return grad_stats(
-            [op.master.grad for op in self.owned],
-            [op.counted for op in self.owned],
-            count_zeros=count_zeros,
-        )
-
-    def scale_grads(self, factor: float) -> None:
-        for op in self.owned:
-            op.master.grad.mul_(factor)
-
-    def step_local(self) -> None:
-        if self.optimizer is not None:
-            self.optimizer.step()
-
     def finish_step(self) -> None:
         with torch.no_grad():
             for op in self.owned:
@@ -202,18 +160,6 @@ class LayerWiseDistributedOptimizer:
             if overlap:
                 self._handles[id(p)] = handle
 
-    # ------------------------------------------------------------------ public API
-    def step(self) -> StepResult:
-        """Reduce, (clip,) update owned parameters, broadcast; ``(ok, grad_norm, num_zeros)``."""
-        self.last_result = run_step(
-            [self],
-            clip_grad=self.config.clip_grad,
-            loss_scaler=self.loss_scaler,
-            skip_nonfinite=self.config.skip_nonfinite,
-            count_zeros=self.config.count_zeros,
-        )
-        return self.last_result
-
     def finish_param_sync(self) -> None:
         """Wait for every outstanding parameter broadcast."""
         self._wait_all()
@@ -223,25 +169,3 @@ class LayerWiseDistributedOptimizer:
             m.zero_grad_buffer()
         for op in self.owned:
             op.master.grad = None
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups if self.optimizer is not None else []
-
-    @property
-    def loss_scale(self) -> float:
-        return 1.0 if self.loss_scaler is None else float(self.loss_scaler.scale)
-
-    def get_grad_norm(self) -> float | None:
-        return None if self.last_result is None else self.last_result.grad_norm
-
-    def sharded_state_dict(self, **kwargs: Any) -> dict[str, Any]:
-        """Owned parameters' state as whole TP-local rectangles in global coordinates."""
-        from shardwork.dist_optimizer.sharded_state import layerwise_sharded_state_dict
-
-        return layerwise_sharded_state_dict(self, **kwargs)
-
-    def load_sharded_state_dict(self, state: Mapping[str, Any], **kwargs: Any) -> None:
-        from shardwork.dist_optimizer.sharded_state import load_layerwise_sharded_state_dict
-
-        load_layerwise_sharded_state_dict(self, state, **kwargs)

@@ -27,7 +27,7 @@ def resolve_optimizer_groups(
     models, *, expert: bool, process_groups, tp_group, stats_groups, pp_rank
 ) -> OptimizerGroups:
     """Resolve and check the groups of one optimizer part (ValueError on a mismatch)."""
-    from shardwork.dist_optimizer.distributed_optimizer import group_ranks
+    from shardwork.dist_optimizer.local_masters import group_ranks
 
     groups = [m.expert_dp_group if expert else m.dp_group for m in models]
     dp_group = groups[0]

@@ -25,9 +25,9 @@ Representation of a ZeRO shard (chosen: *flat ranges*, no gather)
   collide (local layer/expert numbering): pass ``param_rects``, e.g.
   :func:`rects_from_model_state` of the model's own sharded state dict, for global keys and
   offsets.
-- Loading: build the template with :func:`zero_sharded_state_dict` on the new layout, call
-  ``dist_checkpoint.load`` and hand the result to the ``load_*`` function, which copies every
-  tensor into place. Optimizer state that does not exist yet (no step taken) is created by
+- Loading: build the template with :func:`optimizer_sharded_state_dict` on the new layout,
+  call ``dist_checkpoint.load`` and hand the result to
+  :func:`load_optimizer_sharded_state_dict`, which copies every tensor into place. Optimizer state that does not exist yet (no step taken) is created by
   one step of the local optimizer with zero gradients and ``lr = 0`` (parameters unchanged).
 """
 
@@ -52,11 +52,9 @@ from shardwork.parallel_state import group_rank, group_size
 __all__ = [
     "ParamRect",
     "default_param_rects",
-    "layerwise_sharded_state_dict",
-    "load_layerwise_sharded_state_dict",
-    "load_zero_sharded_state_dict",
+    "load_optimizer_sharded_state_dict",
+    "optimizer_sharded_state_dict",
     "rects_from_model_state",
-    "zero_sharded_state_dict",
 ]
 
 
@@ -222,61 +220,31 @@ def _load(
         opt.loss_scaler.load_state_dict(state["loss_scaler"])
 
 
-def zero_sharded_state_dict(
+def optimizer_sharded_state_dict(
     opt: Any, *, prefix: str = "optimizer.", param_rects: ParamRectsFn | None = None
 ) -> dict[str, Any]:
-    """Sharded state dict of a :class:`DistributedOptimizer` (flat-range ShardedTensors).
+    """Sharded state dict of a :class:`DistributedOptimizer` (flat-range ShardedTensors) or a
+    :class:`LayerWiseDistributedOptimizer` (whole TP-local rectangles, owner ranks only).
 
     Creates the optimizer state first if no step has run, so the same call gives the
     template for loading.
     """
-    for m in opt.models:
-        m.finish_param_sync()
-    _ensure_state(opt.optimizer, [mp.master for mp in opt.pieces])
-    return _state_dict(opt, prefix, param_rects)
-
-
-def load_zero_sharded_state_dict(
-    opt: Any,
-    state: Mapping[str, Any],
-    *,
-    prefix: str = "optimizer.",
-    param_rects: ParamRectsFn | None = None,
-) -> None:
-    """Copy a loaded state dict (from ``dist_checkpoint.load`` of the template) into
-    masters and optimizer state, and the masters into the model parameters."""
-    _ensure_state(opt.optimizer, [mp.master for mp in opt.pieces])
-    _load(opt, state, prefix, param_rects)
-    with torch.no_grad():
-        for mp in opt.pieces:
-            if not mp.master_is_view:
-                mp.param_view.copy_(mp.master)
-    for m in opt.models:
-        m.start_param_sync(overlap=False, expert=opt.expert)
-
-
-def layerwise_sharded_state_dict(
-    opt: Any, *, prefix: str = "optimizer.", param_rects: ParamRectsFn | None = None
-) -> dict[str, Any]:
-    """Sharded state dict of a :class:`LayerWiseDistributedOptimizer` (owner ranks only)."""
     opt.finish_param_sync()
-    _ensure_state(opt.optimizer, [op.master for op in opt.owned])
+    _ensure_state(opt.optimizer, [owned.master for owned in opt.masters])
     return _state_dict(opt, prefix, param_rects)
 
 
-def load_layerwise_sharded_state_dict(
+def load_optimizer_sharded_state_dict(
     opt: Any,
     state: Mapping[str, Any],
     *,
     prefix: str = "optimizer.",
     param_rects: ParamRectsFn | None = None,
 ) -> None:
-    """Copy a loaded state dict into the owned masters and state, then re-broadcast params."""
-    _ensure_state(opt.optimizer, [op.master for op in opt.owned])
+    """Copy a loaded state dict (from ``dist_checkpoint.load`` of the template) into the
+    masters and optimizer state, then publish the masters to the model parameters on every
+    rank (the optimizer's own write-back and gather/broadcast, waited for)."""
+    _ensure_state(opt.optimizer, [owned.master for owned in opt.masters])
     _load(opt, state, prefix, param_rects)
-    with torch.no_grad():
-        for op in opt.owned:
-            if not op.master_is_view:
-                op.param.data.copy_(op.master)
     opt.finish_step()
     opt.finish_param_sync()

@@ -1,0 +1,235 @@
+"""What the two distributed optimizers share: a local optimizer over this rank's masters.
+
+:class:`~shardwork.dist_optimizer.distributed_optimizer.DistributedOptimizer` (ZeRO-1
+shards of flat buffers) and
+:class:`~shardwork.dist_optimizer.layerwise.LayerWiseDistributedOptimizer` (whole
+parameters on owner ranks) differ in which masters a rank holds, how its gradients arrive
+and how updated values reach the other ranks. Everything else is here: checking the model
+chunks, resolving the process groups, grouping the masters by ``param_group_fn`` for the
+local optimizer, the gradient statistics and scaling :func:`~.step_flow.run_step` calls,
+and the public step/inspection API.
+
+A subclass sets ``self.masters`` (objects with ``.master`` — the fp32/fp64 tensor the local
+optimizer updates, whose ``.grad`` holds the unscaled gradient after ``prepare_grads`` —
+and ``.counted`` — whether it counts toward the global norm), and implements
+``prepare_grads`` (gradients in, divided by the loss scale), ``finish_step`` (masters out
+to the parameters of every rank, possibly asynchronously), ``finish_param_sync`` (wait for
+that) and ``zero_grad``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardwork.dist_optimizer.ddp import DistributedDataParallel
+from shardwork.dist_optimizer.grad_stats import grad_stats
+from shardwork.dist_optimizer.optimizer_groups import resolve_optimizer_groups
+from shardwork.dist_optimizer.step_flow import StepResult, run_step
+from shardwork.parallel_state import ProcessGroups, group_rank
+
+__all__ = ["LocalMastersOptimizer", "OptimizerConfig", "OptimizerFactory", "group_ranks"]
+
+OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+ParamGroupFn = Callable[[str, torch.nn.Parameter], Mapping[str, Any] | None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """Options shared by the distributed optimizers."""
+
+    clip_grad: float = 0.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    overlap_param_gather: bool = False
+    """All-gather parameters asynchronously, each module waiting in its forward pre-hook."""
+    skip_nonfinite: bool = True
+    """Skip the step on every rank when any gradient element is inf or nan."""
+    count_zeros: bool = False
+    """Count zero gradient elements (costs one comparison per element)."""
+
+    def __post_init__(self) -> None:
+        if not self.clip_grad >= 0:
+            raise ValueError(f"OptimizerConfig.clip_grad={self.clip_grad}; valid: >= 0 (0 = off)")
+
+
+def group_ranks(group: Any) -> tuple[int, ...]:
+    """Global ranks of ``group`` (``(this rank,)`` or ``(0,)`` for None)."""
+    if group is None:
+        return (dist.get_rank(),) if dist.is_initialized() else (0,)
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def _as_models(model: Any) -> list[DistributedDataParallel]:
+    models = list(model) if isinstance(model, (list, tuple)) else [model]
+    seen: set[int] = set()
+    for i, m in enumerate(models):
+        if not isinstance(m, DistributedDataParallel):
+            raise ValueError(
+                f"model[{i}] is a {type(m).__name__}; valid: a DistributedDataParallel "
+                "(or a list of them, one per virtual pipeline chunk)"
+            )
+        if id(m) in seen:
+            raise ValueError(f"model[{i}] appears twice; valid: each model chunk once")
+        seen.add(id(m))
+    return models
+
+
+class LocalMastersOptimizer:
+    """Base of the distributed optimizers (see the module docstring).
+
+    ``sharded_grads``: whether the DDP chunks must reduce-scatter their gradients
+    (``DDPConfig.use_distributed_optimizer=True``) or all-reduce them (False); ``why`` ends
+    the error raised for a chunk built the other way. Other arguments as documented on the
+    subclasses.
+    """
+
+    masters: Sequence[Any]
+
+    def __init__(
+        self,
+        model: DistributedDataParallel | Sequence[DistributedDataParallel],
+        *,
+        expert: bool,
+        config: OptimizerConfig | None,
+        process_groups: ProcessGroups | None,
+        tp_group: Any,
+        stats_groups: Sequence[Any] | None,
+        pp_rank: int | None,
+        loss_scaler: Any,
+        sharded_grads: bool,
+        why: str,
+    ) -> None:
+        self.models = _as_models(model)
+        self.config = config or OptimizerConfig()
+        self.expert = expert
+        for i, m in enumerate(self.models):
+            if m.config.use_distributed_optimizer != sharded_grads:
+                raise ValueError(
+                    f"model[{i}] was built with DDPConfig(use_distributed_optimizer="
+                    f"{m.config.use_distributed_optimizer}); valid: {sharded_grads} ({why})"
+                )
+        resolved = resolve_optimizer_groups(
+            self.models,
+            expert=expert,
+            process_groups=process_groups,
+            tp_group=tp_group,
+            stats_groups=stats_groups,
+            pp_rank=pp_rank,
+        )
+        self.dp_group = resolved.dp_group
+        self.tp_group = resolved.tp_group
+        self.stats_groups = resolved.stats_groups
+        self.pp_rank = resolved.pp_rank
+        self.collision_axes = resolved.collision_axes
+        """Parallel axes whose ranks hold different parameters under possibly equal local
+        names: saving then needs ``param_rects`` with global keys."""
+        self.loss_scaler = loss_scaler
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.last_result: StepResult | None = None
+
+    def _counted(self, meta: Any) -> bool:
+        """Whether a parameter with ``meta`` counts toward the global norm on this rank: TP
+        replicas on TP rank 0 only, the shared embedding on the first pipeline stage only."""
+        return (meta.tp_axis is not None or group_rank(self.tp_group) == 0) and (
+            not meta.shared_embedding or self.pp_rank == 0
+        )
+
+    def _build_optimizer(
+        self, optimizer_factory: OptimizerFactory, param_group_fn: ParamGroupFn | None
+    ) -> None:
+        """The local optimizer over ``self.masters`` (None when this rank holds none), one
+        param group per distinct ``param_group_fn`` override dict."""
+        grouped: dict[tuple, dict[str, Any]] = {}
+        for owned in self.masters:
+            overrides = (
+                dict(param_group_fn(owned.name, owned.param) or {}) if param_group_fn else {}
+            )
+            signature = tuple(sorted((k, repr(v)) for k, v in overrides.items()))
+            grouped.setdefault(signature, {"params": [], **overrides})["params"].append(
+                owned.master
+            )
+        if not self.masters:
+            return
+        self.optimizer = optimizer_factory(list(grouped.values()))
+        built = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        if built != {id(owned.master) for owned in self.masters}:
+            raise ValueError(
+                "optimizer_factory must build an optimizer over exactly the param groups it "
+                "is given (this rank's masters)"
+            )
+
+    # ------------------------------------------------------------------ step phases
+    def local_grad_stats(self, count_zeros: bool = True) -> torch.Tensor:
+        """``[pieces with a non-finite value, Σg², zero count]`` over this rank's master grads
+        (Σg² and zeros over counted masters only; see :func:`grad_stats.grad_stats`)."""
+        return grad_stats(
+            [owned.master.grad for owned in self.masters],
+            [owned.counted for owned in self.masters],
+            count_zeros=count_zeros,
+        )
+
+    def scale_grads(self, factor: float) -> None:
+        for owned in self.masters:
+            owned.master.grad.mul_(factor)
+
+    def step_local(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.step()
+
+    # ------------------------------------------------------------------ public API
+    def step(self) -> StepResult:
+        """Reduce, (clip,) update and publish; returns ``(update_successful, grad_norm,
+        num_zeros)``."""
+        self.last_result = run_step(
+            [self],
+            clip_grad=self.config.clip_grad,
+            loss_scaler=self.loss_scaler,
+            skip_nonfinite=self.config.skip_nonfinite,
+            count_zeros=self.config.count_zeros,
+        )
+        return self.last_result
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The local optimizer's param groups (set ``"lr"`` here); empty on a rank with no
+        masters."""
+        return self.optimizer.param_groups if self.optimizer is not None else []
+
+    @property
+    def loss_scale(self) -> float:
+        """Multiply the loss by this before backward (1.0 without a loss scaler)."""
+        return 1.0 if self.loss_scaler is None else float(self.loss_scaler.scale)
+
+    def get_grad_norm(self) -> float | None:
+        """Global gradient norm of the last step (None before a step or after a skipped one)."""
+        return None if self.last_result is None else self.last_result.grad_norm
+
+    def state_numel(self) -> int:
+        """Elements of optimizer state tensors held by this rank (for memory accounting)."""
+        if self.optimizer is None:
+            return 0
+        return sum(
+            v.numel()
+            for s in self.optimizer.state.values()
+            for v in s.values()
+            if torch.is_tensor(v) and v.dim() > 0
+        )
+
+    def sharded_state_dict(self, **kwargs: Any) -> dict[str, Any]:
+        """Optimizer state (masters and per-element states) in global parameter coordinates,
+        as dist-checkpoint ``ShardedTensor`` s; ``kwargs``: ``prefix``, ``param_rects`` (see
+        :mod:`.sharded_state`)."""
+        from shardwork.dist_optimizer.sharded_state import optimizer_sharded_state_dict
+
+        return optimizer_sharded_state_dict(self, **kwargs)
+
+    def load_sharded_state_dict(self, state: Mapping[str, Any], **kwargs: Any) -> None:
+        """Restore from a state dict loaded from the template :meth:`sharded_state_dict` gave,
+        and publish the restored masters to the model parameters."""
+        from shardwork.dist_optimizer.sharded_state import load_optimizer_sharded_state_dict
+
+        load_optimizer_sharded_state_dict(self, state, **kwargs)
