@@ -176,8 +176,10 @@ def test_export_loads_in_transformers(model_type, tmp_path):
     missing, unexpected = fresh.load_state_dict(moe_hf_state_dict(ours, fused=True), strict=False)
     assert not unexpected and all("inv_freq" in k for k in missing), (missing, unexpected)
     _assert_same_forward(hf_forward(fresh, ids), (ref_logits, ref_chosen))
-    # per-expert folder export -> transformers.from_pretrained
-    save_pretrained(ours, tmp_path / "out")
+    # per-expert folder export, split over several safetensors files -> from_pretrained
+    save_pretrained(ours, tmp_path / "out", max_shard_bytes=20_000)
+    assert len(list((tmp_path / "out").glob("model-*-of-*.safetensors"))) > 1
+    assert (tmp_path / "out" / "model.safetensors.index.json").exists()
     back = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "out", attn_implementation="eager"
     ).eval()

@@ -125,6 +125,26 @@ def _shard(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, t
     return shards
 
 
+def write_safetensors(folder: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> None:
+    """Write HF-keyed ``tensors`` into ``folder`` in key order: one ``model.safetensors``, or
+    ``model-0000i-of-0000n.safetensors`` files of at most ``max_shard_bytes`` each (a larger
+    tensor gets a file of its own) plus the ``model.safetensors.index.json`` weight map."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shards = _shard(dict(sorted(tensors.items())), max_shard_bytes)
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / _SINGLE), metadata={"format": "pt"})
+        return
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / fname), metadata={"format": "pt"})
+        for name, t in shard.items():
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / _INDEX).write_text(json.dumps(index, indent=2))
+
+
 def save_pretrained(
     model: GPTModel,
     folder: str | Path,
@@ -145,21 +165,8 @@ def save_pretrained(
     if rank != 0:
         return
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {to_hf_key(k): v.contiguous() for k, v in full.items()}
-    shards = _shard(dict(sorted(tensors.items())), max_shard_bytes)
-    if len(shards) == 1:
-        save_file(shards[0], str(folder / _SINGLE), metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        total = 0
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(folder / fname), metadata={"format": "pt"})
-            for name, t in shard.items():
-                weight_map[name] = fname
-                total += t.numel() * t.element_size()
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (folder / _INDEX).write_text(json.dumps(index, indent=2))
+    write_safetensors(
+        folder, {to_hf_key(k): v.contiguous() for k, v in full.items()}, max_shard_bytes
+    )
     hf = hf_config_from_gpt(model.config, dtype=dtype)
     (folder / "config.json").write_text(json.dumps(hf, indent=2))

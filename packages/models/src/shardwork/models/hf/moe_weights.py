@@ -31,10 +31,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from shardwork.models.full_state import full_state_dict
-from shardwork.models.hf.checkpoint import _shard, _weight_files
+from shardwork.models.hf.checkpoint import _weight_files, write_safetensors
 from shardwork.models.hf.keys import KEY_RULES, to_hf_key
 from shardwork.models.hf.moe_config import hf_config_from_moe, moe_model_type
 
@@ -291,19 +290,6 @@ def save_moe_pretrained(
     if rank != 0:
         return
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    shards = _shard(dict(sorted(tensors.items())), max_shard_bytes)
-    if len(shards) == 1:
-        save_file(shards[0], str(folder / "model.safetensors"), metadata={"format": "pt"})
-    else:
-        weight_map, total = {}, 0
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(folder / fname), metadata={"format": "pt"})
-            for name, t in shard.items():
-                weight_map[name] = fname
-                total += t.numel() * t.element_size()
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    write_safetensors(folder, tensors, max_shard_bytes)
     config = hf_config_from_moe(model.config, dtype=dtype)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
