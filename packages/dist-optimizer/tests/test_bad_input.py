@@ -229,3 +229,30 @@ def test_second_backward_without_no_sync_raises(overlap):
         assert untouched  # nothing was added to the launched buckets
         for got, want in zip(params, ref.parameters()):
             torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("sharded", [True, False], ids=["zero", "layerwise"])
+def test_factory_must_cover_exactly_the_masters(sharded):
+    """Both optimizers reject a factory that leaves masters out (their state would never
+    exist and their parameters never update)."""
+    kind = DistributedOptimizer if sharded else LayerWiseDistributedOptimizer
+    config = ZERO if sharded else DDPConfig()
+
+    def first_group_only(groups):
+        return torch.optim.SGD([{"params": groups[0]["params"][:1]}], lr=0.1)
+
+    with pytest.raises(ValueError, match="exactly the param groups"):
+        kind(DistributedDataParallel(mlp(), config=config), first_group_only)
+
+
+@pytest.mark.parametrize("sharded", [True, False], ids=["zero", "layerwise"])
+def test_state_numel_counts_adam_moments(sharded):
+    """One process owns every parameter: AdamW's two moments per element."""
+    model = mlp(1)
+    kind = DistributedOptimizer if sharded else LayerWiseDistributedOptimizer
+    ddp = DistributedDataParallel(model, config=ZERO if sharded else DDPConfig())
+    opt = kind(ddp, lambda groups: torch.optim.AdamW(groups, lr=1e-3))
+    assert opt.state_numel() == 0  # no step yet: no state
+    ddp(torch.randn(3, 4)).square().sum().backward()
+    opt.step()
+    assert opt.state_numel() == 2 * sum(p.numel() for p in model.parameters())

@@ -129,8 +129,11 @@ class DistributedOptimizer(LocalMastersOptimizer):
                     counted = self._counted(get_param_meta(p))
                     name = m.param_names[id(p)]
                     self.pieces.append(MasterPiece(name, p, key, piece, master, gv, pv, counted))
-        self.masters = self.pieces
         self._build_optimizer(optimizer_factory, param_group_fn)
+
+    @property
+    def masters(self) -> list[MasterPiece]:
+        return self.pieces
 
     # ------------------------------------------------------------------ step phases
     def prepare_grads(self, inv_scale: float) -> None:

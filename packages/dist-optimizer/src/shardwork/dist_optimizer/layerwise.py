@@ -98,7 +98,6 @@ class LayerWiseDistributedOptimizer(LocalMastersOptimizer):
             master = p.data if p.dtype in (torch.float32, torch.float64) else p.data.float()
             set_param_meta(master, meta)
             self.owned.append(OwnedParam(name, p, master, self._counted(meta)))
-        self.masters = self.owned
         self._build_optimizer(optimizer_factory, param_group_fn)
         self._handles: dict[int, Any] = {}
         self._hooks = []
@@ -107,6 +106,10 @@ class LayerWiseDistributedOptimizer(LocalMastersOptimizer):
                 for sub in m.module.modules():
                     if any(True for _ in sub.parameters(recurse=False)):
                         self._hooks.append(sub.register_forward_pre_hook(self._wait_params))
+
+    @property
+    def masters(self) -> list[OwnedParam]:
+        return self.owned
 
     @staticmethod
     def assign_owners(numels: Sequence[int], dp_size: int) -> list[int]:

@@ -9,7 +9,7 @@ chunks, resolving the process groups, grouping the masters by ``param_group_fn``
 local optimizer, the gradient statistics and scaling :func:`~.step_flow.run_step` calls,
 and the public step/inspection API.
 
-A subclass sets ``self.masters`` (objects with ``.master`` — the fp32/fp64 tensor the local
+A subclass provides ``masters`` (objects with ``.master`` — the fp32/fp64 tensor the local
 optimizer updates, whose ``.grad`` holds the unscaled gradient after ``prepare_grads`` —
 and ``.counted`` — whether it counts toward the global norm), and implements
 ``prepare_grads`` (gradients in, divided by the loss scale), ``finish_step`` (masters out
@@ -19,6 +19,7 @@ that) and ``zero_grad``.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -78,7 +79,7 @@ def _as_models(model: Any) -> list[DistributedDataParallel]:
     return models
 
 
-class LocalMastersOptimizer:
+class LocalMastersOptimizer(ABC):
     """Base of the distributed optimizers (see the module docstring).
 
     ``sharded_grads``: whether the DDP chunks must reduce-scatter their gradients
@@ -87,7 +88,26 @@ class LocalMastersOptimizer:
     subclasses.
     """
 
-    masters: Sequence[Any]
+    @property
+    @abstractmethod
+    def masters(self) -> Sequence[Any]:
+        """This rank's master records (``.name``, ``.param``, ``.master``, ``.counted``)."""
+
+    @abstractmethod
+    def prepare_grads(self, inv_scale: float) -> None:
+        """Finish gradient reduction; master grads hold the gradient times ``inv_scale``."""
+
+    @abstractmethod
+    def finish_step(self) -> None:
+        """Write masters back into the parameters and start publishing them to every rank."""
+
+    @abstractmethod
+    def finish_param_sync(self) -> None:
+        """Wait until the parameters published by :meth:`finish_step` have arrived."""
+
+    @abstractmethod
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the models' gradient buffers and drop master grads that are copies."""
 
     def __init__(
         self,
@@ -128,13 +148,14 @@ class LocalMastersOptimizer:
         """Parallel axes whose ranks hold different parameters under possibly equal local
         names: saving then needs ``param_rects`` with global keys."""
         self.loss_scaler = loss_scaler
+        self._tp_rank = group_rank(self.tp_group)
         self.optimizer: torch.optim.Optimizer | None = None
         self.last_result: StepResult | None = None
 
     def _counted(self, meta: Any) -> bool:
         """Whether a parameter with ``meta`` counts toward the global norm on this rank: TP
         replicas on TP rank 0 only, the shared embedding on the first pipeline stage only."""
-        return (meta.tp_axis is not None or group_rank(self.tp_group) == 0) and (
+        return (meta.tp_axis is not None or self._tp_rank == 0) and (
             not meta.shared_embedding or self.pp_rank == 0
         )
 
@@ -143,6 +164,8 @@ class LocalMastersOptimizer:
     ) -> None:
         """The local optimizer over ``self.masters`` (None when this rank holds none), one
         param group per distinct ``param_group_fn`` override dict."""
+        if not self.masters:
+            return
         grouped: dict[tuple, dict[str, Any]] = {}
         for owned in self.masters:
             overrides = (
@@ -152,8 +175,6 @@ class LocalMastersOptimizer:
             grouped.setdefault(signature, {"params": [], **overrides})["params"].append(
                 owned.master
             )
-        if not self.masters:
-            return
         self.optimizer = optimizer_factory(list(grouped.values()))
         built = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
         if built != {id(owned.master) for owned in self.masters}:

@@ -27,8 +27,9 @@ Representation of a ZeRO shard (chosen: *flat ranges*, no gather)
   offsets.
 - Loading: build the template with :func:`optimizer_sharded_state_dict` on the new layout,
   call ``dist_checkpoint.load`` and hand the result to
-  :func:`load_optimizer_sharded_state_dict`, which copies every tensor into place. Optimizer state that does not exist yet (no step taken) is created by
-  one step of the local optimizer with zero gradients and ``lr = 0`` (parameters unchanged).
+  :func:`load_optimizer_sharded_state_dict`, which copies every tensor into place.
+  Optimizer state that does not exist yet (no step taken) is created by one step of the
+  local optimizer with zero gradients and ``lr = 0`` (parameters unchanged).
 """
 
 from __future__ import annotations
