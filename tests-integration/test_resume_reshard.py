@@ -11,12 +11,17 @@ run whose rank was SIGKILLed restarts from its last complete checkpoint.
   file (shardwork.dist_checkpoint's ``SHARDWORK_CKPT_FAULT=mid_file@1`` fault point); that
   checkpoint must stay uncommitted. The final restart continues from the last complete
   checkpoint with the uninterrupted run's losses (float64, rtol 1e-9 as well).
+- ``test_two_ranks_fall_back_from_a_corrupt_checkpoint``: DP=2 checkpoints at steps 2 and 4;
+  one flipped byte in step 4's data file written by rank 1; both ranks resume with
+  ``checkpoint.resume = "auto"``, agree that step 4 is corrupt, fall back to step 2 together
+  and reproduce the uninterrupted DP=2 run's losses (rtol 1e-9 as well).
 """
 
 from __future__ import annotations
 
 import io
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -80,6 +85,28 @@ def test_resume_reshards_across_layouts(tmp_path, corpus_cache):
     losses, text = _train(str(tmp_path / "c"), third, corpus_cache)
     _assert_curve(losses, reference, [4, 5])
     assert "re-derived" in text  # the RNG grid of 2 ranks does not fit 1
+
+
+def test_two_ranks_fall_back_from_a_corrupt_checkpoint(tmp_path, corpus_cache):
+    saves = {"interval": 2, "keep_last": 5, "save_at_end": True}
+    full = _sections({}, checkpoint=saves)
+    results = run_on_ranks(_train, 2, args=(str(tmp_path / "a"), full, corpus_cache), timeout=600)
+    reference = results[0][0]
+    root = tmp_path / "ckpts"
+    shutil.copytree(tmp_path / "a" / "checkpoints", root)
+    shutil.rmtree(root / "step_000000006")  # as if the run had been killed after step 4's save
+    bad = root / "step_000000004" / "__1_0.distcp"  # written by rank 1
+    raw = bytearray(bad.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    bad.write_bytes(bytes(raw))
+    resumed = _sections({}, checkpoint={**saves, "dir": str(root), "resume": "auto"})
+    results = run_on_ranks(
+        _train, 2, args=(str(tmp_path / "b"), resumed, corpus_cache), timeout=600
+    )
+    for losses, _ in results:
+        _assert_curve(losses, reference, [2, 3, 4, 5])
+    text = results[0][1]
+    assert "__1_0.distcp: checksum mismatch" in text and "fell back to step 2" in text, text
 
 
 # --- SIGKILL of a real rank process -------------------------------------------------------

@@ -7,6 +7,7 @@ and integrity checks. DCP's files are the format: plain ``torch.distributed.chec
 reads a shardwork checkpoint.
 """
 
+from shardwork.dist_checkpoint.keycheck import CheckpointMismatchError
 from shardwork.dist_checkpoint.load import load
 from shardwork.dist_checkpoint.manager import CheckpointManager
 from shardwork.dist_checkpoint.metadata import (
@@ -29,6 +30,7 @@ __all__ = [
     "AsyncSave",
     "CheckpointCorruptError",
     "CheckpointManager",
+    "CheckpointMismatchError",
     "CheckpointSaveError",
     "IncompleteCheckpointError",
     "SaveResult",

@@ -57,7 +57,7 @@ def _inspect(path: Path, as_json: bool) -> int:
         return 0
     total = sum(rec["size"] for rec in info.get("files", {}).values())
     print(f"checkpoint      {path}")
-    print(f"format          {info['format']} v{info['format_version']}")
+    print(f"format          {info['format']} v{info.get('format_version', 1)}")
     print(f"shardwork       {info['shardwork_version']}   torch {info['torch_version']}")
     print(f"content version {info.get('content_version')}")
     print(f"saved at        world size {info['world_size']}{_ranks(info.get('group_ranks'))}")

@@ -8,7 +8,13 @@ A checkpoint directory holds DCP's files (``__<rank>_<n>.distcp`` data, ``.metad
   and CRC-32, bytes written per rank and per-phase timings;
 - ``COMMITTED``: written last (write to a temporary name, fsync, rename, fsync the directory).
   A directory is a complete checkpoint if and only if this marker exists, so a save killed at
-  any point before it leaves an incomplete directory that readers ignore.
+  any point before it leaves an incomplete directory that readers ignore. From format version
+  2 it records the CRC-32 of ``shardwork.json`` (``info_crc32``), which `read_info` checks, so
+  every file of a checkpoint except the marker itself is covered by a recorded checksum.
+
+Format versions: 1 (no ``info_crc32``; also assumed when ``format_version`` is absent) and 2.
+Both record CRC-32 per file; `checksum_kind` maps a version to the checksum it used, so a
+later change of checksum keeps older checkpoints verifiable.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import zlib
 from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import Any
@@ -28,6 +35,7 @@ __all__ = [
     "INFO_FILE",
     "CheckpointCorruptError",
     "IncompleteCheckpointError",
+    "checksum_kind",
     "is_committed",
     "read_info",
     "shardwork_version",
@@ -38,7 +46,9 @@ INFO_FILE = "shardwork.json"
 COMMIT_MARKER = "COMMITTED"
 DCP_METADATA_FILE = ".metadata"
 #: Version of the on-disk layout written by this package (bumped on incompatible changes).
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: The checksum each format version records per file (see `checksum_kind`).
+_CHECKSUMS = {1: "crc32", 2: "crc32"}
 
 
 class IncompleteCheckpointError(ValueError):
@@ -46,7 +56,42 @@ class IncompleteCheckpointError(ValueError):
 
 
 class CheckpointCorruptError(RuntimeError):
-    """A file of a checkpoint is missing, truncated or does not match its recorded checksum."""
+    """A file of a checkpoint is missing, truncated or does not match its recorded checksum.
+
+    Attributes:
+        checkpoint: the checkpoint directory (None when not known where raised).
+        files: names (relative to ``checkpoint``) of the files found bad.
+    """
+
+    def __init__(
+        self, message: str, *, checkpoint: str | None = None, files: tuple[str, ...] = ()
+    ) -> None:
+        super().__init__(message)
+        self.checkpoint = checkpoint
+        self.files = tuple(files)
+
+    def __reduce__(self) -> tuple:  # keeps the attributes through pickling (collectives)
+        return _rebuild_corrupt, (str(self), self.checkpoint, self.files)
+
+
+def _rebuild_corrupt(message: str, checkpoint: str | None, files: tuple[str, ...]) -> Any:
+    return CheckpointCorruptError(message, checkpoint=checkpoint, files=files)
+
+
+def checksum_kind(info: dict[str, Any]) -> str:
+    """The per-file checksum a checkpoint's ``shardwork.json`` records (``"crc32"``).
+
+    A missing ``format_version`` is version 1. A version this package does not know (written
+    by a newer shardwork-dist-checkpoint) raises ValueError naming it.
+    """
+    version = info.get("format_version", 1)
+    if version not in _CHECKSUMS:
+        raise ValueError(
+            f"format_version={version!r} of this checkpoint is not known to "
+            f"shardwork-dist-checkpoint {shardwork_version()}; valid: {sorted(_CHECKSUMS)} "
+            f"(read it with the newer version that wrote it)"
+        )
+    return _CHECKSUMS[version]
 
 
 def shardwork_version() -> str:
@@ -85,9 +130,11 @@ def write_commit(path: str | os.PathLike, info: dict[str, Any]) -> None:
         "created_unix": time.time(),
         **info,
     }
-    _write_atomic(path / INFO_FILE, json.dumps(full, indent=1, sort_keys=True))
+    text = json.dumps(full, indent=1, sort_keys=True)
+    _write_atomic(path / INFO_FILE, text)
     _fsync_dir(path)
-    _write_atomic(path / COMMIT_MARKER, json.dumps({"committed": True, "time": time.time()}))
+    marker = {"committed": True, "time": time.time(), "info_crc32": zlib.crc32(text.encode())}
+    _write_atomic(path / COMMIT_MARKER, json.dumps(marker))
     _fsync_dir(path)
 
 
@@ -97,10 +144,12 @@ def is_committed(path: str | os.PathLike) -> bool:
 
 
 def read_info(path: str | os.PathLike, *, require_commit: bool = True) -> dict[str, Any]:
-    """The parsed ``shardwork.json`` of a checkpoint.
+    """The parsed ``shardwork.json`` of a checkpoint, checked against the marker's CRC-32.
 
     Raises `IncompleteCheckpointError` if the directory has no commit marker (unless
-    ``require_commit=False``) or no metadata file.
+    ``require_commit=False``) or no metadata file, and `CheckpointCorruptError` if the marker
+    is unreadable or ``shardwork.json`` does not match the CRC-32 the marker recorded (format
+    version 2; a version-1 marker records none).
     """
     path = Path(path)
     if not path.is_dir():
@@ -113,7 +162,39 @@ def read_info(path: str | os.PathLike, *, require_commit: bool = True) -> dict[s
     info_path = path / INFO_FILE
     if not info_path.is_file():
         raise IncompleteCheckpointError(f"{str(path)!r} has no {INFO_FILE}")
+    raw = info_path.read_bytes()
+    expected = _recorded_info_crc(path)
+    if expected is not None and zlib.crc32(raw) != expected:
+        raise CheckpointCorruptError(
+            f"checkpoint {str(path)!r} is corrupt: {INFO_FILE}: checksum mismatch (crc32 "
+            f"{zlib.crc32(raw):08x}, recorded {expected:08x} in {COMMIT_MARKER})",
+            checkpoint=str(path),
+            files=(INFO_FILE,),
+        )
     try:
-        return json.loads(info_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointCorruptError(f"{str(info_path)!r} is not valid JSON: {exc}") from exc
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointCorruptError(
+            f"checkpoint {str(path)!r} is corrupt: {INFO_FILE} is not valid JSON: {exc}",
+            checkpoint=str(path),
+            files=(INFO_FILE,),
+        ) from exc
+
+
+def _recorded_info_crc(path: Path) -> int | None:
+    """The ``info_crc32`` the commit marker records (None: no marker, or a version-1 one)."""
+    marker = path / COMMIT_MARKER
+    if not marker.is_file():
+        return None
+    try:
+        record = json.loads(marker.read_bytes())
+        crc = record.get("info_crc32")
+        if crc is not None and not isinstance(crc, int):
+            raise TypeError(f"info_crc32={crc!r} is not an int")
+        return crc
+    except (ValueError, TypeError, AttributeError) as exc:  # JSON, decoding, shape
+        raise CheckpointCorruptError(
+            f"checkpoint {str(path)!r} is corrupt: {COMMIT_MARKER} is not readable: {exc}",
+            checkpoint=str(path),
+            files=(COMMIT_MARKER,),
+        ) from exc

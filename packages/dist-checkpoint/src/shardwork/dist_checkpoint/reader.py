@@ -23,6 +23,16 @@ and then copies the requested part into the destination. This reader, per data f
 Files are read by up to ``thread_count`` threads (one file per thread; ``preadv`` releases
 the GIL). A short read (a truncated file) raises `OSError` naming the file. The counts of
 items per path are kept in `ShardworkReader.stats` (per instance) for tests and profiling.
+
+Verification (``records``: the per-file ``{"size", "crc32"}`` of ``shardwork.json``): every
+range read is folded into its file's CRC-32 as it is read (`integrity.FileCheck`, which also
+reads the gaps), and the file is compared with its record once its items are served. A
+mismatch is not raised here (one rank raising inside DCP's read step would give the other
+ranks a generic error): it is appended to `ShardworkReader.corrupt`, and `load` agrees on
+the union of every rank's findings. A read that fails on a file that differs from its record
+(a truncated file, a header whose flipped byte breaks parsing) is reported the same way; one
+that fails on an intact file is re-raised. ``.metadata`` is checked against its record before
+it is decoded (`decode_metadata`, the one place that turns its bytes into DCP's `Metadata`).
 """
 
 from __future__ import annotations
@@ -31,18 +41,24 @@ import io
 import itertools
 import math
 import os
+import pickle
 import threading
+import zlib
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from shardwork.dist_checkpoint.blob import HEAD_BYTES, StoredTensor, parse_tensor_blob
+from shardwork.dist_checkpoint.integrity import FileCheck, file_problem, mismatch
+from shardwork.dist_checkpoint.metadata import DCP_METADATA_FILE, CheckpointCorruptError
 
-__all__ = ["ShardworkReader"]
+__all__ = ["ShardworkReader", "decode_metadata"]
 
 _IOV_MAX = 1024  # Linux's limit on buffers per preadv
 _MIN_RUN_BYTES = 4096  # below this a staged read + strided copy is cheaper than many iovecs
@@ -105,6 +121,14 @@ def _runs(dest: torch.Tensor, k: int) -> list[memoryview]:
     return runs
 
 
+def decode_metadata(raw: bytes) -> Metadata:
+    """DCP's `Metadata` from the bytes of a checkpoint's ``.metadata`` file (checked first)."""
+    metadata = pickle.loads(raw)
+    if not isinstance(metadata, Metadata):
+        raise TypeError(f"{DCP_METADATA_FILE} holds a {type(metadata).__name__}, not Metadata")
+    return metadata
+
+
 def _scatter(fd: int, runs: list[memoryview], offset: int, name: str) -> None:
     """Fill ``runs`` in order from consecutive bytes at ``offset`` (``preadv``, batched)."""
     for first in range(0, len(runs), _IOV_MAX):
@@ -124,21 +148,57 @@ class ShardworkReader(FileSystemReader):
     Args:
         path: checkpoint directory.
         thread_count: files read concurrently (each by one thread).
+        records: recorded ``{file name: {"size", "crc32"}}`` to verify what is read against
+            (None: no verification; files without a record are not verified).
     """
 
-    def __init__(self, path: str | os.PathLike, *, thread_count: int = 1) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        thread_count: int = 1,
+        records: dict[str, dict[str, int]] | None = None,
+    ) -> None:
         if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"thread_count={thread_count!r} is not valid; valid: an int >= 1")
         super().__init__(path)
         self.thread_count = thread_count
         self.stats: Counter[str] = Counter()
+        #: ``(file, how it differs from its record)`` for each bad file (see the module doc)
+        self.corrupt: list[tuple[str, str]] = []
+        self._records = records or {}
         self._stats_lock = threading.Lock()
+        self._metadata: Metadata | None = None
+
+    def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
+        """DCP's metadata, read once, checked against its record, then decoded.
+
+        Raises `CheckpointCorruptError` naming the file when its size or CRC-32 differs from
+        the record (`load` makes every rank raise it).
+        """
+        if self._metadata is None:
+            raw = (Path(self.path) / DCP_METADATA_FILE).read_bytes()
+            record = self._records.get(DCP_METADATA_FILE)
+            problem = record and mismatch(DCP_METADATA_FILE, len(raw), zlib.crc32(raw), record)
+            if problem:
+                raise CheckpointCorruptError(
+                    f"checkpoint {str(self.path)!r} is corrupt: {problem}",
+                    checkpoint=str(self.path),
+                    files=(DCP_METADATA_FILE,),
+                )
+            self._metadata = decode_metadata(raw)
+            if getattr(self._metadata, "storage_meta", None) is None:
+                self._metadata.storage_meta = StorageMeta()
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read every item of ``plan`` (see the module docstring for the paths taken)."""
         if any(self.storage_data[r.storage_index].transform_descriptors for r in plan.items):
             with self._stats_lock:
                 self.stats["fallback"] += len(plan.items)
+            # not verified: only DCP's own writer with extensions writes transforms, and its
+            # checkpoints have no shardwork.json, hence no records (load refuses them anyway)
             return super().read_data(plan, planner)
         per_file: dict[str, list[ReadItem]] = {}
         for req in plan.items:
@@ -157,8 +217,34 @@ class ShardworkReader(FileSystemReader):
         fut.set_result(None)
         return fut
 
+    def _report(self, name: str, problem: str | None) -> None:
+        if problem is not None:
+            with self._stats_lock:
+                self.corrupt.append((name, problem))
+
     def _read_file(self, relative_path: str, reqs: list[ReadItem], planner: LoadPlanner) -> None:
+        """Serve ``reqs`` from one file; report it if it differs from its record."""
         path = self.fs.concat_path(self.path, relative_path)
+        record = self._records.get(relative_path)
+        try:
+            self._report(
+                relative_path, self._read_items(path, relative_path, record, reqs, planner)
+            )
+        except Exception:
+            problem = file_problem(path, relative_path, record) if record else None
+            if problem is None:
+                raise
+            self._report(relative_path, problem)
+
+    def _read_items(
+        self,
+        path: str | os.PathLike,
+        relative_path: str,
+        record: dict[str, int] | None,
+        reqs: list[ReadItem],
+        planner: LoadPlanner,
+    ) -> str | None:
+        """Read ``reqs`` in file order; return the file's mismatch with ``record`` (or None)."""
         reqs = sorted(
             reqs,
             key=lambda r: (self.storage_data[r.storage_index].offset, tuple(r.storage_offsets)),
@@ -166,17 +252,22 @@ class ShardworkReader(FileSystemReader):
         counts: Counter[str] = Counter()
         layouts: dict[int, StoredTensor | None] = {}
         fd = os.open(path, os.O_RDONLY)
+        check = FileCheck(fd, relative_path, record) if record is not None else None
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             for req in reqs:
                 info = self.storage_data[req.storage_index]
                 if req.type == LoadItemType.BYTE_IO:
                     blob = _pread(fd, info.length, info.offset, relative_path)
+                    if check is not None:
+                        check.add(info.offset, blob)
                     planner.load_bytes(req, io.BytesIO(blob))
                     counts["bytes"] += 1
                     continue
                 if info.offset not in layouts:
                     head = _pread(fd, min(HEAD_BYTES, info.length), info.offset, relative_path)
+                    if check is not None:
+                        check.add(info.offset, head)
                     layouts[info.offset] = parse_tensor_blob(head, info.length)
                 stored = layouts[info.offset]
                 dest = planner.resolve_tensor(req).detach()
@@ -187,6 +278,8 @@ class ShardworkReader(FileSystemReader):
                     )
                 if stored is None:
                     blob = _pread(fd, info.length, info.offset, relative_path)
+                    if check is not None:
+                        check.add(info.offset, blob)
                     tensor = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
                     for dim, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
                         tensor = tensor.narrow(dim, o, n)
@@ -194,13 +287,15 @@ class ShardworkReader(FileSystemReader):
                     counts["fallback"] += 1
                 else:
                     counts[
-                        self._copy_region(fd, info.offset, stored, req, dest, relative_path)
+                        self._copy_region(fd, info.offset, stored, req, dest, relative_path, check)
                     ] += 1
                 planner.commit_tensor(req, dest)
+            problem = check.finish() if check is not None else None
         finally:
             os.close(fd)
         with self._stats_lock:
             self.stats.update(counts)
+        return problem
 
     @staticmethod
     def _copy_region(
@@ -210,8 +305,10 @@ class ShardworkReader(FileSystemReader):
         req: ReadItem,
         dest: torch.Tensor,
         name: str,
+        check: FileCheck | None,
     ) -> str:
-        """Read the region ``req`` names of ``stored`` into ``dest``; return the path taken."""
+        """Read the region ``req`` names of ``stored`` into ``dest`` (folding the bytes read
+        into ``check``); return the path taken."""
         lengths = tuple(req.lengths)
         if len(lengths) != len(stored.size):
             raise AssertionError(f"read item {req.storage_index} rank differs from the saved chunk")
@@ -228,15 +325,25 @@ class ShardworkReader(FileSystemReader):
             and dest.dtype == stored.dtype
         ):
             if dest.is_contiguous():
-                _readinto(fd, _bytes_of(dest), start, name)
+                view = _bytes_of(dest)
+                _readinto(fd, view, start, name)
+                if check is not None:
+                    check.add(start, view)
                 return "direct"
             k = _dense_suffix(lengths, dest.stride())
             if math.prod(lengths[k:]) * item >= _MIN_RUN_BYTES:
-                _scatter(fd, _runs(dest, k), start, name)
+                runs = _runs(dest, k)
+                _scatter(fd, runs, start, name)
+                if check is not None:  # the runs hold consecutive bytes of the file
+                    for run in runs:
+                        check.add(start, run)
+                        start += run.nbytes
                 return "scatter"
         span = sum((n - 1) * s for n, s in zip(lengths, stored.stride)) + 1
         buffer = torch.empty(span * item, dtype=torch.uint8)
         _readinto(fd, _bytes_of(buffer), start, name)
+        if check is not None:
+            check.add(start, _bytes_of(buffer))
         src = buffer.view(stored.dtype).as_strided(lengths, stored.stride)
         dest.copy_(src)
         return "staged"

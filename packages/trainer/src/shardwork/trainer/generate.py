@@ -3,7 +3,9 @@
 - The checkpoint carries the run's resolved config (in its metadata), so the
   model and tokenizer are rebuilt exactly; the model section is loaded
   through CheckpointManager at world size 1 (checkpoints reshard from any
-  training layout).
+  training layout). The load verifies every file it reads against its recorded CRC-32;
+  a corrupt checkpoint exits with status 4 and one message naming the file (a bad
+  argument or a directory with no checkpoint: 2).
 - Sampling: temperature and top-k over the real vocabulary (padding rows
   excluded), the context cropped to the training sequence length, no KV
   cache (each new token re-runs the window: simple, and fast enough for the
@@ -132,8 +134,13 @@ def main(argv: list[str] | None = None) -> int:
         use_underscores=True,
         prog="shardwork-generate",
     )
+    from shardwork.dist_checkpoint import CheckpointCorruptError
+
     try:
         model, config, tokenizer = load_for_inference(args.checkpoint)
+    except CheckpointCorruptError as exc:  # a file differs from its recorded checksum
+        print(f"shardwork-generate: cannot read the checkpoint: {exc}", file=sys.stderr)
+        return 4
     except (ValueError, FileNotFoundError) as exc:
         print(f"shardwork-generate: {exc}", file=sys.stderr)
         return 2

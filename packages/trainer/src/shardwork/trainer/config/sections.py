@@ -214,6 +214,9 @@ class CheckpointConfig:
     """Write checkpoints in the background while training continues."""
     resume: str = "auto"
     """'auto': resume from the newest complete checkpoint in dir if any; 'none'; or a checkpoint path."""
+    fallback: bool = True
+    """With resume='auto': if the newest checkpoint fails verification (a file differs from its
+    recorded checksum), resume from the newest intact one, saying so. False: stop (exit 4)."""
     load_optimizer: bool = True
     """On resume, load the optimizer state (False: fresh optimizer, e.g. for fine-tuning)."""
     load_rng: bool = True

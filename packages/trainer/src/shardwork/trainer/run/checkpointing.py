@@ -21,6 +21,17 @@ At a different layout the RNG grid does not fit: ``rng`` is left out of the
 load and each rank re-derives its RNG from (seed, step, rank role), with a
 notice. Saves may be asynchronous; retention (keep last N, every K-th) and
 atomic commits are the manager's.
+
+Resume verifies what it loads (dist_checkpoint's ``load`` checks every file it reads against
+its recorded CRC-32; all ranks agree). With ``checkpoint.resume = "auto"`` and
+``checkpoint.fallback`` on, a corrupt newest checkpoint is reported and the next older one
+is tried, until one loads. The failed load may have written bytes into the model and
+optimizer tensors (they are read in place); the next load uses the same template, which
+covers every element of every tensor it loads, so it rewrites all of them, and objects
+(RNG, step) are only applied after a load succeeded. A corrupt step skipped this way is
+overwritten when the run saves at that step again (otherwise the bad checkpoint would be
+kept as "already saved"). An explicit ``checkpoint.resume`` path, or fallback off, stops
+with `CheckpointCorruptError` naming the file and the checkpoint, and the remedy.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ import re
 from pathlib import Path
 
 from shardwork.trainer.run.optimizer_keys import optimizer_param_rects
+from shardwork.trainer.run.resume_advice import corrupt_message, mismatch_message
 from shardwork.trainer.run.rng import (
     capture_rng,
     derived_seed,
@@ -65,7 +77,8 @@ def locate_checkpoint(path: str | Path) -> tuple[Path, int | None]:
 
 
 class ResumeError(ValueError):
-    """``checkpoint.resume`` names a place with no complete checkpoint to resume from."""
+    """``checkpoint.resume`` names no checkpoint this run can resume: none complete there, none
+    intact, or one whose tensors do not fit this run's model."""
 
 
 class Checkpointer:
@@ -89,6 +102,8 @@ class Checkpointer:
         )
         #: what every checkpoint of the run stores beside its state (read once, not per save)
         self.metadata = {"train_config": config_to_toml(config)}
+        #: corrupt checkpoints skipped by a fallback: saved over when the run reaches them
+        self.corrupt_steps: set[int] = set()
         if c.hf_init is not None:  # the architecture (shardwork-generate reads it)
             from shardwork.trainer.model_factory import hf_config
 
@@ -142,7 +157,10 @@ class Checkpointer:
 
         A step that already has a complete checkpoint (a resumed, finished run) is kept.
         """
-        if step not in self.manager.list():
+        if step in self.corrupt_steps:
+            self.manager.save(step, self.state(step), metadata=self.metadata, overwrite=True)
+            self.corrupt_steps.discard(step)
+        elif step not in self.manager.list():
             self.manager.save(step, self.state(step), metadata=self.metadata)
         return str(self.manager.step_path(step))
 
@@ -151,30 +169,78 @@ class Checkpointer:
 
     def maybe_resume(self, *, say) -> int:
         """Resume per ``checkpoint.resume``; returns the step to start from (0 for a fresh run)."""
-        from shardwork.dist_checkpoint import CheckpointManager, read_info
+        from shardwork.dist_checkpoint import CheckpointCorruptError, CheckpointManager
 
         c = self.config.checkpoint
         if c.resume == "none":
             return 0
         if c.resume == "auto":
-            manager, step = self.manager, self.manager.latest()
-            if step is None:
-                return 0
-        else:
-            root, step = locate_checkpoint(c.resume)
-            manager = CheckpointManager(root)
-            step = manager.latest() if step is None else step
-            if step is None:
-                raise ResumeError(f"checkpoint.resume={c.resume!r}: no complete checkpoint there")
+            steps = self.manager.list()
+            return self._resume_newest_intact(steps, say=say) if steps else 0
+        root, step = locate_checkpoint(c.resume)
+        manager = CheckpointManager(root)
+        step = manager.latest() if step is None else step
+        if step is None:
+            raise ResumeError(f"checkpoint.resume={c.resume!r}: no complete checkpoint there")
+        try:
+            return self._resume_from(manager, step, say=say)
+        except CheckpointCorruptError as exc:
+            why = f"checkpoint.resume={c.resume!r} names it, so the run does not fall back"
+            raise corrupt_message(exc, why=why) from exc
+
+    def _resume_newest_intact(self, steps: list[int], *, say) -> int:
+        """``checkpoint.resume = "auto"``: the newest checkpoint that loads intact (see the
+        module docstring); raises `CheckpointCorruptError` if fallback is off, `ResumeError` if
+        no checkpoint is intact."""
+        from shardwork.dist_checkpoint import CheckpointCorruptError
+
+        skipped: list[int] = []
+        for step in reversed(steps):
+            try:
+                start = self._resume_from(self.manager, step, say=say)
+            except CheckpointCorruptError as exc:
+                if not self.config.checkpoint.fallback:
+                    why = "checkpoint.fallback=False, so the run does not fall back"
+                    raise corrupt_message(exc, why=why) from exc
+                say(f"warning: {exc}; trying the previous checkpoint")
+                skipped.append(step)
+                continue
+            if skipped:
+                say(
+                    f"warning: fell back to step {step}: checkpoint(s) of step(s) {skipped} in "
+                    f"{self.manager.root} failed verification and are saved over when the run "
+                    f"reaches those steps"
+                )
+            self.corrupt_steps = set(skipped)
+            return start
+        raise ResumeError(
+            f"checkpoint.resume='auto': every checkpoint in {self.manager.root} (steps {steps}) "
+            f"failed verification (see the warnings above). Start fresh with "
+            f"--checkpoint.resume none or a new --checkpoint.dir."
+        )
+
+    def _resume_from(self, manager, step: int, *, say) -> int:
+        """Load checkpoint ``step`` of ``manager`` into the run; return the step it holds."""
+        from shardwork.dist_checkpoint import CheckpointMismatchError, read_info
+
+        c = self.config.checkpoint
         path = manager.step_path(step)
-        saved_layout = read_info(path).get("layout") or {}
+        info = read_info(path)
+        saved_layout = info.get("layout") or {}
         same_layout = saved_layout == layout_of(self.runtime)
         load_rng = c.load_rng and same_layout
         exclude = [] if c.load_optimizer else ["optimizer"]
         if not load_rng:
             exclude.append("rng")
         template = self.state(0, include_optimizer=c.load_optimizer, include_rng=load_rng)
-        loaded = manager.load(template, step=step, exclude=exclude)
+        try:
+            loaded = manager.load(template, step=step, exclude=exclude)
+        except CheckpointMismatchError as exc:
+            saved_toml = (info.get("user_metadata") or {}).get("train_config")
+            message = mismatch_message(
+                exc, saved_toml=saved_toml, run_toml=self.metadata["train_config"]
+            )
+            raise ResumeError(message) from exc
         step = int(loaded["trainer"]["step"])
         if c.load_optimizer:
             self.assembly.optimizer.load_sharded_state_dict(

@@ -1,0 +1,74 @@
+"""Messages for a checkpoint that cannot be resumed, each with the command-line remedy.
+
+- `mismatch_message`: the checkpoint's tensors have other shapes than this run's model (a
+  model of another width, depth or vocabulary). The load error lists every key; a person
+  needs the count, the first few shapes ("checkpoint has X, this run has Y") and which
+  ``model.*`` settings differ between the checkpoint's saved config and this run — those
+  are what to pass on the command line to resume it.
+- `corrupt_message`: a file of the checkpoint does not match its recorded checksum and the
+  run may not fall back (an explicit ``checkpoint.resume`` path, or
+  ``checkpoint.fallback = false``).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from typing import Any
+
+from shardwork.dist_checkpoint import CheckpointCorruptError, CheckpointMismatchError
+
+#: differing model settings named in a message; the rest are counted
+_SHOWN = 3
+
+
+def _model_table(toml_text: str | None) -> dict[str, Any]:
+    if not toml_text:
+        return {}
+    return tomllib.loads(toml_text).get("model", {})
+
+
+def model_differences(saved_toml: str | None, run_toml: str) -> list[tuple[str, Any, Any]]:
+    """``(field, checkpoint's value, this run's value)`` for each ``model.*`` setting that
+    differs between the checkpoint's saved config and this run's (both resolved TOML)."""
+    saved, ours = _model_table(saved_toml), _model_table(run_toml)
+    if not saved:  # not written by shardwork-train: nothing to compare with
+        return []
+    return [
+        (name, saved.get(name), ours.get(name))
+        for name in sorted(set(saved) | set(ours))
+        if saved.get(name) != ours.get(name)
+    ]
+
+
+def _cli_value(value: Any) -> str:
+    return value if isinstance(value, str) else repr(value)
+
+
+def mismatch_message(exc: CheckpointMismatchError, *, saved_toml: str | None, run_toml: str) -> str:
+    """One paragraph: the load's findings, summarised, and the options that resume it."""
+    lines = [exc.summary("this run")]
+    diffs = [d for d in model_differences(saved_toml, run_toml) if d[0] != "overrides"]
+    if diffs:
+        shown = ", ".join(f"model.{n}={s!r} (this run: {o!r})" for n, s, o in diffs[:_SHOWN])
+        more = f" and {len(diffs) - _SHOWN} more" if len(diffs) > _SHOWN else ""
+        flags = " ".join(f"--model.{n} {_cli_value(s)}" for n, s, _ in diffs if s is not None)
+        lines.append(f"the checkpoint was trained with {shown}{more}.")
+        if flags:
+            lines.append(f"To resume it, run with the checkpoint's model: {flags}.")
+    lines.append(
+        "To train this model from scratch instead, pass --checkpoint.resume none or a new "
+        "--checkpoint.dir."
+    )
+    return "\n".join(lines)
+
+
+def corrupt_message(exc: CheckpointCorruptError, *, why: str) -> CheckpointCorruptError:
+    """``exc`` again, its message one paragraph: what is corrupt, why the run did not fall
+    back, and what to do (the type stays, so callers and the CLI's exit code see the same)."""
+    message = (
+        f"{exc}. {why}. Check every file with `shardwork-ckpt verify {exc.checkpoint}`; "
+        "resume from an earlier checkpoint with --checkpoint.resume PATH, or let "
+        "checkpoint.resume=auto fall back to the newest intact one with "
+        "--checkpoint.fallback True."
+    )
+    return CheckpointCorruptError(message, checkpoint=exc.checkpoint, files=exc.files)
