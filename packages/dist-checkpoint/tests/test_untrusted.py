@@ -14,10 +14,8 @@ before the allow-list decoder existed) still loads, value for value.
 
 import io
 import json
-import os
 import pickle
 import shutil
-import zlib
 from pathlib import Path
 
 import pytest
@@ -31,6 +29,7 @@ from shardwork.dist_checkpoint import (
     verify,
 )
 from shardwork.dist_checkpoint.cli import main as ckpt_main
+from shardwork.dist_checkpoint.hostile import RunsCommand, rewrite_metadata, write_info
 from shardwork.dist_checkpoint.testing import example_global, example_state
 
 pytest.importorskip("shardwork.parallel_state")
@@ -40,16 +39,6 @@ FIXTURE_V1 = Path(__file__).parent / "fixtures" / "v1"
 V1_SEED = 11
 
 
-class TouchMarker:
-    """Pickles as a call of ``os.system("touch <marker>")``: what a crafted record holds."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
 def _saved(tmp_path: Path, rng_value=None) -> Path:
     state = example_state(0, 1, seed=3)
     if rng_value is not None:
@@ -57,32 +46,6 @@ def _saved(tmp_path: Path, rng_value=None) -> Path:
     path = tmp_path / "ckpt"
     save(state, path)
     return path
-
-
-def _write_info(path: Path, info: dict) -> None:
-    """Rewrite ``shardwork.json`` and the CRC the commit marker records for it."""
-    text = json.dumps(info)
-    (path / "shardwork.json").write_text(text)
-    marker = json.loads((path / "COMMITTED").read_text())
-    marker["info_crc32"] = zlib.crc32(text.encode())
-    (path / "COMMITTED").write_text(json.dumps(marker))
-
-
-def _record(path: Path, info: dict, name: str) -> None:
-    """Re-record file ``name``'s size and CRC in ``shardwork.json`` (and that file's CRC)."""
-    data = (path / name).read_bytes()
-    info["files"][name] = {"size": len(data), "crc32": zlib.crc32(data)}
-    _write_info(path, info)
-
-
-def _rewrite_metadata(path: Path, change) -> None:
-    """Apply ``change`` to DCP's metadata (our own, trusted here) and re-record it."""
-    with open(path / ".metadata", "rb") as f:
-        metadata = pickle.load(f)
-    change(metadata)
-    with open(path / ".metadata", "wb") as f:
-        pickle.dump(metadata, f)
-    _record(path, json.loads((path / "shardwork.json").read_text()), ".metadata")
 
 
 def _template():
@@ -96,7 +59,7 @@ def _assert_untouched(template) -> None:
 
 def test_object_record_that_runs_code_is_refused(tmp_path):
     marker = tmp_path / "marker"
-    path = _saved(tmp_path, rng_value={"evil": TouchMarker(marker)})
+    path = _saved(tmp_path, rng_value={"evil": RunsCommand(f"touch {marker}")})
     template = _template()
     with pytest.raises(CheckpointRefusedError, match=r"__0_0\.distcp: .*'rng/shard_0_1'.*system"):
         load(template, path)
@@ -114,7 +77,7 @@ def test_object_record_that_runs_code_is_refused(tmp_path):
 def test_metadata_that_runs_code_is_refused(tmp_path):
     marker = tmp_path / "marker"
     path = _saved(tmp_path)
-    _rewrite_metadata(path, lambda m: m.planner_data.update(x=TouchMarker(marker)))
+    rewrite_metadata(path, lambda m: m.planner_data.update(x=RunsCommand(f"touch {marker}")))
     # recorded checksums match: only the decoder stands in the way, in verify and in load
     for read in (verify, lambda p: load(_template(), p)):
         with pytest.raises(
@@ -146,7 +109,7 @@ def test_data_file_outside_the_checkpoint_is_refused(tmp_path, where):
             for info in metadata.storage_data.values():
                 info.relative_path = name
 
-        _rewrite_metadata(path, rename)
+        rewrite_metadata(path, rename)
     template = _template()
     with pytest.raises(CheckpointRefusedError, match=expected):
         load(template, path)
@@ -158,7 +121,7 @@ def test_shardwork_json_file_name_outside_is_refused(tmp_path):
     info = json.loads((path / "shardwork.json").read_text())
     shutil.copy(path / ".metadata", tmp_path / "outside")
     info["files"]["../outside"] = info["files"].pop(".metadata")
-    _write_info(path, info)
+    write_info(path, info)
     with pytest.raises(CheckpointRefusedError, match=r"refused file name '\.\./outside'"):
         verify(path)
     with pytest.raises(CheckpointRefusedError, match=r"refused file name '\.\./outside'"):
@@ -178,7 +141,7 @@ def test_byte_range_past_the_file_end_is_refused(tmp_path, field):
         else:
             info.length = size - info.offset + 1
 
-    _rewrite_metadata(path, stretch)
+    rewrite_metadata(path, stretch)
     template = _template()
     with pytest.raises(
         CheckpointRefusedError, match=rf"__0_0\.distcp: record .* but the file has {size} bytes"
@@ -204,9 +167,11 @@ def _load_on_rank(path: str) -> str:
 @pytest.mark.multirank
 def test_two_ranks_refuse_crafted_checkpoints(tmp_path):
     marker = tmp_path / "marker"
-    evil_object = _saved(tmp_path / "object", rng_value=TouchMarker(marker))
+    evil_object = _saved(tmp_path / "object", rng_value=RunsCommand(f"touch {marker}"))
     evil_metadata = _saved(tmp_path / "metadata")
-    _rewrite_metadata(evil_metadata, lambda m: m.planner_data.update(x=TouchMarker(marker)))
+    rewrite_metadata(
+        evil_metadata, lambda m: m.planner_data.update(x=RunsCommand(f"touch {marker}"))
+    )
     outside = _saved(tmp_path / "outside")
 
     def escape(metadata):
@@ -214,7 +179,7 @@ def test_two_ranks_refuse_crafted_checkpoints(tmp_path):
             info.relative_path = "../x.distcp"
 
     shutil.copy(outside / "__0_0.distcp", tmp_path / "outside" / "x.distcp")
-    _rewrite_metadata(outside, escape)
+    rewrite_metadata(outside, escape)
     for path, fragment in [
         (evil_object, "__0_0.distcp"),
         (evil_metadata, ".metadata: refused"),
