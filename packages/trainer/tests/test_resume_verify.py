@@ -10,6 +10,9 @@
 - ``shardwork-generate`` reads through the same verified load: a corrupt file exits with 4.
 - Resuming a checkpoint of another model width prints a short summary with the options that
   resume it, not every key.
+- A hostile newest checkpoint (DCP metadata whose pickle would run ``touch``, checksums
+  re-recorded to match) is refused without running it: ``auto`` falls back past it with equal
+  losses, and ``shardwork-generate`` refuses it (exit 4).
 """
 
 import io
@@ -22,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from shardwork.dist_checkpoint import CheckpointCorruptError, verify
+from shardwork.dist_checkpoint import CheckpointCorruptError, CheckpointRefusedError, verify
+from shardwork.dist_checkpoint.hostile import RunsCommand, rewrite_metadata
 from shardwork.trainer.run.checkpointing import ResumeError
 from shardwork.trainer.run.trainer import train
 from shardwork.trainer.testing import tiny_config
@@ -183,3 +187,34 @@ def test_other_width_is_summarised_with_the_cli_remedy(reference, tmp_path):
     assert "--model.hidden_size 32" in message and "--model.ffn_hidden_size 64" in message
     assert "--checkpoint.resume none" in message
     assert not (tmp_path / "wider").exists()
+
+
+def _plant(ckpt: Path, marker: Path) -> None:
+    rewrite_metadata(ckpt, lambda m: m.planner_data.update(planted=RunsCommand(f"touch {marker}")))
+
+
+def test_hostile_newest_checkpoint_is_refused_and_skipped(reference, tmp_path):
+    root = _interrupted(reference, tmp_path)
+    marker = tmp_path / "marker"
+    _plant(root / NEWEST, marker)
+    result, text = _resume(root, tmp_path / "resumed")
+    assert "refused to decode DCP metadata" in text and "posix.system" in text, text
+    assert "fell back to step 2" in text, text
+    for step in range(2, STEPS):
+        assert result.train_losses[step] == reference[0][step], step
+    assert not marker.exists()
+
+
+def test_generate_refuses_a_hostile_checkpoint(reference, tmp_path, capsys):
+    from shardwork.trainer.generate import load_for_inference, main
+
+    ckpt = tmp_path / "step_000000006"
+    shutil.copytree(reference[1] / "step_000000006", ckpt)
+    marker = tmp_path / "marker"
+    _plant(ckpt, marker)
+    with pytest.raises(CheckpointRefusedError, match=r"posix\.system"):
+        load_for_inference(ckpt)
+    assert main([str(ckpt), "--prompt", "def "]) == 4
+    err = capsys.readouterr().err
+    assert "refused" in err and "Traceback" not in err
+    assert not marker.exists()

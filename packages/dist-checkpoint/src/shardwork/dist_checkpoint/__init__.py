@@ -12,6 +12,7 @@ from shardwork.dist_checkpoint.load import load
 from shardwork.dist_checkpoint.manager import CheckpointManager
 from shardwork.dist_checkpoint.metadata import (
     CheckpointCorruptError,
+    CheckpointRefusedError,
     IncompleteCheckpointError,
     is_committed,
     read_info,
@@ -31,6 +32,7 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointManager",
     "CheckpointMismatchError",
+    "CheckpointRefusedError",
     "CheckpointSaveError",
     "IncompleteCheckpointError",
     "SaveResult",

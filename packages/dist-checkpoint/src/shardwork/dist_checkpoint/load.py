@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from shardwork.dist_checkpoint import metadata as md
 from shardwork.dist_checkpoint.comm import GroupInfo, all_gather_object, resolve_group
+from shardwork.dist_checkpoint.confine import confined_file
 from shardwork.dist_checkpoint.keycheck import CheckpointMismatchError, KeyFindings, find_keys
 from shardwork.dist_checkpoint.plan import COMMON_KEY, LocalState, collect_local
 from shardwork.dist_checkpoint.planners import PlannedLoadPlanner
@@ -83,7 +84,7 @@ def _byteio_read(fqn: str) -> ReadItem:
 def _size_problems(path: Path, info: dict[str, Any]) -> list[str]:
     problems = []
     for name, rec in sorted(info.get("files", {}).items()):
-        f = path / name
+        f = confined_file(path, name)
         if not f.is_file():
             problems.append(f"{name}: missing")
         elif f.stat().st_size != rec["size"]:
@@ -101,6 +102,8 @@ def _open(
         info = md.read_info(path)
         md.checksum_kind(info)  # an unknown (newer) format version is refused here
         records = info.get("files", {}) if verify else None
+        if verify:  # a truncated file reads as such, before its records are range-checked
+            _raise_size_problems(path, info, cause=None)
         reader = ShardworkReader(path, thread_count=thread_count, records=records)
         saved = reader.read_metadata().state_dict_metadata
     except _OPEN_ERRORS as exc:
@@ -170,14 +173,35 @@ def _read(
         ) from failure
     if failure is None:
         return
+    _raise_size_problems(path, info, cause=failure)
+    refused = _checkpoint_error(failure)
+    if refused is not None:
+        raise refused from None
+    raise failure
+
+
+def _raise_size_problems(path: Path, info: dict[str, Any], *, cause: Any) -> None:
+    """`CheckpointCorruptError` naming the files whose size differs from the record."""
     problems = _size_problems(path, info)
     if problems:
         raise md.CheckpointCorruptError(
             f"reading {str(path)!r} failed; files differ from what was recorded: "
             + "; ".join(problems),
             checkpoint=str(path),
-        ) from failure
-    raise failure
+            files=tuple(p.split(":", 1)[0] for p in problems),
+        ) from cause
+
+
+def _checkpoint_error(exc: BaseException) -> md.CheckpointCorruptError | None:
+    """The checkpoint error behind DCP's `CheckpointException` (the lowest rank's; DCP
+    gathers every rank's failure, so all ranks raise the same one), or None."""
+    failures = getattr(exc, "failures", None) if isinstance(exc, CheckpointException) else None
+    for rank in sorted(failures or {}):
+        failure = failures[rank]
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, md.CheckpointCorruptError):
+            return inner
+    return None
 
 
 def load(

@@ -34,6 +34,7 @@ __all__ = [
     "FORMAT_VERSION",
     "INFO_FILE",
     "CheckpointCorruptError",
+    "CheckpointRefusedError",
     "IncompleteCheckpointError",
     "checksum_kind",
     "is_committed",
@@ -70,12 +71,14 @@ class CheckpointCorruptError(RuntimeError):
         self.checkpoint = checkpoint
         self.files = tuple(files)
 
-    def __reduce__(self) -> tuple:  # keeps the attributes through pickling (collectives)
-        return _rebuild_corrupt, (str(self), self.checkpoint, self.files)
+    def __reduce__(self) -> tuple:  # keeps class and attributes through pickling (collectives)
+        return _rebuild_corrupt, (type(self), str(self), self.checkpoint, self.files)
 
 
-def _rebuild_corrupt(message: str, checkpoint: str | None, files: tuple[str, ...]) -> Any:
-    return CheckpointCorruptError(message, checkpoint=checkpoint, files=files)
+def _rebuild_corrupt(
+    cls: type, message: str, checkpoint: str | None, files: tuple[str, ...]
+) -> CheckpointCorruptError:
+    return cls(message, checkpoint=checkpoint, files=files)
 
 
 def checksum_kind(info: dict[str, Any]) -> str:
@@ -92,6 +95,12 @@ def checksum_kind(info: dict[str, Any]) -> str:
             f"(read it with the newer version that wrote it)"
         )
     return _CHECKSUMS[version]
+
+
+class CheckpointRefusedError(CheckpointCorruptError):
+    """A checkpoint record is not what shardwork would read: a pickle that names code outside
+    the allow-list, or a file name or byte range outside the checkpoint. Raised before
+    anything from the checkpoint is written into the caller's tensors."""
 
 
 def shardwork_version() -> str:

@@ -7,8 +7,8 @@
   metadata see flat keys.
 - `PlannedLoadPlanner`: each rank asks for the rectangles of its template pieces
   (`create_read_items_for_chunk_list` intersects them with the saved chunks: this is the
-  resharding), reads tensors straight into views of the template's tensors and unpickles
-  objects into a result dict.
+  resharding), reads tensors straight into views of the template's tensors and decodes
+  objects into a result dict with an allow-list (`decode.decode_object`: no code runs).
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
+
+from shardwork.dist_checkpoint.decode import decode_object
 
 __all__ = ["PlannedLoadPlanner", "PlannedSavePlanner"]
 
@@ -113,7 +115,8 @@ class PlannedLoadPlanner(LoadPlanner):
         return central_plan
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        self.objects[read_item.dest_index.fqn] = torch.load(value, weights_only=False)
+        fqn = read_item.dest_index.fqn
+        self.objects[fqn] = decode_object(value, name=f"object {fqn!r}")
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         index = read_item.dest_index

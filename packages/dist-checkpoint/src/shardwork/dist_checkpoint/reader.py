@@ -32,7 +32,13 @@ ranks a generic error): it is appended to `ShardworkReader.corrupt`, and `load` 
 the union of every rank's findings. A read that fails on a file that differs from its record
 (a truncated file, a header whose flipped byte breaks parsing) is reported the same way; one
 that fails on an intact file is re-raised. ``.metadata`` is checked against its record before
-it is decoded (`decode_metadata`, the one place that turns its bytes into DCP's `Metadata`).
+it is decoded.
+
+Nothing in the checkpoint runs code or reaches outside it: ``.metadata`` is decoded with an
+allow-list (`decode.decode_metadata`), every file name and byte range it records is checked
+against the directory and the files' sizes (`confine.check_storage_ranges`), and object
+records are decoded (allow-list, `decode.decode_object` through the planner) in a first pass
+before any tensor is read, so a refused record stops the load before a destination is touched.
 """
 
 from __future__ import annotations
@@ -41,7 +47,6 @@ import io
 import itertools
 import math
 import os
-import pickle
 import threading
 import zlib
 from collections import Counter
@@ -55,10 +60,16 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from shardwork.dist_checkpoint.blob import HEAD_BYTES, StoredTensor, parse_tensor_blob
+from shardwork.dist_checkpoint.confine import check_storage_ranges
+from shardwork.dist_checkpoint.decode import decode_metadata
 from shardwork.dist_checkpoint.integrity import FileCheck, file_problem, mismatch
-from shardwork.dist_checkpoint.metadata import DCP_METADATA_FILE, CheckpointCorruptError
+from shardwork.dist_checkpoint.metadata import (
+    DCP_METADATA_FILE,
+    CheckpointCorruptError,
+    CheckpointRefusedError,
+)
 
-__all__ = ["ShardworkReader", "decode_metadata"]
+__all__ = ["ShardworkReader"]
 
 _IOV_MAX = 1024  # Linux's limit on buffers per preadv
 _MIN_RUN_BYTES = 4096  # below this a staged read + strided copy is cheaper than many iovecs
@@ -121,12 +132,10 @@ def _runs(dest: torch.Tensor, k: int) -> list[memoryview]:
     return runs
 
 
-def decode_metadata(raw: bytes) -> Metadata:
-    """DCP's `Metadata` from the bytes of a checkpoint's ``.metadata`` file (checked first)."""
-    metadata = pickle.loads(raw)
-    if not isinstance(metadata, Metadata):
-        raise TypeError(f"{DCP_METADATA_FILE} holds a {type(metadata).__name__}, not Metadata")
-    return metadata
+def _done() -> Future[None]:
+    fut: Future[None] = Future()
+    fut.set_result(None)
+    return fut
 
 
 def _scatter(fd: int, runs: list[memoryview], offset: int, name: str) -> None:
@@ -174,7 +183,8 @@ class ShardworkReader(FileSystemReader):
         """DCP's metadata, read once, checked against its record, then decoded.
 
         Raises `CheckpointCorruptError` naming the file when its size or CRC-32 differs from
-        the record (`load` makes every rank raise it).
+        the record, `CheckpointRefusedError` when it names a global outside the allow-list or
+        a file or byte range outside the checkpoint (`load` makes every rank raise either).
         """
         if self._metadata is None:
             raw = (Path(self.path) / DCP_METADATA_FILE).read_bytes()
@@ -186,7 +196,8 @@ class ShardworkReader(FileSystemReader):
                     checkpoint=str(self.path),
                     files=(DCP_METADATA_FILE,),
                 )
-            self._metadata = decode_metadata(raw)
+            self._metadata = decode_metadata(raw, name=str(Path(self.path) / DCP_METADATA_FILE))
+            check_storage_ranges(Path(self.path), self._metadata.storage_data or {})
             if getattr(self._metadata, "storage_meta", None) is None:
                 self._metadata.storage_meta = StorageMeta()
         self._metadata.storage_meta.load_id = self.load_id
@@ -200,9 +211,10 @@ class ShardworkReader(FileSystemReader):
             # not verified: only DCP's own writer with extensions writes transforms, and its
             # checkpoints have no shardwork.json, hence no records (load refuses them anyway)
             return super().read_data(plan, planner)
-        per_file: dict[str, list[ReadItem]] = {}
-        for req in plan.items:
-            per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+        per_file = self._by_file(plan.items)
+        self._decode_objects(per_file, planner)
+        if self.corrupt:  # a damaged object record: do not fill tensors from this checkpoint
+            return _done()
         jobs = list(per_file.items())
         threads = min(self.thread_count, len(jobs))
         if threads <= 1:
@@ -213,9 +225,43 @@ class ShardworkReader(FileSystemReader):
                 futures = [pool.submit(self._read_file, p, reqs, planner) for p, reqs in jobs]
                 for f in futures:
                     f.result()
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
+        return _done()
+
+    def _by_file(self, items: list[ReadItem]) -> dict[str, list[ReadItem]]:
+        per_file: dict[str, list[ReadItem]] = {}
+        for req in items:
+            per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+        return per_file
+
+    def _decode_objects(self, per_file: dict[str, list[ReadItem]], planner: LoadPlanner) -> None:
+        """First pass: read and decode every object record (small) into the planner.
+
+        A record that does not decode, in a file that differs from its record, is reported
+        as corruption (as a failed read is); in an intact file it is refused, naming the file.
+        The second pass folds these bytes into the file's CRC without decoding them again.
+        """
+        for relative_path, reqs in per_file.items():
+            objects = [r for r in reqs if r.type == LoadItemType.BYTE_IO]
+            if not objects:
+                continue
+            path = Path(self.path) / relative_path
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                for req in objects:
+                    info = self.storage_data[req.storage_index]
+                    blob = _pread(fd, info.length, info.offset, relative_path)
+                    planner.load_bytes(req, io.BytesIO(blob))
+            except (CheckpointRefusedError, OSError) as exc:
+                record = self._records.get(relative_path)
+                problem = file_problem(path, relative_path, record) if record else None
+                if problem is not None:
+                    self._report(relative_path, problem)
+                    continue
+                raise CheckpointRefusedError(
+                    f"{relative_path}: {exc}", checkpoint=str(self.path), files=(relative_path,)
+                ) from None
+            finally:
+                os.close(fd)
 
     def _report(self, name: str, problem: str | None) -> None:
         if problem is not None:
@@ -257,11 +303,9 @@ class ShardworkReader(FileSystemReader):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             for req in reqs:
                 info = self.storage_data[req.storage_index]
-                if req.type == LoadItemType.BYTE_IO:
-                    blob = _pread(fd, info.length, info.offset, relative_path)
+                if req.type == LoadItemType.BYTE_IO:  # decoded by `_decode_objects` already
                     if check is not None:
-                        check.add(info.offset, blob)
-                    planner.load_bytes(req, io.BytesIO(blob))
+                        check.add(info.offset, _pread(fd, info.length, info.offset, relative_path))
                     counts["bytes"] += 1
                     continue
                 if info.offset not in layouts:

@@ -1,0 +1,108 @@
+"""Decode a checkpoint's pickled records without running code from them.
+
+A checkpoint may come from someone else (a colleague's run, a published or downloaded
+folder). Two of its records are pickles, because DCP's format makes them so:
+
+- DCP's ``.metadata`` (a `Metadata` dataclass tree: keys, chunk boxes, file offsets);
+- each `ShardedObject` value and the plain values, saved with ``torch.save``.
+
+A plain ``pickle.load`` of either calls whatever the pickle names (``os.system``, a
+constructor that writes a file). Here:
+
+- `decode_metadata` unpickles with an allow-list: DCP's metadata dataclasses, ``torch.Size``,
+  dtypes, layouts, memory formats and ``pathlib`` paths (plain containers and scalars need no
+  global). Anything else is refused before it is called.
+- `decode_object` uses ``torch.load(weights_only=True)``: torch's own allow-list decoder
+  (tensors, dtypes, plain scalars, strings and containers).
+
+A refusal raises `CheckpointRefusedError` naming the record and the refused global.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import pickle
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+
+from shardwork.dist_checkpoint.metadata import CheckpointRefusedError
+
+__all__ = ["METADATA_GLOBALS", "decode_metadata", "decode_object"]
+
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+
+#: ``(module, name)`` pairs a DCP ``.metadata`` pickle may name (torch 2.4-2.15 write these).
+#: Each is a pure data class (or an enum / a lookup by name) whose construction touches
+#: nothing outside the object being built.
+METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
+    {
+        (_DCP_METADATA, "Metadata"),
+        (_DCP_METADATA, "MetadataIndex"),
+        (_DCP_METADATA, "StorageMeta"),
+        (_DCP_METADATA, "TensorProperties"),
+        (_DCP_METADATA, "TensorStorageMetadata"),
+        (_DCP_METADATA, "BytesStorageMetadata"),
+        (_DCP_METADATA, "ChunkStorageMetadata"),
+        (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),
+        ("torch", "Size"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("collections", "OrderedDict"),
+    }
+)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves only `METADATA_GLOBALS` and torch dtypes; refuses every other global."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in METADATA_GLOBALS:
+            return getattr(importlib.import_module(module), name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError(f"persistent id {pid!r} is not allowed")
+
+
+def decode_metadata(raw: bytes, *, name: str) -> Metadata:
+    """The DCP `Metadata` pickled in ``raw`` (the bytes of the file ``name``, for messages).
+
+    Raises `CheckpointRefusedError` if the pickle names anything outside the allow-list, is
+    not a pickle, or does not hold a `Metadata`.
+    """
+    try:
+        value = _MetadataUnpickler(io.BytesIO(raw)).load()
+    except Exception as exc:  # any failure to decode is a refusal: nothing was called
+        raise CheckpointRefusedError(
+            f"{name}: refused to decode DCP metadata: {exc}", files=(Path(name).name,)
+        ) from None
+    if not isinstance(value, Metadata):
+        raise CheckpointRefusedError(
+            f"{name}: holds a {type(value).__name__}, not DCP metadata; refused",
+            files=(Path(name).name,),
+        )
+    return value
+
+
+def decode_object(data: bytes | IO[bytes], *, name: str) -> Any:
+    """The value ``torch.save`` wrote into the object record ``name``, decoded with torch's
+    allow-list (``weights_only=True``); `CheckpointRefusedError` names what was refused."""
+    stream = io.BytesIO(data) if isinstance(data, bytes) else data
+    try:
+        return torch.load(stream, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        detail = next((line for line in lines if "GLOBAL" in line), lines[0] if lines else "")
+        raise CheckpointRefusedError(f"{name}: refused to decode object record: {detail}") from None
+    except Exception as exc:  # not a torch.save record at all (a crafted or damaged one)
+        raise CheckpointRefusedError(
+            f"{name}: refused to decode object record: not a torch.save record ({exc})"
+        ) from None

@@ -1,0 +1,206 @@
+"""Opening a checkpoint never runs code from it and never reads outside it.
+
+Each crafted checkpoint starts as a real one (saved here) and is then altered the way an
+attacker would: a pickle payload that runs ``os.system("touch <marker>")`` in an object
+record or in DCP's ``.metadata`` (with the sizes and CRCs recorded in ``shardwork.json`` and
+``COMMITTED`` updated to match, so only the decoder stands in the way), a data file name that
+leaves the directory, a byte range past a file's end. Every case must raise `CheckpointRefusedError` naming the file,
+leave no marker, and leave the template's tensors untouched (still NaN). Each payload is
+also shown to be live: decoded with plain pickle it does create the marker.
+
+The committed ``fixtures/v1`` checkpoint (written by `tools/dist_checkpoint_v1_fixture.py`
+before the allow-list decoder existed) still loads, value for value.
+"""
+
+import io
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardwork.dist_checkpoint import (
+    CheckpointRefusedError,
+    ShardedObject,
+    load,
+    save,
+    verify,
+)
+from shardwork.dist_checkpoint.cli import main as ckpt_main
+from shardwork.dist_checkpoint.hostile import RunsCommand, rewrite_metadata, write_info
+from shardwork.dist_checkpoint.testing import example_global, example_state
+
+pytest.importorskip("shardwork.parallel_state")
+from shardwork.parallel_state.testing import run_on_ranks
+
+FIXTURE_V1 = Path(__file__).parent / "fixtures" / "v1"
+V1_SEED = 11
+
+
+def _saved(tmp_path: Path, rng_value=None) -> Path:
+    state = example_state(0, 1, seed=3)
+    if rng_value is not None:
+        state["rng"] = ShardedObject("rng", rng_value, (1,), (0,))
+    path = tmp_path / "ckpt"
+    save(state, path)
+    return path
+
+
+def _template():
+    return example_state(0, 1, seed=3, fill=False)
+
+
+def _assert_untouched(template) -> None:
+    for leaf in (template["model"]["matrix"], template["optimizer"]["moment"]):
+        assert torch.isnan(leaf.data).all()
+
+
+def test_object_record_that_runs_code_is_refused(tmp_path):
+    marker = tmp_path / "marker"
+    path = _saved(tmp_path, rng_value={"evil": RunsCommand(f"touch {marker}")})
+    template = _template()
+    with pytest.raises(CheckpointRefusedError, match=r"__0_0\.distcp: .*'rng/shard_0_1'.*system"):
+        load(template, path)
+    assert not marker.exists()
+    _assert_untouched(template)
+    # the payload is live: plain torch.load of the same record runs it
+    with open(path / ".metadata", "rb") as f:
+        storage = pickle.load(f).storage_data
+    (info,) = [v for k, v in storage.items() if k.fqn == "rng/shard_0_1"]
+    record = (path / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+    torch.load(io.BytesIO(record), weights_only=False)
+    assert marker.exists()
+
+
+def test_metadata_that_runs_code_is_refused(tmp_path):
+    marker = tmp_path / "marker"
+    path = _saved(tmp_path)
+    rewrite_metadata(path, lambda m: m.planner_data.update(x=RunsCommand(f"touch {marker}")))
+    # recorded checksums match: only the decoder stands in the way, in verify and in load
+    for read in (verify, lambda p: load(_template(), p)):
+        with pytest.raises(
+            CheckpointRefusedError, match=r"ckpt/\.metadata: refused .*posix\.system"
+        ):
+            read(path)
+    assert ckpt_main(["verify", str(path)]) != 0
+    assert not marker.exists()
+    with open(path / ".metadata", "rb") as f:
+        pickle.load(f)  # the payload is live
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("where", ["parent", "absolute", "symlink"])
+def test_data_file_outside_the_checkpoint_is_refused(tmp_path, where):
+    path = _saved(tmp_path)
+    # a byte-identical copy outside: without confinement the load would succeed from it
+    outside = tmp_path / "outside.distcp"
+    shutil.copy(path / "__0_0.distcp", outside)
+    if where == "symlink":
+        (path / "__0_0.distcp").unlink()
+        (path / "__0_0.distcp").symlink_to(outside)
+        expected = r"'__0_0\.distcp': it resolves to .*outside\.distcp"
+    else:
+        name = "../outside.distcp" if where == "parent" else str(outside)
+        expected = "refused file name " + repr(name).replace(".", r"\.")
+
+        def rename(metadata):
+            for info in metadata.storage_data.values():
+                info.relative_path = name
+
+        rewrite_metadata(path, rename)
+    template = _template()
+    with pytest.raises(CheckpointRefusedError, match=expected):
+        load(template, path)
+    _assert_untouched(template)
+
+
+def test_shardwork_json_file_name_outside_is_refused(tmp_path):
+    path = _saved(tmp_path)
+    info = json.loads((path / "shardwork.json").read_text())
+    shutil.copy(path / ".metadata", tmp_path / "outside")
+    info["files"]["../outside"] = info["files"].pop(".metadata")
+    write_info(path, info)
+    with pytest.raises(CheckpointRefusedError, match=r"refused file name '\.\./outside'"):
+        verify(path)
+    with pytest.raises(CheckpointRefusedError, match=r"refused file name '\.\./outside'"):
+        load(_template(), path)
+    assert ckpt_main(["verify", str(path)]) != 0
+
+
+@pytest.mark.parametrize("field", ["offset", "length"])
+def test_byte_range_past_the_file_end_is_refused(tmp_path, field):
+    path = _saved(tmp_path)
+    size = (path / "__0_0.distcp").stat().st_size
+
+    def stretch(metadata):
+        info = max(metadata.storage_data.values(), key=lambda i: i.offset)
+        if field == "offset":
+            info.offset = size - 8
+        else:
+            info.length = size - info.offset + 1
+
+    rewrite_metadata(path, stretch)
+    template = _template()
+    with pytest.raises(
+        CheckpointRefusedError, match=rf"__0_0\.distcp: record .* but the file has {size} bytes"
+    ):
+        load(template, path)
+    _assert_untouched(template)
+
+
+def _load_on_rank(path: str) -> str:
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    template = example_state(rank, world, seed=3, fill=False)
+    template["rng"] = ShardedObject("rng", None, (1,), (0,))  # both ranks read the saved cell
+    try:
+        load(template, path)
+    except CheckpointRefusedError as exc:
+        untouched = torch.isnan(template["model"]["matrix"].data).all().item()
+        return f"refused untouched={untouched}: {exc}"
+    return "loaded"
+
+
+@pytest.mark.multirank
+def test_two_ranks_refuse_crafted_checkpoints(tmp_path):
+    marker = tmp_path / "marker"
+    evil_object = _saved(tmp_path / "object", rng_value=RunsCommand(f"touch {marker}"))
+    evil_metadata = _saved(tmp_path / "metadata")
+    rewrite_metadata(
+        evil_metadata, lambda m: m.planner_data.update(x=RunsCommand(f"touch {marker}"))
+    )
+    outside = _saved(tmp_path / "outside")
+
+    def escape(metadata):
+        for info in metadata.storage_data.values():
+            info.relative_path = "../x.distcp"
+
+    shutil.copy(outside / "__0_0.distcp", tmp_path / "outside" / "x.distcp")
+    rewrite_metadata(outside, escape)
+    for path, fragment in [
+        (evil_object, "__0_0.distcp"),
+        (evil_metadata, ".metadata: refused"),
+        (outside, "refused file name '../x.distcp'"),
+    ]:
+        results = run_on_ranks(_load_on_rank, 2, args=(str(path),))
+        assert len(results) == 2
+        for text in results:
+            assert text.startswith("refused untouched=True"), text
+            assert fragment in text, text
+    assert not marker.exists()
+
+
+def test_v1_checkpoint_still_loads(tmp_path):
+    path = tmp_path / "v1"
+    shutil.copytree(FIXTURE_V1, path)
+    verify(path)
+    out = load(example_state(0, 1, seed=V1_SEED, fill=False), path)
+    expected = example_global(V1_SEED)
+    assert torch.equal(out["model"]["matrix"], expected["matrix"])
+    assert torch.equal(out["model"]["replicated"], expected["replicated"])
+    assert torch.equal(out["optimizer"]["moment"], expected["moment"].flatten())
+    assert out["optimizer"]["step"] == V1_SEED
+    assert out["rng"] == {"rank": 0, "seed": V1_SEED}

@@ -1,0 +1,32 @@
+"""Write the committed checkpoint that later readers must keep loading (development aid).
+
+Run from the repository root with the package version whose format the fixture pins:
+
+    uv run python tools/dist_checkpoint_v1_fixture.py packages/dist-checkpoint/tests/fixtures/v1
+
+It saves `shardwork.dist_checkpoint.testing.example_state` (seed 11, one rank): a row-sharded
+matrix, a replicated vector, a flat optimizer moment, a per-rank object and a plain value.
+A test loads it into a fresh template and compares with `example_global(11)`, so any change to
+the reader that stops old checkpoints from loading fails there.
+"""
+
+import shutil
+import sys
+from pathlib import Path
+
+from shardwork.dist_checkpoint import save
+from shardwork.dist_checkpoint.testing import example_state
+
+SEED = 11
+
+
+def main(target: str) -> None:
+    path = Path(target)
+    if path.exists():
+        shutil.rmtree(path)
+    save(example_state(0, 1, seed=SEED), path)
+    print(f"wrote {path}: {sorted(p.name for p in path.iterdir())}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
