@@ -18,6 +18,8 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from shardwork.parallel_state.config import ParallelConfig
 
 #: Group names built from the dense grid and the axes each one spans.
@@ -47,23 +49,26 @@ GROUP_NAMES: tuple[str, ...] = (*DENSE_GROUPS, *EXPERT_GROUPS, "embedding")
 def _masked_groups(
     sizes: dict[str, int], order: list[str], axes: tuple[str, ...]
 ) -> list[list[int]]:
-    strides = {}
-    stride = 1
-    for name in order:
-        strides[name] = stride
-        stride *= sizes[name]
+    """Groups of ranks that differ only along ``axes`` on the grid ``sizes`` laid out in
+    ``order`` (first axis fastest). Groups are listed with the outside axes' first one
+    varying fastest, members with the inside axes' first one fastest (Megatron-Core's order).
+
+    One array op over the whole grid: ``ranks`` has one dim per axis, the last axis of
+    ``order`` first, so C order enumerates the first axis fastest; moving the outside axes to
+    the front (each group of axes reversed, for the same reason) and flattening each part
+    lists the groups as rows.
+    """
+    ranks = np.arange(math.prod(sizes[n] for n in order)).reshape(
+        [sizes[n] for n in reversed(order)]
+    )
+    dim = {name: len(order) - 1 - i for i, name in enumerate(order)}
     inside = [name for name in order if name in axes]
     outside = [name for name in order if name not in axes]
-
-    def offsets(names: list[str]) -> list[int]:
-        # First name fastest: product() varies its last element fastest, so reverse.
-        ranges = [range(sizes[n]) for n in reversed(names)]
-        return [
-            sum(i * strides[n] for i, n in zip(idx, reversed(names)))
-            for idx in itertools.product(*ranges)
-        ]
-
-    return [[base + off for off in offsets(inside)] for base in offsets(outside)]
+    permuted = ranks.transpose(
+        [dim[n] for n in reversed(outside)] + [dim[n] for n in reversed(inside)]
+    )
+    group_size = math.prod(sizes[n] for n in inside)
+    return permuted.reshape(-1, group_size).tolist()
 
 
 @dataclass(frozen=True)

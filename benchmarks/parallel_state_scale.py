@@ -1,0 +1,139 @@
+"""`RankLayout.build` at cluster sizes: time and memory against the world size.
+
+Every rank of a job builds the whole layout (all 15 group kinds) before it creates its
+process groups, so at 100k ranks this runs 100k times in parallel at start-up. The layout
+is tp8 pp16 cp2 ep64 etp1 (dp and edp fill the rest), at world sizes from 1,024 to 100,352.
+Beside it, in the same process, the per-rank Python enumeration it replaced (itertools
+offsets, the first version of `layout._masked_groups`) builds the same groups, so the ratio
+is measured, and the two results are compared for equality.
+
+Prints a table and writes ``benchmarks/results/parallel_state_scale.json`` and ``.md``.
+Usage: ``uv run python benchmarks/parallel_state_scale.py [--repeats 5]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import statistics
+import time
+import tracemalloc
+from pathlib import Path
+
+from shardwork.parallel_state import ParallelConfig
+from shardwork.parallel_state.layout import DENSE_GROUPS, EXPERT_GROUPS, RankLayout
+
+RESULTS = Path(__file__).resolve().parent / "results"
+WORLDS = (1024, 4096, 16384, 100352)
+
+
+def python_groups(sizes: dict[str, int], order: list[str], axes: tuple[str, ...]):
+    """The replaced enumeration: every member's rank summed from strides in Python."""
+    strides, stride = {}, 1
+    for name in order:
+        strides[name] = stride
+        stride *= sizes[name]
+    inside = [n for n in order if n in axes]
+    outside = [n for n in order if n not in axes]
+
+    def offsets(names):
+        ranges = [range(sizes[n]) for n in reversed(names)]
+        return [
+            sum(i * strides[n] for i, n in zip(idx, reversed(names)))
+            for idx in itertools.product(*ranges)
+        ]
+
+    return [[base + off for off in offsets(inside)] for base in offsets(outside)]
+
+
+def python_layout(config: ParallelConfig, world: int) -> dict[str, list[list[int]]]:
+    c = config.resolve(world)
+    order = c.full_order
+    dense = {"tp": c.tp, "cp": c.cp, "ep": 1, "dp": c.dp, "pp": c.pp}
+    expert = {"tp": c.etp, "cp": 1, "ep": c.ep, "dp": c.edp, "pp": c.pp}
+    groups = {n: python_groups(dense, order, a) for n, a in DENSE_GROUPS.items()}
+    groups |= {n: python_groups(expert, order, a) for n, a in EXPERT_GROUPS.items()}
+    return groups
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.machine()
+
+
+def median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def peak_mib(fn) -> float:
+    tracemalloc.start()
+    result = fn()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    del result
+    return peak / 2**20
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=str(RESULTS / "parallel_state_scale"))
+    args = parser.parse_args()
+    config = ParallelConfig(tp=8, pp=16, cp=2, ep=64, etp=1)
+    rows = []
+    for world in WORLDS:
+        built = RankLayout.build(config, world)
+        reference = python_layout(config, world)
+        assert all(built.groups[name] == reference[name] for name in reference), world
+        new_s = median_time(lambda w=world: RankLayout.build(config, w), args.repeats)
+        old_s = median_time(lambda w=world: python_layout(config, w), args.repeats)
+        rows.append(
+            {
+                "world": world,
+                "build_s": new_s,
+                "python_enumeration_s": old_s,
+                "speedup": old_s / new_s,
+                "build_peak_mib": peak_mib(lambda w=world: RankLayout.build(config, w)),
+            }
+        )
+    record = {
+        "machine": {
+            "cpu": cpu_model(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "load_avg": os.getloadavg(),
+        },
+        "layout": "tp8 pp16 cp2 ep64 etp1",
+        "repeats": args.repeats,
+        "rows": rows,
+    }
+    lines = [
+        f"# RankLayout.build at scale (tp8 pp16 cp2 ep64 etp1; median of {args.repeats}; "
+        f"{cpu_model()}, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)",
+        "",
+        "| world | build (s) | per-rank Python enumeration (s) | speed-up | peak memory (MiB) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['world']:,} | {r['build_s']:.3f} | {r['python_enumeration_s']:.3f} | "
+            f"{r['speedup']:.1f}x | {r['build_peak_mib']:.1f} |"
+        )
+    text = "\n".join(lines)
+    print(text)
+    Path(args.out + ".json").write_text(json.dumps(record, indent=1))
+    Path(args.out + ".md").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
