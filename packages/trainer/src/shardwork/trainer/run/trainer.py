@@ -8,7 +8,8 @@ through shardwork.dist_checkpoint. Per step it:
 1. sets the learning rate and weight decay of the step on the optimizer,
 2. runs forward/backward over the step's global batch (size from the
    batch-size schedule), finalises gradients and steps,
-3. handles a non-finite loss or gradient (skip the step or stop),
+3. handles a non-finite loss or gradient (skip the step or stop; a dynamic fp16 loss
+   scaler's overflow while its scale can still drop is no failure, see :mod:`.nonfinite`),
 4. logs (every ``logging.interval``; the main LM loss, each MTP depth's loss
    ``mtp_loss_<k>`` and each MoE aux-loss type as separate metrics), evaluates (every ``eval.interval``),
    checks data-parallel replicas (every ``reliability.check_dp_params_interval``),
@@ -39,6 +40,8 @@ from shardwork.trainer.observe.progress import Progress, format_duration
 from shardwork.trainer.observe.throughput import memory_gib, peak_tflops
 from shardwork.trainer.run.checkpointing import Checkpointer
 from shardwork.trainer.run.hf import export_hf, will_resume
+from shardwork.trainer.run.nonfinite import NonFiniteGuard
+from shardwork.trainer.run.nonfinite import NonFiniteLossError as NonFiniteLossError  # re-export
 from shardwork.trainer.run.params_check import check_dp_replicas
 from shardwork.trainer.run.rng import derived_seed, rank_role, seed_everything
 from shardwork.trainer.run.setup import build_assembly, init_runtime
@@ -50,10 +53,6 @@ from shardwork.trainer.schedules import (
     learning_rate,
     weight_decay,
 )
-
-
-class NonFiniteLossError(RuntimeError):
-    """Training stopped on a NaN/Inf loss or gradient (reliability.on_nan='stop')."""
 
 
 @dataclass
@@ -73,6 +72,9 @@ class RunResult:
     run_dir: str | None = None
     stopped_by: str | None = None
     skipped_steps: int = 0
+    """Steps skipped for a NaN/Inf loss or gradient (reliability.on_nan='skip')."""
+    overflow_skips: int = 0
+    """fp16: steps skipped while the dynamic loss scaler lowered its scale (not failures)."""
     seconds: float = 0.0
     """Wall time of the whole run (set-up, loop, evaluation, checkpoints)."""
     loop_seconds: float = 0.0
@@ -253,7 +255,7 @@ class Trainer:
             else None
         )
         s, o, r = config.schedule, config.optimizer, config.reliability
-        consecutive_skips = 0
+        guard = NonFiniteGuard(r, getattr(assembly.optimizer, "loss_scaler", None), self.say)
         window_tokens, window_t0 = 0, time.perf_counter()
         window_losses: list[float] = []
         window_mtp: list[list[float]] = []
@@ -273,6 +275,7 @@ class Trainer:
                 consumed = consumed_samples(
                     step, global_batch_size=s.global_batch_size, ramp=s.batch_size_ramp
                 )
+                guard.before_step()
                 out = train_step(
                     assembly,
                     runtime,
@@ -281,29 +284,9 @@ class Trainer:
                     global_batch_size=gbs,
                     config=config,
                 )
-                finite = math.isfinite(out.loss) and out.update_successful
-                if not finite:
-                    what = (
-                        f"loss {out.loss}"
-                        if not math.isfinite(out.loss)
-                        else "non-finite gradients"
-                    )
-                    if r.on_nan == "stop":
-                        raise NonFiniteLossError(
-                            f"step {step}: {what} (the optimizer did not update). Stopping because "
-                            "reliability.on_nan='stop'; lower optimizer.lr, enable clipping or set "
-                            "reliability.on_nan='skip'"
-                        )
-                    consecutive_skips += 1
-                    result.skipped_steps += 1
-                    self.say(f"step {step}: {what}: step skipped (no update)")
-                    if consecutive_skips >= r.max_consecutive_skips:
-                        raise NonFiniteLossError(
-                            f"step {step}: {consecutive_skips} consecutive steps had {what}; "
-                            f"stopping (reliability.max_consecutive_skips={r.max_consecutive_skips})"
-                        )
-                else:
-                    consecutive_skips = 0
+                guard.after_step(step, out.loss, out.update_successful)
+                result.skipped_steps = guard.skipped_steps
+                result.overflow_skips = guard.overflow_skips
                 result.train_losses[step] = out.loss
                 if out.mtp is not None:
                     result.train_mtp_losses[step] = out.mtp
@@ -336,6 +319,8 @@ class Trainer:
                         memory_gib=memory_gib(runtime.device),
                         consumed_samples=consumed + gbs,
                     )
+                    if guard.scaler is not None:
+                        values["loss_scale"] = guard.scaler.scale
                     if out.moe:
                         values.update(out.moe)
                     achieved = tps * flops_per_token / runtime.world_size / 1e12
