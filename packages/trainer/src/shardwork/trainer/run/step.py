@@ -27,7 +27,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -327,33 +327,67 @@ def train_step(
     )
 
 
+def eval_chunk_size(groups, config) -> int:
+    """Evaluation micro-batches run between two stop-flag checks.
+
+    Without pipelining one (a check costs nothing more than the loop); with pipeline stages
+    one global batch's micro-batches, so the pipeline fills and drains as often as in
+    training rather than once per micro-batch.
+    """
+    if groups.size("pp") == 1:
+        return 1
+    mbs = config.schedule.micro_batch_size
+    return max(1, config.schedule.global_batch_size // (mbs * groups.size("dp")))
+
+
 @torch.no_grad()
-def evaluate(assembly, runtime, dataset, *, num_microbatches: int, config) -> EvalOutput:
+def evaluate(
+    assembly,
+    runtime,
+    dataset,
+    *,
+    num_microbatches: int,
+    config,
+    should_stop: Callable[[], bool] | None = None,
+) -> EvalOutput | None:
     """Mean loss (nats/token) over ``num_microbatches`` per data-parallel rank of ``dataset``
-    (and the per-depth MTP losses of models with MTP)."""
+    (and the per-depth MTP losses of models with MTP).
+
+    ``should_stop`` is asked between chunks of :func:`eval_chunk_size` micro-batches; when it
+    returns True the evaluation ends there and returns None. It must answer the same on every
+    rank (e.g. a flag agreed over the world), since every rank has to leave at the same chunk.
+    """
     from shardwork.models.pipeline import reduce_loss
 
     groups = runtime.groups
+    mbs = config.schedule.micro_batch_size
+    chunk = eval_chunk_size(groups, config)
     for m in assembly.modules:
         m.eval()
     _reset_mtp(assembly.modules)
+    losses = []
     with collective_phase(
         "evaluation",
         groups,
         ("pp", "tp", "cp", "dp_cp"),
         timeout_minutes=config.parallel.timeout_minutes,
     ):
-        losses = run_schedule(
-            assembly,
-            runtime,
-            dataset,
-            consumed=0,
-            num_microbatches=num_microbatches,
-            micro_batch_size=config.schedule.micro_batch_size,
-            seq_length=config.data.seq_length,
-            vpp=config.parallel.vpp,
-            forward_only=True,
-        )
+        for first in range(0, num_microbatches, chunk):
+            if first > 0 and should_stop is not None and should_stop():
+                for m in assembly.modules:
+                    m.train()
+                return None
+            losses += run_schedule(
+                assembly,
+                runtime,
+                dataset,
+                consumed=first * mbs * groups.size("dp"),
+                num_microbatches=min(chunk, num_microbatches - first),
+                micro_batch_size=mbs,
+                seq_length=config.data.seq_length,
+                vpp=config.parallel.vpp,
+                forward_only=True,
+            )
         mean, _, tokens = reduce_loss(
             losses, pp_group=groups.pp, dp_cp_group=groups.group("dp_cp"), device=runtime.device
         )

@@ -261,6 +261,28 @@ class Trainer:
         window_mtp: list[list[float]] = []
         step = start_step
         stop = StopRequest(enabled=config.checkpoint.save_on_signal)
+
+        def evaluate_run(at_step: int, should_stop):
+            """Evaluate at ``at_step``, record and report the loss; None when cut short."""
+            ev = evaluate(
+                assembly,
+                runtime,
+                valid_set,
+                num_microbatches=eval_micro,
+                config=config,
+                should_stop=should_stop,
+            )
+            if ev is not None:
+                result.valid_losses[at_step] = ev.loss
+                if writer is not None:
+                    writer.write("valid", at_step, {"loss": ev.loss, **mtp_values(ev.mtp)})
+                note = ""
+                if baseline is not None:
+                    below = "below" if ev.loss < baseline else "above"
+                    note = f" ({below} bigram {baseline:.4f})"
+                self.say(f"step {at_step}: validation loss {ev.loss:.4f} nats/token{note}")
+            return ev
+
         loop_t0 = time.perf_counter()
         with stop:
             while step < s.train_steps:
@@ -337,27 +359,15 @@ class Trainer:
                     and step % r.check_dp_params_interval == 0
                 ):
                     check_dp_replicas(assembly.modules, groups, step=step)
-                evaluate_now = eval_micro > 0 and (
-                    (config.eval.interval is not None and step % config.eval.interval == 0)
-                    or (step == s.train_steps and config.eval.at_end)
-                )
-                if evaluate_now:
-                    ev = evaluate(
-                        assembly, runtime, valid_set, num_microbatches=eval_micro, config=config
-                    )
-                    val = ev.loss
-                    result.valid_losses[step] = val
-                    if writer is not None:
-                        writer.write("valid", step, {"loss": val, **mtp_values(ev.mtp)})
-                    note = ""
-                    if baseline is not None:
-                        note = f" ({'below' if val < baseline else 'above'} bigram {baseline:.4f})"
-                    self.say(f"step {step}: validation loss {val:.4f} nats/token{note}")
-                stopping = (
-                    stop.agreed(device=runtime.device)
-                    if runtime.world_size > 1
-                    else (stop.signal_name is not None)
-                )
+                cut_short = False
+                if eval_micro > 0 and step < s.train_steps and _eval_due(config, step):
+                    # a periodic evaluation ends early on a signal: the checkpoint that follows
+                    # must fit in a scheduler's grace period, and this result is not needed
+                    ev = evaluate_run(step, lambda: self._agreed(stop))
+                    cut_short = ev is None
+                    if cut_short:
+                        self.say(f"step {step}: evaluation cut short by {stop.signal_name}")
+                stopping = cut_short or self._agreed(stop)
                 if (
                     config.checkpoint.interval is not None
                     and step % config.checkpoint.interval == 0
@@ -371,16 +381,21 @@ class Trainer:
                         f"received {stop.signal_name}: saving a checkpoint at step {step} and exiting"
                     )
                     break
-        result.loop_seconds = time.perf_counter() - loop_t0
-        if self.progress is not None:
-            self.progress.close()
-            self.progress = None
-        if result.stopped_by is not None or config.checkpoint.save_at_end:
-            result.checkpoint = checkpointer.save(step)
-        checkpointer.close()
-        if config.checkpoint.hf_export is not None and result.stopped_by is None:
-            export_hf(assembly.modules, config.checkpoint.hf_export)
-            result.hf_export = config.checkpoint.hf_export
+            result.loop_seconds = time.perf_counter() - loop_t0
+            if self.progress is not None:
+                self.progress.close()
+                self.progress = None
+            # Everything durable is written, and an async checkpoint committed (close), before
+            # the final evaluation: a signal during it cannot lose the checkpoint.
+            if result.stopped_by is not None or config.checkpoint.save_at_end:
+                result.checkpoint = checkpointer.save(step)
+            checkpointer.close()
+            if config.checkpoint.hf_export is not None and result.stopped_by is None:
+                export_hf(assembly.modules, config.checkpoint.hf_export)
+                result.hf_export = config.checkpoint.hf_export
+            final_eval = eval_micro > 0 and result.stopped_by is None and step == s.train_steps
+            if final_eval and (config.eval.at_end or _eval_due(config, step)):
+                self._final_evaluation(step, stop, result, evaluate_run)
         if writer is not None:
             writer.close()
         result.seconds = time.perf_counter() - t_start
@@ -392,6 +407,41 @@ class Trainer:
                 plots = plot_run(run_dir)
             self._report(result, plots, writer)
         return result
+
+    def _agreed(self, stop: StopRequest) -> bool:
+        """Whether any rank received a signal (a collective over the world when distributed)."""
+        if self.runtime.world_size > 1:
+            return stop.agreed(device=self.runtime.device)
+        return stop.signal_name is not None
+
+    def _final_evaluation(self, step: int, stop: StopRequest, result: RunResult, evaluate_run):
+        """The evaluation after the last step, run once the final checkpoint is committed.
+
+        A first signal is announced at once ("stopping after this evaluation") and the
+        evaluation finishes (its result is the run's final score); a second SIGINT abandons it
+        and the run still ends normally, its checkpoint already on disk.
+        """
+        saved = (
+            f"checkpoint {result.checkpoint} is committed"
+            if result.checkpoint
+            else "no checkpoint configured"
+        )
+
+        def notice() -> bool:
+            if stop.signal_name is not None and result.stopped_by is None:
+                result.stopped_by = stop.signal_name
+                self.say(
+                    f"received {stop.signal_name} during the final evaluation: stopping after "
+                    f"this evaluation ({saved}; Ctrl-C again to stop now)"
+                )
+            return False  # every rank runs the whole evaluation: no collective needed here
+
+        try:
+            evaluate_run(step, notice)
+            notice()
+        except KeyboardInterrupt:
+            result.stopped_by = "SIGINT"
+            self.say(f"second SIGINT: final evaluation abandoned ({saved})")
 
     def _report(self, result: RunResult, plots, writer) -> None:
         lines = [f"done: {result.final_step} steps in {format_duration(result.seconds)}"]
@@ -420,6 +470,11 @@ class Trainer:
 def mtp_values(losses: list[float] | None) -> dict[str, float]:
     """``{"mtp_loss_1": ..., "mtp_loss_2": ...}``: one metric per MTP depth (none without MTP)."""
     return {} if losses is None else {f"mtp_loss_{k}": v for k, v in enumerate(losses, start=1)}
+
+
+def _eval_due(config: TrainConfig, step: int) -> bool:
+    """Whether ``eval.interval`` asks for an evaluation after ``step`` steps."""
+    return config.eval.interval is not None and step % config.eval.interval == 0
 
 
 def _layout_text(groups) -> str:
