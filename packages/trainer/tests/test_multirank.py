@@ -263,7 +263,7 @@ def _hang_one_rank():
     import time
 
     from shardwork.parallel_state import ParallelConfig, init_process_groups
-    from shardwork.trainer.run.step import CollectiveTimeoutError, collective_phase
+    from shardwork.trainer.run.collectives import CollectiveTimeoutError, collective_phase
 
     groups = init_process_groups(ParallelConfig(), timeout=timedelta(seconds=2))
     if dist.get_rank() == 1:

@@ -39,6 +39,7 @@ from shardwork.trainer.observe.metrics import MetricsWriter
 from shardwork.trainer.observe.progress import Progress, format_duration
 from shardwork.trainer.observe.throughput import memory_gib, peak_tflops
 from shardwork.trainer.run.checkpointing import Checkpointer
+from shardwork.trainer.run.collectives import collective_phase
 from shardwork.trainer.run.hf import export_hf, will_resume
 from shardwork.trainer.run.nonfinite import NonFiniteGuard
 from shardwork.trainer.run.nonfinite import NonFiniteLossError as NonFiniteLossError  # re-export
@@ -176,7 +177,13 @@ class Trainer:
     def run(self) -> RunResult:
         config = self.config
         t_start = time.perf_counter()
-        self.runtime = runtime = init_runtime(config)
+        with collective_phase(
+            "start-up (process-group rendezvous)",
+            None,
+            ("world",),
+            timeout_minutes=config.parallel.timeout_minutes,
+        ):
+            self.runtime = runtime = init_runtime(config)
         try:
             return self._run(config, runtime, t_start)
         finally:
@@ -190,19 +197,22 @@ class Trainer:
 
         seq = config.data.seq_length
         comps, train_set, valid_set, eval_micro = _datasets(config, groups)
-        eval_micro = _eval_micro_batches_of_first_stage(eval_micro, runtime)
+        with self._phase("start-up (evaluation size broadcast)", ("pp",)):
+            eval_micro = _eval_micro_batches_of_first_stage(eval_micro, runtime)
 
         hf_init = config.checkpoint.hf_init
         if hf_init is not None and will_resume(config):
             self.say(f"checkpoint.hf_init={hf_init!r} not read: the run resumes a checkpoint")
             hf_init = None
-        assembly = build_assembly(config, runtime, hf_init=hf_init)
+        with self._phase("start-up (model and optimizer build)", ("world",)):
+            assembly = build_assembly(config, runtime, hf_init=hf_init)
         if hf_init is not None:
             self.say(f"imported the Hugging Face checkpoint {hf_init} at this layout")
         # Resume before anything is written: a bad checkpoint stops the run with the run
         # directory (config.toml, metrics) untouched.
         checkpointer = Checkpointer(config, runtime, assembly)
-        start_step = checkpointer.maybe_resume(say=self.say)
+        with self._phase("start-up (checkpoint resume)", ("world",)):
+            start_step = checkpointer.maybe_resume(say=self.say)
         result = RunResult(final_step=start_step, run_dir=str(run_dir))
         writer = None
         if runtime.is_logging_rank or config.logging.per_rank:
@@ -271,6 +281,7 @@ class Trainer:
                 num_microbatches=eval_micro,
                 config=config,
                 should_stop=should_stop,
+                step=at_step,
             )
             if ev is not None:
                 result.valid_losses[at_step] = ev.loss
@@ -305,6 +316,7 @@ class Trainer:
                     consumed=consumed,
                     global_batch_size=gbs,
                     config=config,
+                    step=step,
                 )
                 guard.after_step(step, out.loss, out.update_successful)
                 result.skipped_steps = guard.skipped_steps
@@ -358,23 +370,25 @@ class Trainer:
                     r.check_dp_params_interval is not None
                     and step % r.check_dp_params_interval == 0
                 ):
-                    check_dp_replicas(assembly.modules, groups, step=step)
+                    with self._phase(f"replica check at step {step}", ("dp_cp", "edp")):
+                        check_dp_replicas(assembly.modules, groups, step=step)
                 cut_short = False
                 if eval_micro > 0 and step < s.train_steps and _eval_due(config, step):
                     # a periodic evaluation ends early on a signal: the checkpoint that follows
                     # must fit in a scheduler's grace period, and this result is not needed
-                    ev = evaluate_run(step, lambda: self._agreed(stop))
+                    ev = evaluate_run(step, lambda at=step: self._agreed(stop, at))
                     cut_short = ev is None
                     if cut_short:
                         self.say(f"step {step}: evaluation cut short by {stop.signal_name}")
-                stopping = cut_short or self._agreed(stop)
+                stopping = cut_short or self._agreed(stop, step)
                 if (
                     config.checkpoint.interval is not None
                     and step % config.checkpoint.interval == 0
                     and step < s.train_steps
                     and not stopping
                 ):
-                    checkpointer.save(step)
+                    with self._phase(f"checkpoint save at step {step}", ("world",)):
+                        checkpointer.save(step)
                 if stopping:
                     result.stopped_by = stop.signal_name
                     self.say(
@@ -388,10 +402,13 @@ class Trainer:
             # Everything durable is written, and an async checkpoint committed (close), before
             # the final evaluation: a signal during it cannot lose the checkpoint.
             if result.stopped_by is not None or config.checkpoint.save_at_end:
-                result.checkpoint = checkpointer.save(step)
-            checkpointer.close()
+                with self._phase(f"checkpoint save at step {step}", ("world",)):
+                    result.checkpoint = checkpointer.save(step)
+            with self._phase(f"checkpoint commit at step {step}", ("world",)):
+                checkpointer.close()
             if config.checkpoint.hf_export is not None and result.stopped_by is None:
-                export_hf(assembly.modules, config.checkpoint.hf_export)
+                with self._phase("Hugging Face export", ("world",)):
+                    export_hf(assembly.modules, config.checkpoint.hf_export)
                 result.hf_export = config.checkpoint.hf_export
             final_eval = eval_micro > 0 and result.stopped_by is None and step == s.train_steps
             if final_eval and (config.eval.at_end or _eval_due(config, step)):
@@ -408,10 +425,20 @@ class Trainer:
             self._report(result, plots, writer)
         return result
 
-    def _agreed(self, stop: StopRequest) -> bool:
+    def _phase(self, phase: str, names: tuple[str, ...]):
+        """A block whose lost peer or timeout is re-raised naming ``phase`` and ``names``."""
+        return collective_phase(
+            phase,
+            self.runtime.groups,
+            names,
+            timeout_minutes=self.config.parallel.timeout_minutes,
+        )
+
+    def _agreed(self, stop: StopRequest, step: int) -> bool:
         """Whether any rank received a signal (a collective over the world when distributed)."""
         if self.runtime.world_size > 1:
-            return stop.agreed(device=self.runtime.device)
+            with self._phase(f"stop-signal agreement after step {step}", ("world",)):
+                return stop.agreed(device=self.runtime.device)
         return stop.signal_name is not None
 
     def _final_evaluation(self, step: int, stop: StopRequest, result: RunResult, evaluate_run):
