@@ -399,17 +399,7 @@ class Trainer:
             if self.progress is not None:
                 self.progress.close()
                 self.progress = None
-            # Everything durable is written, and an async checkpoint committed (close), before
-            # the final evaluation: a signal during it cannot lose the checkpoint.
-            if result.stopped_by is not None or config.checkpoint.save_at_end:
-                with self._phase(f"checkpoint save at step {step}", ("world",)):
-                    result.checkpoint = checkpointer.save(step)
-            with self._phase(f"checkpoint commit at step {step}", ("world",)):
-                checkpointer.close()
-            if config.checkpoint.hf_export is not None and result.stopped_by is None:
-                with self._phase("Hugging Face export", ("world",)):
-                    export_hf(assembly.modules, config.checkpoint.hf_export)
-                result.hf_export = config.checkpoint.hf_export
+            self._save_final(step, result, checkpointer, assembly)
             final_eval = eval_micro > 0 and result.stopped_by is None and step == s.train_steps
             if final_eval and (config.eval.at_end or _eval_due(config, step)):
                 self._final_evaluation(step, stop, result, evaluate_run)
@@ -424,6 +414,22 @@ class Trainer:
                 plots = plot_run(run_dir)
             self._report(result, plots, writer)
         return result
+
+    def _save_final(self, step: int, result: RunResult, checkpointer, assembly) -> None:
+        """The end-of-run (or stop) checkpoint, committed, and the Hugging Face export.
+
+        Called before the final evaluation: a signal during it cannot lose either.
+        """
+        config = self.config
+        if result.stopped_by is not None or config.checkpoint.save_at_end:
+            with self._phase(f"checkpoint save at step {step}", ("world",)):
+                result.checkpoint = checkpointer.save(step)
+        with self._phase(f"checkpoint commit at step {step}", ("world",)):
+            checkpointer.close()  # waits for an async save's commit
+        if config.checkpoint.hf_export is not None and result.stopped_by is None:
+            with self._phase("Hugging Face export", ("world",)):
+                export_hf(assembly.modules, config.checkpoint.hf_export)
+            result.hf_export = config.checkpoint.hf_export
 
     def _phase(self, phase: str, names: tuple[str, ...]):
         """A block whose lost peer or timeout is re-raised naming ``phase`` and ``names``."""
