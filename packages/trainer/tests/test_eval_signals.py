@@ -52,12 +52,16 @@ def _signal_during_eval(monkeypatch, signum, *, at_call: int, times: int = 1, on
     return calls
 
 
-def test_signal_cuts_a_periodic_evaluation_short_and_checkpoints(tmp_path, monkeypatch):
+def test_signal_cuts_a_periodic_evaluation_short_and_checkpoints(tmp_path, monkeypatch, capsys):
     reference = train(_config(tmp_path / "ref", steps=4))
     assert sorted(reference.valid_losses) == [2, 4]
+    capsys.readouterr()
 
     calls = _signal_during_eval(monkeypatch, signal.SIGTERM, at_call=1)
     result = train(_config(tmp_path / "a", steps=4))
+    err = capsys.readouterr().err
+    assert "step 2: evaluation cut short by SIGTERM\n" in err
+    assert "received SIGTERM: saving a checkpoint at step 2 and exiting\n" in err
     # one micro-batch per check without pipelining: micro-batches 0 and 1 ran, 2 and 3 did not
     assert calls == [1, 1]
     assert result.stopped_by == "SIGTERM"
@@ -116,3 +120,27 @@ def test_second_sigint_abandons_the_final_evaluation_cleanly(tmp_path, monkeypat
     monkeypatch.setattr(step_module, "run_schedule", REAL_SCHEDULE)
     more = _config(tmp_path / "more", steps=4, eval=final, checkpoint={"resume": str(ckpt)})
     assert sorted(train(more).train_losses) == [3]
+
+
+def test_second_sigint_during_training_exits_130_without_traceback(tmp_path, monkeypatch, capsys):
+    import shardwork.trainer.run.trainer as trainer_module
+
+    config = _config(tmp_path, steps=100_000, eval={"interval": None, "at_end": False})
+    path = tmp_path / "run.toml"
+    path.write_text(config_to_toml(config))
+    real_step, calls = trainer_module.train_step, []
+
+    def step_then_two_sigints(*args, **kwargs):
+        out = real_step(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(trainer_module, "train_step", step_then_two_sigints)
+    assert train_main(["--config", str(path)]) == 130
+    err = capsys.readouterr().err
+    assert "shardwork-train: interrupted by a second SIGINT" in err
+    assert "Traceback" not in err
+    assert not list(tmp_path.glob("checkpoints/step_*"))

@@ -5,6 +5,7 @@ skipped steps are no failures. Once the scale is at its floor, non-finite gradie
 run exactly as in bf16/fp32 (reliability.on_nan).
 """
 
+import io
 import math
 
 import pytest
@@ -36,7 +37,8 @@ def test_default_fp16_config_trains_30_steps(tmp_path):
     # the defaults under test: stop on the first non-finite step, dynamic scale from 2**16
     assert config.reliability.on_nan == "stop"
     assert config.precision.initial_loss_scale == 2.0**16
-    result = train(config)
+    stream = io.StringIO()
+    result = train(config, stream=stream)
     losses = [result.train_losses[s] for s in range(30)]
     assert all(math.isfinite(v) for v in losses)
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
@@ -51,6 +53,13 @@ def test_default_fp16_config_trains_30_steps(tmp_path):
         r["loss_scale"] for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"
     ]
     assert scales[-1] == 2.0**16 * 0.5 ** (n - 1)
+    # said once, on the first update after the overflow skips
+    settled = [line for line in stream.getvalue().splitlines() if "loss scale settled" in line]
+    assert len(settled) == 1, settled
+    assert settled[0].endswith(
+        f"fp16 loss scale settled at {scales[-1]:g} after {n} overflow-skipped step(s) "
+        "(normal for a dynamic scaler)"
+    ), settled
 
 
 def _poison_gradients(monkeypatch) -> None:

@@ -6,7 +6,8 @@ loss that stops the run exits with 3; a checkpoint that cannot be resumed (none
 complete at ``checkpoint.resume``, or a missing/truncated/corrupt file) exits with
 4 and one paragraph naming it, before the run directory is written. A collective that
 loses its peer rank or outlives ``parallel.timeout_minutes`` exits with 5 and one paragraph
-naming the rank, the phase and the groups (the run's last committed checkpoint stays).
+naming the rank, the phase and the groups (the run's last committed checkpoint stays). A
+second Ctrl-C during training exits with 130 and one line, no traceback.
 """
 
 from __future__ import annotations
@@ -63,4 +64,12 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     except CollectiveError as exc:
         print(f"shardwork-train: {exc}", file=sys.stderr)
         return 5
+    except KeyboardInterrupt:
+        # a second Ctrl-C while stopping: out at once, as asked, but without a traceback
+        print(
+            "shardwork-train: interrupted by a second SIGINT; no checkpoint was written for "
+            "the current step (the last committed one stays)",
+            file=sys.stderr,
+        )
+        return 130
     return 0

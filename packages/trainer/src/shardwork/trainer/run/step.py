@@ -245,6 +245,15 @@ def run_schedule(
     )
 
 
+def _forward_groups(assembly) -> tuple[str, ...]:
+    """The groups a forward (and backward) pass communicates over, named in its failures: MoE
+    layers add the expert all-to-all groups."""
+    names = ("pp", "tp", "cp", "dp_cp")
+    if getattr(assembly.model_config, "moe", None) is not None:
+        names += ("ep", "etp")
+    return names
+
+
 def train_step(
     assembly,
     runtime,
@@ -270,7 +279,7 @@ def train_step(
     trackers = _prepare_moe(assembly.modules, grad_scale)
     where = "" if step is None else f"train step {step}, "
     with collective_phase(
-        f"{where}forward/backward", groups, ("pp", "tp", "cp", "dp_cp"), timeout_minutes=timeout
+        f"{where}forward/backward", groups, _forward_groups(assembly), timeout_minutes=timeout
     ):
         losses = run_schedule(
             assembly,
@@ -363,7 +372,7 @@ def evaluate(
     with collective_phase(
         "evaluation" if step is None else f"evaluation after step {step}",
         groups,
-        ("pp", "tp", "cp", "dp_cp"),
+        _forward_groups(assembly),
         timeout_minutes=config.parallel.timeout_minutes,
     ):
         for first in range(0, num_microbatches, chunk):

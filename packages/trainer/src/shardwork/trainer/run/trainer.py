@@ -168,9 +168,12 @@ class Trainer:
         self.stream = stream or sys.stderr
 
     def say(self, text: str) -> None:
+        """Print a message on the logging rank (through the progress bar when there is one;
+        ``logging.progress = "none"`` silences progress lines, never messages)."""
         if self.runtime.is_logging_rank:
-            if getattr(self, "progress", None) is not None:
-                self.progress.write(text)
+            progress = getattr(self, "progress", None)
+            if progress is not None and progress.mode != "none":
+                progress.write(text)
             else:
                 print(text, file=self.stream, flush=True)
 
