@@ -10,6 +10,7 @@ from torch import nn
 
 from shardwork.dist_optimizer import (
     AdamW,
+    ConstantLossScaler,
     DDPConfig,
     DistributedDataParallel,
     DistributedOptimizer,
@@ -165,6 +166,17 @@ def test_dynamic_loss_scaler_hysteresis_and_growth():
     assert s.scale == 8.0
     with pytest.raises(ValueError, match="backoff_factor"):
         DynamicLossScaler(backoff_factor=1.5)
+
+
+def test_can_back_off_until_the_scale_reaches_its_floor():
+    s = DynamicLossScaler(initial_scale=8.0, min_scale=2.0, hysteresis=1)
+    seen = []
+    for _ in range(4):
+        seen.append((s.scale, s.can_back_off))
+        s.update(True)
+    # by hand: 8 -> 4 -> 2, then the scale stays at min_scale and can drop no further
+    assert seen == [(8.0, True), (4.0, True), (2.0, False), (2.0, False)]
+    assert ConstantLossScaler(1024.0).can_back_off is False
 
 
 def test_bf16_gradient_buffers_feed_fp32_masters():

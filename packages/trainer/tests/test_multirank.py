@@ -174,6 +174,24 @@ def test_middle_pipeline_stage_opens_no_data_file(tmp_path, cache, reference):
         assert valid_losses[6] == pytest.approx(ref_valid[6], rel=2e-4, abs=2e-4)
 
 
+def test_evaluation_in_chunks_matches_one_process(tmp_path, cache):
+    # the evaluation checks the stop flag between chunks of micro-batches: one micro-batch
+    # without pipelining (6 chunks of 4 samples here), one global batch with pp=2 (3 chunks of
+    # 8); both must read the same 24 validation samples, so the losses agree (float64)
+    sections = {
+        "model": {"num_layers": 2},
+        "precision": {"dtype": "fp64"},
+        "schedule": {"train_steps": 2, "warmup_steps": 1},
+        "eval": {"interval": None, "steps": 3, "at_end": True},
+    }
+    _, ref_valid, _ = _train(str(tmp_path / "ref"), sections, cache)
+    piped = {**sections, "parallel": {"pp": 2}}
+    for _, valid_losses, _ in run_on_ranks(
+        _train, 2, args=(str(tmp_path / "pp"), piped, cache), timeout=300
+    ):
+        assert valid_losses[2] == pytest.approx(ref_valid[2], rel=1e-9)
+
+
 def _eval_count_from_first_stage(counts):
     from shardwork.parallel_state import ParallelConfig, init_process_groups
     from shardwork.trainer.run.setup import Runtime
@@ -263,7 +281,7 @@ def _hang_one_rank():
     import time
 
     from shardwork.parallel_state import ParallelConfig, init_process_groups
-    from shardwork.trainer.run.step import CollectiveTimeoutError, collective_phase
+    from shardwork.trainer.run.collectives import CollectiveTimeoutError, collective_phase
 
     groups = init_process_groups(ParallelConfig(), timeout=timedelta(seconds=2))
     if dist.get_rank() == 1:

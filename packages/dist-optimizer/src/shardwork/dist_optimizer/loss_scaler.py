@@ -8,6 +8,9 @@
   Megatron-LM), so a single spike does not halve the scale.
 - The scaler is an object owned by the optimizer (no global state); its state is saved with
   the optimizer.
+- ``can_back_off`` tells a caller whether an overflow is still the scaler's business (the scale
+  can drop) or a real failure (a constant scale, or a dynamic one at ``min_scale``): a trainer
+  must not count a dynamic scaler's first overflows as divergence.
 """
 
 from __future__ import annotations
@@ -24,6 +27,11 @@ class ConstantLossScaler:
         if not scale > 0:
             raise ValueError(f"ConstantLossScaler.scale={scale}; valid: > 0")
         self.scale = float(scale)
+
+    @property
+    def can_back_off(self) -> bool:
+        """Always False: a constant scale never drops, so an overflow is a real failure."""
+        return False
 
     def update(self, found_nonfinite: bool) -> None:
         """Nothing changes for a constant scale."""
@@ -67,6 +75,11 @@ class DynamicLossScaler:
         self.hysteresis = int(hysteresis)
         self._growth_tracker = 0
         self._hysteresis_tracker = self.hysteresis
+
+    @property
+    def can_back_off(self) -> bool:
+        """True while an overflow can still lower the scale (it is above ``min_scale``)."""
+        return self.scale > self.min_scale
 
     def update(self, found_nonfinite: bool) -> None:
         """Adjust the scale after a step; ``found_nonfinite`` must agree on every rank."""

@@ -4,7 +4,10 @@ Parses and validates the whole configuration before any process group is
 created; a bad value exits with status 2 and one line per problem. A non-finite
 loss that stops the run exits with 3; a checkpoint that cannot be resumed (none
 complete at ``checkpoint.resume``, or a missing/truncated/corrupt file) exits with
-4 and one paragraph naming it, before the run directory is written.
+4 and one paragraph naming it, before the run directory is written. A collective that
+loses its peer rank or outlives ``parallel.timeout_minutes`` exits with 5 and one paragraph
+naming the rank, the phase and the groups (the run's last committed checkpoint stays). A
+second Ctrl-C during training exits with 130 and one line, no traceback.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ def train_main(argv: Sequence[str] | None = None) -> int:
         return 0
     from shardwork.dist_checkpoint import CheckpointCorruptError
     from shardwork.trainer.run.checkpointing import ResumeError
+    from shardwork.trainer.run.collectives import CollectiveError
     from shardwork.trainer.run.trainer import NonFiniteLossError, train
 
     try:
@@ -57,4 +61,15 @@ def train_main(argv: Sequence[str] | None = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"shardwork-train: cannot resume: {exc}", file=sys.stderr)
         return 4
+    except CollectiveError as exc:
+        print(f"shardwork-train: {exc}", file=sys.stderr)
+        return 5
+    except KeyboardInterrupt:
+        # a second Ctrl-C while stopping: out at once, as asked, but without a traceback
+        print(
+            "shardwork-train: interrupted by a second SIGINT; no checkpoint was written for "
+            "the current step (the last committed one stays)",
+            file=sys.stderr,
+        )
+        return 130
     return 0

@@ -81,7 +81,9 @@ class ParallelSection:
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend; auto: nccl on CUDA, gloo on CPU."""
     timeout_minutes: float = 10.0
-    """Collective timeout; a collective that waits longer fails and names its group."""
+    """Timeout of every process group (world and subgroups) and of the start-up rendezvous. A
+    collective that waits longer (a hung or vanished peer) ends the rank with exit status 5 and
+    a message naming the phase and the groups; see docs/trainer.md, "When a rank dies"."""
 
 
 @dataclass(kw_only=True)

@@ -20,40 +20,20 @@
   main loss; its per-depth token means are reduced by
   ``shardwork.models.mtp.reduce_mtp_losses`` (every rank) and reported separately,
   for training steps and evaluation alike.
-- A collective that times out is re-raised as :class:`CollectiveTimeoutError`
-  naming the phase and the groups it communicates over.
+- A collective that times out or loses its peer is re-raised by
+  :func:`~.collectives.collective_phase` naming the step, the phase and the groups it
+  communicates over.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from shardwork.trainer.data.builder import micro_batch
-
-
-class CollectiveTimeoutError(RuntimeError):
-    """A collective did not complete within parallel.timeout_minutes."""
-
-
-@contextlib.contextmanager
-def collective_phase(phase: str, groups, names: tuple[str, ...], *, timeout_minutes: float):
-    """Re-raise a timeout inside the block naming ``phase`` and the groups ``names``."""
-    try:
-        yield
-    except RuntimeError as exc:
-        text = str(exc).lower()
-        if "timed out" not in text and "timeout" not in text:
-            raise
-        members = ", ".join(f"{n}={list(groups.members.get(n, ()))}" for n in names)
-        raise CollectiveTimeoutError(
-            f"rank {groups.global_rank}: a collective in '{phase}' did not finish within "
-            f"parallel.timeout_minutes={timeout_minutes}; it communicates over groups {members}. "
-            f"A rank of one of these groups has died, hung or diverged. Original error: {exc}"
-        ) from exc
+from shardwork.trainer.run.collectives import collective_phase
 
 
 def micro_batches(
@@ -265,10 +245,27 @@ def run_schedule(
     )
 
 
+def _forward_groups(assembly) -> tuple[str, ...]:
+    """The groups a forward (and backward) pass communicates over, named in its failures: MoE
+    layers add the expert all-to-all groups."""
+    names = ("pp", "tp", "cp", "dp_cp")
+    if getattr(assembly.model_config, "moe", None) is not None:
+        names += ("ep", "etp")
+    return names
+
+
 def train_step(
-    assembly, runtime, dataset, *, consumed: int, global_batch_size: int, config
+    assembly,
+    runtime,
+    dataset,
+    *,
+    consumed: int,
+    global_batch_size: int,
+    config,
+    step: int | None = None,
 ) -> StepOutput:
-    """Forward/backward over one global batch, finalize gradients, optimizer step."""
+    """Forward/backward over one global batch, finalize gradients, optimizer step
+    (``step``: the step's index, named in a collective failure)."""
     from shardwork.models.pipeline import finalize_model_grads, loss_totals, reduce_loss
 
     groups = runtime.groups
@@ -280,8 +277,9 @@ def train_step(
     assembly.optimizer.zero_grad()
     grad_scale = assembly.optimizer.loss_scale
     trackers = _prepare_moe(assembly.modules, grad_scale)
+    where = "" if step is None else f"train step {step}, "
     with collective_phase(
-        "forward/backward", groups, ("pp", "tp", "cp", "dp_cp"), timeout_minutes=timeout
+        f"{where}forward/backward", groups, _forward_groups(assembly), timeout_minutes=timeout
     ):
         losses = run_schedule(
             assembly,
@@ -296,7 +294,7 @@ def train_step(
             grad_scale=grad_scale,
         )
     with collective_phase(
-        "gradient finalisation",
+        f"{where}gradient finalisation",
         groups,
         ("dp_cp", "tp", "pp", "embedding"),
         timeout_minutes=timeout,
@@ -310,9 +308,13 @@ def train_step(
             num_tokens=local_tokens,
             **moe_finalize_kwargs(assembly.chunks, groups),
         )
-    with collective_phase("optimizer step", groups, ("dp_cp", "mp"), timeout_minutes=timeout):
+    with collective_phase(
+        f"{where}optimizer step", groups, ("dp_cp", "mp"), timeout_minutes=timeout
+    ):
         result = assembly.optimizer.step()
-    with collective_phase("loss reduction", groups, ("pp", "dp_cp"), timeout_minutes=timeout):
+    with collective_phase(
+        f"{where}loss reduction", groups, ("pp", "dp_cp"), timeout_minutes=timeout
+    ):
         mean, _, tokens = reduce_loss(
             losses, pp_group=groups.pp, dp_cp_group=groups.group("dp_cp"), device=runtime.device
         )
@@ -327,33 +329,68 @@ def train_step(
     )
 
 
+def eval_chunk_size(groups, config) -> int:
+    """Evaluation micro-batches run between two stop-flag checks.
+
+    Without pipelining one (a check costs nothing more than the loop); with pipeline stages
+    one global batch's micro-batches, so the pipeline fills and drains as often as in
+    training rather than once per micro-batch.
+    """
+    if groups.size("pp") == 1:
+        return 1
+    mbs = config.schedule.micro_batch_size
+    return max(1, config.schedule.global_batch_size // (mbs * groups.size("dp")))
+
+
 @torch.no_grad()
-def evaluate(assembly, runtime, dataset, *, num_microbatches: int, config) -> EvalOutput:
+def evaluate(
+    assembly,
+    runtime,
+    dataset,
+    *,
+    num_microbatches: int,
+    config,
+    should_stop: Callable[[], bool] | None = None,
+    step: int | None = None,
+) -> EvalOutput | None:
     """Mean loss (nats/token) over ``num_microbatches`` per data-parallel rank of ``dataset``
-    (and the per-depth MTP losses of models with MTP)."""
+    (and the per-depth MTP losses of models with MTP).
+
+    ``should_stop`` is asked between chunks of :func:`eval_chunk_size` micro-batches; when it
+    returns True the evaluation ends there and returns None. It must answer the same on every
+    rank (e.g. a flag agreed over the world), since every rank has to leave at the same chunk.
+    """
     from shardwork.models.pipeline import reduce_loss
 
     groups = runtime.groups
+    mbs = config.schedule.micro_batch_size
+    chunk = eval_chunk_size(groups, config)
     for m in assembly.modules:
         m.eval()
     _reset_mtp(assembly.modules)
+    losses = []
     with collective_phase(
-        "evaluation",
+        "evaluation" if step is None else f"evaluation after step {step}",
         groups,
-        ("pp", "tp", "cp", "dp_cp"),
+        _forward_groups(assembly),
         timeout_minutes=config.parallel.timeout_minutes,
     ):
-        losses = run_schedule(
-            assembly,
-            runtime,
-            dataset,
-            consumed=0,
-            num_microbatches=num_microbatches,
-            micro_batch_size=config.schedule.micro_batch_size,
-            seq_length=config.data.seq_length,
-            vpp=config.parallel.vpp,
-            forward_only=True,
-        )
+        for first in range(0, num_microbatches, chunk):
+            if first > 0 and should_stop is not None and should_stop():
+                for m in assembly.modules:
+                    m.train()
+                return None
+            losses += run_schedule(
+                assembly,
+                runtime,
+                dataset,
+                consumed=first * mbs * groups.size("dp"),
+                num_microbatches=min(chunk, num_microbatches - first),
+                micro_batch_size=mbs,
+                seq_length=config.data.seq_length,
+                vpp=config.parallel.vpp,
+                forward_only=True,
+            )
         mean, _, tokens = reduce_loss(
             losses, pp_group=groups.pp, dp_cp_group=groups.group("dp_cp"), device=runtime.device
         )

@@ -8,7 +8,8 @@ through shardwork.dist_checkpoint. Per step it:
 1. sets the learning rate and weight decay of the step on the optimizer,
 2. runs forward/backward over the step's global batch (size from the
    batch-size schedule), finalises gradients and steps,
-3. handles a non-finite loss or gradient (skip the step or stop),
+3. handles a non-finite loss or gradient (skip the step or stop; a dynamic fp16 loss
+   scaler's overflow while its scale can still drop is no failure, see :mod:`.nonfinite`),
 4. logs (every ``logging.interval``; the main LM loss, each MTP depth's loss
    ``mtp_loss_<k>`` and each MoE aux-loss type as separate metrics), evaluates (every ``eval.interval``),
    checks data-parallel replicas (every ``reliability.check_dp_params_interval``),
@@ -38,7 +39,10 @@ from shardwork.trainer.observe.metrics import MetricsWriter
 from shardwork.trainer.observe.progress import Progress, format_duration
 from shardwork.trainer.observe.throughput import memory_gib, peak_tflops
 from shardwork.trainer.run.checkpointing import Checkpointer
+from shardwork.trainer.run.collectives import collective_phase
 from shardwork.trainer.run.hf import export_hf, will_resume
+from shardwork.trainer.run.nonfinite import NonFiniteGuard
+from shardwork.trainer.run.nonfinite import NonFiniteLossError as NonFiniteLossError  # re-export
 from shardwork.trainer.run.params_check import check_dp_replicas
 from shardwork.trainer.run.rng import derived_seed, rank_role, seed_everything
 from shardwork.trainer.run.setup import build_assembly, init_runtime
@@ -50,10 +54,6 @@ from shardwork.trainer.schedules import (
     learning_rate,
     weight_decay,
 )
-
-
-class NonFiniteLossError(RuntimeError):
-    """Training stopped on a NaN/Inf loss or gradient (reliability.on_nan='stop')."""
 
 
 @dataclass
@@ -73,6 +73,9 @@ class RunResult:
     run_dir: str | None = None
     stopped_by: str | None = None
     skipped_steps: int = 0
+    """Steps skipped for a NaN/Inf loss or gradient (reliability.on_nan='skip')."""
+    overflow_skips: int = 0
+    """fp16: steps skipped while the dynamic loss scaler lowered its scale (not failures)."""
     seconds: float = 0.0
     """Wall time of the whole run (set-up, loop, evaluation, checkpoints)."""
     loop_seconds: float = 0.0
@@ -165,16 +168,25 @@ class Trainer:
         self.stream = stream or sys.stderr
 
     def say(self, text: str) -> None:
+        """Print a message on the logging rank (through the progress bar when there is one;
+        ``logging.progress = "none"`` silences progress lines, never messages)."""
         if self.runtime.is_logging_rank:
-            if getattr(self, "progress", None) is not None:
-                self.progress.write(text)
+            progress = getattr(self, "progress", None)
+            if progress is not None and progress.mode != "none":
+                progress.write(text)
             else:
                 print(text, file=self.stream, flush=True)
 
     def run(self) -> RunResult:
         config = self.config
         t_start = time.perf_counter()
-        self.runtime = runtime = init_runtime(config)
+        with collective_phase(
+            "start-up (process-group rendezvous)",
+            None,
+            ("world",),
+            timeout_minutes=config.parallel.timeout_minutes,
+        ):
+            self.runtime = runtime = init_runtime(config)
         try:
             return self._run(config, runtime, t_start)
         finally:
@@ -188,19 +200,22 @@ class Trainer:
 
         seq = config.data.seq_length
         comps, train_set, valid_set, eval_micro = _datasets(config, groups)
-        eval_micro = _eval_micro_batches_of_first_stage(eval_micro, runtime)
+        with self._phase("start-up (evaluation size broadcast)", ("pp",)):
+            eval_micro = _eval_micro_batches_of_first_stage(eval_micro, runtime)
 
         hf_init = config.checkpoint.hf_init
         if hf_init is not None and will_resume(config):
             self.say(f"checkpoint.hf_init={hf_init!r} not read: the run resumes a checkpoint")
             hf_init = None
-        assembly = build_assembly(config, runtime, hf_init=hf_init)
+        with self._phase("start-up (model and optimizer build)", ("world",)):
+            assembly = build_assembly(config, runtime, hf_init=hf_init)
         if hf_init is not None:
             self.say(f"imported the Hugging Face checkpoint {hf_init} at this layout")
         # Resume before anything is written: a bad checkpoint stops the run with the run
         # directory (config.toml, metrics) untouched.
         checkpointer = Checkpointer(config, runtime, assembly)
-        start_step = checkpointer.maybe_resume(say=self.say)
+        with self._phase("start-up (checkpoint resume)", ("world",)):
+            start_step = checkpointer.maybe_resume(say=self.say)
         result = RunResult(final_step=start_step, run_dir=str(run_dir))
         writer = None
         if runtime.is_logging_rank or config.logging.per_rank:
@@ -253,12 +268,35 @@ class Trainer:
             else None
         )
         s, o, r = config.schedule, config.optimizer, config.reliability
-        consecutive_skips = 0
+        guard = NonFiniteGuard(r, getattr(assembly.optimizer, "loss_scaler", None), self.say)
         window_tokens, window_t0 = 0, time.perf_counter()
         window_losses: list[float] = []
         window_mtp: list[list[float]] = []
         step = start_step
         stop = StopRequest(enabled=config.checkpoint.save_on_signal)
+
+        def evaluate_run(at_step: int, should_stop):
+            """Evaluate at ``at_step``, record and report the loss; None when cut short."""
+            ev = evaluate(
+                assembly,
+                runtime,
+                valid_set,
+                num_microbatches=eval_micro,
+                config=config,
+                should_stop=should_stop,
+                step=at_step,
+            )
+            if ev is not None:
+                result.valid_losses[at_step] = ev.loss
+                if writer is not None:
+                    writer.write("valid", at_step, {"loss": ev.loss, **mtp_values(ev.mtp)})
+                note = ""
+                if baseline is not None:
+                    below = "below" if ev.loss < baseline else "above"
+                    note = f" ({below} bigram {baseline:.4f})"
+                self.say(f"step {at_step}: validation loss {ev.loss:.4f} nats/token{note}")
+            return ev
+
         loop_t0 = time.perf_counter()
         with stop:
             while step < s.train_steps:
@@ -273,6 +311,7 @@ class Trainer:
                 consumed = consumed_samples(
                     step, global_batch_size=s.global_batch_size, ramp=s.batch_size_ramp
                 )
+                guard.before_step()
                 out = train_step(
                     assembly,
                     runtime,
@@ -280,30 +319,11 @@ class Trainer:
                     consumed=consumed,
                     global_batch_size=gbs,
                     config=config,
+                    step=step,
                 )
-                finite = math.isfinite(out.loss) and out.update_successful
-                if not finite:
-                    what = (
-                        f"loss {out.loss}"
-                        if not math.isfinite(out.loss)
-                        else "non-finite gradients"
-                    )
-                    if r.on_nan == "stop":
-                        raise NonFiniteLossError(
-                            f"step {step}: {what} (the optimizer did not update). Stopping because "
-                            "reliability.on_nan='stop'; lower optimizer.lr, enable clipping or set "
-                            "reliability.on_nan='skip'"
-                        )
-                    consecutive_skips += 1
-                    result.skipped_steps += 1
-                    self.say(f"step {step}: {what}: step skipped (no update)")
-                    if consecutive_skips >= r.max_consecutive_skips:
-                        raise NonFiniteLossError(
-                            f"step {step}: {consecutive_skips} consecutive steps had {what}; "
-                            f"stopping (reliability.max_consecutive_skips={r.max_consecutive_skips})"
-                        )
-                else:
-                    consecutive_skips = 0
+                guard.after_step(step, out.loss, out.update_successful)
+                result.skipped_steps = guard.skipped_steps
+                result.overflow_skips = guard.overflow_skips
                 result.train_losses[step] = out.loss
                 if out.mtp is not None:
                     result.train_mtp_losses[step] = out.mtp
@@ -336,6 +356,8 @@ class Trainer:
                         memory_gib=memory_gib(runtime.device),
                         consumed_samples=consumed + gbs,
                     )
+                    if guard.scaler is not None:
+                        values["loss_scale"] = guard.scaler.scale
                     if out.moe:
                         values.update(out.moe)
                     achieved = tps * flops_per_token / runtime.world_size / 1e12
@@ -351,51 +373,39 @@ class Trainer:
                     r.check_dp_params_interval is not None
                     and step % r.check_dp_params_interval == 0
                 ):
-                    check_dp_replicas(assembly.modules, groups, step=step)
-                evaluate_now = eval_micro > 0 and (
-                    (config.eval.interval is not None and step % config.eval.interval == 0)
-                    or (step == s.train_steps and config.eval.at_end)
-                )
-                if evaluate_now:
-                    ev = evaluate(
-                        assembly, runtime, valid_set, num_microbatches=eval_micro, config=config
-                    )
-                    val = ev.loss
-                    result.valid_losses[step] = val
-                    if writer is not None:
-                        writer.write("valid", step, {"loss": val, **mtp_values(ev.mtp)})
-                    note = ""
-                    if baseline is not None:
-                        note = f" ({'below' if val < baseline else 'above'} bigram {baseline:.4f})"
-                    self.say(f"step {step}: validation loss {val:.4f} nats/token{note}")
-                stopping = (
-                    stop.agreed(device=runtime.device)
-                    if runtime.world_size > 1
-                    else (stop.signal_name is not None)
-                )
+                    with self._phase(f"replica check at step {step}", ("dp_cp", "edp")):
+                        check_dp_replicas(assembly.modules, groups, step=step)
+                cut_short = False
+                if eval_micro > 0 and step < s.train_steps and _eval_due(config, step):
+                    # a periodic evaluation ends early on a signal: the checkpoint that follows
+                    # must fit in a scheduler's grace period, and this result is not needed
+                    ev = evaluate_run(step, lambda at=step: self._agreed(stop, at))
+                    cut_short = ev is None
+                    if cut_short:
+                        self.say(f"step {step}: evaluation cut short by {stop.signal_name}")
+                stopping = cut_short or self._agreed(stop, step)
                 if (
                     config.checkpoint.interval is not None
                     and step % config.checkpoint.interval == 0
                     and step < s.train_steps
                     and not stopping
                 ):
-                    checkpointer.save(step)
+                    with self._phase(f"checkpoint save at step {step}", ("world",)):
+                        checkpointer.save(step)
                 if stopping:
                     result.stopped_by = stop.signal_name
                     self.say(
                         f"received {stop.signal_name}: saving a checkpoint at step {step} and exiting"
                     )
                     break
-        result.loop_seconds = time.perf_counter() - loop_t0
-        if self.progress is not None:
-            self.progress.close()
-            self.progress = None
-        if result.stopped_by is not None or config.checkpoint.save_at_end:
-            result.checkpoint = checkpointer.save(step)
-        checkpointer.close()
-        if config.checkpoint.hf_export is not None and result.stopped_by is None:
-            export_hf(assembly.modules, config.checkpoint.hf_export)
-            result.hf_export = config.checkpoint.hf_export
+            result.loop_seconds = time.perf_counter() - loop_t0
+            if self.progress is not None:
+                self.progress.close()
+                self.progress = None
+            self._save_final(step, result, checkpointer, assembly)
+            final_eval = eval_micro > 0 and result.stopped_by is None and step == s.train_steps
+            if final_eval and (config.eval.at_end or _eval_due(config, step)):
+                self._final_evaluation(step, stop, result, evaluate_run)
         if writer is not None:
             writer.close()
         result.seconds = time.perf_counter() - t_start
@@ -407,6 +417,67 @@ class Trainer:
                 plots = plot_run(run_dir)
             self._report(result, plots, writer)
         return result
+
+    def _save_final(self, step: int, result: RunResult, checkpointer, assembly) -> None:
+        """The end-of-run (or stop) checkpoint, committed, and the Hugging Face export.
+
+        Called before the final evaluation: a signal during it cannot lose either.
+        """
+        config = self.config
+        if result.stopped_by is not None or config.checkpoint.save_at_end:
+            with self._phase(f"checkpoint save at step {step}", ("world",)):
+                result.checkpoint = checkpointer.save(step)
+        with self._phase(f"checkpoint commit at step {step}", ("world",)):
+            checkpointer.close()  # waits for an async save's commit
+        if config.checkpoint.hf_export is not None and result.stopped_by is None:
+            with self._phase("Hugging Face export", ("world",)):
+                export_hf(assembly.modules, config.checkpoint.hf_export)
+            result.hf_export = config.checkpoint.hf_export
+
+    def _phase(self, phase: str, names: tuple[str, ...]):
+        """A block whose lost peer or timeout is re-raised naming ``phase`` and ``names``."""
+        return collective_phase(
+            phase,
+            self.runtime.groups,
+            names,
+            timeout_minutes=self.config.parallel.timeout_minutes,
+        )
+
+    def _agreed(self, stop: StopRequest, step: int) -> bool:
+        """Whether any rank received a signal (a collective over the world when distributed)."""
+        if self.runtime.world_size > 1:
+            with self._phase(f"stop-signal agreement after step {step}", ("world",)):
+                return stop.agreed(device=self.runtime.device)
+        return stop.signal_name is not None
+
+    def _final_evaluation(self, step: int, stop: StopRequest, result: RunResult, evaluate_run):
+        """The evaluation after the last step, run once the final checkpoint is committed.
+
+        A first signal is announced at once ("stopping after this evaluation") and the
+        evaluation finishes (its result is the run's final score); a second SIGINT abandons it
+        and the run still ends normally, its checkpoint already on disk.
+        """
+        saved = (
+            f"checkpoint {result.checkpoint} is committed"
+            if result.checkpoint
+            else "no checkpoint configured"
+        )
+
+        def notice() -> bool:
+            if stop.signal_name is not None and result.stopped_by is None:
+                result.stopped_by = stop.signal_name
+                self.say(
+                    f"received {stop.signal_name} during the final evaluation: stopping after "
+                    f"this evaluation ({saved}; Ctrl-C again to stop now)"
+                )
+            return False  # every rank runs the whole evaluation: no collective needed here
+
+        try:
+            evaluate_run(step, notice)
+            notice()
+        except KeyboardInterrupt:
+            result.stopped_by = "SIGINT"
+            self.say(f"second SIGINT: final evaluation abandoned ({saved})")
 
     def _report(self, result: RunResult, plots, writer) -> None:
         lines = [f"done: {result.final_step} steps in {format_duration(result.seconds)}"]
@@ -435,6 +506,11 @@ class Trainer:
 def mtp_values(losses: list[float] | None) -> dict[str, float]:
     """``{"mtp_loss_1": ..., "mtp_loss_2": ...}``: one metric per MTP depth (none without MTP)."""
     return {} if losses is None else {f"mtp_loss_{k}": v for k, v in enumerate(losses, start=1)}
+
+
+def _eval_due(config: TrainConfig, step: int) -> bool:
+    """Whether ``eval.interval`` asks for an evaluation after ``step`` steps."""
+    return config.eval.interval is not None and step % config.eval.interval == 0
 
 
 def _layout_text(groups) -> str:
