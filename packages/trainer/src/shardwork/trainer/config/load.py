@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from shardwork.trainer.config.sections import TrainConfig
+from shardwork.trainer.errors import UserError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """One or more configuration problems, each naming the field, the value and what is valid."""
 
     def __init__(self, problems: list[str]) -> None:

@@ -49,7 +49,7 @@ class ModelConfig:
     make_vocab_size_divisible_by: int | None = None
     """Embedding/head rows are padded to a multiple of this; None: the preset's (or the demo's: 64)."""
     overrides: dict[str, ScalarValue] = field(default_factory=dict)
-    """Any other GPTConfig field by name, e.g. {'rotary_base': 500000}, or a field of a nested
+    """Any other GPTConfig field by name, e.g. {'rope_theta': 500000}, or a field of a nested
     config as 'section.field', e.g. {'moe.aux_loss_coeff': 0.01, 'moe.z_loss_coeff': 0.001}."""
 
 

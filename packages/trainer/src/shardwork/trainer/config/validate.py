@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from shardwork.parallel_state import ParallelConfig
+from shardwork.parallel_state import ORDER_TOKENS, ParallelConfig
 from shardwork.trainer.config.load import ConfigError
 from shardwork.trainer.config.sections import DEMO_MODEL, TrainConfig
 from shardwork.trainer.config.validate_hf import check_hf_export, check_hf_init
@@ -76,8 +76,34 @@ def _positive(problems: list[str], where: str, value, *, allow_none: bool = Fals
         problems.append(f"{where}={value!r}: must be {valid}")
 
 
+def _order_problem(order: str) -> str | None:
+    """Why ``parallel.order`` is not a permutation of every axis, or None.
+
+    shardwork.parallel_state lets a size-1 axis be left out; the trainer asks for all five, so a
+    misspelt or forgotten axis is never silently appended at the slowest-varying end."""
+    tokens = order.split("-") if isinstance(order, str) else []
+    if sorted(tokens) == sorted(ORDER_TOKENS):
+        return None
+    missing = [t for t in ORDER_TOKENS if t not in tokens]
+    unknown = [t for t in tokens if t not in ORDER_TOKENS]
+    repeated = sorted({t for t in tokens if tokens.count(t) > 1})
+    details = [
+        f"{label} {names}"
+        for label, names in (("missing", missing), ("unknown", unknown), ("repeated", repeated))
+        if names
+    ]
+    return (
+        f"parallel.order={order!r}: must name each axis of {', '.join(ORDER_TOKENS)} exactly "
+        f"once, joined by '-', fastest-varying first (e.g. 'tp-cp-ep-dp-pp'); {'; '.join(details)}"
+    )
+
+
 def _check_parallel(config: TrainConfig, world_size: int, problems: list[str]) -> int:
     """Check the layout; return dp (1 if the layout is invalid)."""
+    order_problem = _order_problem(config.parallel.order)
+    if order_problem is not None:
+        problems.append(order_problem)
+        return 1
     try:
         resolved = parallel_config(config).resolve(world_size)
     except ValueError as exc:
@@ -102,15 +128,26 @@ def _check_parallel(config: TrainConfig, world_size: int, problems: list[str]) -
 def _check_model(config: TrainConfig, problems: list[str]):
     """Build the GPTConfig and check it against the layout (shardwork.models does the
     checking); returns the GPTConfig, or None when it could not be built."""
+    from shardwork.models import GPTConfig
     from shardwork.trainer.config.validate_hf import check_hf_shapes
     from shardwork.trainer.model_factory import gpt_config
 
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    unknown = [k for k in config.model.overrides if "." not in k and k not in fields]
+    if unknown:
+        problems.append(
+            f"model.overrides: {', '.join(map(repr, unknown))} is not a GPTConfig field; valid: "
+            + ", ".join(sorted(fields))
+        )
+        return None
     try:
         model = gpt_config(config)
     except (ValueError, TypeError) as exc:
         problems.append(f"model: {exc}")
         return None
     check_hf_shapes(config, model, problems)
+    if _order_problem(config.parallel.order) is not None:
+        return model  # reported by _check_parallel
     try:
         model.check_layout(parallel_config(config), seq_length=config.data.seq_length)
     except ValueError as exc:
