@@ -87,15 +87,15 @@ def writable_dir_problem(field: str, path: str) -> str | None:
 
 
 def checkpoint_bytes(config: TrainConfig) -> int:
-    """Estimated bytes of one checkpoint: parameters in the run's dtype, fp32 master weights for
-    bf16/fp16, and two optimizer moments per parameter (AdamW; Muon's one momentum is less)."""
+    """Estimated bytes of one checkpoint: per parameter its value in the run's dtype, an fp32
+    master copy (fp64 with dtype fp64) and two optimizer moments (AdamW; Muon's one momentum
+    is less). Fixed costs (metadata, RNG states) are left out: they matter only for tiny models."""
     from shardwork.models.calculator import num_parameters
     from shardwork.trainer.model_factory import gpt_config
 
     dtype = config.precision.dtype
     state = 8 if dtype == "fp64" else 4
-    masters = 4 if dtype in ("bf16", "fp16") else 0
-    return num_parameters(gpt_config(config)) * (_DTYPE_BYTES[dtype] + masters + 2 * state)
+    return num_parameters(gpt_config(config)) * (_DTYPE_BYTES[dtype] + 3 * state)
 
 
 def free_space_warning(config: TrainConfig) -> str | None:
