@@ -592,6 +592,14 @@ CASES: list[Case] = [
         _jsonl([GOOD, json.dumps({"body": "no text key"})]),
     ),
     Case(
+        "preprocess-input-not-utf8",
+        "preprocess",
+        ("--input", "{d}/docs.txt", "--output", "{d}/out"),
+        EXIT_DATA,
+        ("{d}/docs.txt: not UTF-8 text",),
+        lambda scratch, trained: (scratch / "docs.txt").write_bytes(b"ok \xff\xfe\x00 text"),
+    ),
+    Case(
         "preprocess-input-missing",
         "preprocess",
         ("--input", "{d}/none.jsonl", "--output", "{d}/out"),

@@ -9,8 +9,8 @@
 - The built-in byte tokenizer needs nothing; ``--tokenizer PATH`` uses a
   Hugging Face ``tokenizers`` JSON file.
 - Mistakes end with one paragraph and an exit code (:mod:`..errors`): 2 for an option (a
-  missing input file, an unreadable tokenizer), 5 for bad input data (a line that is not a
-  JSON object, a record without ``--json_key`` or whose text is not a string), naming the file
+  missing input file, an unreadable tokenizer), 5 for bad input data (a file that is not
+  UTF-8, a line that is not a JSON object, a record without ``--json_key`` or whose text is not a string), naming the file
   and line. The output is written under temporary names and renamed only when complete, so a
   failed run leaves no ``OUTPUT.bin``/``OUTPUT.idx`` behind.
 """
@@ -39,14 +39,20 @@ def iter_documents(
         path = Path(raw)
         if not path.is_file():
             raise UserError(f"--input {str(path)!r}: no such file")
-        if path.suffix in (".jsonl", ".json"):
-            yield from _jsonl_texts(path, json_key)
-        else:
+        try:
+            if path.suffix in (".jsonl", ".json"):
+                yield from _jsonl_texts(path, json_key)
+                continue
             text = path.read_text(encoding="utf-8")
-            if doc_separator:
-                yield from (chunk for chunk in text.split(doc_separator) if chunk.strip())
-            else:
-                yield text
+        except UnicodeDecodeError as exc:
+            raise DataError(
+                f"{path}: not UTF-8 text (byte {exc.start} of a chunk: {exc.reason}); valid: "
+                "UTF-8 text or JSONL files"
+            ) from None
+        if doc_separator:
+            yield from (chunk for chunk in text.split(doc_separator) if chunk.strip())
+        else:
+            yield text
 
 
 def _jsonl_texts(path: Path, json_key: str) -> Iterator[str]:
