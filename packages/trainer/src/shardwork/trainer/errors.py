@@ -13,8 +13,8 @@ Exit codes of ``shardwork-train``, ``-generate`` and ``-preprocess`` (docs/train
 - 2: usage or configuration error (an option, a value, its type, the layout, a path)
 - 3: training stopped on a non-finite loss (``reliability.on_nan``)
 - 4: checkpoint error (nothing complete to resume, a missing/truncated/corrupt file)
-- 5: data error (a dataset file missing, truncated or inconsistent; ids past the vocabulary;
-  a broken input line)
+- 5: data error (a dataset file truncated or inconsistent; ids past the vocabulary; a broken
+  input line); a data path that does not exist is a usage error (2)
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ from shardwork.trainer.errors import CheckpointError, UserError, report
 
 @dataclass(kw_only=True)
 class GenerateArgs:
-    """Sample text from a shardwork checkpoint."""
+    """Sample text from a shardwork checkpoint. Exit codes: 0 ok, 1 internal error, 2 usage
+    error, 4 no usable checkpoint."""
 
     checkpoint: tyro.conf.Positional[str]
     """A checkpoint directory (RUN_DIR/checkpoints/step_*) or a checkpoint root (latest is used)."""

@@ -23,7 +23,8 @@ DESCRIPTION = (
     "Train a GPT with shardwork. With no arguments: a small byte-level GPT on Python's "
     "pydoc topics, on this CPU, in a few minutes. Extra flags: --config FILE.toml (values "
     "for every field below; flags override it) and --print-config (show the resolved "
-    "configuration as TOML and exit)."
+    "configuration as TOML and exit). Exit codes: 0 ok, 1 internal error (traceback), 2 usage "
+    "or configuration error, 3 non-finite loss, 4 checkpoint error, 5 data error."
 )
 
 

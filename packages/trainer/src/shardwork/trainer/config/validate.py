@@ -290,9 +290,18 @@ def _check_data(config: TrainConfig, problems: list[str]) -> None:
         from shardwork.trainer.data.builder import read_data_config
 
         try:
-            read_data_config(d.data_config)
+            blends = read_data_config(d.data_config)
         except ValueError as exc:
             problems.append(f"data.data_config={d.data_config!r}: {exc}")
+            blends = {}
+        for split, blend in blends.items():
+            for _, prefix in blend:
+                if not dataset_exists(prefix):
+                    problems.append(
+                        f"data.data_config={d.data_config!r}: the {split!r} blend names {prefix!r}"
+                        f", which has no {prefix}.bin/{prefix}.idx (build it with "
+                        "shardwork-preprocess)"
+                    )
     try:
         parts = [float(x) for x in d.split.split(",")]
         if len(parts) != 3 or any(x < 0 for x in parts) or parts[0] <= 0:

@@ -108,7 +108,8 @@ def write_documents(
 
 @dataclass(kw_only=True)
 class PreprocessArgs:
-    """Build ``OUTPUT.bin``/``OUTPUT.idx`` from text or JSONL files."""
+    """Build ``OUTPUT.bin``/``OUTPUT.idx`` from text or JSONL files. Exit codes: 0 ok, 1
+    internal error, 2 usage error, 5 bad input data (named as FILE:LINE)."""
 
     input: list[str]
     """Input files: .jsonl/.json (one JSON document per line) or plain text."""
