@@ -108,7 +108,7 @@ def write_documents(
 
 @dataclass(kw_only=True)
 class PreprocessArgs:
-    """Build ``OUTPUT.bin``/``OUTPUT.idx`` from text or JSONL files. Exit codes: 0 ok, 1
+    """Build OUTPUT.bin / OUTPUT.idx from text or JSONL files. Exit codes: 0 ok, 1
     internal error, 2 usage error, 5 bad input data (named as FILE:LINE)."""
 
     input: list[str]
@@ -141,7 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     import tyro
 
     args = tyro.cli(
-        PreprocessArgs, args=sys.argv[1:] if argv is None else argv, use_underscores=True
+        PreprocessArgs,
+        args=sys.argv[1:] if argv is None else argv,
+        use_underscores=True,
+        prog="shardwork-preprocess",
     )
     try:
         tokenizer = _tokenizer(args)
