@@ -214,6 +214,13 @@ def _truncated_checkpoint(scratch: Path, trained: Path | None) -> None:
     (scratch / "truncated-name").write_text(big.name)
 
 
+def _broken_metadata(scratch: Path, trained: Path | None) -> None:
+    """A copy of the trained checkpoint whose metadata file is cut mid-JSON."""
+    ckpt = _copied_checkpoint(scratch, trained)
+    info = ckpt / "shardwork.json"
+    info.write_text(info.read_text()[:40])
+
+
 def _hf_folder(with_weights: bool, config_text: str):
     def setup(scratch: Path, trained: Path | None) -> None:
         folder = scratch / "hf"
@@ -632,6 +639,16 @@ CASES: list[Case] = [
         CKPT_NOT_COMPLETE,
         ("'{d}/junk' holds no complete checkpoint",),
         _junk_step,
+    ),
+    Case(
+        "ckpt-metadata-not-json",
+        "ckpt",
+        ("inspect", "{d}/ckpt/step_000000002"),
+        CKPT_CORRUPT,
+        ("shardwork.json' is not valid JSON",),
+        _broken_metadata,
+        needs_checkpoint=True,
+        starts_with="CORRUPT: ",
     ),
     Case(
         "ckpt-verify-truncated",

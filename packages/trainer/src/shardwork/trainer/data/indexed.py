@@ -8,6 +8,11 @@
   each document starts, beginning with 0 and ending with the sequence count).
 - Reading memory-maps both files: opening a corpus of any size costs only
   the index, and a sample reads just its slice of ``.bin``.
+- Opening checks what costs nothing to check: the header, the ``.idx`` size against its
+  counts and the ``.bin`` size against the end of the last sequence; a mismatch raises
+  :class:`DataError` naming the file, its size and the size expected (a truncated file never
+  reaches numpy's "buffer is smaller than requested size"). Whole-file checks are in
+  :mod:`.integrity`.
 - The token dtype is the smallest unsigned type that holds the vocabulary
   (uint16 below 65,500 ids, int32 above), as Megatron's preprocessing chooses.
 """
