@@ -394,6 +394,12 @@ CASES: list[Case] = [
         {"checkpoint": {"dir": "/sys/shardwork-checkpoints"}},
         ["checkpoint.dir='/sys/shardwork-checkpoints'", "cannot write there"],
     ),
+    config_case(
+        "corpus-cache-read-only",
+        1,
+        {"data": {"cache_dir": "/sys/shardwork-cache"}},
+        ["data.cache_dir='/sys/shardwork-cache'", "cannot write there"],
+    ),
     # ---- data files ----
     config_case(
         "missing-dataset", 1, {"data": {"prefixes": ["{d}/no/such"]}}, ["{d}/no/such", ".bin"]

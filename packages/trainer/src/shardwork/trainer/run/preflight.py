@@ -3,8 +3,9 @@
 :func:`validate_config` checks values; preflight checks what they point at, so that a mistake
 stops the run before step 1 instead of at the first checkpoint or inside a step:
 
-- ``logging.run_dir``, ``checkpoint.dir`` (and ``checkpoint.hf_export``) are writable
-  directories or can be created as such; probed with a temporary file in the directory (or its
+- ``logging.run_dir``, ``checkpoint.dir`` (and ``checkpoint.hf_export``; ``data.cache_dir``
+  when the built-in corpus is still to be built there) are writable directories or can be
+  created as such; probed with a temporary file in the directory (or its
   nearest existing ancestor) that is removed at once, so nothing is created that a later run
   would read as a run or a checkpoint.
 - Free space under ``checkpoint.dir`` against the expected size of the checkpoints kept
@@ -28,8 +29,8 @@ from pathlib import Path
 from shardwork.trainer.config.load import ConfigError
 from shardwork.trainer.config.sections import TrainConfig
 from shardwork.trainer.data.builder import build_eval_set, read_data_config, split_components
-from shardwork.trainer.data.corpus import builtin_corpus, default_cache_dir
-from shardwork.trainer.data.indexed import IndexedDataset
+from shardwork.trainer.data.corpus import builtin_corpus, corpus_prefix, default_cache_dir
+from shardwork.trainer.data.indexed import IndexedDataset, dataset_exists
 from shardwork.trainer.data.integrity import check_index, check_token_range
 from shardwork.trainer.errors import DataError
 
@@ -56,9 +57,15 @@ def preflight(config: TrainConfig) -> list[str]:
 
 
 def _output_dirs(config: TrainConfig) -> list[tuple[str, str]]:
+    """``(field, path)`` of every directory the run will write into."""
     dirs = [("logging.run_dir", config.logging.run_dir), ("checkpoint.dir", config.checkpoint.dir)]
     if config.checkpoint.hf_export is not None:
         dirs.append(("checkpoint.hf_export", config.checkpoint.hf_export))
+    d = config.data
+    if not d.prefixes and d.data_config is None:  # the built-in corpus, built on first use
+        cache = d.cache_dir or str(default_cache_dir())
+        if not dataset_exists(corpus_prefix(d.corpus, cache)):
+            dirs.append(("data.cache_dir", cache))
     return dirs
 
 
