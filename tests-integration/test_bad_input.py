@@ -1,134 +1,78 @@
-"""Bad configs and bad files fail early, clearly, and without side effects.
+"""The catalogue of user mistakes: each ends with one paragraph, a documented exit code, no
+traceback, and nothing left behind that a later run would misread.
 
-- ``test_bad_config``: a table of bad configurations (impossible layouts, missing datasets,
-  unreadable data configs, out-of-range optimizer and schedule values, ...) validated
-  in-process by ``shardwork.trainer``'s ``validate_config`` (through ``tiny_config``): each
-  raises ``ConfigError`` (a ValueError) whose single problem line names the field and the bad
-  value, and the working directory is left byte-for-byte unchanged (no run dir created).
-- ``test_bad_checkpoint``: resuming from a directory that holds no complete checkpoint, and
-  from a committed checkpoint whose data file was truncated, stop with a message naming the
-  path and the problem; the bad checkpoint is neither deleted nor modified and no new
-  checkpoint is written.
-- ``test_cli_reports_bad_input``: three of the table's cases through ``python -m
-  shardwork.trainer`` (the ``shardwork-train`` entry point): exit status 2, the message on
-  stderr, no traceback.
-- ``test_cli_reports_corrupt_checkpoint``: the truncated checkpoint through the CLI: non-zero
-  exit (4), one paragraph naming the checkpoint and the file, no traceback, nothing written or
-  deleted (the trainer resumes before it writes the run directory).
+One :class:`Case` per mistake (``CASES``): which CLI (``train``, ``generate``, ``preprocess``,
+``ckpt``), its arguments, the world size announced to it, the expected exit code, the
+fragments the message must contain, and a setup that writes the files the case needs into its
+scratch directory. Every case runs in-process through the CLI's ``main`` function (so the
+catalogue shares one interpreter and its imports), with the scratch directory as the working
+directory, and checks:
+
+- the exit code (docs/trainer.md "Exit codes and messages"; ``shardwork-ckpt``: 1 corrupt, 2 not
+  a complete checkpoint or a usage error);
+- stderr starts with the CLI's name (or ``CORRUPT:``), holds every fragment, is one paragraph
+  (no blank line) and holds no ``Traceback``;
+- for a configuration error, at most two problems are listed (a consequence of the first may
+  be listed too);
+- the scratch directory is byte-for-byte as the setup left it: no run directory, no checkpoint
+  directory, no partial dataset, no deleted or modified input.
+
+``test_no_traceback_reaches_the_terminal`` runs a few cases as real processes (what a user's
+terminal shows), and ``test_torchrun_ends_with_the_message`` a layout mistake under torchrun.
+To add a case, append a row to ``CASES`` (``config_case`` builds a train row from config
+sections, on the tiny model of ``shardwork.trainer.testing``).
 """
 
 from __future__ import annotations
 
-import io
+import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-# (id, world size, sections, substrings the message must contain). "{d}" in a string value
-# becomes the test's scratch directory.
-CASES = [
-    ("tp-exceeds-world", 2, {"parallel": {"tp": 4}}, ["parallel", "world size 2"]),
-    ("pp-not-dividing", 2, {"parallel": {"pp": 3}}, ["parallel", "world size 2"]),
-    ("layout-too-big", 2, {"parallel": {"tp": 2, "pp": 2}}, ["parallel", "world size 2"]),
-    ("heads-vs-tp", 8, {"parallel": {"tp": 8}}, ["num_attention_heads=4", "tp=8"]),
-    ("seq-vs-cp", 2, {"parallel": {"cp": 2}, "data": {"seq_length": 30}}, ["seq_length=30"]),
-    ("sp-without-tp", 1, {"parallel": {"sequence_parallel": True}}, ["sequence_parallel"]),
-    ("layers-vs-vpp", 2, {"parallel": {"pp": 2, "vpp": 2}}, ["num_layers=2"]),
-    (
-        "experts-vs-ep",
-        3,
-        {
-            "model": {"preset": "tiny-mixtral-8x7b"},
-            "parallel": {"ep": 3},
-            "schedule": {"global_batch_size": 12},
-        },
-        ["num_experts=8", "ep=3"],
-    ),
-    ("timeout-zero", 1, {"parallel": {"timeout_minutes": 0}}, ["parallel.timeout_minutes=0"]),
-    ("nccl-on-cpu", 1, {"parallel": {"backend": "nccl"}}, ["parallel.backend='nccl'", "CUDA"]),
-    ("unknown-preset", 1, {"model": {"preset": "llama9-1t"}}, ["model.preset='llama9-1t'"]),
-    ("unknown-override", 1, {"model": {"overrides": {"no_such_field": 1}}}, ["no_such_field"]),
-    ("lr-zero", 1, {"optimizer": {"lr": 0.0}}, ["optimizer.lr=0.0"]),
-    ("min-lr-above-lr", 1, {"optimizer": {"min_lr": 1.0}}, ["optimizer.min_lr=1.0"]),
-    ("negative-wd", 1, {"optimizer": {"weight_decay": -0.1}}, ["optimizer.weight_decay=-0.1"]),
-    ("beta1-one", 1, {"optimizer": {"beta1": 1.0}}, ["optimizer.beta1=1.0"]),
-    ("eps-zero", 1, {"optimizer": {"eps": 0.0}}, ["optimizer.eps=0.0"]),
-    ("clip-negative", 1, {"optimizer": {"clip_grad": -1.0}}, ["optimizer.clip_grad=-1.0"]),
-    (
-        "wd-schedule-no-end",
-        1,
-        {"optimizer": {"weight_decay_schedule": "linear"}},
-        ["weight_decay_schedule='linear'", "weight_decay_end"],
-    ),
-    ("zero-steps", 1, {"schedule": {"train_steps": 0}}, ["schedule.train_steps=0"]),
-    (
-        "batch-not-multiple",
-        2,
-        {"schedule": {"global_batch_size": 6}},
-        ["schedule.global_batch_size=6", "4 × 2"],
-    ),
-    ("warmup-too-long", 1, {"schedule": {"warmup_steps": 100}}, ["schedule.warmup_steps=100"]),
-    ("decay-before-warmup", 1, {"schedule": {"lr_decay_steps": 2}}, ["lr_decay_steps=2"]),
-    (
-        "ramp-decreasing",
-        1,
-        {"schedule": {"batch_size_ramp": [(5, 8), (3, 16)]}},
-        ["batch_size_ramp[1]"],
-    ),
-    (
-        "interleaved-no-vpp",
-        1,
-        {"schedule": {"pipeline_schedule": "interleaved"}},
-        ["pipeline_schedule='interleaved'"],
-    ),
-    ("1f1b-no-pp", 1, {"schedule": {"pipeline_schedule": "1f1b"}}, ["pipeline_schedule='1f1b'"]),
-    ("missing-dataset", 1, {"data": {"prefixes": ["{d}/no/such"]}}, ["{d}/no/such", ".bin"]),
-    (
-        "weights-mismatch",
-        1,
-        {"data": {"prefixes": ["{d}/x"], "weights": [1.0, 2.0]}},
-        ["data.weights has 2 entries"],
-    ),
-    ("unknown-corpus", 1, {"data": {"corpus": "wikipedia"}}, ["data.corpus='wikipedia'"]),
-    ("no-data", 1, {"data": {"corpus": None}}, ["no data"]),
-    ("split-two-parts", 1, {"data": {"split": "90,10"}}, ["data.split='90,10'"]),
-    ("split-no-valid", 1, {"data": {"split": "100,0,0"}}, ["data.split='100,0,0'", "evaluation"]),
-    ("missing-tokenizer", 1, {"data": {"tokenizer": "{d}/tok.json"}}, ["data.tokenizer="]),
-    (
-        "data-config-not-json",
-        1,
-        {"data": {"data_config": "{d}/bad.json"}},
-        ["data.data_config=", "not valid JSON"],
-    ),
-    (
-        "resume-missing",
-        1,
-        {"checkpoint": {"resume": "{d}/ckpt/step_000000009"}},
-        ["checkpoint.resume="],
-    ),
-    ("ckpt-interval-zero", 1, {"checkpoint": {"interval": 0}}, ["checkpoint.interval=0"]),
-    ("keep-last-zero", 1, {"checkpoint": {"keep_last": 0}}, ["checkpoint.keep_last=0"]),
-    ("eval-steps-zero", 1, {"eval": {"steps": 0}}, ["eval.steps=0"]),
-    ("seed-negative", 1, {"seed": -1}, ["seed=-1"]),
-    # the byte tokenizer has 257 ids: an embedding of 100 rows could not look them up
-    ("vocab-smaller-than-tokenizer", 1, {"model": {"vocab_size": 100}}, ["model.vocab_size=100"]),
-    (
-        "tokenizer-not-a-tokenizer",
-        1,
-        {"data": {"tokenizer": "{d}/garbage-tokenizer.json"}},
-        ["data.tokenizer=", "not a readable Hugging Face tokenizer JSON"],
-    ),
-    # a dataset preprocessed with a BPE tokenizer, trained with the byte tokenizer
-    (
-        "tokenizer-mismatch",
-        1,
-        {"data": {"prefixes": ["{d}/bpe_data"]}},
-        ["data.prefixes[0]=", "was tokenized with", "data.tokenizer='byte' has vocab 257"],
-    ),
-]
+EXIT_USAGE, EXIT_CHECKPOINT, EXIT_DATA = 2, 4, 5
+CKPT_CORRUPT, CKPT_NOT_COMPLETE = 1, 2
+PROGS = {
+    "train": "shardwork-train",
+    "generate": "shardwork-generate",
+    "preprocess": "shardwork-preprocess",
+    "ckpt": "shardwork-ckpt",
+}
+MODULES = {
+    "train": "shardwork.trainer",
+    "generate": "shardwork.trainer.generate",
+    "preprocess": "shardwork.trainer.data.preprocess",
+    "ckpt": "shardwork.dist_checkpoint.cli",
+}
+QUICK = {"schedule": {"train_steps": 2, "warmup_steps": 1}, "eval": {"interval": None}}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One user mistake and what the CLI must answer. ``{d}`` in an argument or a fragment is
+    the scratch directory; ``setup(scratch, trained)`` writes the case's files (``trained``: a
+    committed checkpoint directory of a 2-step tiny run, built once for the module)."""
+
+    id: str
+    cli: str
+    argv: tuple[str, ...]
+    code: int
+    needles: tuple[str, ...]
+    setup: Callable[[Path, Path | None], None] | None = None
+    world: int = 1
+    needs_checkpoint: bool = False
+    starts_with: str | None = None
+    """What stderr starts with; None: the CLI's name and a colon."""
+    max_problems: int | None = None
+    """Configuration errors: at most this many listed problems."""
 
 
 def _fill(value, scratch: Path):
@@ -136,26 +80,105 @@ def _fill(value, scratch: Path):
         return value.replace("{d}", str(scratch))
     if isinstance(value, dict):
         return {k: _fill(v, scratch) for k, v in value.items()}
-    if isinstance(value, list):
+    if isinstance(value, list | tuple):
         return [_fill(v, scratch) for v in value]
-    return value
+    return "none" if value is None else value
 
 
-def _snapshot(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+def _write_config(name: str, sections: dict) -> Callable[[Path, Path | None], None]:
+    """A setup writing ``scratch/name``: the tiny test config with ``sections`` merged in (a
+    model section naming a preset replaces the tiny model), writing under ``scratch/run``."""
+
+    def setup(scratch: Path, trained: Path | None) -> None:
+        from shardwork.trainer.config.load import config_from_dict, config_to_toml
+        from shardwork.trainer.testing import TINY_SECTIONS
+
+        merged = {k: dict(v) for k, v in TINY_SECTIONS.items()}
+        merged["logging"]["run_dir"] = str(scratch / "run")
+        merged["checkpoint"]["dir"] = str(scratch / "run" / "checkpoints")
+        for key, values in _fill(sections, scratch).items():
+            if key == "model" and "preset" in values:
+                merged["model"] = values
+            elif isinstance(values, dict):
+                merged.setdefault(key, {}).update(values)
+            else:
+                merged[key] = values
+        (scratch / name).write_text(config_to_toml(config_from_dict(merged)))
+
+    return setup
 
 
-@pytest.fixture
-def scratch(tmp_path, corpus_cache, monkeypatch):
-    monkeypatch.setenv("SHARDWORK_CACHE", corpus_cache)
-    (tmp_path / "bad.json").write_text("{not json")
-    (tmp_path / "garbage-tokenizer.json").write_text('{"model": ')
-    _write_bpe_dataset(tmp_path)
-    return tmp_path
+def config_case(id, world, sections, needles, *, code=EXIT_USAGE, setup=None, **kw) -> Case:
+    """A ``shardwork-train --config`` row for the tiny config with ``sections`` merged in."""
+    write = _write_config(f"{id}.toml", sections)
+
+    def both(scratch: Path, trained: Path | None) -> None:
+        if setup is not None:
+            setup(scratch, trained)
+        write(scratch, trained)
+
+    max_problems = kw.pop("max_problems", 2 if code == EXIT_USAGE else None)
+    return Case(
+        id, "train", ("--config", f"{{d}}/{id}.toml"), code, tuple(needles), both, world,
+        max_problems=max_problems, **kw,
+    )  # fmt: skip
 
 
-def _write_bpe_dataset(root: Path) -> None:
-    """``root/bpe_data`` tokenized with a small BPE tokenizer trained here (not the byte one)."""
+# ---- setups: the files a case needs ---------------------------------------------------------
+
+
+def _write_text(name: str, text: str):
+    def setup(scratch: Path, trained: Path | None) -> None:
+        (scratch / name).parent.mkdir(parents=True, exist_ok=True)
+        (scratch / name).write_text(text)
+
+    return setup
+
+
+def _byte_dataset(
+    scratch: Path, name: str = "data", *, docs: int = 40, wide_doc: int | None = None
+):
+    """``scratch/name``: ``docs`` random documents of byte ids (document ``wide_doc``, if given,
+    holds ids up to 999: written without a tokenizer record, as a foreign dataset would be)."""
+    from shardwork.trainer.data.indexed import IndexedDatasetWriter
+
+    rng = np.random.default_rng(17)
+    with IndexedDatasetWriter(scratch / name) as writer:
+        for i in range(docs):
+            high = 1000 if i == wide_doc else 256
+            writer.add_document(rng.integers(1, high, size=int(rng.integers(150, 400))))
+    return scratch / name
+
+
+def _truncated(suffix: str, size: int):
+    def setup(scratch: Path, trained: Path | None) -> None:
+        path = Path(str(_byte_dataset(scratch)) + suffix)
+        path.write_bytes(path.read_bytes()[:size])
+
+    return setup
+
+
+def _garbage_index(scratch: Path, trained: Path | None) -> None:
+    _byte_dataset(scratch)
+    (scratch / "data.idx").write_bytes(os.urandom(200))
+
+
+def _wide_ids(scratch: Path, trained: Path | None) -> None:
+    _byte_dataset(scratch, wide_doc=13)
+
+
+def _plain_dataset(scratch: Path, trained: Path | None) -> None:
+    _byte_dataset(scratch)
+
+
+def _data_config_missing_prefix(scratch: Path, trained: Path | None) -> None:
+    _byte_dataset(scratch)
+    blend = {"train": [[1.0, str(scratch / "data")]], "valid": [[1.0, str(scratch / "gone")]]}
+    (scratch / "blend.json").write_text(json.dumps(blend))
+
+
+def _bpe_dataset(scratch: Path, trained: Path | None) -> None:
+    """``scratch/bpe_data`` tokenized with a small BPE tokenizer trained here."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     from shardwork.trainer.data.preprocess import write_documents
@@ -167,148 +190,626 @@ def _write_bpe_dataset(root: Path) -> None:
     bpe.train_from_iterator(
         docs, trainers.BpeTrainer(vocab_size=40, special_tokens=["[UNK]", "</s>"])
     )
-    bpe.save(str(root / "bpe.json"))
-    write_documents(docs, root / "bpe_data", load_tokenizer(str(root / "bpe.json")))
+    bpe.save(str(scratch / "bpe.json"))
+    write_documents(docs, scratch / "bpe_data", load_tokenizer(str(scratch / "bpe.json")))
 
 
-def _check(scratch: Path, world: int, sections: dict, needles: list[str]) -> str:
-    from shardwork.trainer.config.load import ConfigError
-    from shardwork.trainer.testing import tiny_config
-
-    before = _snapshot(scratch)
-    run_dir = scratch / "run"
-    with pytest.raises(ConfigError) as info:
-        tiny_config(run_dir, world_size=world, **_fill(sections, scratch))
-    message = str(info.value)
-    assert isinstance(info.value, ValueError)
-    problems = info.value.problems
-    # one line per problem (a consequence of the first may be listed too), no traceback
-    assert 1 <= len(problems) <= 2 and all("\n" not in p for p in problems), message
-    assert "Traceback" not in message
-    for needle in needles:
-        assert _fill(needle, scratch) in message, message
-    assert not run_dir.exists() and _snapshot(scratch) == before  # nothing written or deleted
-    return message
-
-
-@pytest.mark.parametrize(
-    ("world", "sections", "needles"), [pytest.param(*c[1:], id=c[0]) for c in CASES]
-)
-def test_bad_config(scratch, world, sections, needles):
-    _check(scratch, world, sections, needles)
-
-
-QUICK = {
-    "schedule": {"train_steps": 2, "warmup_steps": 1},
-    "eval": {"interval": None, "at_end": False},
-}
-
-
-def _resume_fails(scratch: Path, path: Path, needles: list[str], error: type) -> None:
-    from shardwork.trainer.run.trainer import train
-    from shardwork.trainer.testing import tiny_config
-
-    before = _snapshot(path)
-    run = scratch / "resumed"
-    config = tiny_config(run, **QUICK, checkpoint={"resume": str(path)})
-    with pytest.raises(error) as info:
-        train(config, stream=io.StringIO())
-    for needle in needles:
-        assert needle in str(info.value), str(info.value)
-    assert _snapshot(path) == before  # the bad checkpoint is kept as it was
-    assert not run.exists()  # resuming fails before the run directory is written
-
-
-def test_resume_from_a_directory_without_checkpoint(scratch):
+def _junk_step(scratch: Path, trained: Path | None) -> None:
     junk = scratch / "junk" / "step_000000002"
     junk.mkdir(parents=True)
     (junk / "weights.bin").write_bytes(os.urandom(64))
-    _resume_fails(scratch, junk, [str(junk), "no complete checkpoint"], ValueError)
 
 
-@pytest.fixture
-def truncated_checkpoint(scratch) -> tuple[Path, Path]:
-    """A committed checkpoint (2 tiny steps) whose largest data file was cut to 100 bytes:
-    ``(checkpoint directory, truncated file)``."""
+def _copied_checkpoint(scratch: Path, trained: Path | None) -> Path:
+    target = scratch / "ckpt" / trained.name
+    shutil.copytree(trained, target)
+    return target
+
+
+def _truncated_checkpoint(scratch: Path, trained: Path | None) -> None:
+    """A copy of the trained checkpoint whose largest data file is cut to 100 bytes."""
+    ckpt = _copied_checkpoint(scratch, trained)
+    big = max((p for p in ckpt.iterdir() if p.is_file()), key=lambda p: p.stat().st_size)
+    big.write_bytes(big.read_bytes()[:100])
+    (scratch / "truncated-name").write_text(big.name)
+
+
+def _broken_metadata(scratch: Path, trained: Path | None) -> None:
+    """A copy of the trained checkpoint whose metadata file is cut mid-JSON."""
+    ckpt = _copied_checkpoint(scratch, trained)
+    info = ckpt / "shardwork.json"
+    info.write_text(info.read_text()[:40])
+
+
+def _hf_folder(with_weights: bool, config_text: str):
+    def setup(scratch: Path, trained: Path | None) -> None:
+        folder = scratch / "hf"
+        folder.mkdir()
+        (folder / "config.json").write_text(config_text)
+        if with_weights:
+            (folder / "model.safetensors").write_bytes(os.urandom(64))
+
+    return setup
+
+
+def _jsonl(lines: list[str]):
+    return _write_text("docs.jsonl", "\n".join(lines) + "\n")
+
+
+GOOD = json.dumps({"text": "a first document"})
+
+CASES: list[Case] = [
+    # ---- configuration values and types (shardwork-train --config FILE) ----
+    config_case("tp-exceeds-world", 2, {"parallel": {"tp": 4}}, ["parallel", "world size 2"]),
+    config_case("pp-not-dividing", 2, {"parallel": {"pp": 3}}, ["parallel", "world size 2"]),
+    config_case("layout-too-big", 2, {"parallel": {"tp": 2, "pp": 2}}, ["world size 2"]),
+    config_case("heads-vs-tp", 8, {"parallel": {"tp": 8}}, ["num_attention_heads=4", "tp=8"]),
+    config_case(
+        "seq-vs-cp", 2, {"parallel": {"cp": 2}, "data": {"seq_length": 30}}, ["seq_length=30"]
+    ),
+    config_case(
+        "sp-without-tp", 1, {"parallel": {"sequence_parallel": True}}, ["sequence_parallel"]
+    ),
+    config_case("layers-vs-vpp", 2, {"parallel": {"pp": 2, "vpp": 2}}, ["num_layers=2"]),
+    config_case(
+        "experts-vs-ep",
+        3,
+        {
+            "model": {"preset": "tiny-mixtral-8x7b"},
+            "parallel": {"ep": 3},
+            "schedule": {"global_batch_size": 12},
+        },
+        ["num_experts=8", "ep=3"],
+    ),
+    config_case(
+        "order-not-a-permutation",
+        1,
+        {"parallel": {"order": "tp-dp"}},
+        ["parallel.order='tp-dp'", "exactly once", "missing ['cp', 'ep', 'pp']"],
+    ),
+    config_case(
+        "order-repeats-an-axis",
+        1,
+        {"parallel": {"order": "tp-cp-ep-dp-tp"}},
+        ["parallel.order='tp-cp-ep-dp-tp'", "repeated ['tp']", "missing ['pp']"],
+    ),
+    config_case("timeout-zero", 1, {"parallel": {"timeout_minutes": 0}}, ["timeout_minutes=0"]),
+    config_case("nccl-on-cpu", 1, {"parallel": {"backend": "nccl"}}, ["backend='nccl'", "CUDA"]),
+    config_case("unknown-preset", 1, {"model": {"preset": "llama9-1t"}}, ["preset='llama9-1t'"]),
+    config_case(
+        "unknown-override",
+        1,
+        {"model": {"overrides": {"rotary_base": 500000}}},
+        ["'rotary_base' is not a GPTConfig field", "rope_theta"],
+    ),
+    config_case("lr-zero", 1, {"optimizer": {"lr": 0.0}}, ["optimizer.lr=0.0"]),
+    config_case("min-lr-above-lr", 1, {"optimizer": {"min_lr": 1.0}}, ["optimizer.min_lr=1.0"]),
+    config_case("negative-wd", 1, {"optimizer": {"weight_decay": -0.1}}, ["weight_decay=-0.1"]),
+    config_case("beta1-one", 1, {"optimizer": {"beta1": 1.0}}, ["optimizer.beta1=1.0"]),
+    config_case("eps-zero", 1, {"optimizer": {"eps": 0.0}}, ["optimizer.eps=0.0"]),
+    config_case("clip-negative", 1, {"optimizer": {"clip_grad": -1.0}}, ["clip_grad=-1.0"]),
+    config_case(
+        "wd-schedule-no-end",
+        1,
+        {"optimizer": {"weight_decay_schedule": "linear"}},
+        ["weight_decay_schedule='linear'", "weight_decay_end"],
+    ),
+    config_case("zero-steps", 1, {"schedule": {"train_steps": 0}}, ["schedule.train_steps=0"]),
+    config_case(
+        "batch-not-multiple",
+        2,
+        {"schedule": {"global_batch_size": 6}},
+        ["schedule.global_batch_size=6", "4 × 2"],
+    ),
+    config_case("warmup-too-long", 1, {"schedule": {"warmup_steps": 100}}, ["warmup_steps=100"]),
+    config_case(
+        "decay-before-warmup", 1, {"schedule": {"lr_decay_steps": 2}}, ["lr_decay_steps=2"]
+    ),
+    config_case(
+        "ramp-decreasing",
+        1,
+        {"schedule": {"batch_size_ramp": [(5, 8), (3, 16)]}},
+        ["batch_size_ramp[1]"],
+    ),
+    config_case(
+        "interleaved-no-vpp",
+        1,
+        {"schedule": {"pipeline_schedule": "interleaved"}},
+        ["pipeline_schedule='interleaved'"],
+    ),
+    config_case("1f1b-no-pp", 1, {"schedule": {"pipeline_schedule": "1f1b"}}, ["'1f1b'"]),
+    config_case("ckpt-interval-zero", 1, {"checkpoint": {"interval": 0}}, ["interval=0"]),
+    config_case("keep-last-zero", 1, {"checkpoint": {"keep_last": 0}}, ["keep_last=0"]),
+    config_case("eval-steps-zero", 1, {"eval": {"steps": 0}}, ["eval.steps=0"]),
+    config_case("seed-negative", 1, {"seed": -1}, ["seed=-1"]),
+    # the byte tokenizer has 257 ids: an embedding of 100 rows could not look them up
+    config_case("vocab-below-tokenizer", 1, {"model": {"vocab_size": 100}}, ["vocab_size=100"]),
+    # ---- the command line and the config file themselves ----
+    Case(
+        "flag-wrong-type",
+        "train",
+        ("--schedule.train_steps", "ten"),
+        EXIT_USAGE,
+        ("--schedule.train_steps", "ten"),
+        starts_with="",
+    ),
+    Case(
+        "flag-misspelt",
+        "train",
+        ("--schedule.trian_steps", "5"),
+        EXIT_USAGE,
+        ("--schedule.trian_steps",),
+        starts_with="",
+    ),
+    Case(
+        "config-file-missing",
+        "train",
+        ("--config", "{d}/nothing.toml"),
+        EXIT_USAGE,
+        ("--config='{d}/nothing.toml'", "no such file"),
+    ),
+    Case(
+        "config-not-toml",
+        "train",
+        ("--config", "{d}/c.toml"),
+        EXIT_USAGE,
+        ("--config='{d}/c.toml'", "not valid TOML"),
+        _write_text("c.toml", "[schedule\ntrain_steps = 3\n"),
+    ),
+    Case(
+        "config-value-wrong-type",
+        "train",
+        ("--config", "{d}/c.toml"),
+        EXIT_USAGE,
+        ("schedule.train_steps='ten'", "invalid type", "valid: int"),
+        _write_text("c.toml", '[schedule]\ntrain_steps = "ten"\n'),
+    ),
+    Case(
+        "config-unknown-key",
+        "train",
+        ("--config", "{d}/c.toml"),
+        EXIT_USAGE,
+        ("schedule.trian_steps: unknown key", "train_steps"),
+        _write_text("c.toml", "[schedule]\ntrian_steps = 3\n"),
+    ),
+    # ---- directories the run writes (preflight) ----
+    config_case(
+        "checkpoint-dir-is-a-file",
+        1,
+        {"checkpoint": {"dir": "{d}/ckfile"}},
+        ["checkpoint.dir='{d}/ckfile'", "is a file, not a directory"],
+        setup=_write_text("ckfile", "not a directory\n"),
+    ),
+    config_case(
+        "run-dir-under-a-file",
+        1,
+        {"logging": {"run_dir": "{d}/ckfile/run"}, "checkpoint": {"dir": "{d}/ck"}},
+        ["logging.run_dir='{d}/ckfile/run'", "would be created under {d}/ckfile, a file"],
+        setup=_write_text("ckfile", "not a directory\n"),
+    ),
+    # /sys is read-only even for root (a chmod-ed directory is not)
+    config_case(
+        "checkpoint-dir-read-only",
+        1,
+        {"checkpoint": {"dir": "/sys/shardwork-checkpoints"}},
+        ["checkpoint.dir='/sys/shardwork-checkpoints'", "cannot write there"],
+    ),
+    config_case(
+        "corpus-cache-read-only",
+        1,
+        {"data": {"cache_dir": "/sys/shardwork-cache"}},
+        ["data.cache_dir='/sys/shardwork-cache'", "cannot write there"],
+    ),
+    # ---- data files ----
+    config_case(
+        "missing-dataset", 1, {"data": {"prefixes": ["{d}/no/such"]}}, ["{d}/no/such", ".bin"]
+    ),
+    config_case(
+        "weights-mismatch",
+        1,
+        {"data": {"prefixes": ["{d}/x"], "weights": [1.0, 2.0]}},
+        ["data.weights has 2 entries"],
+    ),
+    config_case("unknown-corpus", 1, {"data": {"corpus": "wikipedia"}}, ["corpus='wikipedia'"]),
+    config_case("no-data", 1, {"data": {"corpus": None}}, ["no data"]),
+    config_case("split-two-parts", 1, {"data": {"split": "90,10"}}, ["data.split='90,10'"]),
+    config_case("split-no-valid", 1, {"data": {"split": "100,0,0"}}, ["100,0,0", "evaluation"]),
+    config_case("missing-tokenizer", 1, {"data": {"tokenizer": "{d}/tok.json"}}, ["tokenizer="]),
+    config_case(
+        "tokenizer-not-a-tokenizer",
+        1,
+        {"data": {"tokenizer": "{d}/tok.json"}},
+        ["data.tokenizer=", "not a readable Hugging Face tokenizer JSON"],
+        setup=_write_text("tok.json", '{"model": '),
+    ),
+    config_case(
+        "tokenizer-mismatch",
+        1,
+        {"data": {"prefixes": ["{d}/bpe_data"]}},
+        ["data.prefixes[0]=", "was tokenized with", "data.tokenizer='byte' has vocab 257"],
+        setup=_bpe_dataset,
+    ),
+    config_case(
+        "data-config-not-json",
+        1,
+        {"data": {"data_config": "{d}/bad.json"}},
+        ["data.data_config=", "not valid JSON"],
+        setup=_write_text("bad.json", "{not json"),
+    ),
+    config_case(
+        "data-bin-truncated",
+        1,
+        {"data": {"prefixes": ["{d}/data"]}},
+        ["data.prefixes[0]=", "{d}/data.bin is 1000 bytes", "{d}/data.idx points to", "truncated"],
+        code=EXIT_DATA,
+        setup=_truncated(".bin", 1000),
+    ),
+    config_case(
+        "data-idx-truncated",
+        1,
+        {"data": {"prefixes": ["{d}/data"]}},
+        ["{d}/data.idx is 300 bytes", "40 sequences", "truncated"],
+        code=EXIT_DATA,
+        setup=_truncated(".idx", 300),
+    ),
+    config_case(
+        "data-idx-not-an-index",
+        1,
+        {"data": {"prefixes": ["{d}/data"]}},
+        ["{d}/data.idx is not an MMIDIDX index"],
+        code=EXIT_DATA,
+        setup=_garbage_index,
+    ),
+    config_case(
+        "data-ids-past-vocab",
+        1,
+        {"data": {"prefixes": ["{d}/data"]}},
+        ["{d}/data.bin holds token id", "in document 13", "vocabulary has 257 ids"],
+        code=EXIT_DATA,
+        setup=_wide_ids,
+    ),
+    config_case(
+        "data-config-prefix-missing",
+        1,
+        {"data": {"data_config": "{d}/blend.json"}},
+        [
+            "data.data_config='{d}/blend.json'",
+            "'valid' blend names '{d}/gone'",
+            "shardwork-preprocess",
+        ],
+        setup=_data_config_missing_prefix,
+    ),
+    config_case(
+        "eval-steps-beyond-validation-split",
+        1,
+        {"data": {"prefixes": ["{d}/data"], "split": "90,10,0"}, "eval": {"steps": 50}},
+        ["eval.steps=50", "the validation split holds", "valid: 1.."],
+        setup=_plain_dataset,
+    ),
+    # ---- checkpoints and resume ----
+    config_case(
+        "resume-missing",
+        1,
+        {"checkpoint": {"resume": "{d}/ckpt/step_000000009"}},
+        ["checkpoint.resume="],
+    ),
+    config_case(
+        "resume-without-checkpoint",
+        1,
+        {**QUICK, "checkpoint": {"resume": "{d}/junk/step_000000002"}},
+        ["cannot resume", "{d}/junk/step_000000002", "no complete checkpoint"],
+        code=EXIT_CHECKPOINT,
+        setup=_junk_step,
+    ),
+    config_case(
+        "resume-truncated-checkpoint",
+        1,
+        {**QUICK, "checkpoint": {"resume": "{d}/ckpt/step_000000002"}},
+        ["cannot resume", "{d}/ckpt/step_000000002", "{truncated}", "100 bytes"],
+        code=EXIT_CHECKPOINT,
+        setup=_truncated_checkpoint,
+        needs_checkpoint=True,
+    ),
+    # ---- Hugging Face folders ----
+    config_case(
+        "hf-init-missing",
+        1,
+        {"checkpoint": {"hf_init": "{d}/hf"}},
+        ["checkpoint.hf_init='{d}/hf'", "no such directory"],
+    ),
+    config_case(
+        "hf-init-no-weights",
+        1,
+        {"checkpoint": {"hf_init": "{d}/hf"}},
+        ["checkpoint.hf_init='{d}/hf'", "not a Hugging Face checkpoint folder"],
+        setup=_hf_folder(False, "{}"),
+    ),
+    config_case(
+        "hf-init-config-not-json",
+        1,
+        {"checkpoint": {"hf_init": "{d}/hf"}},
+        ["checkpoint.hf_init='{d}/hf'", "its config.json cannot be imported"],
+        setup=_hf_folder(True, "{not json"),
+    ),
+    config_case(
+        "hf-export-not-empty",
+        1,
+        {"checkpoint": {"hf_export": "{d}/out"}},
+        ["checkpoint.hf_export='{d}/out'", "not an empty directory"],
+        setup=_write_text("out/file.txt", "x"),
+    ),
+    # ---- shardwork-generate ----
+    Case(
+        "generate-max-new-tokens-negative",
+        "generate",
+        ("{d}/ckpt", "--max_new_tokens", "-5"),
+        EXIT_USAGE,
+        ("--max_new_tokens=-5", ">= 1"),
+        needs_checkpoint=True,
+        setup=_copied_checkpoint,
+    ),
+    Case(
+        "generate-temperature-negative",
+        "generate",
+        ("{d}/ckpt", "--temperature", "-1"),
+        EXIT_USAGE,
+        ("--temperature=-1.0", ">= 0", "greedy"),
+        needs_checkpoint=True,
+        setup=_copied_checkpoint,
+    ),
+    Case(
+        "generate-top-k-negative",
+        "generate",
+        ("{d}/ckpt", "--top_k", "-3"),
+        EXIT_USAGE,
+        ("--top_k=-3", ">= 0"),
+        needs_checkpoint=True,
+        setup=_copied_checkpoint,
+    ),
+    Case(
+        "generate-checkpoint-missing",
+        "generate",
+        ("{d}/nowhere",),
+        EXIT_USAGE,
+        ("CHECKPOINT='{d}/nowhere'", "no such directory"),
+    ),
+    Case(
+        "generate-no-complete-checkpoint",
+        "generate",
+        ("{d}/junk",),
+        EXIT_CHECKPOINT,
+        ("CHECKPOINT='{d}/junk'", "no complete checkpoint"),
+        _junk_step,
+    ),
+    Case(
+        "generate-truncated-checkpoint",
+        "generate",
+        ("{d}/ckpt",),
+        EXIT_CHECKPOINT,
+        ("{truncated}", "100 bytes"),
+        _truncated_checkpoint,
+        needs_checkpoint=True,
+    ),
+    # ---- shardwork-preprocess ----
+    Case(
+        "preprocess-broken-jsonl-line",
+        "preprocess",
+        ("--input", "{d}/docs.jsonl", "--output", "{d}/out"),
+        EXIT_DATA,
+        ("{d}/docs.jsonl:3:", "not valid JSON"),
+        _jsonl([GOOD, GOOD, '{"text": "cut here']),
+    ),
+    Case(
+        "preprocess-jsonl-missing-key",
+        "preprocess",
+        ("--input", "{d}/docs.jsonl", "--output", "{d}/out"),
+        EXIT_DATA,
+        ("{d}/docs.jsonl:2:", "--json_key='text'", "['body']"),
+        _jsonl([GOOD, json.dumps({"body": "no text key"})]),
+    ),
+    Case(
+        "preprocess-input-not-utf8",
+        "preprocess",
+        ("--input", "{d}/docs.txt", "--output", "{d}/out"),
+        EXIT_DATA,
+        ("{d}/docs.txt: not UTF-8 text",),
+        lambda scratch, trained: (scratch / "docs.txt").write_bytes(b"ok \xff\xfe\x00 text"),
+    ),
+    Case(
+        "preprocess-input-missing",
+        "preprocess",
+        ("--input", "{d}/none.jsonl", "--output", "{d}/out"),
+        EXIT_USAGE,
+        ("--input '{d}/none.jsonl'", "no such file"),
+    ),
+    Case(
+        "preprocess-tokenizer-unreadable",
+        "preprocess",
+        ("--input", "{d}/docs.jsonl", "--output", "{d}/out", "--tokenizer", "{d}/tok.json"),
+        EXIT_USAGE,
+        ("--tokenizer='{d}/tok.json'",),
+        _write_text("tok.json", '{"model": '),
+    ),
+    # ---- shardwork-ckpt ----
+    Case(
+        "ckpt-inspect-missing",
+        "ckpt",
+        ("inspect", "{d}/nowhere"),
+        CKPT_NOT_COMPLETE,
+        ("'{d}/nowhere' is not a directory",),
+    ),
+    Case(
+        "ckpt-root-without-complete-checkpoint",
+        "ckpt",
+        ("inspect", "{d}/junk"),
+        CKPT_NOT_COMPLETE,
+        ("'{d}/junk' holds no complete checkpoint",),
+        _junk_step,
+    ),
+    Case(
+        "ckpt-metadata-not-json",
+        "ckpt",
+        ("inspect", "{d}/ckpt/step_000000002"),
+        CKPT_CORRUPT,
+        ("shardwork.json' is not valid JSON",),
+        _broken_metadata,
+        needs_checkpoint=True,
+        starts_with="CORRUPT: ",
+    ),
+    Case(
+        "ckpt-verify-truncated",
+        "ckpt",
+        ("verify", "{d}/ckpt/step_000000002"),
+        CKPT_CORRUPT,
+        ("{truncated}",),
+        _truncated_checkpoint,
+        needs_checkpoint=True,
+        starts_with="CORRUPT: ",
+    ),
+]
+
+
+def _snapshot(root: Path) -> dict[str, bytes | None]:
+    """Every file (its bytes) and directory (None) under ``root``."""
+    return {
+        str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in root.rglob("*")
+    }
+
+
+def _main(cli: str):
+    if cli == "train":
+        from shardwork.trainer.cli import train_main
+
+        return train_main
+    if cli == "generate":
+        from shardwork.trainer.generate import main
+
+        return main
+    if cli == "preprocess":
+        from shardwork.trainer.data.preprocess import main
+
+        return main
+    from shardwork.dist_checkpoint.cli import main
+
+    return main
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, corpus_cache) -> Path:
+    """A committed checkpoint (``step_000000002``) of a 2-step tiny run, built once."""
+    import io
+
     from shardwork.trainer.run.trainer import train
     from shardwork.trainer.testing import tiny_config
 
-    good = train(
-        tiny_config(scratch / "a", **QUICK, checkpoint={"save_at_end": True}),
-        stream=io.StringIO(),
+    os.environ.setdefault("SHARDWORK_CACHE", corpus_cache)
+    run = tmp_path_factory.mktemp("trained") / "run"
+    config = tiny_config(
+        run, **QUICK, checkpoint={"save_at_end": True}, data={"cache_dir": corpus_cache}
     )
-    ckpt = Path(good.checkpoint)
-    big = max((p for p in ckpt.iterdir() if p.is_file()), key=lambda p: p.stat().st_size)
-    big.write_bytes(big.read_bytes()[:100])
-    return ckpt, big
+    return Path(train(config, stream=io.StringIO()).checkpoint)
 
 
-def test_resume_from_a_truncated_checkpoint(scratch, truncated_checkpoint):
-    from shardwork.dist_checkpoint import CheckpointCorruptError
+@pytest.fixture
+def prepared(request, tmp_path, corpus_cache, monkeypatch):
+    """``prepare(case) -> (scratch, argv, needles)``: the case's files written, its world size
+    announced, the scratch directory as working directory."""
 
-    ckpt, big = truncated_checkpoint
-    _resume_fails(scratch, ckpt, [str(ckpt), big.name, "100 bytes"], CheckpointCorruptError)
+    def prepare(case: Case):
+        monkeypatch.setenv("SHARDWORK_CACHE", corpus_cache)
+        monkeypatch.setenv("WORLD_SIZE", str(case.world))
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+        monkeypatch.chdir(tmp_path)
+        ckpt = request.getfixturevalue("trained") if case.needs_checkpoint else None
+        if case.setup is not None:
+            case.setup(tmp_path, ckpt)
+        needles = [_fill(n, tmp_path) for n in case.needles]
+        if (tmp_path / "truncated-name").exists():
+            name = (tmp_path / "truncated-name").read_text()
+            needles = [n.replace("{truncated}", name) for n in needles]
+        return tmp_path, [_fill(a, tmp_path) for a in case.argv], needles
+
+    return prepare
 
 
-CLI_CASES = ["tp-exceeds-world", "missing-dataset", "lr-zero"]
+def _check_message(case: Case, code: int, err: str, needles: list[str]) -> None:
+    assert code == case.code, f"exit {code}, expected {case.code}:\n{err}"
+    assert "Traceback" not in err, err
+    message = err.strip()
+    starts = f"{PROGS[case.cli]}: " if case.starts_with is None else case.starts_with
+    assert message.startswith(starts), message
+    if starts:  # one paragraph (tyro's own usage errors draw a box instead)
+        assert "\n\n" not in message, message
+    for needle in needles:
+        assert needle in message, f"{needle!r} not in:\n{message}"
+    if case.max_problems is not None:
+        problems = [line for line in message.splitlines() if line.startswith("  - ")]
+        assert 1 <= len(problems) <= case.max_problems, message
 
 
-def _cli_args(sections: dict) -> list[str]:
-    args = []
-    for section, values in sections.items():
-        for field, value in values.items():
-            args += [
-                f"--{section}.{field}",
-                *(map(str, value) if isinstance(value, list) else [str(value)]),
-            ]
-    return args
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_mistake(case: Case, prepared, capsys):
+    scratch, argv, needles = prepared(case)
+    capsys.readouterr()
+    before = _snapshot(scratch)
+    try:
+        code = _main(case.cli)(argv)
+    except SystemExit as exc:  # argument parsers exit themselves on a usage error
+        code = exc.code
+    err = capsys.readouterr().err
+    _check_message(case, code, err, needles)
+    assert _snapshot(scratch) == before  # nothing written, deleted or left half-written
 
 
-def _run_cli(scratch: Path, args: list[str], world: int = 1) -> subprocess.CompletedProcess:
-    """``python -m shardwork.trainer *args`` as rank 0 of ``world``, in ``scratch``."""
-    env = dict(os.environ, WORLD_SIZE=str(world), RANK="0")
-    return subprocess.run(
-        [sys.executable, "-m", "shardwork.trainer", *args],
-        env=env,
+def test_catalogue_ids_are_distinct():
+    ids = [c.id for c in CASES]
+    assert len(ids) == len(set(ids))
+
+
+SUBPROCESS_CASES = ["data-bin-truncated", "preprocess-broken-jsonl-line"]
+
+
+@pytest.mark.parametrize("case_id", SUBPROCESS_CASES)
+def test_no_traceback_reaches_the_terminal(case_id, prepared):
+    """What a terminal shows: the case as its own process (``python -m ...``)."""
+    case = next(c for c in CASES if c.id == case_id)
+    scratch, argv, needles = prepared(case)
+    before = _snapshot(scratch)
+    proc = subprocess.run(
+        [sys.executable, "-m", MODULES[case.cli], *argv],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=180,
         cwd=scratch,
+        env=dict(os.environ),
     )
+    _check_message(case, proc.returncode, proc.stderr, needles)
+    assert proc.stdout == ""
+    assert _snapshot(scratch) == before
 
 
-@pytest.mark.parametrize("case", CLI_CASES)
-def test_cli_reports_bad_input(scratch, case):
-    _, world, sections, needles = next(c for c in CASES if c[0] == case)
-    sections = _fill(sections, scratch)
-    before = _snapshot(scratch)
-    proc = _run_cli(
-        scratch, ["--logging.run_dir", str(scratch / "run"), *_cli_args(sections)], world
-    )
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert proc.stderr.startswith("shardwork-train: invalid configuration")
-    for needle in needles:
-        assert _fill(needle, scratch) in proc.stderr
-    assert not (scratch / "run").exists() and _snapshot(scratch) == before
-
-
-def test_cli_reports_corrupt_checkpoint(scratch, truncated_checkpoint):
-    """Resuming from a truncated checkpoint through the CLI: non-zero exit, one paragraph
-    naming the checkpoint and its bad file, no traceback, nothing written or deleted."""
-    from shardwork.trainer.config.load import config_to_toml
-    from shardwork.trainer.testing import tiny_config
-
-    ckpt, big = truncated_checkpoint
-    run = scratch / "resumed"
-    config = tiny_config(run, **QUICK, checkpoint={"resume": str(ckpt)})
-    (scratch / "resume.toml").write_text(config_to_toml(config))
-    before = _snapshot(scratch)
-    proc = _run_cli(scratch, ["--config", str(scratch / "resume.toml")])
-    assert proc.returncode == 4, proc.stderr
-    assert "Traceback" not in proc.stderr, proc.stderr
-    message = proc.stderr.strip()
-    assert message.startswith("shardwork-train:") and "\n\n" not in message, message
-    for needle in (str(ckpt), big.name, "100 bytes"):
-        assert needle in message, message
-    assert not run.exists() and _snapshot(scratch) == before  # nothing written or deleted
+def test_torchrun_ends_with_the_message(tmp_path, corpus_cache):
+    """A layout that does not fit 2 ranks under torchrun: every rank stops before any process
+    group exists; torchrun prints its own ChildFailedError traceback and summary and exits 1,
+    a rank's entry shows exit code 2, and the summary's last entry (the root cause's error
+    file) is our message, naming the field; no traceback frame comes from shardwork's code."""
+    env = dict(os.environ, SHARDWORK_CACHE=corpus_cache, OMP_NUM_THREADS="1")
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_ERROR_FILE"):
+        env.pop(name, None)
+    argv = ["--parallel.tp", "4", "--logging.run_dir", str(tmp_path / "run")]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "shardwork.trainer", *argv],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert not re.search(r'File "[^"]*shardwork[/\\]', out), out
+    # The root cause is the failure with the earliest error-file timestamp (whole seconds): a
+    # rank that wrote its message and was stopped by torchrun while exiting (-15) may be it.
+    assert "exitcode  : 2" in out, out
+    root_cause = out[out.index("Root Cause") :]
+    assert "shardwork-train: invalid configuration" in root_cause, out
+    assert "parallel: " in root_cause and "world size 2" in root_cause, out
+    assert not (tmp_path / "run").exists()

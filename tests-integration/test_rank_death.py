@@ -3,7 +3,7 @@
 Two real rank processes of ``python -m shardwork.trainer`` (RANK/WORLD_SIZE set by hand, as
 torchrun would, or torchrun itself) train a dp=2 tiny model; once rank 0 has logged two steps,
 rank 1 is SIGKILLed (or SIGSTOPped, a hung peer). The survivor must end by itself with exit
-status 5 and one paragraph naming its rank, the phase and the groups; under torchrun the agent
+status 6 and one paragraph naming its rank, the phase and the groups; under torchrun the agent
 ends the survivor and exits non-zero naming the dead rank as the root cause.
 """
 
@@ -101,7 +101,7 @@ def test_survivor_exits_naming_phase_and_group(tmp_path, corpus_cache, fault):
         _, err = procs[0].communicate(timeout=240)
     finally:
         _kill(procs)
-    assert procs[0].returncode == 5, err
+    assert procs[0].returncode == 6, err
     message = PHASE.search(err)
     assert message is not None, err
     paragraph = err[message.start() :].splitlines()[0]

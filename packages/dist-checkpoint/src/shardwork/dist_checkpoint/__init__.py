@@ -14,6 +14,7 @@ from shardwork.dist_checkpoint.metadata import (
     CheckpointCorruptError,
     CheckpointRefusedError,
     IncompleteCheckpointError,
+    UnsupportedFormatError,
     is_committed,
     read_info,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "ShardedObject",
     "ShardedTensor",
     "StagingBuffers",
+    "UnsupportedFormatError",
     "is_committed",
     "load",
     "read_info",

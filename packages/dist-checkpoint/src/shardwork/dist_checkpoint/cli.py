@@ -3,8 +3,13 @@
 - ``shardwork-ckpt inspect PATH [--json]``: versions, the layout, world size and global ranks
   it was saved at, total size, and per key: kind, dtype, global shape, number of chunks. For a
   `CheckpointManager` root it lists the steps (complete or interrupted) and inspects the latest.
-- ``shardwork-ckpt verify PATH``: re-checksums every file; exit status 1 naming the corrupt
-  files, 2 if the directory is not a complete checkpoint.
+- ``shardwork-ckpt verify PATH``: re-checksums every file.
+
+Exit status: 0 success; 1 the checkpoint is corrupt (a checksum, size or metadata file does not
+match: one ``CORRUPT:`` paragraph naming the files); 2 a usage error or a path that is not a
+complete checkpoint (missing, a file, interrupted save, unreadable), one ``shardwork-ckpt:``
+paragraph. These mistakes never print a traceback; anything else is an internal error and
+keeps it.
 """
 
 from __future__ import annotations
@@ -43,15 +48,16 @@ def _inspect(path: Path, as_json: bool) -> int:
             for p in steps:
                 print(f"{p.name}  {'complete' if md.is_committed(p) else 'INCOMPLETE'}")
         if not complete:
+            print(
+                f"shardwork-ckpt: {str(path)!r} holds no complete checkpoint "
+                f"({len(steps)} interrupted saves)",
+                file=sys.stderr,
+            )
             return 2
         if not as_json:
             print(f"\nlatest complete: {complete[-1].name}\n")
         path = complete[-1]
-    try:
-        info = md.read_info(path)
-    except md.IncompleteCheckpointError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    info = md.read_info(path)
     if as_json:
         print(json.dumps(info, indent=1, sort_keys=True))
         return 0
@@ -113,14 +119,7 @@ def _itemsize(dtype: str) -> int:
 
 
 def _verify(path: Path) -> int:
-    try:
-        summary: dict[str, Any] = verify(path)
-    except md.IncompleteCheckpointError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except md.CheckpointCorruptError as exc:
-        print(f"CORRUPT: {exc}", file=sys.stderr)
-        return 1
+    summary: dict[str, Any] = verify(path)
     print(f"ok: {summary['files']} files, {_human(summary['bytes'])} match their checksums")
     return 0
 
@@ -136,9 +135,19 @@ def main(argv: list[str] | None = None) -> int:
     p_verify = sub.add_parser("verify", help="re-checksum every file")
     p_verify.add_argument("path", type=Path)
     args = parser.parse_args(argv)
-    if args.command == "inspect":
-        return _inspect(args.path, args.json)
-    return _verify(args.path)
+    try:
+        if args.command == "inspect":
+            return _inspect(args.path, args.json)
+        return _verify(args.path)
+    except md.IncompleteCheckpointError as exc:
+        print(f"shardwork-ckpt: {exc}", file=sys.stderr)
+        return 2
+    except md.CheckpointCorruptError as exc:
+        print(f"CORRUPT: {exc}", file=sys.stderr)
+        return 1
+    except PermissionError as exc:
+        print(f"shardwork-ckpt: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointRefusedError",
     "IncompleteCheckpointError",
+    "UnsupportedFormatError",
     "checksum_kind",
     "is_committed",
     "read_info",
@@ -85,16 +86,20 @@ def checksum_kind(info: dict[str, Any]) -> str:
     """The per-file checksum a checkpoint's ``shardwork.json`` records (``"crc32"``).
 
     A missing ``format_version`` is version 1. A version this package does not know (written
-    by a newer shardwork-dist-checkpoint) raises ValueError naming it.
+    by a newer shardwork-dist-checkpoint) raises `UnsupportedFormatError` naming it.
     """
     version = info.get("format_version", 1)
     if version not in _CHECKSUMS:
-        raise ValueError(
+        raise UnsupportedFormatError(
             f"format_version={version!r} of this checkpoint is not known to "
             f"shardwork-dist-checkpoint {shardwork_version()}; valid: {sorted(_CHECKSUMS)} "
             f"(read it with the newer version that wrote it)"
         )
     return _CHECKSUMS[version]
+
+
+class UnsupportedFormatError(ValueError):
+    """The checkpoint's ``format_version`` is newer than this package reads (nothing is read)."""
 
 
 class CheckpointRefusedError(CheckpointCorruptError):

@@ -1,13 +1,14 @@
 """``shardwork-train`` (also ``python -m shardwork.trainer``, e.g. under torchrun).
 
-Parses and validates the whole configuration before any process group is
-created; a bad value exits with status 2 and one line per problem. A non-finite
-loss that stops the run exits with 3; a checkpoint that cannot be resumed (none
-complete at ``checkpoint.resume``, or a missing/truncated/corrupt file) exits with
-4 and one paragraph naming it, before the run directory is written. A collective that
-loses its peer rank or outlives ``parallel.timeout_minutes`` exits with 5 and one paragraph
-naming the rank, the phase and the groups (the run's last committed checkpoint stays). A
-second Ctrl-C during training exits with 130 and one line, no traceback.
+Parses and validates the whole configuration, then runs the preflight checks
+(:mod:`.run.preflight`: directories, free space, data files, ``eval.steps``), all before any
+process group is created. A user mistake ends with one paragraph on stderr (from rank 0 only)
+and the exit code of :mod:`.errors`: 2 for an option, value or path, 3 for a non-finite loss
+that stops the run, 4 for a checkpoint that cannot be resumed (reported before the run
+directory is written), 5 for a data file, 6 for a collective that lost its peer rank or outlived
+``parallel.timeout_minutes`` (one paragraph naming the rank, phase and groups; the last
+committed checkpoint stays), 130 for a second Ctrl-C during training (one line). Internal
+errors keep their traceback (exit 1).
 """
 
 from __future__ import annotations
@@ -15,6 +16,17 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+
+from shardwork.trainer.errors import (
+    EXIT_CHECKPOINT,
+    EXIT_COLLECTIVE,
+    EXIT_INTERRUPTED,
+    EXIT_NON_FINITE,
+    UserError,
+    report,
+)
+
+PROG = "shardwork-train"
 
 
 def quiet_cpu_threads() -> None:
@@ -27,26 +39,38 @@ def quiet_cpu_threads() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+def _checked_config(argv: list[str]):
+    """``(resolved config, print_config)``, validated and, unless only printing, preflighted;
+    raises a UserError (ConfigError, DataError) for a mistake."""
+    from shardwork.trainer.config.cli import parse_train_args
+    from shardwork.trainer.config.validate import validate_config
+    from shardwork.trainer.errors import is_reporting_rank
+    from shardwork.trainer.run.preflight import preflight
+
+    config, print_config = parse_train_args(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    resolved = validate_config(config, world_size=world_size)
+    if not print_config:
+        for warning in preflight(resolved):
+            if is_reporting_rank():
+                print(f"{PROG}: {warning}", file=sys.stderr, flush=True)
+    return resolved, print_config
+
+
 def train_main(argv: Sequence[str] | None = None) -> int:
     quiet_cpu_threads()
-    from shardwork.trainer.config.cli import parse_train_args
-    from shardwork.trainer.config.load import ConfigError, config_to_toml
-    from shardwork.trainer.config.validate import validate_config
+    from shardwork.trainer.config.load import config_to_toml
 
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        config, print_config = parse_train_args(argv)
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        resolved = validate_config(config, world_size=world_size)
-    except ConfigError as exc:
-        if int(os.environ.get("RANK", "0")) == 0:  # every rank finds it; one reports it
-            print(f"shardwork-train: {exc}", file=sys.stderr)
-        return 2
+        resolved, print_config = _checked_config(argv)
+    except UserError as exc:
+        return report(PROG, str(exc), exc.exit_code)
     if print_config:
         if int(os.environ.get("RANK", "0")) == 0:
             print(config_to_toml(resolved), end="")
         return 0
-    from shardwork.dist_checkpoint import CheckpointCorruptError
+    from shardwork.dist_checkpoint import CheckpointCorruptError, UnsupportedFormatError
     from shardwork.trainer.run.checkpointing import ResumeError
     from shardwork.trainer.run.collectives import CollectiveError
     from shardwork.trainer.run.trainer import NonFiniteLossError, train
@@ -54,22 +78,23 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     try:
         train(resolved)
     except NonFiniteLossError as exc:
-        print(f"shardwork-train: {exc}", file=sys.stderr)
-        return 3
-    except (CheckpointCorruptError, ResumeError) as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return EXIT_NON_FINITE
+    except (CheckpointCorruptError, UnsupportedFormatError, ResumeError) as exc:
         # Raised while resuming, before the run directory is written: nothing to clean up.
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"shardwork-train: cannot resume: {exc}", file=sys.stderr)
-        return 4
+        return report(PROG, f"cannot resume: {exc}", EXIT_CHECKPOINT)
     except CollectiveError as exc:
-        print(f"shardwork-train: {exc}", file=sys.stderr)
-        return 5
+        # printed by the rank that failed: the peer it lost may be rank 0
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return EXIT_COLLECTIVE
     except KeyboardInterrupt:
         # a second Ctrl-C while stopping: out at once, as asked, but without a traceback
         print(
-            "shardwork-train: interrupted by a second SIGINT; no checkpoint was written for "
+            f"{PROG}: interrupted by a second SIGINT; no checkpoint was written for "
             "the current step (the last committed one stays)",
             file=sys.stderr,
         )
-        return 130
+        return EXIT_INTERRUPTED
+    except UserError as exc:
+        return report(PROG, str(exc), exc.exit_code)
     return 0

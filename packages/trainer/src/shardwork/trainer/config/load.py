@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from shardwork.trainer.config.sections import TrainConfig
+from shardwork.trainer.errors import UserError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """One or more configuration problems, each naming the field, the value and what is valid."""
 
     def __init__(self, problems: list[str]) -> None:
@@ -141,11 +142,13 @@ def load_config(path: str | Path) -> TrainConfig:
     path = Path(path)
     if not path.is_file():
         raise ConfigError([f"--config={str(path)!r}: no such file"])
-    with open(path, "rb") as f:
-        try:
+    try:
+        with open(path, "rb") as f:
             table = tomllib.load(f)
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError([f"--config={str(path)!r}: not valid TOML ({exc})"]) from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"--config={str(path)!r}: not valid TOML ({exc})"]) from exc
+    except OSError as exc:
+        raise ConfigError([f"--config={str(path)!r}: cannot read it ({exc.strerror})"]) from exc
     return config_from_dict(table)
 
 

@@ -49,7 +49,7 @@ class ModelConfig:
     make_vocab_size_divisible_by: int | None = None
     """Embedding/head rows are padded to a multiple of this; None: the preset's (or the demo's: 64)."""
     overrides: dict[str, ScalarValue] = field(default_factory=dict)
-    """Any other GPTConfig field by name, e.g. {'rotary_base': 500000}, or a field of a nested
+    """Any other GPTConfig field by name, e.g. {'rope_theta': 500000}, or a field of a nested
     config as 'section.field', e.g. {'moe.aux_loss_coeff': 0.01, 'moe.z_loss_coeff': 0.001}."""
 
 
@@ -82,7 +82,7 @@ class ParallelSection:
     """torch.distributed backend; auto: nccl on CUDA, gloo on CPU."""
     timeout_minutes: float = 10.0
     """Timeout of every process group (world and subgroups) and of the start-up rendezvous. A
-    collective that waits longer (a hung or vanished peer) ends the rank with exit status 5 and
+    collective that waits longer (a hung or vanished peer) ends the rank with exit status 6 and
     a message naming the phase and the groups; see docs/trainer.md, "When a rank dies"."""
 
 

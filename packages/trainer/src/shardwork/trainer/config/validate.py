@@ -2,8 +2,8 @@
 
 :func:`validate_config` checks every section and the relations between them
 (batch sizes against data parallelism, heads against TP, layers against
-pipeline stages, schedule lengths, data sources, a Hugging Face folder to start from:
-:mod:`.validate_hf`) for a given world size and
+pipeline stages, schedule lengths, data sources and the tokenizer: :mod:`.validate_data`, a
+Hugging Face folder to start from: :mod:`.validate_hf`) for a given world size and
 raises one :class:`ConfigError` listing every problem: each names the field,
 its value and what would be valid.
 
@@ -17,9 +17,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from shardwork.parallel_state import ParallelConfig
+from shardwork.parallel_state import ORDER_TOKENS, ParallelConfig
 from shardwork.trainer.config.load import ConfigError
 from shardwork.trainer.config.sections import DEMO_MODEL, TrainConfig
+from shardwork.trainer.config.validate_data import check_data, check_tokenizer
 from shardwork.trainer.config.validate_hf import check_hf_export, check_hf_init
 
 
@@ -76,8 +77,34 @@ def _positive(problems: list[str], where: str, value, *, allow_none: bool = Fals
         problems.append(f"{where}={value!r}: must be {valid}")
 
 
+def _order_problem(order: str) -> str | None:
+    """Why ``parallel.order`` is not a permutation of every axis, or None.
+
+    shardwork.parallel_state lets a size-1 axis be left out; the trainer asks for all five, so a
+    misspelt or forgotten axis is never silently appended at the slowest-varying end."""
+    tokens = order.split("-") if isinstance(order, str) else []
+    if sorted(tokens) == sorted(ORDER_TOKENS):
+        return None
+    missing = [t for t in ORDER_TOKENS if t not in tokens]
+    unknown = [t for t in tokens if t not in ORDER_TOKENS]
+    repeated = sorted({t for t in tokens if tokens.count(t) > 1})
+    details = [
+        f"{label} {names}"
+        for label, names in (("missing", missing), ("unknown", unknown), ("repeated", repeated))
+        if names
+    ]
+    return (
+        f"parallel.order={order!r}: must name each axis of {', '.join(ORDER_TOKENS)} exactly "
+        f"once, joined by '-', fastest-varying first (e.g. 'tp-cp-ep-dp-pp'); {'; '.join(details)}"
+    )
+
+
 def _check_parallel(config: TrainConfig, world_size: int, problems: list[str]) -> int:
     """Check the layout; return dp (1 if the layout is invalid)."""
+    order_problem = _order_problem(config.parallel.order)
+    if order_problem is not None:
+        problems.append(order_problem)
+        return 1
     try:
         resolved = parallel_config(config).resolve(world_size)
     except ValueError as exc:
@@ -102,15 +129,26 @@ def _check_parallel(config: TrainConfig, world_size: int, problems: list[str]) -
 def _check_model(config: TrainConfig, problems: list[str]):
     """Build the GPTConfig and check it against the layout (shardwork.models does the
     checking); returns the GPTConfig, or None when it could not be built."""
+    from shardwork.models import GPTConfig
     from shardwork.trainer.config.validate_hf import check_hf_shapes
     from shardwork.trainer.model_factory import gpt_config
 
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    unknown = [k for k in config.model.overrides if "." not in k and k not in fields]
+    if unknown:
+        problems.append(
+            f"model.overrides: {', '.join(map(repr, unknown))} is not a GPTConfig field; valid: "
+            + ", ".join(sorted(fields))
+        )
+        return None
     try:
         model = gpt_config(config)
     except (ValueError, TypeError) as exc:
         problems.append(f"model: {exc}")
         return None
     check_hf_shapes(config, model, problems)
+    if _order_problem(config.parallel.order) is not None:
+        return model  # reported by _check_parallel
     try:
         model.check_layout(parallel_config(config), seq_length=config.data.seq_length)
     except ValueError as exc:
@@ -219,112 +257,6 @@ def _check_schedule(config: TrainConfig, dp: int, problems: list[str]) -> None:
         problems.append("schedule.pipeline_schedule='1f1b' needs parallel.pp > 1")
 
 
-def _check_data(config: TrainConfig, problems: list[str]) -> None:
-    from shardwork.trainer.data.corpus import BUILTIN_CORPORA
-    from shardwork.trainer.data.indexed import dataset_exists
-
-    d = config.data
-    _positive(problems, "data.seq_length", d.seq_length)
-    sources = [bool(d.prefixes), d.data_config is not None]
-    if sum(sources) > 1:
-        problems.append("data.prefixes and data.data_config are both set: give only one")
-    if not any(sources):
-        if d.corpus is None:
-            problems.append(
-                'data: no data: set data.corpus="pydoc", data.prefixes or data.data_config'
-            )
-        elif d.corpus not in BUILTIN_CORPORA:
-            problems.append(
-                f"data.corpus={d.corpus!r}: not built in; valid: {list(BUILTIN_CORPORA)}"
-            )
-    if d.weights and len(d.weights) != len(d.prefixes):
-        problems.append(
-            f"data.weights has {len(d.weights)} entries but data.prefixes has {len(d.prefixes)}: "
-            "give one weight per prefix (or none for equal weights)"
-        )
-    if d.weights and (any(w < 0 for w in d.weights) or sum(d.weights) <= 0):
-        problems.append(f"data.weights={d.weights}: must be >= 0 with a positive sum")
-    for prefix in d.prefixes:
-        if not dataset_exists(prefix):
-            problems.append(
-                f"data.prefixes: {prefix!r} has no {prefix}.bin/{prefix}.idx (build it with shardwork-preprocess)"
-            )
-    if d.data_config is not None:
-        from shardwork.trainer.data.builder import read_data_config
-
-        try:
-            read_data_config(d.data_config)
-        except ValueError as exc:
-            problems.append(f"data.data_config={d.data_config!r}: {exc}")
-    try:
-        parts = [float(x) for x in d.split.split(",")]
-        if len(parts) != 3 or any(x < 0 for x in parts) or parts[0] <= 0:
-            raise ValueError
-    except ValueError:
-        problems.append(
-            f"data.split={d.split!r}: must be three non-negative numbers 'train,valid,test' "
-            "with train > 0 (e.g. '90,10,0')"
-        )
-    else:
-        eval_wanted = config.eval.interval is not None or config.eval.at_end
-        if eval_wanted and parts[1] == 0 and d.data_config is None:
-            problems.append(
-                f"data.split={d.split!r} has no validation part but evaluation is on: give it one "
-                "or set eval.interval='none' and eval.at_end=false"
-            )
-    if d.tokenizer != "byte" and not Path(d.tokenizer).expanduser().is_file():
-        problems.append(
-            f"data.tokenizer={d.tokenizer!r}: must be 'byte' or an existing tokenizer JSON file"
-        )
-
-
-def _check_tokenizer(config: TrainConfig, problems: list[str]) -> bool:
-    """Load the tokenizer and check the vocabulary against the model and the datasets.
-
-    Returns False when the tokenizer itself cannot be loaded (later checks need it)."""
-    from shardwork.trainer.data.builder import read_data_config
-    from shardwork.trainer.data.dataset_meta import read_dataset_meta
-    from shardwork.trainer.data.tokenizer import load_tokenizer
-
-    d = config.data
-    try:
-        tokenizer = load_tokenizer(d.tokenizer, eod_token=d.eod_token)
-    except (ImportError, ValueError) as exc:
-        problems.append(
-            f"data.tokenizer={d.tokenizer!r}: {exc}; valid: 'byte' or a tokenizer.json "
-            "written by the `tokenizers` library"
-        )
-        return False
-    vocab = config.model.vocab_size
-    if vocab is not None and vocab < tokenizer.vocab_size:
-        problems.append(
-            f"model.vocab_size={vocab} is smaller than the vocabulary of data.tokenizer="
-            f"{d.tokenizer!r} ({tokenizer.vocab_size} ids): the embedding could not look up the "
-            f"larger ids; valid: >= {tokenizer.vocab_size} (or leave it unset to use the "
-            f"tokenizer's)"
-        )
-    datasets = [(f"data.prefixes[{i}]", prefix) for i, prefix in enumerate(d.prefixes or [])]
-    if d.data_config is not None:
-        try:
-            blends = read_data_config(d.data_config)
-        except ValueError:  # reported by _check_data
-            blends = {}
-        for split, entries in blends.items():
-            datasets += [(f"data.data_config[{split!r}]", prefix) for _, prefix in entries]
-    for where, prefix in datasets:
-        meta = read_dataset_meta(prefix)
-        if meta is None:
-            continue
-        if (meta.vocab_size, meta.eod_id) != (tokenizer.vocab_size, tokenizer.eod_id):
-            problems.append(
-                f"{where}={prefix!r} was tokenized with {meta.tokenizer!r} (vocab "
-                f"{meta.vocab_size}, end-of-document id {meta.eod_id}) but data.tokenizer="
-                f"{d.tokenizer!r} has vocab {tokenizer.vocab_size}, end-of-document id "
-                f"{tokenizer.eod_id}; valid: the tokenizer the dataset was built with"
-            )
-    return True
-
-
 def _check_rest(config: TrainConfig, problems: list[str]) -> None:
     c = config.checkpoint
     _positive(problems, "checkpoint.interval", c.interval, allow_none=True)
@@ -355,10 +287,10 @@ def validate_config(config: TrainConfig, *, world_size: int) -> TrainConfig:
     Raises :class:`ConfigError` listing every problem. Creates no process group.
     """
     problems: list[str] = []
-    _check_data(config, problems)
+    check_data(config, problems)
     tokenizer_ok = not any(p.startswith("data.tokenizer") for p in problems)
     if tokenizer_ok:
-        tokenizer_ok = _check_tokenizer(config, problems)
+        tokenizer_ok = check_tokenizer(config, problems)
     preset_ok = True
     if config.model.preset is not None:
         try:

@@ -9,7 +9,7 @@ The rule for fine-tuning from a Hugging Face folder: its config.json *is* the ar
   the folder and shown by ``--print-config``) or must equal the folder's.
 - The tokenizer's vocabulary must fit the checkpoint's embedding.
 - ``model.overrides`` may change anything that keeps every tensor's shape (dropout,
-  recomputation, ``rotary_base`` for a longer context, ...): the tensors the run's model holds
+  recomputation, ``rope_theta`` for a longer context, ...): the tensors the run's model holds
   are compared with those of the folder's model, built on the meta device (no memory).
 
 ``checkpoint.hf_export`` must name a new or empty directory (an export never mixes with other

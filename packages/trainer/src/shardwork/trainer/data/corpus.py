@@ -9,6 +9,7 @@ cache directory and returns its prefix; later runs reuse it.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from shardwork.trainer.data.indexed import dataset_exists
@@ -32,13 +33,16 @@ def pydoc_documents() -> list[str]:
     return [topics[key] for key in sorted(topics)]
 
 
-def builtin_corpus(name: str, cache_dir: str | Path) -> str:
-    """Prefix of the byte-tokenized built-in corpus ``name`` (built on first use)."""
+def corpus_prefix(name: str, cache_dir: str | Path) -> Path:
+    """Where the built-in corpus ``name`` is (or will be) preprocessed under ``cache_dir``."""
     if name not in BUILTIN_CORPORA:
         raise ValueError(f"data.corpus={name!r} is not built in; valid: {list(BUILTIN_CORPORA)}")
-    import sys
+    return Path(cache_dir) / f"{name}-py{sys.version_info.major}{sys.version_info.minor}-byte"
 
-    prefix = Path(cache_dir) / f"{name}-py{sys.version_info.major}{sys.version_info.minor}-byte"
+
+def builtin_corpus(name: str, cache_dir: str | Path) -> str:
+    """Prefix of the byte-tokenized built-in corpus ``name`` (built on first use)."""
+    prefix = corpus_prefix(name, cache_dir)
     if not dataset_exists(prefix):
         prefix.parent.mkdir(parents=True, exist_ok=True)
         write_documents(pydoc_documents(), prefix, ByteTokenizer())

@@ -8,6 +8,11 @@
   each document starts, beginning with 0 and ending with the sequence count).
 - Reading memory-maps both files: opening a corpus of any size costs only
   the index, and a sample reads just its slice of ``.bin``.
+- Opening checks what costs nothing to check: the header, the ``.idx`` size against its
+  counts and the ``.bin`` size against the end of the last sequence; a mismatch raises
+  :class:`DataError` naming the file, its size and the size expected (a truncated file never
+  reaches numpy's "buffer is smaller than requested size"). Whole-file checks are in
+  :mod:`.integrity`.
 - The token dtype is the smallest unsigned type that holds the vocabulary
   (uint16 below 65,500 ids, int32 above), as Megatron's preprocessing chooses.
 """
@@ -22,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from shardwork.trainer.data.partial_files import partial_path, partial_tag
+from shardwork.trainer.errors import DataError
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
 _DTYPE_CODES = {
@@ -35,6 +41,7 @@ _DTYPE_CODES = {
     8: np.uint16,
 }
 _CODE_OF = {np.dtype(v): k for k, v in _DTYPE_CODES.items()}
+_HEADER_BYTES = len(INDEX_HEADER) + struct.calcsize("<QBQQ")
 
 
 def token_dtype_for(vocab_size: int) -> np.dtype:
@@ -48,6 +55,36 @@ def data_file_paths(prefix: str | os.PathLike) -> tuple[Path, Path]:
     """``(prefix.bin, prefix.idx)`` for a dataset prefix."""
     prefix = str(prefix)
     return Path(prefix + ".bin"), Path(prefix + ".idx")
+
+
+def _read_header(idx_path: Path) -> tuple[np.dtype, int, int, int]:
+    """``(token dtype, sequences, document indices, offset of the arrays)`` of an ``.idx``;
+    a file that is not an index, or is shorter than its header says, raises DataError."""
+    size = idx_path.stat().st_size
+    with open(idx_path, "rb") as f:
+        head = f.read(_HEADER_BYTES)
+    if len(head) < _HEADER_BYTES or head[: len(INDEX_HEADER)] != INDEX_HEADER:
+        raise DataError(
+            f"{idx_path} is not an MMIDIDX index ({size} bytes, starting "
+            f"{head[: len(INDEX_HEADER)]!r}; expected {INDEX_HEADER!r} and a "
+            f"{_HEADER_BYTES}-byte header)"
+        )
+    version, code, num_sequences, num_doc_indices = struct.unpack(
+        "<QBQQ", head[len(INDEX_HEADER) :]
+    )
+    if version != 1:
+        raise DataError(f"{idx_path}: index version {version} is not supported (only 1)")
+    if code not in _DTYPE_CODES:
+        raise DataError(f"{idx_path}: unknown dtype code {code}; valid: {sorted(_DTYPE_CODES)}")
+    expected = _HEADER_BYTES + num_sequences * (4 + 8) + num_doc_indices * 8
+    if size != expected:
+        raise DataError(
+            f"{idx_path} is {size} bytes but its header describes {num_sequences} sequences and "
+            f"{num_doc_indices} document indices ({expected} bytes): the index is "
+            f"{'truncated' if size < expected else 'longer than its header says'}; rebuild it "
+            "with shardwork-preprocess"
+        )
+    return np.dtype(_DTYPE_CODES[code]), num_sequences, num_doc_indices, _HEADER_BYTES
 
 
 def dataset_exists(prefix: str | os.PathLike) -> bool:
@@ -138,26 +175,11 @@ class IndexedDataset:
         self.prefix = str(prefix)
         bin_path, idx_path = data_file_paths(prefix)
         if not idx_path.is_file() or not bin_path.is_file():
-            raise ValueError(
+            raise DataError(
                 f"indexed dataset prefix={self.prefix!r}: expected {bin_path} and {idx_path} to "
                 "exist (build them with `shardwork-preprocess`)"
             )
-        with open(idx_path, "rb") as f:
-            header = f.read(len(INDEX_HEADER))
-            if header != INDEX_HEADER:
-                raise ValueError(
-                    f"{idx_path} is not an MMIDIDX index (header {header!r}, expected {INDEX_HEADER!r})"
-                )
-            (version,) = struct.unpack("<Q", f.read(8))
-            if version != 1:
-                raise ValueError(f"{idx_path}: index version {version} is not supported (only 1)")
-            (code,) = struct.unpack("<B", f.read(1))
-            if code not in _DTYPE_CODES:
-                raise ValueError(f"{idx_path}: unknown dtype code {code}")
-            self.dtype = np.dtype(_DTYPE_CODES[code])
-            (num_sequences,) = struct.unpack("<Q", f.read(8))
-            (num_doc_indices,) = struct.unpack("<Q", f.read(8))
-            offset = f.tell()
+        self.dtype, num_sequences, num_doc_indices, offset = _read_header(idx_path)
         self._index = np.memmap(idx_path, mode="r", dtype=np.uint8)
         self.sequence_lengths = np.frombuffer(
             self._index, dtype=np.int32, count=num_sequences, offset=offset
@@ -171,10 +193,29 @@ class IndexedDataset:
             self._index, dtype=np.int64, count=num_doc_indices, offset=offset
         )
         size = bin_path.stat().st_size
+        expected = self.expected_bin_size()
+        if size != expected:
+            raise DataError(
+                f"{bin_path} is {size} bytes but its index {idx_path} points to {expected} "
+                f"bytes: the .bin is {'truncated' if size < expected else 'longer than indexed'} "
+                "or the pair comes from different builds; rebuild both with shardwork-preprocess"
+            )
         self._bin = np.memmap(bin_path, mode="r", dtype=np.uint8) if size else np.zeros(0, np.uint8)
+
+    def expected_bin_size(self) -> int:
+        """Bytes the ``.bin`` must hold: the end of the last sequence the index points to."""
+        if not self.sequence_lengths.size:
+            return 0
+        last = int(self.sequence_pointers[-1])
+        return last + int(self.sequence_lengths[-1]) * self.dtype.itemsize
 
     def __len__(self) -> int:
         return int(self.sequence_lengths.size)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """Every token of the ``.bin`` as one read-only 1-D array (a view of the memory map)."""
+        return np.frombuffer(self._bin, dtype=self.dtype)
 
     @property
     def num_tokens(self) -> int:

@@ -11,7 +11,7 @@ A rank whose peer dies sees one of two things, depending on how the peer went:
 
 :func:`collective_phase` turns either into one paragraph naming the rank, the phase (e.g.
 "train step 12, forward/backward") and the members of the groups the phase communicates over;
-the CLI prints it and exits with status 5. Other errors pass through unchanged.
+the CLI prints it and exits with status 6. Other errors pass through unchanged.
 """
 
 from __future__ import annotations

@@ -1,0 +1,180 @@
+"""Checks of a validated config against the machine, before any process group or model exists.
+
+:func:`validate_config` checks values; preflight checks what they point at, so that a mistake
+stops the run before step 1 instead of at the first checkpoint or inside a step:
+
+- ``logging.run_dir``, ``checkpoint.dir`` (and ``checkpoint.hf_export``; ``data.cache_dir``
+  when the built-in corpus is still to be built there) are writable directories or can be
+  created as such; probed with a temporary file in the directory (or its
+  nearest existing ancestor) that is removed at once, so nothing is created that a later run
+  would read as a run or a checkpoint.
+- Free space under ``checkpoint.dir`` against the expected size of the checkpoints kept
+  (parameters × bytes per parameter including optimizer state): a warning, not an error.
+- Every dataset the run reads (``data.prefixes``, ``data.data_config``'s blends, the built-in
+  corpus): both files exist, the ``.idx`` parses and agrees with itself and with the ``.bin``'s
+  size, and every token id is below ``model.vocab_size`` (:mod:`..data.integrity`).
+- ``eval.steps`` fits in the validation split (counted in global batches).
+
+Mistakes raise :class:`ConfigError` (exit 2) or :class:`DataError` (exit 5); each rank of a
+torchrun job runs the same checks, so all stop alike before the process groups are created.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from shardwork.trainer.config.load import ConfigError
+from shardwork.trainer.config.sections import TrainConfig
+from shardwork.trainer.data.builder import build_eval_set, read_data_config, split_components
+from shardwork.trainer.data.corpus import builtin_corpus, corpus_prefix, default_cache_dir
+from shardwork.trainer.data.indexed import IndexedDataset, dataset_exists
+from shardwork.trainer.data.integrity import check_index, check_token_range
+from shardwork.trainer.errors import DataError
+
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
+
+
+def preflight(config: TrainConfig) -> list[str]:
+    """Run every check on a resolved, validated ``config``; return warnings (one line each).
+
+    Raises ConfigError for an unusable directory or ``eval.steps``, DataError for a dataset.
+    """
+    problems = [
+        problem
+        for field, path in _output_dirs(config)
+        if (problem := writable_dir_problem(field, path)) is not None
+    ]
+    if problems:
+        raise ConfigError(problems)
+    warnings = [w for w in [free_space_warning(config)] if w is not None]
+    for field, prefix in dataset_prefixes(config):
+        check_dataset(field, prefix, vocab_size=config.model.vocab_size)
+    check_eval_steps(config)
+    return warnings
+
+
+def _output_dirs(config: TrainConfig) -> list[tuple[str, str]]:
+    """``(field, path)`` of every directory the run will write into."""
+    dirs = [("logging.run_dir", config.logging.run_dir), ("checkpoint.dir", config.checkpoint.dir)]
+    if config.checkpoint.hf_export is not None:
+        dirs.append(("checkpoint.hf_export", config.checkpoint.hf_export))
+    d = config.data
+    if not d.prefixes and d.data_config is None:  # the built-in corpus, built on first use
+        cache = d.cache_dir or str(default_cache_dir())
+        if not dataset_exists(corpus_prefix(d.corpus, cache)):
+            dirs.append(("data.cache_dir", cache))
+    return dirs
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def writable_dir_problem(field: str, path: str) -> str | None:
+    """Why ``path`` cannot be (or become) a writable directory, or None when it can."""
+    target = Path(path).expanduser()
+    base = _nearest_existing(target)
+    valid = "valid: a writable directory, or a path where one can be created"
+    if not base.is_dir():
+        where = "is a file" if base == target else f"would be created under {base}, a file"
+        return f"{field}={path!r}: {where}, not a directory; {valid}"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".shardwork-write-probe-", dir=base)
+    except OSError as exc:
+        where = "" if base == target else f" (it would be created in {base})"
+        return f"{field}={path!r}: cannot write there{where}: {exc.strerror}; {valid}"
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
+def checkpoint_bytes(config: TrainConfig) -> int:
+    """Estimated bytes of one checkpoint: per parameter its value in the run's dtype, an fp32
+    master copy (fp64 with dtype fp64) and two optimizer moments (AdamW; Muon's one momentum
+    is less). Fixed costs (metadata, RNG states) are left out: they matter only for tiny models."""
+    from shardwork.models.calculator import num_parameters
+    from shardwork.trainer.model_factory import gpt_config
+
+    dtype = config.precision.dtype
+    state = 8 if dtype == "fp64" else 4
+    return num_parameters(gpt_config(config)) * (_DTYPE_BYTES[dtype] + 3 * state)
+
+
+def free_space_warning(config: TrainConfig) -> str | None:
+    """A warning when the file system of ``checkpoint.dir`` has less free space than the
+    ``keep_last`` checkpoints plus the one being written need, else None."""
+    c = config.checkpoint
+    if not (c.save_at_end or c.save_on_signal or c.interval is not None):
+        return None
+    base = _nearest_existing(Path(c.dir).expanduser())
+    per_checkpoint = checkpoint_bytes(config)
+    needed = per_checkpoint * (c.keep_last + 1)
+    free = shutil.disk_usage(base).free
+    if free >= needed:
+        return None
+    gib = 2**30
+    return (
+        f"warning: checkpoint.dir={c.dir!r}: {free / gib:.2f} GiB free on its file system, but "
+        f"checkpoint.keep_last={c.keep_last} checkpoints plus the one being written need about "
+        f"{needed / gib:.2f} GiB ({per_checkpoint / gib:.2f} GiB each); saving may fail"
+    )
+
+
+def dataset_prefixes(config: TrainConfig) -> list[tuple[str, str]]:
+    """``(config field, prefix)`` of every dataset the run reads (each prefix once)."""
+    d = config.data
+    if d.data_config is not None:
+        pairs = [
+            (f"data.data_config[{split!r}][{i}]", prefix)
+            for split, blend in read_data_config(d.data_config).items()
+            for i, (_, prefix) in enumerate(blend)
+        ]
+    elif d.prefixes:
+        pairs = [(f"data.prefixes[{i}]", prefix) for i, prefix in enumerate(d.prefixes)]
+    else:
+        pairs = [("data.corpus", builtin_corpus(d.corpus, d.cache_dir or default_cache_dir()))]
+    seen: set[str] = set()
+    return [(f, p) for f, p in pairs if not (p in seen or seen.add(p))]
+
+
+def check_dataset(field: str, prefix: str, *, vocab_size: int) -> None:
+    """Open ``prefix`` (header and sizes), check its index and its token ids; DataError names
+    ``field`` and the file."""
+    try:
+        ds = IndexedDataset(prefix)
+        check_index(ds)
+    except DataError as exc:
+        raise DataError(f"{field}={prefix!r}: {exc}") from None
+    check_token_range(ds, vocab_size, field=f"{field}={prefix!r}")
+
+
+def check_eval_steps(config: TrainConfig) -> None:
+    """Refuse ``eval.steps`` above the global batches the validation split holds."""
+    steps, e = config.eval.steps, config.eval
+    if steps is None or (e.interval is None and not e.at_end):
+        return
+    s = config.schedule
+    valid = build_eval_set(
+        split_components(config.data)["valid"], seq_length=config.data.seq_length, num_samples=None
+    )
+    samples = 0 if valid is None else len(valid)
+    # A split smaller than one global batch still gives one (the trainer repeats its samples).
+    batches = max(1, samples // s.global_batch_size) if samples else 0
+    if steps <= batches:
+        return
+    held = (
+        f"the validation split holds {samples} samples of data.seq_length={config.data.seq_length}"
+        f" tokens = {batches} global batches of schedule.global_batch_size={s.global_batch_size}"
+    )
+    valid_range = (
+        f"valid: 1..{batches}, or 'none' for the whole split"
+        if batches
+        else "give data.split a larger validation part, or set eval.interval='none' and "
+        "eval.at_end=false"
+    )
+    raise ConfigError([f"eval.steps={steps}: {held}; {valid_range}"])

@@ -1,0 +1,185 @@
+"""Preflight: directories, free space, dataset consistency and token ranges, eval.steps; the
+CLI's ``none`` spelling and the parallel.order check (the CLI-level catalogue of mistakes is
+tests-integration/test_bad_input.py)."""
+
+import io
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shardwork.trainer.config.load import ConfigError
+from shardwork.trainer.data import integrity
+from shardwork.trainer.data.indexed import IndexedDataset, IndexedDatasetWriter
+from shardwork.trainer.errors import DataError
+from shardwork.trainer.run import preflight as pf
+
+FIXTURE = Path(__file__).with_name("fixtures") / "mcore_small"
+QUICK = {"schedule": {"train_steps": 2, "warmup_steps": 1}, "eval": {"interval": None}}
+
+
+@pytest.fixture
+def corpus_env(tmp_path_factory, monkeypatch):
+    """The built-in corpus preprocessed into a scratch cache (SHARDWORK_CACHE)."""
+    monkeypatch.setenv("SHARDWORK_CACHE", str(tmp_path_factory.mktemp("cache")))
+
+
+def _listing(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_writable_dirs_are_probed_without_leaving_anything(tmp_path):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "existing").mkdir()
+    before = _listing(tmp_path)
+    assert pf.writable_dir_problem("f", str(tmp_path / "existing")) is None
+    assert pf.writable_dir_problem("f", str(tmp_path / "new" / "deeper")) is None
+    problem = pf.writable_dir_problem("checkpoint.dir", str(tmp_path / "file"))
+    assert problem.startswith(f"checkpoint.dir='{tmp_path / 'file'}': is a file")
+    problem = pf.writable_dir_problem("logging.run_dir", str(tmp_path / "file" / "sub"))
+    assert f"would be created under {tmp_path / 'file'}, a file" in problem
+    problem = pf.writable_dir_problem("logging.run_dir", "/sys/shardwork-probe/run")
+    assert "cannot write there (it would be created in /sys)" in problem
+    assert _listing(tmp_path) == before  # no probe file, no created directory
+
+
+def test_megatron_written_dataset_passes(tmp_path):
+    ds = IndexedDataset(FIXTURE)
+    integrity.check_index(ds)
+    largest = max(int(ds[i].max()) for i in range(len(ds)))
+    integrity.check_token_range(ds, largest + 1, field="f")
+    with pytest.raises(DataError, match=f"token id {largest} "):
+        integrity.check_token_range(ds, largest, field="f")
+
+
+def test_token_range_finds_the_document_across_chunks(tmp_path, monkeypatch):
+    rng = np.random.default_rng(5)
+    docs = [rng.integers(0, 100, size=int(rng.integers(5, 30))) for _ in range(30)]
+    docs[21][7] = 140  # the one id past a vocabulary of 100
+    with IndexedDatasetWriter(tmp_path / "d", dtype=np.uint16) as writer:
+        for doc in docs:
+            writer.add_document(doc)
+    monkeypatch.setattr(integrity, "CHUNK_TOKENS", 16)  # many chunks; the id is in a late one
+    ds = IndexedDataset(tmp_path / "d")
+    position = sum(len(d) for d in docs[:21]) + 7
+    assert position > 16
+    with pytest.raises(DataError) as info:
+        integrity.check_token_range(ds, 100, field="data.prefixes[0]")
+    message = str(info.value)
+    assert "token id 140 in document 21 (sequence 21, token 7)" in message, message
+    assert "vocabulary has 100 ids (valid ids: 0..99)" in message, message
+    integrity.check_token_range(ds, 141, field="f")
+
+
+def test_index_with_wrong_pointers_is_refused(random_dataset, tmp_path):
+    prefix, docs = random_dataset
+    idx = Path(prefix + ".idx").read_bytes()
+    # the pointers follow the 34-byte header and the int32 lengths: swap sequences 3 and 4's
+    start = 34 + 4 * len(docs)
+    pointers = np.frombuffer(idx, dtype=np.int64, count=len(docs), offset=start).copy()
+    pointers[[3, 4]] = pointers[[4, 3]]
+    Path(prefix + ".idx").write_bytes(
+        idx[:start] + pointers.tobytes() + idx[start + 8 * len(docs) :]
+    )
+    with pytest.raises(DataError, match=r"\.idx: sequence 3 points to byte"):
+        integrity.check_index(IndexedDataset(prefix))
+
+
+def test_reader_names_a_truncated_or_foreign_file(random_dataset):
+    prefix, docs = random_dataset
+    bin_path, idx_path = Path(prefix + ".bin"), Path(prefix + ".idx")
+    full = bin_path.read_bytes()
+    assert len(full) == 2 * sum(len(d) for d in docs)
+    bin_path.write_bytes(full[:-2])
+    with pytest.raises(DataError, match=f"{bin_path} is {len(full) - 2} bytes but its index"):
+        IndexedDataset(prefix)
+    bin_path.write_bytes(full)
+    idx_path.write_bytes(idx_path.read_bytes()[:20])
+    with pytest.raises(DataError, match="is not an MMIDIDX index"):
+        IndexedDataset(prefix)
+    header = b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, 1000, 1001)
+    idx_path.write_bytes(header)
+    with pytest.raises(DataError, match="describes 1000 sequences and 1001 document indices"):
+        IndexedDataset(prefix)
+
+
+def test_checkpoint_estimate_follows_the_saved_size(tmp_path, corpus_env):
+    """The per-checkpoint estimate grows like real checkpoints do: between two model widths
+    the saved bytes and the estimate differ by the same amount (within the padded vocabulary
+    rows, ~4%, that the parameter count leaves out); fixed costs cancel in the difference."""
+    from shardwork.trainer.run.trainer import train
+    from shardwork.trainer.testing import tiny_config
+
+    sizes, estimates = [], []
+    for width in (32, 64):
+        config = tiny_config(
+            tmp_path / f"w{width}",
+            **QUICK,
+            model={"hidden_size": width, "ffn_hidden_size": 2 * width},
+            checkpoint={"save_at_end": True},
+        )
+        ckpt = Path(train(config, stream=io.StringIO()).checkpoint)
+        sizes.append(sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file()))
+        estimates.append(pf.checkpoint_bytes(config))
+    ratio = (sizes[1] - sizes[0]) / (estimates[1] - estimates[0])
+    assert 0.95 < ratio < 1.10, (sizes, estimates)
+
+
+def test_free_space_warning(tmp_path, monkeypatch, corpus_env):
+    from shardwork.trainer.testing import tiny_config
+
+    config = tiny_config(tmp_path / "run", checkpoint={"keep_last": 3})
+    needed = pf.checkpoint_bytes(config) * 4
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(pf.shutil, "disk_usage", lambda p: usage._replace(free=needed))
+    assert pf.free_space_warning(config) is None
+    monkeypatch.setattr(pf.shutil, "disk_usage", lambda p: usage._replace(free=needed - 1))
+    warning = pf.free_space_warning(config)
+    assert warning.startswith(f"warning: checkpoint.dir='{tmp_path / 'run' / 'checkpoints'}'")
+    assert "checkpoint.keep_last=3 checkpoints plus the one being written" in warning
+    assert pf.preflight(config) == [warning]
+    assert not (tmp_path / "run").exists()
+
+
+def test_eval_steps_against_the_validation_split(tmp_path, corpus_env):
+    """The pydoc corpus's validation split at seq_length 32 and global batch 8: the largest
+    accepted eval.steps is its sample count // 8, counted here from the documents."""
+    from shardwork.trainer.data.builder import split_components
+    from shardwork.trainer.data.indexed import IndexedDataset as Reader
+    from shardwork.trainer.testing import tiny_config
+
+    config = tiny_config(tmp_path / "run")
+    (valid,) = split_components(config.data)["valid"]
+    ds = Reader(valid.prefix)
+    tokens = sum(len(ds[int(i)]) for i in valid.documents)
+    batches = ((tokens - 1) // 32) // 8  # samples of 32 tokens + 1 label, 8 per global batch
+    fits = tiny_config(tmp_path / "run", eval={"steps": batches})
+    pf.check_eval_steps(fits)
+    beyond = tiny_config(tmp_path / "run", eval={"steps": batches + 1})
+    with pytest.raises(ConfigError, match=f"eval.steps={batches + 1}: .* valid: 1..{batches},"):
+        pf.check_eval_steps(beyond)
+
+
+def test_none_is_the_cli_spelling_of_null():
+    from shardwork.trainer.config.cli import parse_train_args
+
+    config, _ = parse_train_args(
+        ["--eval.interval", "none", "--checkpoint.dir=None", "--logging.name", "none"]
+    )
+    assert config.eval.interval is None and config.checkpoint.dir is None
+    assert config.logging.name == "none"  # not optional: the text stays
+
+
+@pytest.mark.parametrize(
+    ("order", "fragment"),
+    [("tp-cp-ep-dp", "missing ['pp']"), ("tp-cp-ep-dp-pp-xp", "unknown ['xp']")],
+)
+def test_order_must_be_a_permutation(tmp_path, corpus_env, order, fragment):
+    from shardwork.trainer.testing import tiny_config
+
+    with pytest.raises(ConfigError, match=r"parallel.order=.*exactly once") as info:
+        tiny_config(tmp_path, parallel={"order": order})
+    assert fragment in str(info.value) and len(info.value.problems) == 1
+    tiny_config(tmp_path, parallel={"order": "pp-dp-ep-cp-tp"})
