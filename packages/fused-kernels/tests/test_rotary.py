@@ -11,6 +11,9 @@ import torch
 import shardwork.fused_kernels as fk
 from shardwork.fused_kernels.launches import count_launches
 
+# Golden / cross-implementation: CI reruns these with other CPU kernels (.ci/run).
+pytestmark = pytest.mark.golden
+
 # RoPE scaling cases: name -> (transformers ``rope_parameters``, head_dim, max positions).
 # tools/fused_kernels_hf_rope_fixture.py writes transformers' answers for them to
 # tests/data/hf_rope.pt, used when transformers is not installed (the isolated package job).

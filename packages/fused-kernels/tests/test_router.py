@@ -10,6 +10,9 @@ import torch
 import shardwork.fused_kernels as fk
 from shardwork.fused_kernels.launches import count_launches
 
+# Golden / cross-implementation: CI reruns these with other CPU kernels (.ci/run).
+pytestmark = pytest.mark.golden
+
 FIXTURE = pathlib.Path(__file__).parent / "data" / "mcore_router.pt"
 MCORE_CASES = torch.load(FIXTURE, weights_only=True)["cases"]
 

@@ -18,6 +18,9 @@ from shardwork.models.hf import from_pretrained, gpt_config_from_hf, save_pretra
 from shardwork.parallel_state import ParallelConfig, init_process_groups  # noqa: E402
 from shardwork.parallel_state.testing import run_on_ranks  # noqa: E402
 
+# Golden / cross-implementation: CI reruns these with other CPU kernels (.ci/run).
+pytestmark = pytest.mark.golden
+
 _COMMON = dict(
     vocab_size=250,
     hidden_size=64,

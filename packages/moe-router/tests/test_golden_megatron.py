@@ -23,6 +23,9 @@ from shardwork.moe_router import AuxLossScale, AuxLossTracker, RouterConfig, Top
 from shardwork.moe_router.router import update_expert_bias
 from shardwork.parallel_state.testing import assert_close_at_scale
 
+# Golden / cross-implementation: CI reruns these with other CPU kernels (.ci/run).
+pytestmark = pytest.mark.golden
+
 FIXTURES = torch.load(
     Path(__file__).parent / "fixtures" / "megatron_router_golden.pt", weights_only=False
 )
