@@ -34,11 +34,13 @@ POSITION_CASES = {"capacity_position_drop", "capacity_position_pad"}
 # Measured (docs/moe-router.md, "Portable tolerances"): ours vs the fixture <= 1.9 ulp of
 # max|ref| (fp32 eps), each side vs an fp64 run <= 2.8 ulp; 8 ulp leaves margin for both.
 RTOL, ULPS = 1e-6, 8
-BF16_RTOL, BF16_ULPS = 1e-2, 1
+# bf16 outputs (the bf16 model's input / weight gradients): a different fp32 accumulation
+# may round to the neighbouring bf16 value, at most 1 bf16 ulp of the element; measured 0.
+BF16_ULPS = 2
 
 
-def close(actual, expected, *, what, dtype=torch.float32):
-    """Float outputs at fp32 rounding of the tensor's own scale (bf16: bf16 rounding).
+def close(actual, expected, *, what):
+    """Float outputs at fp32 rounding of the tensor's own scale; bf16 outputs at bf16's.
 
     The GEMM's summation order depends on the CPU's BLAS kernels, so the fixture (made on
     one machine) and this run differ in the last bits; the error is bounded by a few ulp of
@@ -46,9 +48,9 @@ def close(actual, expected, *, what, dtype=torch.float32):
     cases are compared at fp32 scale too: Megatron computes their scores in fp32.
     """
     assert actual is not None and expected is not None, what
-    if dtype == torch.bfloat16:
+    if actual.dtype == torch.bfloat16 or expected.dtype == torch.bfloat16:
         assert_close_at_scale(
-            actual, expected, rtol=BF16_RTOL, ulps=BF16_ULPS, dtype=dtype, name=what
+            actual, expected, rtol=0, ulps=BF16_ULPS, dtype=torch.bfloat16, name=what
         )
         return
     assert_close_at_scale(actual, expected, rtol=RTOL, ulps=ULPS, dtype=torch.float32, name=what)
@@ -86,27 +88,25 @@ def exact(actual, expected, *, what):
 
 
 def check_micro_batches(name: str, case: dict, results: list) -> None:
-    dtype = case["meta"]["dtype"]
     for mb, ((probs, rmap, grad), ref) in enumerate(zip(results, case["micro_batches"])):
         if name in POSITION_CASES:
             # Same number of kept tokens per expert; ours are the earliest routed ones.
             exact(rmap.sum(0), ref["routing_map"].sum(0), what=f"{name} mb{mb} counts")
             continue
         exact(rmap, ref["routing_map"], what=f"{name} mb{mb} routing map")
-        close(probs, ref["probs"], what=f"{name} mb{mb} probs", dtype=dtype)
+        close(probs, ref["probs"], what=f"{name} mb{mb} probs")
         if ref["grad_hidden"] is not None:
-            close(grad, ref["grad_hidden"], what=f"{name} mb{mb} grad_hidden", dtype=dtype)
+            close(grad, ref["grad_hidden"], what=f"{name} mb{mb} grad_hidden")
 
 
 def check_case(name: str, case: dict) -> None:
     """Run ours on the case's inputs and compare every output with Megatron's."""
-    dtype = case["meta"]["dtype"]
     router, tracker, results = run_ours(name, case)
     check_micro_batches(name, case, results)
     if name in POSITION_CASES:
         return
     if case["grad_weight"] is not None:
-        close(router.weight.grad, case["grad_weight"], what=f"{name} grad_weight", dtype=dtype)
+        close(router.weight.grad, case["grad_weight"], what=f"{name} grad_weight")
     if case["grad_bias"] is not None:
         close(router.bias.grad, case["grad_bias"], what=f"{name} grad_bias")
     values = tracker.loss_values()
