@@ -11,6 +11,9 @@ import torch
 import shardwork.fused_kernels as fk
 from shardwork.fused_kernels.launches import count_launches
 
+# Golden / cross-implementation: CI reruns these with other CPU kernels (.ci/run).
+pytestmark = pytest.mark.golden
+
 # RoPE scaling cases: name -> (transformers ``rope_parameters``, head_dim, max positions).
 # tools/fused_kernels_hf_rope_fixture.py writes transformers' answers for them to
 # tests/data/hf_rope.pt, used when transformers is not installed (the isolated package job).
@@ -61,7 +64,11 @@ def _hf_inv_freq(name: str):
     except ImportError:
         return saved["inv_freq"], saved["attention_scale"]
     inv, scale = transformers_inv_freq(name)
-    torch.testing.assert_close(inv.double(), saved["inv_freq"], rtol=1e-12, atol=0)
+    # transformers computes inv_freq elementwise in fp32 (pow, no sum), so each element carries
+    # its own rounding: a few fp32 ulp of the element itself, whatever the CPU's pow kernel.
+    torch.testing.assert_close(
+        inv.double(), saved["inv_freq"], rtol=4 * torch.finfo(torch.float32).eps, atol=0
+    )
     assert scale == pytest.approx(saved["attention_scale"])
     return inv, scale
 

@@ -17,6 +17,9 @@ from shardwork.models.hf.moe_weights import load_hf_moe_state_dict, moe_hf_state
 from shardwork.models.moe import MoELayer  # noqa: E402
 from shardwork.parallel_state.testing import run_on_ranks  # noqa: E402
 
+# Golden / cross-implementation: CI reruns these with other CPU kernels (.ci/run).
+pytestmark = pytest.mark.golden
+
 _COMMON = dict(
     vocab_size=250,
     hidden_size=64,

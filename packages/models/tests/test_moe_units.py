@@ -16,6 +16,10 @@ from shardwork.models.presets_moe import MOE_PRESETS, PUBLISHED_MOE_PARAMS
 from shardwork.moe_router.testing import dense_moe_reference
 from shardwork.parallel_state import ParallelConfig
 
+# Cross-implementation (fast path vs a plain formula, fp64): CI reruns these with other
+# CPU kernels forced (.ci/run).
+pytestmark = pytest.mark.golden
+
 
 def _segments(x, w, counts):
     out, start = [], 0

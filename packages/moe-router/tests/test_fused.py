@@ -6,8 +6,12 @@ import pytest
 import torch
 
 from shardwork.moe_router import RouterConfig, TopKRouter
+from shardwork.parallel_state.testing import assert_close_at_scale
 
 pytest.importorskip("shardwork.fused_kernels")
+
+# Golden / cross-implementation: CI reruns these with other CPU kernels (.ci/run).
+pytestmark = pytest.mark.golden
 
 CONFIGS = [
     {"num_experts": 8, "top_k": 2, "load_balancing_type": "aux_loss", "aux_loss_coeff": 0.01},
@@ -55,7 +59,7 @@ def test_fused_torch_backend_matches_builtin(kw):
 @pytest.mark.parametrize("kw", [CONFIGS[0], CONFIGS[2]], ids=["softmax-aux", "sigmoid-groups"])
 def test_fused_triton_backend_matches_builtin(kw):
     """The Triton kernel (on CPU through Triton's interpreter) routes like the built-in path:
-    same routing map, probs and gradients within fp32 rounding."""
+    same routing map, probs and gradients within fp32 rounding of each tensor's scale."""
     backend = pytest.importorskip("shardwork.fused_kernels.backend")
     launches_mod = pytest.importorskip("shardwork.fused_kernels.launches")
     if not torch.cuda.is_available() and not backend.triton_interpreter_enabled():
@@ -85,6 +89,7 @@ def test_fused_triton_backend_matches_builtin(kw):
         assert (ran > 0) == (fused == "triton"), dict(launches)  # the kernel ran, no fallback
     (p0, m0, gx0, gw0), (p1, m1, gx1, gw1) = results
     assert torch.equal(m0, m1)
-    torch.testing.assert_close(p1, p0, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(gx1, gx0, rtol=1e-4, atol=1e-6)
-    torch.testing.assert_close(gw1, gw0, rtol=1e-4, atol=1e-6)
+    # Measured (2026-11-24, AVX-512 and default kernels): probs <= 0.52, input gradient
+    # <= 1.59, weight gradient <= 2.08 fp32 ulp of the tensor's max; 8 ulp leaves margin.
+    for what, got, ref in (("probs", p1, p0), ("grad_hidden", gx1, gx0), ("grad_weight", gw1, gw0)):
+        assert_close_at_scale(got, ref, rtol=1e-6, ulps=8, name=what)

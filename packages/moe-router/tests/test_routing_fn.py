@@ -34,6 +34,10 @@ from shardwork.moe_router.scoring import (
     topk_routing,
 )
 
+# Cross-implementation (fast path vs a plain formula, fp64): CI reruns these with other
+# CPU kernels forced (.ci/run).
+pytestmark = pytest.mark.golden
+
 
 def _logits(T, E, seed):
     g = torch.Generator().manual_seed(seed)

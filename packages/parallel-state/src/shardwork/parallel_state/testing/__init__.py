@@ -21,6 +21,10 @@ thread. Its return value must be picklable; each rank's value is returned in
 rank order. A failing rank's traceback is re-raised as :class:`RankFailedError`;
 ranks that hang past ``timeout`` seconds are killed and reported by
 :class:`RankTimeoutError`. The rank processes are pooled per test process.
+
+:func:`assert_close_at_scale` compares float results at fp32 (or the given dtype's) rounding
+of the tensor's own scale and integer results exactly, so golden and cross-implementation
+checks hold on any CPU (see ``tolerance.py``).
 """
 
 from __future__ import annotations
@@ -30,8 +34,21 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from shardwork.parallel_state.testing.pool import RankFailedError, RankPool, RankTimeoutError
+from shardwork.parallel_state.testing.tolerance import (
+    assert_close_at_scale,
+    scale_atol,
+    ulps_of_scale,
+)
 
-__all__ = ["RankFailedError", "RankTimeoutError", "run_on_ranks", "shutdown_pool"]
+__all__ = [
+    "RankFailedError",
+    "RankTimeoutError",
+    "assert_close_at_scale",
+    "run_on_ranks",
+    "scale_atol",
+    "shutdown_pool",
+    "ulps_of_scale",
+]
 
 _pool: RankPool | None = None
 
