@@ -221,6 +221,36 @@ def _broken_metadata(scratch: Path, trained: Path | None) -> None:
     info.write_text(info.read_text()[:40])
 
 
+def _flipped_byte_checkpoint(scratch: Path, trained: Path | None) -> None:
+    """A copy of the trained checkpoint with one flipped byte in its largest data file."""
+    ckpt = _copied_checkpoint(scratch, trained)
+    big = max(ckpt.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    raw = bytearray(big.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    big.write_bytes(bytes(raw))
+    (scratch / "truncated-name").write_text(big.name)
+
+
+def _hostile_checkpoint(scratch: Path, trained: Path | None) -> None:
+    """A copy whose DCP metadata would run ``touch`` when unpickled, with every recorded
+    checksum updated to match (as whoever wrote it could); the marker must never appear."""
+    from shardwork.dist_checkpoint.hostile import RunsCommand, rewrite_metadata
+
+    ckpt = _copied_checkpoint(scratch, trained)
+    command = RunsCommand(f"touch {scratch / 'pwned'}")
+    rewrite_metadata(ckpt, lambda metadata: metadata.planner_data.update(planted=command))
+
+
+def _newer_format_checkpoint(scratch: Path, trained: Path | None) -> None:
+    """A copy that claims a format version this shardwork does not know."""
+    from shardwork.dist_checkpoint.hostile import write_info
+
+    ckpt = _copied_checkpoint(scratch, trained)
+    info = json.loads((ckpt / "shardwork.json").read_text())
+    info["format_version"] = 99
+    write_info(ckpt, info)
+
+
 def _hf_folder(with_weights: bool, config_text: str):
     def setup(scratch: Path, trained: Path | None) -> None:
         folder = scratch / "hf"
@@ -538,6 +568,46 @@ CASES: list[Case] = [
         ["checkpoint.hf_export='{d}/out'", "not an empty directory"],
         setup=_write_text("out/file.txt", "x"),
     ),
+    config_case(
+        "resume-flipped-byte-explicit-path",
+        1,
+        {**QUICK, "checkpoint": {"resume": "{d}/ckpt/step_000000002"}},
+        ["cannot resume", "{d}/ckpt/step_000000002", "{truncated}: checksum mismatch"],
+        code=EXIT_CHECKPOINT,
+        setup=_flipped_byte_checkpoint,
+        needs_checkpoint=True,
+    ),
+    config_case(
+        "resume-hostile-checkpoint",
+        1,
+        {**QUICK, "checkpoint": {"resume": "{d}/ckpt/step_000000002"}},
+        ["cannot resume", "refused to decode DCP metadata", "posix.system"],
+        code=EXIT_CHECKPOINT,
+        setup=_hostile_checkpoint,
+        needs_checkpoint=True,
+    ),
+    config_case(
+        "resume-newer-format",
+        1,
+        {**QUICK, "checkpoint": {"resume": "{d}/ckpt/step_000000002"}},
+        ["cannot resume", "format_version=99", "valid: [1, 2]"],
+        code=EXIT_CHECKPOINT,
+        setup=_newer_format_checkpoint,
+        needs_checkpoint=True,
+    ),
+    config_case(
+        "resume-other-model-width",
+        1,
+        {
+            **QUICK,
+            "model": {"hidden_size": 48, "ffn_hidden_size": 96},
+            "checkpoint": {"resume": "{d}/ckpt/step_000000002"},
+        },
+        ["cannot resume", "with another shape or kind", "--model.hidden_size"],
+        code=EXIT_CHECKPOINT,
+        setup=_copied_checkpoint,
+        needs_checkpoint=True,
+    ),
     # ---- shardwork-generate ----
     Case(
         "generate-max-new-tokens-negative",
@@ -588,6 +658,15 @@ CASES: list[Case] = [
         EXIT_CHECKPOINT,
         ("{truncated}", "100 bytes"),
         _truncated_checkpoint,
+        needs_checkpoint=True,
+    ),
+    Case(
+        "generate-hostile-checkpoint",
+        "generate",
+        ("{d}/ckpt",),
+        EXIT_CHECKPOINT,
+        ("refused to decode DCP metadata", "posix.system"),
+        _hostile_checkpoint,
         needs_checkpoint=True,
     ),
     # ---- shardwork-preprocess ----
@@ -651,8 +730,19 @@ CASES: list[Case] = [
         "ckpt",
         ("inspect", "{d}/ckpt/step_000000002"),
         CKPT_CORRUPT,
-        ("shardwork.json' is not valid JSON",),
+        # the commit marker records shardwork.json's CRC, so the cut file fails that first
+        ("shardwork.json: checksum mismatch", "recorded", "in COMMITTED"),
         _broken_metadata,
+        needs_checkpoint=True,
+        starts_with="CORRUPT: ",
+    ),
+    Case(
+        "ckpt-verify-hostile",
+        "ckpt",
+        ("verify", "{d}/ckpt/step_000000002"),
+        CKPT_CORRUPT,
+        ("refused to decode DCP metadata", "posix.system"),
+        _hostile_checkpoint,
         needs_checkpoint=True,
         starts_with="CORRUPT: ",
     ),
