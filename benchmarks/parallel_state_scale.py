@@ -7,6 +7,12 @@ Beside it, in the same process, the per-rank Python enumeration it replaced (ite
 offsets, the first version of `layout._masked_groups`) builds the same groups, so the ratio
 is measured, and the two results are compared for equality.
 
+It then counts what `init_process_groups` asks of torch at those sizes, with
+``torch.distributed`` replaced by a recorder (no processes): the ``new_group`` calls one rank
+makes (ranks 0, W/2 and W-1) and the ranks in each call's creation barrier, against what
+creating every group on every rank (the previous scheme, and Megatron-Core's default) costs:
+one call per group of the layout, each with a world-wide barrier.
+
 Prints a table and writes ``benchmarks/results/parallel_state_scale.json`` and ``.md``.
 Usage: ``uv run python benchmarks/parallel_state_scale.py [--repeats 5]``
 """
@@ -23,7 +29,9 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from shardwork.parallel_state import ParallelConfig
+import torch.distributed as dist
+
+from shardwork.parallel_state import ParallelConfig, init_process_groups
 from shardwork.parallel_state.layout import DENSE_GROUPS, EXPERT_GROUPS, RankLayout
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -84,6 +92,59 @@ def peak_mib(fn) -> float:
     return peak / 2**20
 
 
+class RecordingDist:
+    """Stands in for the ``torch.distributed`` calls `init_process_groups` makes on a live
+    world of ``world`` ranks, as rank ``rank``; records every ``new_group``."""
+
+    NAMES = ("is_initialized", "get_rank", "get_world_size", "get_backend", "new_group")
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+        self.calls: list[tuple[int, bool]] = []  # (barrier ranks, local synchronisation)
+
+    def new_group(self, ranks, *, timeout=None, backend=None, use_local_synchronization=False):
+        barrier = len(ranks) if use_local_synchronization else self.world
+        self.calls.append((barrier, use_local_synchronization))
+        return object()
+
+    def __enter__(self):
+        self.saved = {n: getattr(dist, n) for n in self.NAMES}
+        dist.is_initialized = lambda: True
+        dist.get_rank = lambda group=None: self.rank
+        dist.get_world_size = lambda group=None: self.world
+        dist.get_backend = lambda group=None: "gloo"
+        dist.new_group = self.new_group
+        return self
+
+    def __exit__(self, *exc):
+        for name, value in self.saved.items():
+            setattr(dist, name, value)
+
+
+def group_creation(config: ParallelConfig, world: int) -> dict:
+    """Per-rank ``new_group`` calls and barrier ranks now, and for every group on every rank."""
+    per_rank = []
+    for rank in sorted({0, world // 2, world - 1}):
+        with RecordingDist(rank, world) as recorder:
+            init_process_groups(config)
+        per_rank.append(
+            {
+                "rank": rank,
+                "new_group_calls": len(recorder.calls),
+                "barrier_ranks": sum(b for b, _ in recorder.calls),
+            }
+        )
+    layout = RankLayout.build(config, world)
+    every_group = sum(len(groups) for groups in layout.groups.values())
+    return {
+        "per_rank": per_rank,
+        "every_group_on_every_rank": {
+            "new_group_calls": every_group,
+            "barrier_ranks": every_group * world,
+        },
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -104,6 +165,7 @@ def main() -> None:
                 "python_enumeration_s": old_s,
                 "speedup": old_s / new_s,
                 "build_peak_mib": peak_mib(lambda w=world: RankLayout.build(config, w)),
+                "group_creation": group_creation(config, world),
             }
         )
     record = {
@@ -128,6 +190,23 @@ def main() -> None:
         lines.append(
             f"| {r['world']:,} | {r['build_s']:.3f} | {r['python_enumeration_s']:.3f} | "
             f"{r['speedup']:.1f}x | {r['build_peak_mib']:.1f} |"
+        )
+    lines += [
+        "",
+        "Group creation by one rank (`init_process_groups`, torch.distributed recorded):",
+        "",
+        "| world | new_group calls per rank (now) | ranks in its barriers (now) | "
+        "every group on every rank: calls | barrier ranks |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        g = r["group_creation"]
+        calls = sorted({p["new_group_calls"] for p in g["per_rank"]})
+        barriers = sorted({p["barrier_ranks"] for p in g["per_rank"]})
+        old = g["every_group_on_every_rank"]
+        lines.append(
+            f"| {r['world']:,} | {'/'.join(map(str, calls))} | {'/'.join(map(str, barriers))} | "
+            f"{old['new_group_calls']:,} | {old['barrier_ranks']:,} |"
         )
     text = "\n".join(lines)
     print(text)

@@ -1,7 +1,8 @@
 """``ProcessGroups``: every communicator a rank needs, created once and passed explicitly.
 
-- ``init_process_groups`` builds the :class:`RankLayout`, then creates one
-  communicator per group name and member list, in the same order on every rank.
+- ``init_process_groups`` builds the :class:`RankLayout`, then each rank creates the
+  communicators of the groups it belongs to (one per name), in name order, with local
+  synchronisation: its work does not grow with the number of groups it is not in.
   Two names with the same members (say ep and dp) still get separate
   communicators, as in Megatron-Core: collectives issued on one (an overlapped
   gradient all-reduce) must never queue behind or interleave with another's (an
@@ -186,28 +187,29 @@ def _create_groups(
     backend: str | None,
     timeout: timedelta | None,
 ) -> dict[str, ProcessGroup]:
-    """Create one communicator per group of each name in ``names``; return this rank's by name.
+    """Create this rank's communicator of each name in ``names``; return them by name.
 
     Layout rank ``i`` is global rank ``global_ranks[i]``; ``me`` is this process's global rank.
-    ``backend=None`` gives the world's backend. Every rank of the layout makes the same calls
-    in the same order. When the layout covers only part of the world, groups are created with
-    local synchronisation and only by their members, so ranks outside the layout take no part.
+    ``backend=None`` gives the world's backend. Each rank creates only the groups it is a
+    member of, with local synchronisation (only the members meet in the creation barrier):
+    per-rank work is one ``new_group`` per name, whatever the world size, where creating
+    every group on every rank costs each rank one call per group of the whole layout (about
+    190,000 at 100k ranks) and a world-wide barrier in each. Members create their groups in
+    the same order (``names``' order), which keeps torch's per-rank group counter, and so the
+    hashed group names, equal across the members of each group.
     """
-    local = len(global_ranks) != dist.get_world_size()
     local_me = list(global_ranks).index(me)
     mine: dict[str, ProcessGroup] = {}
     for name in names:
-        for group in layout.groups[name]:
-            if local and local_me not in group:
-                continue
-            handle = dist.new_group(
-                [global_ranks[r] for r in group],
-                timeout=timeout,
-                backend=backend,
-                use_local_synchronization=local,
-            )
-            if local_me in group:
-                mine[name] = handle
+        members = next((g for g in layout.groups[name] if local_me in g), None)
+        if members is None:  # a middle pipeline stage has no 'embedding' group
+            continue
+        mine[name] = dist.new_group(
+            [global_ranks[r] for r in members],
+            timeout=timeout,
+            backend=backend,
+            use_local_synchronization=True,
+        )
     return mine
 
 
