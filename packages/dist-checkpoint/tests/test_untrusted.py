@@ -180,10 +180,18 @@ def test_two_ranks_refuse_crafted_checkpoints(tmp_path):
 
     shutil.copy(outside / "__0_0.distcp", tmp_path / "outside" / "x.distcp")
     rewrite_metadata(outside, escape)
+    past_end = _saved(tmp_path / "past_end")
+    size = (past_end / "__0_0.distcp").stat().st_size
+
+    def stretch(metadata):
+        max(metadata.storage_data.values(), key=lambda i: i.offset).offset = size - 8
+
+    rewrite_metadata(past_end, stretch)
     for path, fragment in [
         (evil_object, "__0_0.distcp"),
         (evil_metadata, ".metadata: refused"),
         (outside, "refused file name '../x.distcp'"),
+        (past_end, "__0_0.distcp: record 'rng/shard_0_1' asks for"),
     ]:
         results = run_on_ranks(_load_on_rank, 2, args=(str(path),))
         assert len(results) == 2
