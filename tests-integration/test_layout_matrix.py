@@ -464,6 +464,78 @@ def test_fp32_cell_matches_world_one(tmp_path, corpus_cache, references, pool_pi
     )
 
 
+GUARD_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "layout_matrix_world1.json"
+"""The world-1 references as trained before issue 18's restructuring (written by
+``tools/layout_matrix_fixture.py``), with the kernels that produced them."""
+
+GUARDED_REFERENCES = [
+    ("dense", "fp64", WORLD_ONE),
+    ("moe", "fp64", WORLD_ONE),
+    ("moe", "fp32", WORLD_ONE),
+    ("moe-aux", "fp64", TokenGroups(seq_shards=2)),
+]
+"""The references the default (not slow) run trains anyway, so guarding them costs no run."""
+
+
+def guard_key(kind: str, dtype: str, groups: TokenGroups) -> str:
+    return f"{kind}-{dtype}-{groups.name}"
+
+
+def kernel_fingerprint() -> dict:
+    """What decides the last bits of a world-1 run on CPU: torch's build, the CPU kernels torch
+    and MKL dispatch to, the CPU and the intra-op thread count (reduction split)."""
+    import platform
+
+    import torch
+
+    cpu = "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "mkl_instructions": os.environ.get("MKL_ENABLE_INSTRUCTIONS", ""),
+        "cpu": cpu,
+        "machine": platform.machine(),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _from_json(record: dict) -> dict:
+    """A JSON-read reference with its integer step keys restored."""
+    return {
+        "train": {int(k): v for k, v in record["train"].items()},
+        "valid": {int(k): v for k, v in record["valid"].items()},
+        "steps": {int(k): v for k, v in record["steps"].items()},
+    }
+
+
+@pytest.mark.parametrize(
+    ("kind", "dtype", "groups"),
+    [pytest.param(k, d, g, id=guard_key(k, d, g)) for k, d, g in GUARDED_REFERENCES],
+)
+def test_world_one_reference_is_unchanged(references, kind, dtype, groups):
+    """Refactoring guard (issue 18): the world-1 runs train exactly what they trained before.
+
+    On a machine whose kernels match the fixture's (:func:`kernel_fingerprint`) every loss,
+    gradient norm, expert load and aux loss must be equal bit for bit: a restructuring that
+    changes no arithmetic changes no bit. Elsewhere the reduction order of the CPU's kernels
+    differs, and the check is the matrix's own (rtol 1e-9 in float64, 1e-4 in float32).
+    """
+    stored = json.loads(GUARD_FIXTURE.read_text())
+    expected = _from_json(stored["references"][guard_key(kind, dtype, groups)])
+    got = references(kind, dtype, groups)
+    steps = STEPS if dtype == "fp64" else FP32_STEPS
+    if stored["machine"] == kernel_fingerprint():
+        assert {k: got[k] for k in ("train", "valid", "steps")} == expected
+    else:
+        rtol = RTOL if dtype == "fp64" else FP32_RTOL
+        _assert_matches([got], expected, steps=steps, rtol=rtol)
+
+
 def test_matrix_models_are_deterministic(tmp_path, corpus_cache, monkeypatch):
     """The premises of the 1e-9 tolerance: float64 everywhere, nothing stochastic, dropless."""
     import torch
