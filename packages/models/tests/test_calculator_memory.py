@@ -206,6 +206,17 @@ def test_bad_layouts_raise_before_counting():
         memory_estimate(cfg, seq_length=16, micro_batch_size=1, pp=2, pp_rank=2)
     with pytest.raises(ValueError, match=r"need GPTConfig\.moe"):
         local_parameters(preset("tiny-llama3-8b"), ep=2)
+    with pytest.raises(ValueError, match=r"need GPTConfig\.moe"):
+        local_parameters(preset("tiny-llama3-8b"), tp=2, etp=1 + 2)
+
+
+def test_dense_model_at_tp_takes_the_default_etp():
+    """etp defaults to tp; a dense model at tp > 1 is a valid layout (it has no experts)."""
+    cfg = preset("tiny-llama3-8b", num_layers=4)
+    groups = _rank_of(ParallelConfig(tp=2), 2, 0)
+    n = sum(p.numel() for p in _stage_params(cfg, groups))
+    assert local_parameters(cfg, tp=2).total == n
+    assert memory_estimate(cfg, seq_length=16, micro_batch_size=1, tp=2).params == n
     with pytest.raises(ValueError, match="recompute='some'"):
         memory_estimate(cfg, seq_length=16, micro_batch_size=1, recompute="some")
 

@@ -72,7 +72,8 @@ def _check_layout(config: GPTConfig, *, tp: int, ep: int, etp: int) -> None:
     for name, value in (("tp", tp), ("ep", ep), ("etp", etp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} is invalid: it must be an integer >= 1")
-    if config.moe is None and (ep > 1 or etp > 1):
+    # etp defaults to tp (as ParallelConfig), so a dense model at tp > 1 has etp == tp
+    if config.moe is None and (ep > 1 or etp not in (1, tp)):
         raise ValueError(f"ep={ep}, etp={etp} need GPTConfig.moe: a dense model has no experts")
     if config.moe is not None:
         config.moe.check_layout(ParallelConfig(tp=tp, ep=ep, etp=etp))
