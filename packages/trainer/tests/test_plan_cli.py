@@ -73,7 +73,10 @@ def test_size_filters_keep_only_matching_layouts(capsys):
     [
         (["--gpu", "b300"], ["--gpu='b300'", "a100-80gb, h100-sxm, h800-sxm"]),
         (["--dp", "3"], ["--dp=3: must divide --gpus=64"]),
-        (["--dp", "64", "--global_batch", "100"], ["--global_batch=100 is not divisible by --dp=64"]),
+        (
+            ["--dp", "64", "--global_batch", "100"],
+            ["--global_batch=100 is not divisible by --dp=64"],
+        ),
         (["--efficiency", "1.5"], ["--efficiency=1.5", "(0, 1]"]),
         (["--cluster", "nowhere"], ["--cluster='nowhere'", "selene"]),
     ],
