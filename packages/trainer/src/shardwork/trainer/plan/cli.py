@@ -154,6 +154,10 @@ def _cluster(args: PlanArgs):
     return Cluster(num_gpus=args.gpus, **base)
 
 
+def _matches(row, sizes: dict) -> bool:
+    return all(getattr(row.layout, k) == v for k, v in sizes.items())
+
+
 def run(args: PlanArgs) -> str:
     """Plan and return the table (writes the plot if asked)."""
     from shardwork.trainer.plan.planner import plan
@@ -171,9 +175,8 @@ def run(args: PlanArgs) -> str:
     wanted = {k: getattr(args, k) for k in ("tp", "cp", "pp", "dp", "ep")}
     wanted = {k: v for k, v in wanted.items() if v is not None}
     if wanted:
-        keep = lambda r: all(getattr(r.layout, k) == v for k, v in wanted.items())  # noqa: E731
-        result.rows = [r for r in result.rows if keep(r)]
-        result.refused = [r for r in result.refused if keep(r)]
+        result.rows = [r for r in result.rows if _matches(r, wanted)]
+        result.refused = [r for r in result.refused if _matches(r, wanted)]
     if args.plot is not None:
         tmp = Path(args.plot).with_name(f".{Path(args.plot).name}.tmp")
         tmp.write_text(render_svg(result, top=args.top))

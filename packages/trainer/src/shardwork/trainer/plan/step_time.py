@@ -145,7 +145,7 @@ def _dp_seconds(model: GPTConfig, layout: Layout, cluster: Cluster) -> tuple[flo
     lay = layout
     etp = lay.etp if model.moe is not None else None
     worst = (0.0, 0.0)
-    for r in {0, lay.pp - 1}:
+    for r in {0, min(1, lay.pp - 1), lay.pp - 1}:  # the ends and a middle rank (all alike)
         local = local_parameters(
             model, tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=etp, pp_rank=r, vpp=lay.vpp,
             first_stage_layers=lay.first_stage_layers, last_stage_layers=lay.last_stage_layers,
