@@ -143,3 +143,39 @@ def test_every_proposed_layout_passes_the_trainers_validation(tmp_path):
         )  # fmt: skip; raises ConfigError if the trainer refuses the layout
         seen += 1
     assert seen == 16  # the number of layouts enumerated for this model and problem
+
+
+def test_every_proposed_moe_layout_passes_the_trainers_validation(tmp_path):
+    """The same for a MoE model: ep and etp choices included."""
+    from shardwork.trainer.model_factory import gpt_config
+    from shardwork.trainer.testing import tiny_config
+
+    model = {"preset": "tiny-mixtral-8x7b"}
+    planner_model = gpt_config(tiny_config(tmp_path / "probe", model=model))
+    n, batch, seq = 8, 16, 256
+    layouts = list(
+        parallel_layouts(
+            planner_model, num_gpus=n, gpus_per_node=8, global_batch=batch, seq_length=seq
+        )
+    )
+    for lay in layouts:
+        tiny_config(
+            tmp_path / "run",
+            world_size=n,
+            model=model,
+            data={"seq_length": seq},
+            schedule={"global_batch_size": batch, "micro_batch_size": 1},
+            parallel={
+                "tp": lay.tp,
+                "cp": lay.cp,
+                "pp": lay.pp,
+                "vpp": lay.vpp if lay.vpp > 1 else None,
+                "ep": lay.ep,
+                "etp": lay.etp,
+                "sequence_parallel": lay.tp > 1,
+                "first_stage_layers": lay.first_stage_layers,
+                "last_stage_layers": lay.last_stage_layers,
+            },
+        )  # fmt: skip; raises ConfigError if the trainer refuses the layout
+    assert {x.ep for x in layouts} == {1, 2, 4, 8}
+    assert {x.etp for x in layouts} == {1, 2}  # tp <= 2: the tiny twin has 2 kv heads
