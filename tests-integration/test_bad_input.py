@@ -45,12 +45,14 @@ PROGS = {
     "generate": "shardwork-generate",
     "preprocess": "shardwork-preprocess",
     "ckpt": "shardwork-ckpt",
+    "plan": "shardwork-plan",
 }
 MODULES = {
     "train": "shardwork.trainer",
     "generate": "shardwork.trainer.generate",
     "preprocess": "shardwork.trainer.data.preprocess",
     "ckpt": "shardwork.dist_checkpoint.cli",
+    "plan": "shardwork.trainer.plan.cli",
 }
 QUICK = {"schedule": {"train_steps": 2, "warmup_steps": 1}, "eval": {"interval": None}}
 
@@ -267,6 +269,14 @@ def _jsonl(lines: list[str]):
 
 
 GOOD = json.dumps({"text": "a first document"})
+
+PLAN = ("--model", "llama3-8b", "--gpus", "64", "--global_batch", "128", "--seq_length", "4096")
+
+
+def _plan_bad_json(scratch: Path, trained: Path | None) -> None:
+    (scratch / "hf").mkdir()
+    (scratch / "hf" / "config.json").write_text('{"model_type": "llama", ')
+
 
 CASES: list[Case] = [
     # ---- configuration values and types (shardwork-train --config FILE) ----
@@ -756,6 +766,36 @@ CASES: list[Case] = [
         needs_checkpoint=True,
         starts_with="CORRUPT: ",
     ),
+    # ---- shardwork-plan ----
+    Case(
+        "plan-unknown-gpu",
+        "plan",
+        (*PLAN, "--gpu", "b300"),
+        EXIT_USAGE,
+        ("--gpu='b300'", "unknown GPU", "h100-sxm"),
+    ),
+    Case(
+        "plan-batch-not-divisible-by-dp",
+        "plan",
+        (*PLAN, "--dp", "16", "--global_batch", "100"),
+        EXIT_USAGE,
+        ("--global_batch=100 is not divisible by --dp=16",),
+    ),
+    Case(
+        "plan-unknown-preset",
+        "plan",
+        ("--model", "llama9-1t", *PLAN[2:]),
+        EXIT_USAGE,
+        ("--model='llama9-1t'", "neither a preset nor a readable config.json", "llama3-8b"),
+    ),
+    Case(
+        "plan-unreadable-config-json",
+        "plan",
+        ("--model", "{d}/hf/config.json", *PLAN[2:]),
+        EXIT_USAGE,
+        ("cannot read {d}/hf/config.json as JSON",),
+        setup=_plan_bad_json,
+    ),
 ]
 
 
@@ -777,6 +817,10 @@ def _main(cli: str):
         return main
     if cli == "preprocess":
         from shardwork.trainer.data.preprocess import main
+
+        return main
+    if cli == "plan":
+        from shardwork.trainer.plan.cli import main
 
         return main
     from shardwork.dist_checkpoint.cli import main

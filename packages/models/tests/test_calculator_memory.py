@@ -206,5 +206,43 @@ def test_bad_layouts_raise_before_counting():
         memory_estimate(cfg, seq_length=16, micro_batch_size=1, pp=2, pp_rank=2)
     with pytest.raises(ValueError, match=r"need GPTConfig\.moe"):
         local_parameters(preset("tiny-llama3-8b"), ep=2)
+    with pytest.raises(ValueError, match=r"need GPTConfig\.moe"):
+        local_parameters(preset("tiny-llama3-8b"), tp=2, etp=1 + 2)
+
+
+def test_dense_model_at_tp_takes_the_default_etp():
+    """etp defaults to tp; a dense model at tp > 1 is a valid layout (it has no experts)."""
+    cfg = preset("tiny-llama3-8b", num_layers=4)
+    groups = _rank_of(ParallelConfig(tp=2), 2, 0)
+    n = sum(p.numel() for p in _stage_params(cfg, groups))
+    assert local_parameters(cfg, tp=2).total == n
+    assert memory_estimate(cfg, seq_length=16, micro_batch_size=1, tp=2).params == n
     with pytest.raises(ValueError, match="recompute='some'"):
         memory_estimate(cfg, seq_length=16, micro_batch_size=1, recompute="some")
+
+
+@pytest.mark.parametrize(("name", "pp", "vpp", "first", "last"), [
+    ("tiny-llama3-8b", 4, None, 1, 1),
+    ("tiny-qwen3-8b", 3, None, 2, 0),
+    ("tiny-mixtral-8x7b", 2, 2, 2, 4),
+])  # fmt: skip
+def test_uneven_pipeline_split_counts_each_stage(name, pp, vpp, first, last):
+    """``first/last_stage_layers`` (the trainer's uneven split) against the meta-device stages."""
+    layers = {4: 8, 3: 5, 2: 6}[pp]
+    cfg = preset(name, params_dtype=torch.bfloat16, num_layers=layers)
+    parallel = ParallelConfig(tp=1, pp=pp, vpp=vpp)
+    split = dict(first_stage_layers=first, last_stage_layers=last)
+    for pp_rank in range(pp):
+        groups = _rank_of(parallel, pp, pp_rank)
+        chunks = [
+            build_stage(cfg, groups, vp_chunk=c, device="meta", **split) for c in range(vpp or 1)
+        ]
+        params = [p for chunk in chunks for p in chunk.parameters()]
+        local = local_parameters(cfg, pp=pp, vpp=vpp, pp_rank=pp_rank, **split)
+        assert local.total == sum(p.numel() for p in params)
+        est = memory_estimate(
+            cfg, seq_length=16, micro_batch_size=1, pp=pp, vpp=vpp, pp_rank=pp_rank, **split
+        )
+        assert est.weights == sum(p.numel() * p.element_size() for p in params)
+    with pytest.raises(ValueError, match="first_stage_layers"):
+        memory_estimate(cfg, seq_length=16, micro_batch_size=1, pp=pp, first_stage_layers=99)

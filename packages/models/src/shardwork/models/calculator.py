@@ -109,6 +109,8 @@ def memory_estimate(
     pp_rank: int | None = None,
     num_microbatches: int | None = None,
     recompute: str | None = None,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
 ) -> MemoryEstimate:
     """Memory per GPU (formulas: :mod:`shardwork.models.calculator_memory`).
 
@@ -117,6 +119,8 @@ def memory_estimate(
     ``edp = tp·cp·dp/(ep·etp)``. ``pp_rank=None`` returns the rank with the largest total.
     Activations: micro-batches in flight under 1F1B (``min(pp − r, num_microbatches)`` on rank
     ``r``; ``num_microbatches`` defaults to ``pp``) times one micro-batch's saved tensors.
+    ``first_stage_layers`` / ``last_stage_layers``: an uneven pipeline split, as the trainer's
+    ``parallel`` options of the same names (None: an even split).
     """
     from shardwork.models.calculator_memory import local_parameters, stage_activation_bytes
 
@@ -140,7 +144,8 @@ def memory_estimate(
     ranks = range(pp) if pp_rank is None else [pp_rank]
     best = None
     for r in ranks:
-        local = local_parameters(c, tp=tp, pp=pp, ep=ep, etp=etp, pp_rank=r, vpp=vpp)
+        split = dict(first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers)
+        local = local_parameters(c, tp=tp, pp=pp, ep=ep, etp=etp, pp_rank=r, vpp=vpp, **split)
         acts = stage_activation_bytes(
             c,
             seq_length=seq_length,
@@ -152,6 +157,7 @@ def memory_estimate(
             pp_rank=r,
             vpp=vpp,
             recompute=recompute,
+            **split,
         )
         est = MemoryEstimate(
             weights=local.total * c.params_dtype.itemsize,

@@ -72,7 +72,8 @@ def _check_layout(config: GPTConfig, *, tp: int, ep: int, etp: int) -> None:
     for name, value in (("tp", tp), ("ep", ep), ("etp", etp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} is invalid: it must be an integer >= 1")
-    if config.moe is None and (ep > 1 or etp > 1):
+    # etp defaults to tp (as ParallelConfig), so a dense model at tp > 1 has etp == tp
+    if config.moe is None and (ep > 1 or etp not in (1, tp)):
         raise ValueError(f"ep={ep}, etp={etp} need GPTConfig.moe: a dense model has no experts")
     if config.moe is not None:
         config.moe.check_layout(ParallelConfig(tp=tp, ep=ep, etp=etp))
@@ -108,13 +109,26 @@ def _mlp_params(c: GPTConfig, layer: int, *, tp: int, ep: int, etp: int) -> tupl
     return dense, expert
 
 
-def _stage_layout(config: GPTConfig, pp: int, pp_rank: int, vpp: int | None):
-    """(global layer indices, holds the embedding, holds head/final norm/MTP)."""
+def _stage_layout(
+    config: GPTConfig,
+    pp: int,
+    pp_rank: int,
+    vpp: int | None,
+    first: int | None = None,
+    last: int | None = None,
+):
+    """(global layer indices, holds the embedding, holds head/final norm/MTP).
+
+    ``first``/``last``: layers on the first/last pipeline rank (an uneven split, as the
+    trainer's ``parallel.first_stage_layers``/``last_stage_layers``); None: an even split.
+    """
     from shardwork.models.pipeline.split import layer_split
 
     if isinstance(pp_rank, bool) or not isinstance(pp_rank, int) or not 0 <= pp_rank < pp:
         raise ValueError(f"pp_rank={pp_rank!r} is invalid: it must be in [0, pp={pp})")
-    split = layer_split(config.num_layers, pp, vpp=vpp)
+    split = layer_split(
+        config.num_layers, pp, vpp=vpp, first_stage_layers=first, last_stage_layers=last
+    )
     layers = [i for chunk in split[pp_rank] for i in chunk]
     return layers, pp_rank == 0, pp_rank == pp - 1
 
@@ -128,16 +142,19 @@ def local_parameters(
     etp: int | None = None,
     pp_rank: int = 0,
     vpp: int | None = None,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
 ) -> LocalParams:
     """Exact parameter elements on a rank of pipeline rank ``pp_rank`` (all its vpp chunks).
 
     Every tp/ep/etp rank of a stage holds the same shapes, so only ``pp_rank`` matters.
-    ``etp`` defaults to ``tp`` (as ``ParallelConfig``).
+    ``etp`` defaults to ``tp`` (as ``ParallelConfig``). ``first_stage_layers`` /
+    ``last_stage_layers``: an uneven pipeline split (``shardwork.models.pipeline.layer_split``).
     """
     etp = tp if etp is None else etp
     _check_layout(config, tp=tp, ep=ep, etp=etp)
     c, h = config, config.hidden_size
-    layers, pre, post = _stage_layout(c, pp, pp_rank, vpp)
+    layers, pre, post = _stage_layout(c, pp, pp_rank, vpp, first_stage_layers, last_stage_layers)
     vocab = c.padded_vocab_size // tp * h
     attn = _attention_params(c, tp) + 2 * h
     dense = expert = 0
@@ -278,10 +295,12 @@ def stage_activation_bytes(
     pp_rank: int = 0,
     vpp: int | None = None,
     recompute: str | None = None,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
 ) -> float:
     """Bytes one micro-batch's forward saves on pipeline rank ``pp_rank`` (see module doc)."""
     cfg = config
-    layers, pre, post = _stage_layout(cfg, pp, pp_rank, vpp)
+    layers, pre, post = _stage_layout(cfg, pp, pp_rank, vpp, first_stage_layers, last_stage_layers)
     kw = dict(
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,

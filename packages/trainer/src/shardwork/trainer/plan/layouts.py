@@ -1,0 +1,162 @@
+"""Enumerate the layouts ``shardwork-train`` would accept for a model, batch and GPU count.
+
+A :class:`Layout` is one way to run a step: the parallel sizes (tp, cp, pp with vpp, dp, ep,
+etp), the uneven pipeline split (if any), the micro-batch size and the recompute mode.
+:func:`parallel_layouts` yields every parallel layout the trainer's own checks accept
+(:func:`variants` adds the micro-batch and recompute choices), reusing them
+rather than restating them:
+
+- ``ParallelConfig(...).resolve(num_gpus)`` (sizes, vpp needs pp > 1),
+- ``GPTConfig.check_layout(parallel, seq_length=...)`` (heads, kv heads, ffn and vocabulary
+  rows divisible by tp; experts by ep; ep·etp tiling tp·cp·dp; sequence vs 2·cp and tp),
+- ``shardwork.models.pipeline.layers_per_rank`` (the pp/vpp split, uneven ends included),
+- the schedule rule: ``global_batch`` a multiple of ``micro_batch × dp``.
+
+Search space (what the planner chooses among; docs/planner.md says why):
+- cp only while each rank keeps at least ``MIN_CP_TOKENS`` = 4096 tokens of a sequence. The
+  cost model assumes matmul efficiency independent of the token count and bandwidth-only
+  collectives, which stop holding for short chunks (CP is a long-context tool: Llama 3 uses
+  it only at 131k, 8192 tokens a rank). 4096 is a round bound below that, not fitted.
+- tp up to the GPUs of one node (every layer's tp collectives would otherwise cross the
+  slowest link: Narayanan et al. 2021, takeaway 1); sequence parallelism on whenever tp > 1.
+- pp: an even split, or, when ``num_layers`` does not divide, the first and last ranks each
+  giving up layers (``q = ceil(L/pp)`` on every other rank; the last rank, which also holds
+  the head, gives up the larger half of the deficit) — Llama 3's and BLOOM's pipeline rule.
+- vpp: 1 or any chunk count the split allows (``layers_per_rank`` with it), up to 8.
+- etp: 1 or tp (MoE only); ep: the divisors of the expert count that the dense ranks tile.
+- micro-batch: 1, 2, 4, 8 (those dividing ``global_batch / dp``); recompute none/selective/full.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from shardwork.models import GPTConfig
+from shardwork.models.pipeline import layers_per_rank
+from shardwork.parallel_state import ParallelConfig
+
+__all__ = ["Layout", "parallel_layouts", "pipeline_split", "variants"]
+
+RECOMPUTE = ("none", "selective", "full")
+MICRO_BATCHES = (1, 2, 4, 8)
+MAX_VPP = 8
+MIN_CP_TOKENS = 4096
+
+
+@dataclass(frozen=True, order=True)
+class Layout:
+    """One candidate layout (``dp`` excludes cp: ``num_gpus = tp·cp·pp·dp``)."""
+
+    tp: int
+    cp: int
+    pp: int
+    dp: int
+    ep: int = 1
+    etp: int = 1
+    vpp: int = 1
+    micro_batch: int = 1
+    recompute: str = "none"
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+
+    @property
+    def num_gpus(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def parallel_key(self) -> tuple[int, int, int, int, int, int]:
+        """(tp, cp, pp, dp, ep, etp): the layout without its schedule/batch/recompute knobs."""
+        return (self.tp, self.cp, self.pp, self.dp, self.ep, self.etp)
+
+    @property
+    def schedule(self) -> str:
+        """The trainer's ``schedule.pipeline_schedule`` for this layout."""
+        if self.pp == 1:
+            return "none"
+        return "interleaved" if self.vpp > 1 else "1f1b"
+
+    def describe(self) -> str:
+        """Short text, e.g. ``TP8 CP1 PP16(1f1b) DP64 mb1 full``."""
+        pp = f"PP{self.pp}" + (f"x{self.vpp}" if self.vpp > 1 else "")
+        ep = f" EP{self.ep} ETP{self.etp}" if self.ep > 1 or self.etp > 1 else ""
+        return f"TP{self.tp} CP{self.cp} {pp} DP{self.dp}{ep} mb{self.micro_batch} {self.recompute}"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def pipeline_split(num_layers: int, pp: int) -> tuple[int | None, int | None]:
+    """(first_stage_layers, last_stage_layers) for ``pp`` ranks: (None, None) when even."""
+    if num_layers % pp == 0:
+        return None, None
+    q = -(-num_layers // pp)
+    deficit = q * pp - num_layers
+    return q - deficit // 2, q - (deficit - deficit // 2)
+
+
+def _model_accepts(model: GPTConfig, parallel: ParallelConfig, seq_length: int) -> bool:
+    try:
+        model.replace(sequence_parallel=parallel.tp > 1).check_layout(
+            parallel, seq_length=seq_length
+        )
+    except ValueError:
+        return False
+    return True
+
+
+def _vpps(model: GPTConfig, pp: int, first, last) -> list[int]:
+    if pp == 1:
+        return [1]
+    out = []
+    for v in range(1, MAX_VPP + 1):
+        try:
+            layers_per_rank(
+                model.num_layers, pp, vpp=v, first_stage_layers=first, last_stage_layers=last
+            )
+        except ValueError:
+            continue
+        out.append(v)
+    return out
+
+
+def parallel_layouts(
+    model: GPTConfig, *, num_gpus: int, gpus_per_node: int, global_batch: int, seq_length: int
+) -> Iterator[Layout]:
+    """Every (tp, cp, pp, vpp, dp, ep, etp) the trainer accepts, micro-batch 1, no recompute."""
+    experts = model.moe.num_experts if model.moe is not None else 1
+    for tp in (t for t in _divisors(num_gpus) if t <= gpus_per_node):
+        for cp in _divisors(num_gpus // tp):
+            if cp > 1 and seq_length // cp < MIN_CP_TOKENS:
+                continue
+            for pp in _divisors(num_gpus // (tp * cp)):
+                dp = num_gpus // (tp * cp * pp)
+                if global_batch % dp != 0 or pp > model.num_layers:
+                    continue
+                first, last = pipeline_split(model.num_layers, pp)
+                for ep in (e for e in _divisors(experts) if (tp * cp * dp) % e == 0):
+                    for etp in sorted({1, tp}) if experts > 1 else [tp]:
+                        if (tp * cp * dp) % (ep * etp) != 0:
+                            continue
+                        for vpp in _vpps(model, pp, first, last):
+                            parallel = ParallelConfig(
+                                tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, cp=cp, ep=ep, etp=etp
+                            )
+                            parallel.resolve(num_gpus)
+                            if not _model_accepts(model, parallel, seq_length):
+                                continue
+                            yield Layout(
+                                tp, cp, pp, dp, ep, etp if experts > 1 else 1, vpp,
+                                first_stage_layers=first, last_stage_layers=last,
+                            )  # fmt: skip
+
+
+def variants(base: Layout, global_batch: int) -> Iterator[list[Layout]]:
+    """Per recompute mode, ``base`` at each micro-batch size dividing ``global_batch / dp``, in
+    increasing order (memory grows with the micro-batch, so a caller may stop at the first
+    that does not fit)."""
+    per_replica = global_batch // base.dp
+    sizes = [b for b in MICRO_BATCHES if per_replica % b == 0]
+    for recompute in RECOMPUTE:
+        yield [Layout(**{**base.__dict__, "micro_batch": b, "recompute": recompute}) for b in sizes]

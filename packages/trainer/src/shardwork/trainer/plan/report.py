@@ -1,0 +1,99 @@
+"""The planner's ranked table (text) and its plot (a self-contained SVG, no dependency).
+
+The table lists the best variant of each parallel layout, fastest first: step time, predicted
+MFU, memory per GPU, and the reasons for its time (the shares of the step spent in the bubble
+and in each exposed communication). Refused layouts follow, grouped by parallel layout, each
+with the memory that did not fit.
+"""
+
+from __future__ import annotations
+
+from html import escape
+
+from shardwork.trainer.plan.planner import Plan, PlanRow
+
+__all__ = ["render_svg", "render_table"]
+
+GIB = 2**30
+PARTS = ("compute", "bubble", "tp", "cp", "ep", "pp", "dp")
+COLOURS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3")
+
+
+def _reasons(row: PlanRow) -> str:
+    t = row.time
+    shares = [(name, getattr(t, name) / t.total) for name in PARTS[1:]]
+    big = [f"{name} {share:.0%}" for name, share in shares if share >= 0.01]
+    return ", ".join(big) if big else "compute-bound"
+
+
+def _refused_layouts(plan: Plan) -> list[PlanRow]:
+    """One refused row per parallel layout that has no fitting variant at all."""
+    fitting = {r.layout.parallel_key for r in plan.rows}
+    seen, out = set(), []
+    for row in sorted(plan.refused, key=lambda r: r.memory):
+        key = row.layout.parallel_key
+        if key in fitting or key in seen:
+            continue
+        seen.add(key)
+        out.append(row)
+    return out
+
+
+def render_table(plan: Plan, *, top: int = 10, refused: int = 5) -> str:
+    """The ranked table (``top`` rows) and the ``refused`` leanest refused layouts."""
+    c = plan.cluster
+    lines = [
+        f"{c.num_gpus} x {c.gpu.name} ({c.gpus_per_node} per node), global batch "
+        f"{plan.global_batch} x {plan.seq_length} tokens, efficiency {plan.efficiency:g}",
+        f"{'#':>3}  {'layout':<40} {'step s':>8} {'MFU':>6} {'GiB':>6}  time beyond compute",
+    ]
+    ranked = plan.ranked()
+    for i, row in enumerate(ranked[:top], start=1):
+        lines.append(
+            f"{i:>3}  {row.layout.describe():<40} {row.time.total:>8.2f} {row.mfu:>6.1%} "
+            f"{row.memory / GIB:>6.1f}  {_reasons(row)}"
+        )
+    if not ranked:
+        lines.append("  (no layout fits)")
+    rejected = _refused_layouts(plan)
+    lines.append(f"{len(ranked)} parallel layouts fit; {len(rejected)} do not fit at all")
+    for row in rejected[:refused]:
+        lines.append(f"  refused {row.layout.describe()}: {row.refused}")
+    return "\n".join(lines)
+
+
+def render_svg(plan: Plan, *, top: int = 10) -> str:
+    """Horizontal stacked bars of the ``top`` layouts' step time, split into its parts."""
+    rows = plan.ranked()[:top]
+    width, left, bar, gap = 900, 300, 22, 8
+    height = 60 + len(rows) * (bar + gap) + 40
+    longest = max((r.time.total for r in rows), default=1.0)
+    scale = (width - left - 20) / longest
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        'font-family="sans-serif" font-size="12">',
+        f'<text x="10" y="20" font-size="14">Predicted step time, {plan.cluster.num_gpus} x '
+        f"{escape(plan.cluster.gpu.name)} (seconds)</text>",
+    ]
+    for i, row in enumerate(rows):
+        y = 40 + i * (bar + gap)
+        label = f"{i + 1}. {row.layout.describe()}"
+        out.append(f'<text x="10" y="{y + 15}">{escape(label)}</text>')
+        x = float(left)
+        for name, colour in zip(PARTS, COLOURS):
+            w = getattr(row.time, name) * scale
+            if w > 0:
+                out.append(
+                    f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{bar}" fill="{colour}">'
+                    f"<title>{name} {getattr(row.time, name):.3f} s</title></rect>"
+                )
+                x += w
+        out.append(f'<text x="{x + 4:.1f}" y="{y + 15}">{row.time.total:.2f}</text>')
+    y = height - 20
+    for j, (name, colour) in enumerate(zip(PARTS, COLOURS)):
+        out.append(
+            f'<rect x="{10 + j * 100}" y="{y - 10}" width="12" height="12" fill="{colour}"/>'
+        )
+        out.append(f'<text x="{26 + j * 100}" y="{y}">{name}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
