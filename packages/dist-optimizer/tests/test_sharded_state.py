@@ -159,7 +159,7 @@ def test_default_rects_for_fused_tp_blocks():
 
 
 def test_flat_piece_entries_select_the_right_elements_for_any_axis():
-    from shardwork.dist_optimizer.param_rects import ParamRect, _piece_entries
+    from shardwork.dist_optimizer.param_rects import ParamRect, piece_entries
 
     shape = (3, 6)
     local = torch.arange(18.0).view(shape)
@@ -172,7 +172,7 @@ def test_flat_piece_entries_select_the_right_elements_for_any_axis():
             for b in range(a + 1, 19):
                 piece = local.view(-1)[a:b]
                 seen = 0
-                for rect, _bshape, (fa, fb), selector in _piece_entries(rects, shape, a, b):
+                for rect, _bshape, (fa, fb), selector in piece_entries(rects, shape, a, b):
                     box = local.narrow(axis, rect.start, rect.stop - rect.start).reshape(-1)
                     assert torch.equal(piece[selector], box[fa:fb])
                     seen += fb - fa

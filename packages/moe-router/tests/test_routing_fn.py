@@ -26,8 +26,8 @@ from shardwork.moe_router.routing_fn import (
     normalised_scores,
     route_topk,
 )
+from shardwork.moe_router.scoring import activate as _activate
 from shardwork.moe_router.scoring import (
-    _activate,
     aux_loss_scores,
     drop_to_capacity,
     topk_indices_nonnegative,

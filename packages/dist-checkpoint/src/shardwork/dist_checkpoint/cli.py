@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from shardwork.dist_checkpoint import metadata as md
 from shardwork.dist_checkpoint.layout import LAYOUT_FIELDS
 from shardwork.dist_checkpoint.verify import verify
@@ -113,8 +115,6 @@ def _layout(layout: dict[str, Any] | None) -> str:
 
 
 def _itemsize(dtype: str) -> int:
-    import torch
-
     return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 

@@ -25,8 +25,10 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from shardwork.dist_checkpoint.faults import FAULT_ENV
+from shardwork.dist_checkpoint.manager import CheckpointManager
 from shardwork.dist_checkpoint.sharded import ShardedObject, ShardedTensor
 
 __all__ = ["TENSOR_CASES", "example_global", "example_state", "run_killed_save", "seeded"]
@@ -104,10 +106,6 @@ def example_state(rank: int, world: int, *, seed: int, fill: bool = True) -> dic
 
 
 def _child(root: str, step: int, rank: int, world: int, store_path: str, fault: str) -> None:
-    import torch.distributed as dist
-
-    from shardwork.dist_checkpoint.manager import CheckpointManager
-
     os.environ[FAULT_ENV] = fault
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)

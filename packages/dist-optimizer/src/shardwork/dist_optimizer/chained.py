@@ -16,7 +16,7 @@ from typing import Any
 
 from shardwork.dist_optimizer.distributed_optimizer import DistributedOptimizer
 from shardwork.dist_optimizer.layerwise import LayerWiseDistributedOptimizer
-from shardwork.dist_optimizer.local_masters import OptimizerConfig, OptimizerFactory, _as_models
+from shardwork.dist_optimizer.local_masters import OptimizerConfig, OptimizerFactory, as_models
 from shardwork.dist_optimizer.step_flow import StepResult, run_step
 from shardwork.parallel_state import ProcessGroups
 
@@ -133,7 +133,7 @@ def build_optimizer(
     The expert part is always built (it may own nothing on this rank) so that every rank
     joins the same collectives. ``expert_optimizer_factory`` defaults to ``optimizer_factory``.
     """
-    models = _as_models(model)
+    models = as_models(model)
     kind = (
         DistributedOptimizer
         if models[0].config.use_distributed_optimizer

@@ -30,8 +30,8 @@ from shardwork.dist_optimizer.local_masters import (
     OptimizerConfig,
     OptimizerFactory,
     ParamGroupFn,
-    group_ranks,
 )
+from shardwork.dist_optimizer.optimizer_groups import group_ranks
 from shardwork.parallel_state import ProcessGroups, get_param_meta, group_rank, set_param_meta
 
 __all__ = ["LayerWiseDistributedOptimizer", "OwnedParam"]

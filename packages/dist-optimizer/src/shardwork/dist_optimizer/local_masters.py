@@ -25,15 +25,24 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from shardwork.dist_optimizer.ddp import DistributedDataParallel
 from shardwork.dist_optimizer.grad_stats import grad_stats
-from shardwork.dist_optimizer.optimizer_groups import resolve_optimizer_groups
+from shardwork.dist_optimizer.optimizer_groups import group_ranks, resolve_optimizer_groups
+from shardwork.dist_optimizer.sharded_state import (
+    load_optimizer_sharded_state_dict,
+    optimizer_sharded_state_dict,
+)
 from shardwork.dist_optimizer.step_flow import StepResult, run_step
 from shardwork.parallel_state import ProcessGroups, group_rank
 
-__all__ = ["LocalMastersOptimizer", "OptimizerConfig", "OptimizerFactory", "group_ranks"]
+__all__ = [
+    "LocalMastersOptimizer",
+    "OptimizerConfig",
+    "OptimizerFactory",
+    "as_models",
+    "group_ranks",
+]
 
 OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 ParamGroupFn = Callable[[str, torch.nn.Parameter], Mapping[str, Any] | None]
@@ -57,14 +66,10 @@ class OptimizerConfig:
             raise ValueError(f"OptimizerConfig.clip_grad={self.clip_grad}; valid: >= 0 (0 = off)")
 
 
-def group_ranks(group: Any) -> tuple[int, ...]:
-    """Global ranks of ``group`` (``(this rank,)`` or ``(0,)`` for None)."""
-    if group is None:
-        return (dist.get_rank(),) if dist.is_initialized() else (0,)
-    return tuple(dist.get_process_group_ranks(group))
-
-
-def _as_models(model: Any) -> list[DistributedDataParallel]:
+def as_models(model: Any) -> list[DistributedDataParallel]:
+    """The DDP model chunks an optimizer was given (one, or a list per virtual pipeline chunk)
+    as a list, checked: each a `DistributedDataParallel`, none twice (ValueError naming the
+    index). Shared by the optimizers and `build_optimizer`, which both take either form."""
     models = list(model) if isinstance(model, (list, tuple)) else [model]
     seen: set[int] = set()
     for i, m in enumerate(models):
@@ -123,7 +128,7 @@ class LocalMastersOptimizer(ABC):
         sharded_grads: bool,
         why: str,
     ) -> None:
-        self.models = _as_models(model)
+        self.models = as_models(model)
         self.config = config or OptimizerConfig()
         self.expert = expert
         for i, m in enumerate(self.models):
@@ -244,13 +249,9 @@ class LocalMastersOptimizer(ABC):
         """Optimizer state (masters and per-element states) in global parameter coordinates,
         as dist-checkpoint ``ShardedTensor`` s; ``kwargs``: ``prefix``, ``param_rects`` (see
         :mod:`.sharded_state`)."""
-        from shardwork.dist_optimizer.sharded_state import optimizer_sharded_state_dict
-
         return optimizer_sharded_state_dict(self, **kwargs)
 
     def load_sharded_state_dict(self, state: Mapping[str, Any], **kwargs: Any) -> None:
         """Restore from a state dict loaded from the template :meth:`sharded_state_dict` gave,
         and publish the restored masters to the model parameters."""
-        from shardwork.dist_optimizer.sharded_state import load_optimizer_sharded_state_dict
-
         load_optimizer_sharded_state_dict(self, state, **kwargs)

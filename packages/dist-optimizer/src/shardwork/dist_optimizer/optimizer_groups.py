@@ -13,6 +13,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
+
+
+def group_ranks(group: Any) -> tuple[int, ...]:
+    """Global ranks of ``group`` (``(this rank,)`` or ``(0,)`` for None)."""
+    if group is None:
+        return (dist.get_rank(),) if dist.is_initialized() else (0,)
+    return tuple(dist.get_process_group_ranks(group))
+
 
 @dataclass(frozen=True)
 class OptimizerGroups:
@@ -27,8 +36,6 @@ def resolve_optimizer_groups(
     models, *, expert: bool, process_groups, tp_group, stats_groups, pp_rank
 ) -> OptimizerGroups:
     """Resolve and check the groups of one optimizer part (ValueError on a mismatch)."""
-    from shardwork.dist_optimizer.local_masters import group_ranks
-
     groups = [m.expert_dp_group if expert else m.dp_group for m in models]
     dp_group = groups[0]
     if any(group_ranks(g) != group_ranks(dp_group) for g in groups):

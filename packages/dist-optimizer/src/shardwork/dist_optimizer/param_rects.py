@@ -6,7 +6,7 @@
 - :func:`default_param_rects` derives the rects from ``ParamMeta`` and the TP rank alone;
   :func:`rects_from_model_state` takes keys and offsets from the model's own ShardedTensors
   (needed under pipeline/expert parallelism, where local names collide).
-- :func:`_piece_entries` intersects a ZeRO piece (flat range ``[a, b)`` of the parameter)
+- :func:`piece_entries` intersects a ZeRO piece (flat range ``[a, b)`` of the parameter)
   with each rect: the intersection of a row-major interval with a sub-box is an interval of
   the box's own row-major order, so each intersection is one ``flattened_range``.
 """
@@ -145,7 +145,7 @@ def _count_before(shape: tuple[int, ...], axis: int, lo: int, hi: int, p: int) -
     return outer * width * inner + within
 
 
-def _piece_entries(
+def piece_entries(
     rects: Sequence[ParamRect], shape: tuple[int, ...], a: int, b: int
 ) -> list[tuple[ParamRect, tuple[int, ...], tuple[int, int], Any]]:
     """For each rect meeting the flat range [a, b): (rect, box shape, flat range in the box,

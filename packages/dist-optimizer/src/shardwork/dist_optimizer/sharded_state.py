@@ -41,11 +41,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardwork.dist_checkpoint import ShardedTensor
 from shardwork.dist_optimizer.param_rects import (
     ParamRect,
     ParamRectsFn,
-    _piece_entries,
     default_param_rects,
+    piece_entries,
     rects_from_model_state,
 )
 from shardwork.parallel_state import group_rank, group_size
@@ -136,7 +137,7 @@ def _entries(opt: Any, prefix: str, param_rects: ParamRectsFn | None):
         shape = tuple(param.shape)
         for state_name, tensor in _tensor_states(opt.optimizer, master).items():
             flat = tensor.view(-1)
-            for rect, bshape, frange, selector in _piece_entries(rects, shape, a, b):
+            for rect, bshape, frange, selector in piece_entries(rects, shape, a, b):
                 key = f"{prefix}{rect.key}.{state_name}"
                 yield (
                     key,
@@ -159,8 +160,6 @@ def _items(opt: Any):
 
 
 def _build(opt: Any, prefix: str, param_rects: ParamRectsFn | None):
-    from shardwork.dist_checkpoint import ShardedTensor
-
     tensors: dict[str, Any] = {}
     targets: dict[str, tuple[torch.Tensor, Any]] = {}
     for key, rect, bshape, frange, flat, selector, whole in _entries(opt, prefix, param_rects):

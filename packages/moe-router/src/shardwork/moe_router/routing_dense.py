@@ -4,7 +4,7 @@ Legend: T tokens, E experts, K = top_k.
 
 With a handful of experts every [T, E] op is tiny and per-op overhead dominates; on CPU
 ``torch.topk``, ``gather`` and ``scatter`` cost far more per row than an elementwise op. Here
-the K-th largest ranked score per token is found with max/min only (``scoring._top2_values``),
+the K-th largest ranked score per token is found with max/min only (``scoring.top2_values``),
 the routing map is ``ranked >= threshold`` and every formula runs on [T, E] with zeros off the
 map, which gives the same floats as the [T, K] formulas (sums over the extra zeros are exact).
 A token whose ranked scores tie at the threshold would select more than K experts; then
@@ -21,19 +21,20 @@ from __future__ import annotations
 
 import torch
 
-from shardwork.moe_router.routing_fn import _NORM_EPS, activation_grad
+from shardwork.moe_router.scoring import NORM_EPS, activate, activation_grad, top2_values
+
+# Bound per module (not read through scoring) so a test can plant another eps in each path.
+_NORM_EPS = NORM_EPS
 
 MAX_DENSE_EXPERTS = 32
 
 
 def dense_threshold_map(ranked_TE: torch.Tensor, top_k: int) -> torch.Tensor | None:
     """Bool map of each row's ``top_k`` largest entries, or None when ties make it ambiguous."""
-    from shardwork.moe_router.scoring import _top2_values
-
     if top_k == 1:
         threshold_T = ranked_TE.amax(dim=-1)
     else:
-        threshold_T = _top2_values(ranked_TE)[1]
+        threshold_T = top2_values(ranked_TE)[1]
     map_TE = ranked_TE >= threshold_T.unsqueeze(-1)
     if not bool((map_TE.sum(dim=-1) == top_k).all()):
         return None
@@ -130,15 +131,13 @@ def dense_route(
 
     The dense scores returned are the softmax (both softmax modes) or the activation.
     """
-    from shardwork.moe_router.scoring import _activate
-
     with torch.no_grad():
         if score_function == "softmax":
             # torch's kernel itself: the probs must match Megatron-Core's to the last bit
             scores_TE = torch.softmax(logits_TE, dim=-1, dtype=dtype)
             ranked, mode = scores_TE, "softmax_pre"
         else:
-            scores_TE = _activate(logits_TE, score_function)
+            scores_TE = activate(logits_TE, score_function)
             ranked = scores_TE if expert_bias is None else scores_TE + expert_bias.to(dtype)
             mode = score_function
         map_TE = dense_threshold_map(ranked, top_k)

@@ -21,17 +21,17 @@ from __future__ import annotations
 
 import torch
 
-_NORM_EPS = 1e-20
+from shardwork.moe_router.routing_dense import dense_route, use_dense
+from shardwork.moe_router.scoring import (
+    NORM_EPS,
+    activate,
+    activation_grad,
+    score_dtype,
+    select_topk,
+)
 
-
-def activation_grad(
-    grad: torch.Tensor, scores: torch.Tensor, logits: torch.Tensor, score_function: str
-) -> torch.Tensor:
-    """d(loss)/d(logits) from d(loss)/d(scores) for an elementwise score function."""
-    if score_function == "sigmoid":
-        return torch.ops.aten.sigmoid_backward(grad, scores)
-    # sqrtsoftplus: s = sqrt(softplus(x)); autograd's SqrtBackward then SoftplusBackward.
-    return torch.ops.aten.softplus_backward(grad / (2 * scores), logits.to(scores.dtype), 1, 20)
+# Bound per module (not read through scoring) so a test can plant another eps in each path.
+_NORM_EPS = NORM_EPS
 
 
 class TopKProbs(torch.autograd.Function):
@@ -46,7 +46,7 @@ class TopKProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits_TE, scores_TE, top_TK, mode: str, scaling, top_logits_TK=None):
-        dtype = scores_TE.dtype if scores_TE is not None else _score_dtype(logits_TE)
+        dtype = scores_TE.dtype if scores_TE is not None else score_dtype(logits_TE)
         ctx.mode, ctx.scaling, ctx.out_dtype = mode, scaling, logits_TE.dtype
         ctx.shape = logits_TE.shape
         if mode == "softmax_post":
@@ -97,10 +97,6 @@ class TopKProbs(torch.autograd.Function):
             g_TK = activation_grad(g_TK, s_TK, logits_TK, mode)
         grad = torch.zeros(ctx.shape, dtype=ctx.out_dtype, device=grad_TE.device)
         return grad.scatter_(1, top_TK, g_TK.to(ctx.out_dtype)), None, None, None, None, None
-
-
-def _score_dtype(logits: torch.Tensor) -> torch.dtype:
-    return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
 def normalised_scores(
@@ -214,9 +210,6 @@ def route_topk(
     once without autograd and can be handed to :class:`AuxLossGradient`. Few experts and K <= 2
     on CPU (not post-softmax) take the dense path (``routing_dense``): ``top_TK = None``.
     """
-    from shardwork.moe_router.routing_dense import dense_route, use_dense
-    from shardwork.moe_router.scoring import _activate, _select, score_dtype
-
     dtype = score_dtype(logits_TE)
     if use_dense(
         logits_TE, top_k, group_top_k, post_softmax=score_function == "softmax" and not pre_softmax
@@ -238,14 +231,14 @@ def route_topk(
         if score_function == "softmax":
             if pre_softmax:
                 scores_TE = torch.softmax(logits_TE, dim=-1, dtype=dtype)
-                top_TK = _select(scores_TE, top_k, num_groups, group_top_k)[1]
+                top_TK = select_topk(scores_TE, top_k, num_groups, group_top_k)[1]
             else:
-                top_logits_TK, top_TK = _select(logits_TE, top_k, num_groups, group_top_k)
+                top_logits_TK, top_TK = select_topk(logits_TE, top_k, num_groups, group_top_k)
             mode = "softmax_pre" if pre_softmax else "softmax_post"
         else:
-            scores_TE = _activate(logits_TE, score_function)
+            scores_TE = activate(logits_TE, score_function)
             ranked = scores_TE if expert_bias is None else scores_TE + expert_bias.to(dtype)
-            top_TK = _select(ranked, top_k, num_groups, group_top_k)[1]
+            top_TK = select_topk(ranked, top_k, num_groups, group_top_k)[1]
             mode = score_function
     probs_TE = TopKProbs.apply(logits_TE, scores_TE, top_TK, mode, scaling_factor, top_logits_TK)
     routing_map_TE = torch.zeros(

@@ -28,13 +28,30 @@ def score_dtype(logits: torch.Tensor) -> torch.dtype:
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
-def _activate(logits_TE: torch.Tensor, score_function: str) -> torch.Tensor:
+NORM_EPS = 1e-20
+"""Added to the sum of the K selected scores (and to the row sums the load-balancing losses
+divide by) before normalising, as Megatron-Core does; shared by the top-k and dense paths."""
+
+
+def activate(logits_TE: torch.Tensor, score_function: str) -> torch.Tensor:
+    """The elementwise score function (sigmoid or sqrtsoftplus) of the logits, in the score
+    dtype (:func:`score_dtype`); softmax is not elementwise and is handled by the callers."""
     x = logits_TE.to(score_dtype(logits_TE))
     if score_function == "sigmoid":
         return torch.sigmoid(x)
     if score_function == "sqrtsoftplus":
         return torch.nn.functional.softplus(x).sqrt()
     raise ValueError(f"score_function={score_function!r} is not an elementwise score function")
+
+
+def activation_grad(
+    grad: torch.Tensor, scores: torch.Tensor, logits: torch.Tensor, score_function: str
+) -> torch.Tensor:
+    """d(loss)/d(logits) from d(loss)/d(scores) for an elementwise score function."""
+    if score_function == "sigmoid":
+        return torch.ops.aten.sigmoid_backward(grad, scores)
+    # sqrtsoftplus: s = sqrt(softplus(x)); autograd's SqrtBackward then SoftplusBackward.
+    return torch.ops.aten.softplus_backward(grad / (2 * scores), logits.to(scores.dtype), 1, 20)
 
 
 _SAME_WIDTH_INT = {torch.float32: torch.int32, torch.float64: torch.int64}
@@ -56,7 +73,7 @@ def topk_indices_nonnegative(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(scores_TE.view(view_dtype), k=k, dim=1)[1]
 
 
-def _top2_values(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def top2_values(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(largest, second largest) of the last dim by a max/min tournament on contiguous halves.
 
     Elementwise ops only (``torch.topk`` and index-returning ``max`` cost microseconds per
@@ -82,7 +99,7 @@ def _top_sum(grouped_TGe: torch.Tensor, r: int) -> torch.Tensor:
     if r == 1:
         return grouped_TGe.amax(dim=-1)
     if r == 2:  # v1 + v2 in topk's order: the same float sum
-        first, second = _top2_values(grouped_TGe)
+        first, second = top2_values(grouped_TGe)
         return first + second
     return grouped_TGe.topk(r, dim=-1)[0].sum(dim=-1)
 
@@ -108,9 +125,11 @@ def group_limited_topk(
     return values, indices
 
 
-def _select(
+def select_topk(
     scores_TE: torch.Tensor, top_k: int, num_groups: int | None, group_top_k: int | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of each row's ``top_k`` largest scores, group-limited when
+    ``group_top_k`` is set; the one selection the reference and the fast path share."""
     if group_top_k:
         return group_limited_topk(scores_TE, top_k, num_groups=num_groups, group_top_k=group_top_k)
     return torch.topk(scores_TE, k=top_k, dim=1)
@@ -146,17 +165,19 @@ def topk_routing(
     if score_function == "softmax":
         if pre_softmax:
             scores_TE = torch.softmax(logits_TE, dim=-1, dtype=dtype)
-            probs_TK, top_TK = _select(scores_TE, top_k, num_groups, group_top_k)
+            probs_TK, top_TK = select_topk(scores_TE, top_k, num_groups, group_top_k)
         else:
-            top_logits_TK, top_TK = _select(logits_TE, top_k, num_groups, group_top_k)
+            top_logits_TK, top_TK = select_topk(logits_TE, top_k, num_groups, group_top_k)
             probs_TK = torch.softmax(top_logits_TK, dim=-1, dtype=dtype)
     else:
-        scores_TE = _activate(logits_TE, score_function)
+        scores_TE = activate(logits_TE, score_function)
         if expert_bias is not None:
-            _, top_TK = _select(scores_TE + expert_bias.to(dtype), top_k, num_groups, group_top_k)
+            _, top_TK = select_topk(
+                scores_TE + expert_bias.to(dtype), top_k, num_groups, group_top_k
+            )
             probs_TK = torch.gather(scores_TE, 1, top_TK)
         else:
-            probs_TK, top_TK = _select(scores_TE, top_k, num_groups, group_top_k)
+            probs_TK, top_TK = select_topk(scores_TE, top_k, num_groups, group_top_k)
         if top_k > 1:
             probs_TK = probs_TK / (probs_TK.sum(dim=-1, keepdim=True) + 1e-20)
     if scaling_factor:
@@ -193,7 +214,7 @@ def aux_loss_scores(
             scores_TE = torch.softmax(logits_TE, dim=-1, dtype=score_dtype(logits_TE))
         ranked_TE = scores_TE
     else:
-        ranked_TE = _activate(logits_TE, score_function) if scores_TE is None else scores_TE
+        ranked_TE = activate(logits_TE, score_function) if scores_TE is None else scores_TE
         scores_TE = ranked_TE / (ranked_TE.sum(dim=-1, keepdim=True) + 1e-20)
     top_TK = plain_top_TK if plain_top_TK is not None else torch.topk(ranked_TE, k=top_k, dim=1)[1]
     routing_map_TE = torch.zeros(

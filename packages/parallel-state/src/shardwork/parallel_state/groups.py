@@ -28,6 +28,7 @@ from datetime import timedelta
 from types import MappingProxyType
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from shardwork.parallel_state.config import ParallelConfig
@@ -258,8 +259,6 @@ def init_process_groups(
 
     if initialise:
         if backend is None:
-            import torch
-
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         kwargs: dict[str, Any] = {"backend": backend, "rank": me, "world_size": world}
         if timeout is not None:

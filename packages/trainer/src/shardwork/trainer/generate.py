@@ -16,18 +16,24 @@
   checkpoint with 4, each with one paragraph and no traceback (:mod:`.errors`).
 - Like ``shardwork-train``, the command lets idle OpenMP threads sleep (set before torch is
   imported): on a shared 2-core machine spinning threads made a run 3x slower (30.7 s vs
-  10.9 s measured for 80 tokens from the demo checkpoint).
+  10.9 s measured for 80 tokens from the demo checkpoint). So this module and its top-level
+  imports never load torch: what does (torch, the model, the checkpoint reader) is imported
+  inside the functions, which run after :func:`main` set the policy.
 """
 
 from __future__ import annotations
 
 import math
 import sys
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 import tyro
 
+from shardwork.trainer.cli import quiet_cpu_threads
+from shardwork.trainer.config.load import config_from_dict
+from shardwork.trainer.data.tokenizer import load_tokenizer
 from shardwork.trainer.errors import CheckpointError, UserError, report
 
 
@@ -77,8 +83,6 @@ def load_for_inference(checkpoint: str | Path):
 
     from shardwork.dist_checkpoint import CheckpointManager, read_info
     from shardwork.parallel_state import ProcessGroups
-    from shardwork.trainer.config.load import config_from_dict
-    from shardwork.trainer.data.tokenizer import load_tokenizer
     from shardwork.trainer.model_factory import build_model_chunks, gpt_config
     from shardwork.trainer.run.checkpointing import locate_checkpoint
 
@@ -93,8 +97,6 @@ def load_for_inference(checkpoint: str | Path):
         raise CheckpointError(
             f"{manager.step_path(step)} was not written by shardwork-train (no config)"
         )
-    import tomllib
-
     config = config_from_dict(tomllib.loads(text))
     hf = (info.get("user_metadata") or {}).get("hf_config")  # runs started from a HF folder
     groups = ProcessGroups.single()
@@ -152,17 +154,15 @@ def _sample(model, tokenizer, prompt, max_new_tokens, temperature, top_k, contex
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shardwork.trainer.cli import quiet_cpu_threads
-
     quiet_cpu_threads()
-    import torch
-
-    args = tyro.cli(
+    args = tyro.cli(  # --help and flag errors exit here, before torch loads
         GenerateArgs,
         args=sys.argv[1:] if argv is None else argv,
         use_underscores=True,
         prog="shardwork-generate",
     )
+    import torch
+
     from shardwork.dist_checkpoint import (
         CheckpointCorruptError,
         IncompleteCheckpointError,

@@ -16,6 +16,10 @@ from typing import Any
 
 import torch
 
+from shardwork.models.config import GPTConfig
+from shardwork.models.hf import gpt_config_from_hf, read_hf_config
+from shardwork.models.pipeline import build_model_chunks as build_pipeline_chunks
+from shardwork.models.presets import preset
 from shardwork.trainer.config.sections import DEMO_MODEL, TrainConfig
 
 _DTYPES = {
@@ -28,23 +32,17 @@ _DTYPES = {
 
 def preset_fields(name: str) -> dict[str, Any]:
     """The architecture fields of preset ``name`` (ValueError naming the valid presets)."""
-    from shardwork.models.presets import preset
-
     config = preset(name)
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
 
 
 def hf_config(folder: str) -> dict[str, Any]:
     """The config.json of a Hugging Face checkpoint folder (ValueError if it has none)."""
-    from shardwork.models.hf import read_hf_config
-
     return read_hf_config(folder)
 
 
 def hf_gpt_config(hf: dict[str, Any]):
     """The GPTConfig of a Hugging Face config.json dict (ValueError naming what is unsupported)."""
-    from shardwork.models.hf import gpt_config_from_hf
-
     return gpt_config_from_hf(hf)
 
 
@@ -54,9 +52,6 @@ def gpt_config(config: TrainConfig, *, hf: dict[str, Any] | None = None):
     With ``checkpoint.hf_init`` the architecture is the folder's config.json, read from disk
     unless ``hf`` (its contents, as a checkpoint stores them) is given.
     """
-    from shardwork.models.config import GPTConfig
-    from shardwork.models.presets import preset
-
     m = config.model
     if config.checkpoint.hf_init is not None:
         base = hf_gpt_config(hf if hf is not None else hf_config(config.checkpoint.hf_init))
@@ -131,9 +126,7 @@ def build_model_chunks(
 
     shardwork.models.pipeline.build_model_chunks decides the layers of each chunk.
     """
-    from shardwork.models.pipeline import build_model_chunks as build
-
-    return build(
+    return build_pipeline_chunks(
         model_config,
         groups,
         device=device,

@@ -19,6 +19,9 @@ from typing import Any
 
 from shardwork.trainer.config.sections import TrainConfig
 from shardwork.trainer.config.validate import validate_config
+from shardwork.trainer.data.builder import micro_batch, split_components
+from shardwork.trainer.run.trainer import build_train_set
+from shardwork.trainer.schedules import batch_size
 
 TINY_SECTIONS: dict[str, dict[str, Any]] = {
     "model": {
@@ -69,10 +72,6 @@ def first_global_batch(config: TrainConfig) -> list[Any]:
     """Step 0's global batch on one process (dp = 1): its micro-batches in order, each an int64
     ``[micro_batch_size, seq_length + 1]`` tensor, read from the run's training set with the
     trainer's data layout (the set's size, seed and shuffling as in training)."""
-    from shardwork.trainer.data.builder import micro_batch, split_components
-    from shardwork.trainer.run.trainer import build_train_set
-    from shardwork.trainer.schedules import batch_size
-
     s = config.schedule
     train_set = build_train_set(config, split_components(config.data)["train"])
     size = batch_size(0, global_batch_size=s.global_batch_size, ramp=s.batch_size_ramp)

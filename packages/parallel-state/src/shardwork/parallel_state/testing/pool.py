@@ -33,6 +33,9 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 #: Seconds gloo waits inside a collective. Always longer than the harness
 #: timeout, so the harness (which knows which ranks hung) reports first.
 _GLOO_TIMEOUT_MARGIN_S = 30.0
@@ -85,9 +88,6 @@ def _resolve(ref: _FunctionRef) -> Callable[..., Any]:
 
 def _worker_main(conn: Connection) -> None:
     """Loop of one rank process: receive a task, run it, send the outcome."""
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     while True:
         try:

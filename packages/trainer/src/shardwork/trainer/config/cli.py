@@ -16,6 +16,8 @@ import types
 import typing
 from collections.abc import Sequence
 
+import tyro
+
 from shardwork.trainer.config.load import load_config
 from shardwork.trainer.config.sections import TrainConfig
 
@@ -60,8 +62,6 @@ def _spell_none(args: list[str]) -> list[str]:
 
 def parse_train_args(argv: Sequence[str]) -> tuple[TrainConfig, bool]:
     """``(config, print_config)`` from command-line arguments (raises ConfigError / SystemExit)."""
-    import tyro
-
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
     pre.add_argument("--print-config", action="store_true")

@@ -17,11 +17,22 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import torch
+
+from shardwork.models import GPTConfig
+from shardwork.models.pipeline import layers_per_rank
 from shardwork.parallel_state import ORDER_TOKENS, ParallelConfig
 from shardwork.trainer.config.load import ConfigError
 from shardwork.trainer.config.sections import DEMO_MODEL, TrainConfig
 from shardwork.trainer.config.validate_data import check_data, check_tokenizer
-from shardwork.trainer.config.validate_hf import check_hf_export, check_hf_init
+from shardwork.trainer.config.validate_hf import (
+    check_hf_export,
+    check_hf_init,
+    check_hf_shapes,
+    hf_dimensions,
+)
+from shardwork.trainer.data.tokenizer import load_tokenizer
+from shardwork.trainer.model_factory import gpt_config, hf_config, preset_fields
 
 
 def parallel_config(config: TrainConfig) -> ParallelConfig:
@@ -31,20 +42,13 @@ def parallel_config(config: TrainConfig) -> ParallelConfig:
 
 def _preset_dims(name: str) -> dict:
     """Architecture fields of a shardwork.models preset."""
-    from shardwork.trainer.model_factory import preset_fields
-
     return preset_fields(name)
 
 
 def resolve_config(config: TrainConfig) -> TrainConfig:
     """A copy with model dimensions, vocabulary and directories filled in."""
-    from shardwork.trainer.data.tokenizer import load_tokenizer
-
     model = config.model
     if config.checkpoint.hf_init is not None:
-        from shardwork.trainer.config.validate_hf import hf_dimensions
-        from shardwork.trainer.model_factory import hf_config
-
         base = hf_dimensions(hf_config(config.checkpoint.hf_init))
     elif model.preset:
         base = _preset_dims(model.preset)
@@ -115,24 +119,18 @@ def _check_parallel(config: TrainConfig, world_size: int, problems: list[str]) -
         problems.append("parallel.sequence_parallel=True needs parallel.tp > 1")
     if p.timeout_minutes <= 0:
         problems.append(f"parallel.timeout_minutes={p.timeout_minutes}: must be > 0")
-    if p.backend == "nccl" or config.precision.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            problems.append(
-                f"parallel.backend={p.backend!r} / precision.device={config.precision.device!r}: "
-                "no CUDA device here; use 'auto', 'gloo' and 'cpu'"
-            )
+    wants_cuda = p.backend == "nccl" or config.precision.device == "cuda"
+    if wants_cuda and not torch.cuda.is_available():
+        problems.append(
+            f"parallel.backend={p.backend!r} / precision.device={config.precision.device!r}: "
+            "no CUDA device here; use 'auto', 'gloo' and 'cpu'"
+        )
     return resolved.dp
 
 
 def _check_model(config: TrainConfig, problems: list[str]):
     """Build the GPTConfig and check it against the layout (shardwork.models does the
     checking); returns the GPTConfig, or None when it could not be built."""
-    from shardwork.models import GPTConfig
-    from shardwork.trainer.config.validate_hf import check_hf_shapes
-    from shardwork.trainer.model_factory import gpt_config
-
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
     unknown = [k for k in config.model.overrides if "." not in k and k not in fields]
     if unknown:
@@ -154,7 +152,6 @@ def _check_model(config: TrainConfig, problems: list[str]):
     except ValueError as exc:
         problems.append(f"model/parallel: {exc}")
         return model
-    from shardwork.models.pipeline import layers_per_rank
 
     p = config.parallel
     try:

@@ -12,12 +12,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from shardwork.trainer.config.sections import TrainConfig
+from shardwork.trainer.data.builder import read_data_config
+from shardwork.trainer.data.corpus import BUILTIN_CORPORA
+from shardwork.trainer.data.dataset_meta import read_dataset_meta
+from shardwork.trainer.data.indexed import dataset_exists
+from shardwork.trainer.data.tokenizer import load_tokenizer
 
 
 def check_data(config: TrainConfig, problems: list[str]) -> None:
-    from shardwork.trainer.data.corpus import BUILTIN_CORPORA
-    from shardwork.trainer.data.indexed import dataset_exists
-
     d = config.data
     if not isinstance(d.seq_length, int) or isinstance(d.seq_length, bool) or d.seq_length < 1:
         problems.append(f"data.seq_length={d.seq_length!r}: must be an integer >= 1")
@@ -46,8 +48,6 @@ def check_data(config: TrainConfig, problems: list[str]) -> None:
                 f"data.prefixes: {prefix!r} has no {prefix}.bin/{prefix}.idx (build it with shardwork-preprocess)"
             )
     if d.data_config is not None:
-        from shardwork.trainer.data.builder import read_data_config
-
         try:
             blends = read_data_config(d.data_config)
         except ValueError as exc:
@@ -87,10 +87,6 @@ def check_tokenizer(config: TrainConfig, problems: list[str]) -> bool:
     """Load the tokenizer and check the vocabulary against the model and the datasets.
 
     Returns False when the tokenizer itself cannot be loaded (later checks need it)."""
-    from shardwork.trainer.data.builder import read_data_config
-    from shardwork.trainer.data.dataset_meta import read_dataset_meta
-    from shardwork.trainer.data.tokenizer import load_tokenizer
-
     d = config.data
     try:
         tokenizer = load_tokenizer(d.tokenizer, eod_token=d.eod_token)

@@ -21,15 +21,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from shardwork.models import GPTModel
+from shardwork.models.hf import hf_config_from_gpt
 from shardwork.trainer.config.sections import DEMO_MODEL, TrainConfig
+from shardwork.trainer.data.tokenizer import load_tokenizer
+from shardwork.trainer.model_factory import hf_config, hf_gpt_config
 
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 
 
 def hf_dimensions(hf: dict[str, Any]) -> dict[str, Any]:
     """The model-section fields (dimensions and vocabulary) of a config.json dict."""
-    from shardwork.trainer.model_factory import hf_gpt_config
-
     model = hf_gpt_config(hf)
     return {name: getattr(model, name) for name in (*DEMO_MODEL, "vocab_size")}
 
@@ -51,7 +53,6 @@ def check_hf_init(config: TrainConfig, problems: list[str]) -> bool:
             "and model.safetensors (or model.safetensors.index.json)"
         )
         return False
-    from shardwork.trainer.model_factory import hf_config
 
     try:
         dims = hf_dimensions(hf_config(folder))
@@ -74,7 +75,6 @@ def check_hf_init(config: TrainConfig, problems: list[str]) -> bool:
                 "valid: unset (taken from the folder) or equal"
             )
             ok = False
-    from shardwork.trainer.data.tokenizer import load_tokenizer
 
     try:
         tokenizer = load_tokenizer(config.data.tokenizer, eod_token=config.data.eod_token)
@@ -92,8 +92,6 @@ def check_hf_init(config: TrainConfig, problems: list[str]) -> bool:
 
 def _tensor_shapes(model_config) -> dict[str, tuple[int, ...]]:
     """``{key: global shape}`` of every tensor of the model, built on the meta device."""
-    from shardwork.models import GPTModel
-
     model = GPTModel(model_config, None, device="meta")
     return {k: tuple(st.global_shape) for k, st in model.sharded_state_dict().items()}
 
@@ -103,7 +101,6 @@ def check_hf_shapes(config: TrainConfig, model_config, problems: list[str]) -> N
     (names and shapes) of the folder's model."""
     if config.checkpoint.hf_init is None:
         return
-    from shardwork.trainer.model_factory import hf_config, hf_gpt_config
 
     mine = _tensor_shapes(model_config)
     theirs = _tensor_shapes(hf_gpt_config(hf_config(config.checkpoint.hf_init)))
@@ -139,7 +136,6 @@ def check_hf_export(config: TrainConfig, problems: list[str], *, model) -> None:
         )
     if model is None:
         return
-    from shardwork.models.hf import hf_config_from_gpt
 
     try:
         hf_config_from_gpt(model)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from pydoc_data.topics import topics
 
 from shardwork.trainer.data.indexed import dataset_exists
 from shardwork.trainer.data.preprocess import write_documents
@@ -28,8 +29,6 @@ def default_cache_dir() -> Path:
 
 
 def pydoc_documents() -> list[str]:
-    from pydoc_data.topics import topics
-
     return [topics[key] for key in sorted(topics)]
 
 

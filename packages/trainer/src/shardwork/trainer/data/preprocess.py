@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import tyro
 
 from shardwork.trainer.data.dataset_meta import DatasetMeta, write_dataset_meta
 from shardwork.trainer.data.indexed import IndexedDatasetWriter, token_dtype_for
@@ -138,8 +139,6 @@ def _tokenizer(args: PreprocessArgs) -> Tokenizer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import tyro
-
     args = tyro.cli(
         PreprocessArgs,
         args=sys.argv[1:] if argv is None else argv,

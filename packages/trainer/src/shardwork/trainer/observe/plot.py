@@ -14,7 +14,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from matplotlib.figure import Figure
+
 from shardwork.trainer.observe.metrics import metrics_path, read_metrics
+
+# Figures are built with matplotlib's object API (no pyplot): nothing global to select or
+# close, and ``Figure.savefig`` renders a .png with Agg whatever the default backend is.
 
 
 def _series(records, kind: str, key: str):
@@ -26,52 +31,41 @@ def _series(records, kind: str, key: str):
     return xs, ys
 
 
-def plot_run(run_dir: str | Path) -> list[Path]:
-    """Write the plots of ``run_dir``; returns the files written."""
-    import matplotlib
+def _train_keys(records, keep) -> list[str]:
+    """Sorted keys of the train records that ``keep`` accepts."""
+    return sorted({k for r in records if r.get("kind") == "train" for k in r if keep(k)})
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    run_dir = Path(run_dir)
-    path = metrics_path(run_dir)
-    if not path.is_file():
-        raise ValueError(f"RUN_DIR={str(run_dir)!r} has no metrics.jsonl: is it a shardwork run?")
-    records = read_metrics(path)
-    out = run_dir / "plots"
-    out.mkdir(parents=True, exist_ok=True)
-    written: list[Path] = []
-    baseline = next((r for r in records if r.get("kind") == "event" and "bigram_nats" in r), None)
-
-    def save(fig, name: str) -> None:
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
-        written.append(out / name)
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+def _loss_figure(records) -> Figure:
+    """Train and validation loss, each MTP depth's loss, and the bigram baseline."""
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     ax.plot(*_series(records, "train", "loss"), label="train loss")
     xs, ys = _series(records, "valid", "loss")
     if xs:
         ax.plot(xs, ys, "o-", label="validation loss")
     mtp_keys = sorted(
-        {k for r in records if r.get("kind") == "train" for k in r if k.startswith("mtp_loss_")},
-        key=lambda k: int(k[9:]),
+        _train_keys(records, lambda k: k.startswith("mtp_loss_")), key=lambda k: int(k[9:])
     )
     for key in mtp_keys:
         ax.plot(*_series(records, "train", key), ls=":", label=f"train MTP depth {key[9:]}")
         xs, ys = _series(records, "valid", key)
         if xs:
             ax.plot(xs, ys, "s:", label=f"validation MTP depth {key[9:]}")
+    baseline = next((r for r in records if r.get("kind") == "event" and "bigram_nats" in r), None)
     if baseline is not None:
         ax.axhline(baseline["bigram_nats"], color="grey", ls="--", label="bigram entropy")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.legend()
     ax.grid(alpha=0.3)
-    save(fig, "loss.png")
+    return fig
 
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+
+def _lr_figure(records) -> Figure:
+    """Learning rate, with the global batch size on a second axis when it changes."""
+    fig = Figure(figsize=(7, 3.5))
+    ax = fig.subplots()
     ax.plot(*_series(records, "train", "lr"), label="learning rate")
     ax.set_xlabel("step")
     ax.set_ylabel("learning rate")
@@ -81,51 +75,79 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         twin.step(xs, ys, color="C1", where="post", label="global batch size")
         twin.set_ylabel("global batch size")
     ax.grid(alpha=0.3)
-    save(fig, "lr.png")
+    return fig
 
-    for key, name, label in (
-        ("grad_norm", "grad_norm.png", "gradient norm"),
-        ("tokens_per_s", "throughput.png", "tokens / s"),
-    ):
-        xs, ys = _series(records, "train", key)
-        if xs:
-            fig, ax = plt.subplots(figsize=(7, 3.5))
-            ax.plot(xs, ys)
-            ax.set_xlabel("step")
-            ax.set_ylabel(label)
-            ax.grid(alpha=0.3)
-            save(fig, name)
 
-    aux_keys = sorted(
-        {
-            k
-            for r in records
-            if r.get("kind") == "train"
-            for k in r
-            if k.endswith("_loss") and k != "loss"
-        }
-    )
-    if aux_keys:
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        for key in aux_keys:
-            ax.plot(*_series(records, "train", key), label=key)
-        ax.set_xlabel("step")
-        ax.legend()
-        ax.grid(alpha=0.3)
-        save(fig, "aux_losses.png")
+def _scalar_figure(records, key: str, label: str) -> Figure | None:
+    """One train metric over steps (None when the run never logged it)."""
+    xs, ys = _series(records, "train", key)
+    if not xs:
+        return None
+    fig = Figure(figsize=(7, 3.5))
+    ax = fig.subplots()
+    ax.plot(xs, ys)
+    ax.set_xlabel("step")
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
+    return fig
 
+
+def _aux_figure(records) -> Figure | None:
+    """MoE aux / z losses per type (None without any)."""
+    aux_keys = _train_keys(records, lambda k: k.endswith("_loss") and k != "loss")
+    if not aux_keys:
+        return None
+    fig = Figure(figsize=(7, 3.5))
+    ax = fig.subplots()
+    for key in aux_keys:
+        ax.plot(*_series(records, "train", key), label=key)
+    ax.set_xlabel("step")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def _expert_load_figure(records) -> Figure | None:
+    """Layer × expert heatmap of the last logged expert load (None without any)."""
     loads = [
         r for r in records if r.get("kind") == "train" and isinstance(r.get("expert_load"), list)
     ]
-    if loads:
-        last = loads[-1]
-        fig, ax = plt.subplots(figsize=(7, 4))
-        image = ax.imshow(last["expert_load"], aspect="auto", cmap="viridis")
-        ax.set_xlabel("expert")
-        ax.set_ylabel("MoE layer")
-        ax.set_title(f"tokens per expert (fraction), step {last['step']}")
-        fig.colorbar(image, ax=ax)
-        save(fig, "expert_load.png")
+    if not loads:
+        return None
+    last = loads[-1]
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
+    image = ax.imshow(last["expert_load"], aspect="auto", cmap="viridis")
+    ax.set_xlabel("expert")
+    ax.set_ylabel("MoE layer")
+    ax.set_title(f"tokens per expert (fraction), step {last['step']}")
+    fig.colorbar(image, ax=ax)
+    return fig
+
+
+def plot_run(run_dir: str | Path) -> list[Path]:
+    """Write the plots of ``run_dir``; returns the files written."""
+    run_dir = Path(run_dir)
+    path = metrics_path(run_dir)
+    if not path.is_file():
+        raise ValueError(f"RUN_DIR={str(run_dir)!r} has no metrics.jsonl: is it a shardwork run?")
+    records = read_metrics(path)
+    out = run_dir / "plots"
+    out.mkdir(parents=True, exist_ok=True)
+    figures = {
+        "loss.png": _loss_figure(records),
+        "lr.png": _lr_figure(records),
+        "grad_norm.png": _scalar_figure(records, "grad_norm", "gradient norm"),
+        "throughput.png": _scalar_figure(records, "tokens_per_s", "tokens / s"),
+        "aux_losses.png": _aux_figure(records),
+        "expert_load.png": _expert_load_figure(records),
+    }
+    written: list[Path] = []
+    for name, fig in figures.items():
+        if fig is not None:
+            fig.tight_layout()
+            fig.savefig(out / name, dpi=110)
+            written.append(out / name)
     return written
 
 

@@ -12,6 +12,8 @@ import sys
 import time
 from typing import Any
 
+from tqdm import tqdm
+
 
 def format_duration(seconds: float) -> str:
     seconds = max(0, round(seconds))
@@ -47,8 +49,6 @@ class Progress:
         self._t0 = time.perf_counter()
         self._bar = None
         if mode == "bar":
-            from tqdm import tqdm
-
             self._bar = tqdm(
                 total=total_steps,
                 initial=start_step,
