@@ -284,28 +284,91 @@ def private_problems(
     return problems
 
 
+def _eager_imports(tree: ast.Module):
+    """Imports that run when the module is imported: not in a function, not under
+    ``if TYPE_CHECKING:``, not in a ``try`` body whose handlers catch ImportError."""
+
+    def walk(nodes):
+        for node in nodes:
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                yield node
+            elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                yield from walk(node.orelse)
+            elif isinstance(node, ast.Try | ast.TryStar):
+                caught = " ".join(ast.unparse(h.type) for h in node.handlers if h.type)
+                gated = "ImportError" in caught or any(h.type is None for h in node.handlers)
+                yield from walk([*([] if gated else node.body), *node.orelse, *node.finalbody])
+                for handler in node.handlers:
+                    yield from walk(handler.body)
+            elif not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                yield from walk(ast.iter_child_nodes(node))
+
+    yield from walk(tree.body)
+
+
+def _targets(node: ast.Import | ast.ImportFrom, module: Module, root: str, modules) -> list[str]:
+    """Absolute names an import loads: the submodule for ``from pkg import submodule``."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    base = _absolute(node, module).replace("<pkg>", root, 1)
+    inner = _inside(base, root)
+    if inner is None:
+        return [base]
+    subs = [f"{inner}.{a.name}" if inner else a.name for a in node.names]
+    return sorted({f"{root}.{sub}" if sub in modules else base for sub in subs})
+
+
+def optional_modules(
+    root: str, modules: dict[str, Module], required: frozenset[str]
+) -> frozenset[str]:
+    """Modules of the package that need an optional dependency to be imported: they import one
+    eagerly, directly (``import triton`` at the top of ``triton_router``) or through another
+    such module. Importing them on first use is the optional-dependency pattern."""
+    needs: dict[str, set[str]] = {}
+    optional = set()
+    for module in modules.values():
+        for node in _eager_imports(module.tree):
+            for full in _targets(node, module, root, modules):
+                inner = _inside(full, root)
+                if inner is not None:
+                    needs.setdefault(module.name, set()).add(_nearest(inner, modules))
+                elif not _is_required(full, required):
+                    optional.add(module.name)
+    grew = True
+    while grew:  # a module importing an optional module eagerly is optional too
+        grown = {name for name, deps in needs.items() if deps & optional} - optional
+        optional |= grown
+        grew = bool(grown)
+    return frozenset(optional)
+
+
+def _is_required(full: str, required: frozenset[str]) -> bool:
+    parts = full.split(".")
+    return parts[0] in required or ".".join(parts[:2]) in required
+
+
 def function_import_problems(
     root: str, modules: dict[str, Module], required: frozenset[str], where
 ) -> list[str]:
     """``import-in-function`` problems: a required module imported on first use."""
+    optional = optional_modules(root, modules, required)
     problems = []
     for module in modules.values():
         for node, in_function in _imports(module.tree):
             if not in_function:
                 continue
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            else:
-                names = [root if node.level else node.module or ""]
-            for name in names:
-                top = name.split(".")[0]
-                shardwork = ".".join(name.split(".")[:2])
-                if top in required or shardwork in required or shardwork == root:
-                    problems.append(
-                        f"{where(module.path)}:{node.lineno}: import-in-function: {name} is "
-                        "a required dependency of the package (standard library, "
-                        "[project] dependencies, or the package itself); import it at module top"
-                    )
+            for full in _targets(node, module, root, modules):
+                inner = _inside(full, root)
+                if inner is not None:
+                    if _nearest(inner, modules) in optional:
+                        continue
+                elif not _is_required(full, required):
+                    continue
+                problems.append(
+                    f"{where(module.path)}:{node.lineno}: import-in-function: {full} is "
+                    "required by the package (standard library, [project] dependencies, or "
+                    "its own module that needs no optional dependency); import it at module top"
+                )
     return problems
 
 
