@@ -42,6 +42,8 @@ from dataclasses import dataclass
 import torch
 
 from shardwork.models.config import GPTConfig
+from shardwork.models.pipeline.split import layer_split
+from shardwork.parallel_state import ParallelConfig
 
 __all__ = [
     "LocalParams",
@@ -67,8 +69,6 @@ class LocalParams:
 
 
 def _check_layout(config: GPTConfig, *, tp: int, ep: int, etp: int) -> None:
-    from shardwork.parallel_state import ParallelConfig
-
     for name, value in (("tp", tp), ("ep", ep), ("etp", etp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} is invalid: it must be an integer >= 1")
@@ -110,8 +110,6 @@ def _mlp_params(c: GPTConfig, layer: int, *, tp: int, ep: int, etp: int) -> tupl
 
 def _stage_layout(config: GPTConfig, pp: int, pp_rank: int, vpp: int | None):
     """(global layer indices, holds the embedding, holds head/final norm/MTP)."""
-    from shardwork.models.pipeline.split import layer_split
-
     if isinstance(pp_rank, bool) or not isinstance(pp_rank, int) or not 0 <= pp_rank < pp:
         raise ValueError(f"pp_rank={pp_rank!r} is invalid: it must be in [0, pp={pp})")
     split = layer_split(config.num_layers, pp, vpp=vpp)
