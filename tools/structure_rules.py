@@ -218,18 +218,19 @@ def all_modules(repo: pathlib.Path) -> frozenset[str]:
     return frozenset(names)
 
 
-def _bound_modules(tree: ast.AST, known: frozenset[str]) -> dict[str, str]:
+def _bound_modules(module: Module, root: str, known: frozenset[str]) -> dict[str, str]:
     """Local names bound to a shardwork module by an import: local name -> dotted module."""
     bound = {}
-    for node, _ in _imports(tree):
+    for node, _ in _imports(module.tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.startswith("shardwork."):
                     local = alias.asname or alias.name.split(".")[0]
                     bound[local] = alias.name if alias.asname else "shardwork"
-        elif node.module and node.module.startswith("shardwork") and node.level == 0:
+        else:
+            source = _absolute(node, module).replace("<pkg>", root, 1)
             for alias in node.names:
-                if (full := f"{node.module}.{alias.name}") in known:
+                if (full := f"{source}.{alias.name}") in known:
                     bound[alias.asname or alias.name] = full
     return bound
 
@@ -256,19 +257,20 @@ def private_problems(
     for module in modules.values():
         own = f"{root}.{module.name}" if module.name else root
         for node, _ in _imports(module.tree):
-            if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+            if not isinstance(node, ast.ImportFrom):
                 continue
-            if not node.module.startswith("shardwork") or node.module == own:
+            source = _absolute(node, module).replace("<pkg>", root, 1)
+            if not source.startswith("shardwork.") or source == own:
                 continue
             for alias in node.names:
-                inner = _inside(f"{node.module}.{alias.name}", root)
+                inner = _inside(f"{source}.{alias.name}", root)
                 if _is_private(alias.name) and inner not in modules:
                     problems.append(
                         f"{where(module.path)}:{node.lineno}: private-import: "
-                        f"{alias.name} from {node.module}; make it public (and document it) "
+                        f"{alias.name} from {source}; make it public (and document it) "
                         "or move it to the module that uses it"
                     )
-        bound = _bound_modules(module.tree, known)
+        bound = _bound_modules(module, root, known)
         for node in ast.walk(module.tree):
             if not isinstance(node, ast.Attribute) or not _is_private(node.attr):
                 continue

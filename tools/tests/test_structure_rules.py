@@ -111,8 +111,17 @@ def test_allowed_patterns_pass(tmp_path):
             "__init__.py:1: import-cycle: __init__ -> a -> __init__ "
             "(modules importing each other: __init__, a)",
         ),
+        (  # relative imports, from a subpackage's __init__ and from a module beside it
+            {
+                "sub/__init__.py": "from . import x\n",
+                "sub/x.py": "from ..c import C\n",
+                "c.py": "from .sub import S\n",
+            },
+            "c.py:1: import-cycle: c -> sub -> sub.x -> c "
+            "(modules importing each other: c, sub, sub.x)",
+        ),
     ],
-    ids=["in-function", "type-checking", "three-modules", "through-init"],
+    ids=["in-function", "type-checking", "three-modules", "through-init", "relative"],
 )
 def test_import_cycle(tmp_path, files, expected):
     # the in-function case is also an import-in-function problem; only the cycle is checked here
@@ -128,8 +137,18 @@ def test_import_cycle(tmp_path, files, expected):
         ("import shardwork.pkg.c as c\n\nY = c._helper\n", 3, "shardwork.pkg.c._helper read"),
         ("from shardwork.pkg import c\n\n\ndef f():\n    return c._helper()\n", 5, "c._helper"),
         ("import shardwork.pkg.c\n\nY = shardwork.pkg.c._helper\n", 3, "c._helper read"),
+        ("from .c import _helper\n", 1, "_helper from shardwork.pkg.c"),
+        ("from . import c\n\nY = c._helper\n", 3, "shardwork.pkg.c._helper read"),
     ],
-    ids=["from-import", "other-package", "module-alias", "from-package", "dotted"],
+    ids=[
+        "from-import",
+        "other-package",
+        "module-alias",
+        "from-package",
+        "dotted",
+        "relative",
+        "relative-module",
+    ],
 )
 def test_private_import(tmp_path, source, line, what):
     files = {"c.py": "def _helper():\n    return 1\n", "user.py": source}
