@@ -92,20 +92,20 @@ def _imports(tree: ast.AST):
     yield from walk(tree, False)
 
 
-def _absolute(node: ast.ImportFrom, module: Module) -> str:
+def _absolute(node: ast.ImportFrom, module: Module, root: str) -> str:
     """The absolute module name of a ``from`` import (resolving ``from .x import y``)."""
     if node.level == 0:
         return node.module or ""
+    # in a package's __init__, "." is the package itself; in a module, its parent package
     is_init = module.path.name == "__init__.py"
     base = module.name.split(".") if module.name else []
     drop = node.level - 1 if is_init else node.level
     base = base[: len(base) - drop] if drop else base
-    return ".".join(["<pkg>", *base, *([node.module] if node.module else [])])
+    return ".".join([root, *base, *([node.module] if node.module else [])])
 
 
 def _inside(full: str, root: str) -> str | None:
     """The dotted name inside the package for ``full`` (``""`` for the package), else None."""
-    full = full.replace("<pkg>", root, 1)
     if full == root:
         return ""
     return full.removeprefix(root + ".") if full.startswith(root + ".") else None
@@ -122,19 +122,11 @@ def collect_edges(root: str, modules: dict[str, Module]) -> None:
     """Fill each module's ``edges`` with the package's modules it imports."""
     for module in modules.values():
         for node, _ in _imports(module.tree):
-            targets = []
-            if isinstance(node, ast.Import):
-                targets = [_inside(alias.name, root) for alias in node.names]
-            else:
-                base = _inside(_absolute(node, module), root)
-                if base is not None:
-                    for alias in node.names:
-                        sub = f"{base}.{alias.name}" if base else alias.name
-                        targets.append(sub if sub in modules else base)
-            for target in targets:
-                if target is None:
+            for full in _targets(node, module, root, modules):
+                inner = _inside(full, root)
+                if inner is None:
                     continue
-                target = _nearest(target, modules)
+                target = _nearest(inner, modules)
                 if target != module.name:
                     module.edges.setdefault(target, node.lineno)
 
@@ -228,7 +220,7 @@ def _bound_modules(module: Module, root: str, known: frozenset[str]) -> dict[str
                     local = alias.asname or alias.name.split(".")[0]
                     bound[local] = alias.name if alias.asname else "shardwork"
         else:
-            source = _absolute(node, module).replace("<pkg>", root, 1)
+            source = _absolute(node, module, root)
             for alias in node.names:
                 if (full := f"{source}.{alias.name}") in known:
                     bound[alias.asname or alias.name] = full
@@ -259,7 +251,7 @@ def private_problems(
         for node, _ in _imports(module.tree):
             if not isinstance(node, ast.ImportFrom):
                 continue
-            source = _absolute(node, module).replace("<pkg>", root, 1)
+            source = _absolute(node, module, root)
             if not source.startswith("shardwork.") or source == own:
                 continue
             for alias in node.names:
@@ -312,7 +304,7 @@ def _targets(node: ast.Import | ast.ImportFrom, module: Module, root: str, modul
     """Absolute names an import loads: the submodule for ``from pkg import submodule``."""
     if isinstance(node, ast.Import):
         return [alias.name for alias in node.names]
-    base = _absolute(node, module).replace("<pkg>", root, 1)
+    base = _absolute(node, module, root)
     inner = _inside(base, root)
     if inner is None:
         return [base]
