@@ -21,9 +21,12 @@ modules are not checked. Each problem reads ``path:line: rule: what``:
   underscore makes it private to its package, not to a module.
 - ``import-in-function``: an import inside a function (at any depth) of a module that is not an
   optional dependency of the package: the standard library, a ``[project] dependencies``
-  requirement (shardwork packages included), or the package itself. Optional dependencies
-  (extras, test/dev-only packages such as transformers, triton, transformer_engine) may be
-  imported on first use, so the package works without them.
+  requirement (shardwork packages included), or a module of the package itself. Optional
+  dependencies (extras, test/dev-only packages such as transformers, triton,
+  transformer_engine, and ``OPTIONAL_WRAPPERS`` such as ``torch.utils.tensorboard``) may be
+  imported on first use, so the package works without them; so may a module of the package
+  that needs one (it imports one outside any gate, directly or through another such module:
+  ``fused_kernels.triton_router`` imports triton at its top).
 - ``long-function``: a function body longer than ``MAX_BODY_LINES``, counted from the first
   statement after the docstring to the function's last line.
 """
@@ -40,6 +43,9 @@ from dataclasses import dataclass, field
 MAX_BODY_LINES = 80
 _IMPORT_NAMES = {"pyyaml": "yaml", "pillow": "PIL", "scikit-learn": "sklearn"}
 """Distributions whose import name differs from the normalized distribution name."""
+OPTIONAL_WRAPPERS = {"torch.utils.tensorboard": "tensorboard"}
+"""Submodules of a required package that import an optional one (module -> what it needs):
+importing them on first use is the optional-dependency pattern."""
 
 
 @dataclass
@@ -337,6 +343,10 @@ def optional_modules(
 
 
 def _is_required(full: str, required: frozenset[str]) -> bool:
+    """Whether importing ``full`` needs only the standard library and required packages."""
+    for wrapper, needs in OPTIONAL_WRAPPERS.items():
+        if (full == wrapper or full.startswith(wrapper + ".")) and needs not in required:
+            return False
     parts = full.split(".")
     return parts[0] in required or ".".join(parts[:2]) in required
 

@@ -59,6 +59,7 @@ def test_allowed_patterns_pass(tmp_path):
         "tri_user.py": "from shardwork.pkg.tri import K\n",
         "lazy.py": (
             "def f():\n    import triton\n    from shardwork.opt import o\n"
+            "    from torch.utils.tensorboard import SummaryWriter\n"
             "    from shardwork.pkg import tri_user\n    import shardwork.pkg.tri\n"
             "    return triton, o, tri_user\n"
         ),
