@@ -20,6 +20,11 @@ Run from the repository root: ``python tools/check_dependencies.py``. Reads each
   function needs an importorskip of that package somewhere in the module
   (typically in the test that calls the function; not proven to run first).
 
+With ``--structure [packages/<name> ...]`` it checks instead the module-structure rules of
+``structure_rules`` (issue 18: no import cycle inside a package, no import of another module's
+private name, imports at module top except optional dependencies, function bodies of at most
+80 lines) over the named packages' ``src/`` (every package when none is named).
+
 What it reads is the source text: ``import shardwork.x``, ``from shardwork.x import ...``
 and ``from shardwork import x``; imports made by name at run time
 (``importlib.import_module``) are not seen. Tests call :func:`find_problems` with
@@ -34,6 +39,8 @@ import re
 import sys
 import tomllib
 from dataclasses import dataclass
+
+from structure_rules import structure_problems
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TORCH_ONLY = {"parallel-state", "moe-router", "dist-checkpoint", "fused-kernels"}
@@ -293,5 +300,23 @@ def main(root: pathlib.Path = ROOT) -> int:
     return 1 if problems else 0
 
 
+def main_structure(folders: list[str], root: pathlib.Path = ROOT) -> int:
+    """The structure rules over ``folders`` (package folders; every package when empty)."""
+    packages = [root / f for f in folders] or sorted(root.glob("packages/*/"))
+    problems = []
+    for package in packages:
+        if not (package / "pyproject.toml").is_file() or not (package / "src").is_dir():
+            print(f"structure check: {package} is not a package folder (packages/<name>)")
+            return 2
+        problems += structure_problems(package.resolve(), root)
+    for problem in problems:
+        print(problem)
+    names = ", ".join(package.name for package in packages)
+    print(f"structure check: {len(problems)} problem(s) in {names}")
+    return 1 if problems else 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--structure"]:
+        sys.exit(main_structure(sys.argv[2:]))
     sys.exit(main())

@@ -34,7 +34,8 @@ from shardwork.fused_kernels.rotary_freqs import (
     rotary_cos_sin,
     rotary_inv_freq,
 )
-from shardwork.fused_kernels.router import RouterTopK, router_topk
+from shardwork.fused_kernels.router import router_topk
+from shardwork.fused_kernels.router_output import RouterTopK
 
 __all__ = [
     "BACKENDS",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from shardwork.fused_kernels import te_ops
 from shardwork.fused_kernels._checks import acc_dtype, check_float, check_same_device
 from shardwork.fused_kernels.backend import resolve_backend
 
@@ -78,8 +79,6 @@ def swiglu(
 
         return triton_activations.glu(x, token_weights, kind="swiglu")
     if chosen == "te":
-        from shardwork.fused_kernels import te_ops
-
         return te_ops.glu(x, token_weights, kind="swiglu")
     return swiglu_reference(x, token_weights=token_weights)
 
@@ -104,7 +103,5 @@ def geglu(
     if chosen == "te":
         if approximate != "tanh":
             raise ValueError("backend='te' offers GeGLU with approximate='tanh' only")
-        from shardwork.fused_kernels import te_ops
-
         return te_ops.glu(x, token_weights, kind="geglu")
     return geglu_reference(x, token_weights=token_weights, approximate=approximate)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from shardwork.fused_kernels import te_ops
 from shardwork.fused_kernels._checks import acc_dtype, check_float, check_same_device
 from shardwork.fused_kernels.backend import resolve_backend
 
@@ -173,8 +174,6 @@ def cross_entropy(
     chosen = resolve_backend("cross_entropy", backend, logits.device, dtype=logits.dtype)
     labels = labels.long()
     if chosen == "te":
-        from shardwork.fused_kernels import te_ops
-
         losses = te_ops.cross_entropy(
             logits,
             labels,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from shardwork.fused_kernels import te_ops
 from shardwork.fused_kernels._checks import (
     acc_dtype,
     check_float,
@@ -92,8 +93,6 @@ def rms_norm(
             x, weight, None, eps=eps, zero_centered_gamma=zero_centered_gamma, rms=True
         )
     if chosen == "te":
-        from shardwork.fused_kernels import te_ops
-
         return te_ops.rms_norm(x, weight, eps=eps, zero_centered_gamma=zero_centered_gamma)
     return rms_norm_reference(x, weight, eps=eps, zero_centered_gamma=zero_centered_gamma)
 
@@ -117,7 +116,5 @@ def layer_norm(
             x, weight, bias, eps=eps, zero_centered_gamma=zero_centered_gamma, rms=False
         )
     if chosen == "te":
-        from shardwork.fused_kernels import te_ops
-
         return te_ops.layer_norm(x, weight, bias, eps=eps, zero_centered_gamma=zero_centered_gamma)
     return layer_norm_reference(x, weight, bias, eps=eps, zero_centered_gamma=zero_centered_gamma)

@@ -26,29 +26,16 @@ Tensor names: N tokens, E experts.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
+from shardwork.fused_kernels import te_ops
 from shardwork.fused_kernels._checks import acc_dtype, check_float, check_same_device
 from shardwork.fused_kernels.backend import resolve_backend
+from shardwork.fused_kernels.router_output import RouterTopK, default_normalize
 
 __all__ = ["RouterTopK", "router_topk", "router_topk_reference"]
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
-
-
-class RouterTopK(NamedTuple):
-    """Outputs of :func:`router_topk`."""
-
-    probs: torch.Tensor
-    """[N, E] routing probabilities in ``logits.dtype``, zero off the selected experts."""
-    routing_map: torch.Tensor
-    """[N, E] bool, True where a token is routed to an expert."""
-    scores_for_aux: torch.Tensor
-    """[N, E] float32 scores the load-balancing losses use (differentiable)."""
-    tokens_per_expert: torch.Tensor
-    """[E] int64 aux-loss token counts (plain top-k of ``scores_for_aux``)."""
 
 
 def _group_limited_topk(scores_NE, topk, num_groups, group_topk):
@@ -60,10 +47,6 @@ def _group_limited_topk(scores_NE, topk, num_groups, group_topk):
     expert_mask = group_mask.repeat_interleave(e // num_groups, dim=1)
     masked = scores_NE.masked_fill(~expert_mask, float("-inf"))
     return masked.topk(topk, dim=-1)
-
-
-def _default_normalize(score_function: str, topk: int) -> bool:
-    return score_function != "softmax" and topk > 1
 
 
 def _elementwise_scores(
@@ -89,7 +72,7 @@ def router_topk_reference(
 ) -> RouterTopK:
     """Plain-torch router top-k (the oracle for the other backends); differentiable by autograd."""
     if normalize is None:
-        normalize = _default_normalize(score_function, topk)
+        normalize = default_normalize(score_function, topk)
     cd = acc_dtype(logits)
 
     def select(scores_NE):
@@ -204,10 +187,8 @@ def router_topk(
         from shardwork.fused_kernels import triton_router
 
         if normalize is None:
-            kwargs["normalize"] = _default_normalize(score_function, topk)
+            kwargs["normalize"] = default_normalize(score_function, topk)
         return triton_router.router_topk(logits, **kwargs)
     if chosen == "te":
-        from shardwork.fused_kernels import te_ops
-
         return te_ops.router_topk(logits, **kwargs)
     return router_topk_reference(logits, **kwargs)

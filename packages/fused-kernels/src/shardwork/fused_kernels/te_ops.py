@@ -26,6 +26,7 @@ import importlib
 import torch
 
 from shardwork.fused_kernels import te_support
+from shardwork.fused_kernels.router_output import RouterTopK, default_normalize
 
 __all__ = ["cross_entropy", "glu", "layer_norm", "rms_norm", "router_topk"]
 
@@ -117,9 +118,7 @@ def cross_entropy(
 def router_topk(logits, *, topk, score_function, pre_softmax, num_groups, group_topk, expert_bias,
                 scaling_factor, normalize):  # fmt: skip
     """Router top-k through TE's fused router kernels (Megatron-Core semantics)."""
-    from shardwork.fused_kernels.router import RouterTopK, _default_normalize
-
-    default = _default_normalize(score_function, topk)
+    default = default_normalize(score_function, topk)
     if normalize is not None and normalize != default:
         raise ValueError(
             f"backend='te' follows Megatron's renormalisation rule only (normalize={default} here), "

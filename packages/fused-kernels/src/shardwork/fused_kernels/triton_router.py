@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shardwork.fused_kernels.router import RouterTopK
+from shardwork.fused_kernels.router_output import RouterTopK
 from shardwork.fused_kernels.triton_launch import launch, next_pow2
 
 __all__ = ["router_topk"]

@@ -45,11 +45,13 @@ from shardwork.models.embedding import EMBEDDING_KEY, LMHead, VocabParallelEmbed
 from shardwork.models.gpt_model import GPTModel
 from shardwork.models.logits import gather_logits
 from shardwork.models.loss import loss_for_backward, reduce_loss, token_loss
-from shardwork.models.mla import MLAConfig, MLAttention
+from shardwork.models.mla import MLAttention
+from shardwork.models.mla_config import MLAConfig
 from shardwork.models.mlp import SwiGLUMLP
 from shardwork.models.module import ShardedModule, layout_groups
 from shardwork.models.moe import MoEConfig, MoELayer, expert_load, moe_finalize_kwargs
-from shardwork.models.mtp import MTPConfig, MultiTokenPrediction, reduce_mtp_losses
+from shardwork.models.mtp import MultiTokenPrediction, reduce_mtp_losses
+from shardwork.models.mtp_config import MTPConfig
 from shardwork.models.norm import RMSNorm
 from shardwork.models.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from shardwork.models.presets import PRESETS, PUBLISHED_PARAMS, preset

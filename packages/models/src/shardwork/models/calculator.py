@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardwork.models.calculator_memory import local_parameters, stage_activation_bytes
+from shardwork.models.calculator_moe import moe_flops_per_token, moe_param_counts
 from shardwork.models.config import RECOMPUTE_MODES, GPTConfig
 
 __all__ = ["MemoryEstimate", "flops_per_token", "memory_estimate", "num_parameters"]
@@ -41,8 +43,6 @@ def _layer_params(c: GPTConfig) -> int:
 def num_parameters(config: GPTConfig) -> int:
     """Exact number of (real, unpadded) parameters of the whole model."""
     if config.moe is not None or config.mla is not None or config.mtp is not None:
-        from shardwork.models.calculator_moe import moe_param_counts
-
         return moe_param_counts(config).total  # MoE / MLA / MTP: see calculator_moe.py
     n = config.num_layers * _layer_params(config) + config.hidden_size
     n += config.vocab_size * config.hidden_size
@@ -56,8 +56,6 @@ def flops_per_token(
 ) -> float:
     """Training FLOPs per token (forward + backward [+ recomputed forward])."""
     if config.moe is not None or config.mla is not None or config.mtp is not None:
-        from shardwork.models.calculator_moe import moe_flops_per_token
-
         return moe_flops_per_token(config, seq_length, causal=causal, full_recompute=full_recompute)
     c = config
     d, a, g, h = c.kv_channels, c.num_attention_heads, c.kv_heads, c.hidden_size
@@ -122,8 +120,6 @@ def memory_estimate(
     ``first_stage_layers`` / ``last_stage_layers``: an uneven pipeline split, as the trainer's
     ``parallel`` options of the same names (None: an even split).
     """
-    from shardwork.models.calculator_memory import local_parameters, stage_activation_bytes
-
     c = config
     etp = tp if etp is None else etp
     for name, value in (("seq_length", seq_length), ("micro_batch_size", micro_batch_size)):

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 import torch
 
 from shardwork.models.config import GPTConfig
+from shardwork.models.pipeline.split import layer_split
+from shardwork.parallel_state import ParallelConfig
 
 __all__ = [
     "LocalParams",
@@ -67,8 +69,6 @@ class LocalParams:
 
 
 def _check_layout(config: GPTConfig, *, tp: int, ep: int, etp: int) -> None:
-    from shardwork.parallel_state import ParallelConfig
-
     for name, value in (("tp", tp), ("ep", ep), ("etp", etp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} is invalid: it must be an integer >= 1")
@@ -122,8 +122,6 @@ def _stage_layout(
     ``first``/``last``: layers on the first/last pipeline rank (an uneven split, as the
     trainer's ``parallel.first_stage_layers``/``last_stage_layers``); None: an even split.
     """
-    from shardwork.models.pipeline.split import layer_split
-
     if isinstance(pp_rank, bool) or not isinstance(pp_rank, int) or not 0 <= pp_rank < pp:
         raise ValueError(f"pp_rank={pp_rank!r} is invalid: it must be in [0, pp={pp})")
     split = layer_split(

@@ -23,9 +23,9 @@ import torch
 from shardwork.fused_kernels import Llama3RopeScaling, YarnRopeScaling
 
 if TYPE_CHECKING:
-    from shardwork.models.mla import MLAConfig
+    from shardwork.models.mla_config import MLAConfig
     from shardwork.models.moe.config import MoEConfig
-    from shardwork.models.mtp import MTPConfig
+    from shardwork.models.mtp_config import MTPConfig
 
 __all__ = ["RECOMPUTE_MODES", "GPTConfig"]
 

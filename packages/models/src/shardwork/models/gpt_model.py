@@ -38,10 +38,13 @@ from shardwork.models.context_parallel import (
 from shardwork.models.embedding import LMHead, VocabParallelEmbedding
 from shardwork.models.loss import token_loss
 from shardwork.models.module import ShardedModule, to_empty_keep_meta
+from shardwork.models.moe.state import attach_moe
+from shardwork.models.mtp import MultiTokenPrediction
 from shardwork.models.recompute import RecomputeReplay
 from shardwork.models.rng import RNGTracker
 from shardwork.models.sharding import init_from_shards
 from shardwork.models.transformer_layer import TransformerBlock, hidden_dropout
+from shardwork.moe_router import AuxLossScale, attach_aux_loss
 from shardwork.parallel_state import ProcessGroups
 
 __all__ = ["GPTModel"]
@@ -92,8 +95,6 @@ class GPTModel(ShardedModule):
         self.recompute_replay = RecomputeReplay()  # first run -> recompute (MoE router state)
         self.aux_loss_tracker = self.aux_loss_scale = None
         if config.moe is not None and mlp_factory is None:  # MoE layers (shardwork.models.moe)
-            from shardwork.models.moe.state import attach_moe
-
             mlp_factory = attach_moe(self, config, groups, device=device)
         self.embedding = (
             VocabParallelEmbedding(config, groups, device=device) if self.pre_process else None
@@ -115,9 +116,6 @@ class GPTModel(ShardedModule):
             self.output_layer = None
         self.mtp = None
         if config.mtp is not None and self.post_process:  # multi-token prediction (mtp.py)
-            from shardwork.models.mtp import MultiTokenPrediction
-            from shardwork.moe_router import AuxLossScale
-
             self.mtp = MultiTokenPrediction(
                 config,
                 groups,
@@ -268,8 +266,6 @@ class GPTModel(ShardedModule):
                 head=self.output_layer,
                 head_weight=tied,
             )
-            from shardwork.moe_router import attach_aux_loss
-
             logits = attach_aux_loss(logits, mtp_loss, self.mtp_loss_scale)
         return token_loss(
             logits,

@@ -28,10 +28,6 @@ the main model's output after its final norm) with the embedding of token ``i+k`
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -42,6 +38,7 @@ from shardwork.models.context_parallel import document_ids
 from shardwork.models.embedding import EMBEDDING_KEY
 from shardwork.models.loss import token_loss
 from shardwork.models.module import ShardedModule
+from shardwork.models.mtp_config import MTPConfig
 from shardwork.models.norm import RMSNorm
 from shardwork.models.parallel_linear import RowParallelLinear
 from shardwork.models.sharding import describe_param, param_shards
@@ -62,39 +59,6 @@ __all__ = [
     "reduce_mtp_losses",
     "roll_for_depth",
 ]
-
-
-@dataclass(frozen=True, kw_only=True)
-class MTPConfig:
-    """Multi-token prediction options (``GPTConfig.mtp``)."""
-
-    num_layers: int = 1
-    """Prediction depths D (DeepSeek-V3: 1)."""
-    loss_coeff: float = 0.1
-    """Weight λ of the MTP loss (averaged over depths) in the objective."""
-
-    def __post_init__(self) -> None:
-        if (
-            isinstance(self.num_layers, bool)
-            or not isinstance(self.num_layers, int)
-            or self.num_layers < 1
-        ):
-            raise ValueError(f"MTPConfig.num_layers={self.num_layers!r} must be an integer >= 1")
-        if not self.loss_coeff >= 0:
-            raise ValueError(f"MTPConfig.loss_coeff={self.loss_coeff!r} must be >= 0")
-
-    def validate(self, config: Any) -> None:
-        """Nothing to check against the enclosing GPTConfig."""
-
-    def check_layout(self, parallel: Any) -> None:
-        if parallel.cp > 1:
-            raise ValueError(
-                f"GPTConfig.mtp with cp={parallel.cp} is not supported: rolled MTP targets would "
-                "cross context-parallel chunk boundaries; use cp=1"
-            )
-
-    def replace(self, **changes: Any) -> MTPConfig:
-        return dataclasses.replace(self, **changes)
 
 
 class MTPLossTracker:

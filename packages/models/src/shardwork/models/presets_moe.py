@@ -18,9 +18,9 @@ from typing import Any
 
 from shardwork.fused_kernels import YarnRopeScaling
 from shardwork.models.config import GPTConfig
-from shardwork.models.mla import MLAConfig
+from shardwork.models.mla_config import MLAConfig
 from shardwork.models.moe.config import MoEConfig
-from shardwork.models.mtp import MTPConfig
+from shardwork.models.mtp_config import MTPConfig
 from shardwork.models.preset_table import table_preset
 
 __all__ = ["MOE_PRESETS", "PUBLISHED_MOE_PARAMS"]

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from shardwork.models.attention import Attention, AttentionInputs
 from shardwork.models.config import GPTConfig
+from shardwork.models.mla import MLAttention
 from shardwork.models.mlp import SwiGLUMLP
 from shardwork.models.module import ShardedModule
 from shardwork.models.norm import RMSNorm
@@ -71,8 +72,6 @@ class TransformerLayer(ShardedModule):
         self.sp = config.sequence_parallel
         self.input_layernorm = _norm(config, groups, device)
         if config.mla is not None:  # multi-head latent attention (DeepSeek)
-            from shardwork.models.mla import MLAttention
-
             self.self_attention = MLAttention(config, groups, rng=rng, device=device)
         else:
             self.self_attention = Attention(config, groups, rng=rng, device=device)

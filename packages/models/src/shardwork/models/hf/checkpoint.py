@@ -20,43 +20,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from shardwork.models.full_state import full_state_dict
 from shardwork.models.gpt_model import GPTModel
 from shardwork.models.hf.config_map import gpt_config_from_hf, hf_config_from_gpt, read_hf_config
+from shardwork.models.hf.files import weight_files, write_safetensors
 from shardwork.models.hf.keys import to_hf_key
+from shardwork.models.hf.moe_weights import load_hf_moe_weights, save_moe_pretrained
 from shardwork.models.module import to_empty_keep_meta
 from shardwork.parallel_state import ProcessGroups
 
 __all__ = ["from_pretrained", "load_hf_weights", "save_pretrained"]
-
-_INDEX = "model.safetensors.index.json"
-_SINGLE = "model.safetensors"
-
-
-def _weight_files(folder: Path) -> dict[str, Path]:
-    """HF tensor name -> file holding it."""
-    index = folder / _INDEX
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: folder / file for name, file in weight_map.items()}
-    single = folder / _SINGLE
-    if not single.is_file():
-        raise ValueError(f"{folder!s} holds neither {_INDEX} nor {_SINGLE}")
-    with safe_open(single, framework="pt") as f:
-        return dict.fromkeys(f.keys(), single)
 
 
 @torch.no_grad()
 def load_hf_weights(model: GPTModel, folder: str | Path) -> GPTModel:
     """Copy the HF checkpoint in ``folder`` into ``model``'s local shards (in place)."""
     if model.config.moe is not None or model.config.mla is not None:  # MoE families
-        from shardwork.models.hf.moe_weights import load_hf_moe_weights
-
         return load_hf_moe_weights(model, folder)
     folder = Path(folder)
-    files = _weight_files(folder)
+    files = weight_files(folder)
     by_file: dict[Path, list[tuple[str, Any]]] = {}
     for key, st in model.sharded_state_dict().items():
         name = to_hf_key(key)
@@ -112,39 +95,6 @@ def from_pretrained(
     return load_hf_weights(model, folder)
 
 
-def _shard(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-    return shards
-
-
-def write_safetensors(folder: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> None:
-    """Write HF-keyed ``tensors`` into ``folder`` in key order: one ``model.safetensors``, or
-    ``model-0000i-of-0000n.safetensors`` files of at most ``max_shard_bytes`` each (a larger
-    tensor gets a file of its own) plus the ``model.safetensors.index.json`` weight map."""
-    folder.mkdir(parents=True, exist_ok=True)
-    shards = _shard(dict(sorted(tensors.items())), max_shard_bytes)
-    if len(shards) == 1:
-        save_file(shards[0], str(folder / _SINGLE), metadata={"format": "pt"})
-        return
-    weight_map, total = {}, 0
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(folder / fname), metadata={"format": "pt"})
-        for name, t in shard.items():
-            weight_map[name] = fname
-            total += t.numel() * t.element_size()
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / _INDEX).write_text(json.dumps(index, indent=2))
-
-
 def save_pretrained(
     model: GPTModel,
     folder: str | Path,
@@ -155,8 +105,6 @@ def save_pretrained(
 ) -> None:
     """Write ``model`` (all its ranks and stages, which must all call this) as a HF folder."""
     if model.config.moe is not None or model.config.mla is not None:  # MoE families
-        from shardwork.models.hf.moe_weights import save_moe_pretrained
-
         return save_moe_pretrained(
             model, folder, dtype=dtype, group=group, max_shard_bytes=max_shard_bytes
         )

@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from shardwork.fused_kernels import Llama3RopeScaling, YarnRopeScaling
 from shardwork.models.config import GPTConfig
+from shardwork.models.hf.moe_config import hf_config_from_moe, moe_config_from_hf
+from shardwork.models.hf.rope_map import rope_from_hf, rope_scaling_to_hf
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "gpt_config_from_hf", "hf_config_from_gpt", "read_hf_config"]
 
@@ -34,46 +35,10 @@ def read_hf_config(folder: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def _rope(hf: dict[str, Any]) -> tuple[float, Llama3RopeScaling | YarnRopeScaling | None]:
-    params = hf.get("rope_parameters") or {}
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    scaling = hf.get("rope_scaling") or (params if params else None)
-    if not scaling:
-        return float(theta), None
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return float(theta), None
-    if kind == "llama3":
-        return float(theta), Llama3RopeScaling(
-            factor=float(scaling["factor"]),
-            low_freq_factor=float(scaling["low_freq_factor"]),
-            high_freq_factor=float(scaling["high_freq_factor"]),
-            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-        )
-    if kind == "yarn":
-        return float(theta), YarnRopeScaling(
-            factor=float(scaling["factor"]),
-            original_max_position_embeddings=int(
-                scaling.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
-            ),
-            beta_fast=float(scaling.get("beta_fast", 32.0)),
-            beta_slow=float(scaling.get("beta_slow", 1.0)),
-            mscale=scaling.get("mscale"),
-            mscale_all_dim=scaling.get("mscale_all_dim"),
-            attention_factor_override=scaling.get("attention_factor"),
-            truncate=bool(scaling.get("truncate", True)),
-        )
-    raise ValueError(
-        f"rope_scaling rope_type={kind!r} is not supported; valid: 'default', 'llama3', 'yarn'"
-    )
-
-
 def gpt_config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
     """A ``GPTConfig`` for the HF config dict ``hf`` (``overrides`` win, e.g. dtypes, tp options)."""
     model_type = hf.get("model_type")
     if model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"):  # hf/moe_config.py
-        from shardwork.models.hf.moe_config import moe_config_from_hf
-
         return moe_config_from_hf(hf, **overrides)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
@@ -93,7 +58,7 @@ def gpt_config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
         )
     if model_type == "qwen3" and attention_bias:
         raise ValueError("attention_bias=True with model_type='qwen3' is not supported")
-    theta, scaling = _rope(hf)
+    theta, scaling = rope_from_hf(hf)
     heads = int(hf["num_attention_heads"])
     kw: dict[str, Any] = dict(
         num_layers=int(hf["num_hidden_layers"]),
@@ -123,38 +88,9 @@ def _model_type(config: GPTConfig) -> str:
     return "qwen2" if config.add_qkv_bias else "llama"
 
 
-def _rope_scaling_dict(scaling) -> dict[str, Any] | None:
-    if scaling is None:
-        return None
-    if isinstance(scaling, Llama3RopeScaling):
-        return {
-            "rope_type": "llama3",
-            "factor": scaling.factor,
-            "low_freq_factor": scaling.low_freq_factor,
-            "high_freq_factor": scaling.high_freq_factor,
-            "original_max_position_embeddings": scaling.original_max_position_embeddings,
-        }
-    out = {
-        "rope_type": "yarn",
-        "factor": scaling.factor,
-        "original_max_position_embeddings": scaling.original_max_position_embeddings,
-        "beta_fast": scaling.beta_fast,
-        "beta_slow": scaling.beta_slow,
-        "truncate": scaling.truncate,
-    }
-    for name in ("mscale", "mscale_all_dim"):
-        if getattr(scaling, name) is not None:
-            out[name] = getattr(scaling, name)
-    if scaling.attention_factor_override is not None:
-        out["attention_factor"] = scaling.attention_factor_override
-    return out
-
-
 def hf_config_from_gpt(config: GPTConfig, *, dtype: torch.dtype | None = None) -> dict[str, Any]:
     """A ``config.json`` dict that transformers (4.x and 5.x) loads as the same model."""
     if config.moe is not None or config.mla is not None:  # MoE families: hf/moe_config.py
-        from shardwork.models.hf.moe_config import hf_config_from_moe
-
         return hf_config_from_moe(config, dtype=dtype)
     model_type = _model_type(config)
     dt = str(dtype or config.params_dtype).removeprefix("torch.")
@@ -172,7 +108,7 @@ def hf_config_from_gpt(config: GPTConfig, *, dtype: torch.dtype | None = None) -
         "max_position_embeddings": config.max_position_embeddings,
         "rms_norm_eps": config.norm_epsilon,
         "rope_theta": config.rope_theta,
-        "rope_scaling": _rope_scaling_dict(config.rope_scaling),
+        "rope_scaling": rope_scaling_to_hf(config.rope_scaling),
         "tie_word_embeddings": config.tie_word_embeddings,
         "attention_bias": False,
         "attention_dropout": config.attention_dropout,

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from shardwork.models.config import GPTConfig
-from shardwork.models.hf.config_map import _rope, _rope_scaling_dict
-from shardwork.models.mla import MLAConfig
+from shardwork.models.hf.rope_map import rope_from_hf, rope_scaling_to_hf
+from shardwork.models.mla_config import MLAConfig
 from shardwork.models.moe.config import MoEConfig
 
 __all__ = ["MOE_MODEL_TYPES", "hf_config_from_moe", "moe_config_from_hf", "moe_model_type"]
@@ -43,6 +43,85 @@ def _qwen_pattern(hf: dict[str, Any], num_layers: int) -> tuple[int, ...]:
     return tuple(int(i not in dense and (i + 1) % step == 0) for i in range(num_layers))
 
 
+def _mixtral_fields(hf: dict[str, Any], heads: int) -> dict[str, Any]:
+    """Mixtral's attention and MoE fields (top-k softmax renormalised, no shared expert)."""
+    return dict(
+        num_query_groups=int(hf.get("num_key_value_heads") or heads),
+        head_dim=hf.get("head_dim") or None,
+        ffn_hidden_size=int(hf["intermediate_size"]),
+        moe=MoEConfig(
+            num_experts=int(hf["num_local_experts"]),
+            top_k=int(hf["num_experts_per_tok"]),
+            ffn_hidden_size=int(hf["intermediate_size"]),
+        ),
+    )
+
+
+def _qwen_moe_fields(hf: dict[str, Any], mt: str, heads: int, layers: int) -> dict[str, Any]:
+    """Qwen2-MoE / Qwen3-MoE attention and MoE fields (shared expert and its gate for Qwen2)."""
+    shared = hf.get("shared_expert_intermediate_size") if mt == "qwen2_moe" else None
+    fields = dict(
+        num_query_groups=int(hf.get("num_key_value_heads") or heads),
+        head_dim=hf.get("head_dim") or None,
+        ffn_hidden_size=int(hf["intermediate_size"]),
+        qk_layernorm=mt == "qwen3_moe",
+        add_qkv_bias=bool(hf.get("qkv_bias", True)) if mt == "qwen2_moe" else False,
+        moe=MoEConfig(
+            num_experts=int(hf.get("num_experts") or hf["num_local_experts"]),
+            top_k=int(hf["num_experts_per_tok"]),
+            ffn_hidden_size=int(hf["moe_intermediate_size"]),
+            pre_softmax=not hf.get("norm_topk_prob", False),
+            shared_expert_ffn_hidden_size=int(shared) if shared else None,
+            shared_expert_gate=bool(shared),
+            layer_freq=_qwen_pattern(hf, layers),
+        ),
+    )
+    if mt == "qwen3_moe" and hf.get("attention_bias"):
+        raise ValueError("attention_bias=True with model_type='qwen3_moe' is not supported")
+    return fields
+
+
+def _deepseek_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3's MLA and MoE fields (sigmoid scores, group-limited selection, expert bias)."""
+    if not hf.get("norm_topk_prob", True):
+        raise ValueError("norm_topk_prob=False with model_type='deepseek_v3' is not supported")
+    if hf.get("rope_interleave", True) is False:
+        raise ValueError("rope_interleave=False is not supported; valid: True (DeepSeek-V3)")
+    if hf.get("attention_bias"):
+        raise ValueError("attention_bias=True is not supported for deepseek_v3; valid: False")
+    n_group = hf.get("n_group") or 1
+    topk_group = hf.get("topk_group") or 1
+    grouped = int(n_group) > 1
+    shared = hf.get("n_shared_experts") or 0
+    nope, rope = int(hf["qk_nope_head_dim"]), int(hf["qk_rope_head_dim"])
+    fields = dict(
+        head_dim=nope + rope,
+        ffn_hidden_size=int(hf["intermediate_size"]),
+        mla=MLAConfig(
+            q_lora_rank=hf.get("q_lora_rank") or None,
+            kv_lora_rank=int(hf["kv_lora_rank"]),
+            qk_nope_head_dim=nope,
+            qk_rope_head_dim=rope,
+            v_head_dim=int(hf["v_head_dim"]),
+        ),
+        moe=MoEConfig(
+            num_experts=int(hf["n_routed_experts"]),
+            top_k=int(hf["num_experts_per_tok"]),
+            ffn_hidden_size=int(hf["moe_intermediate_size"]),
+            score_function="sigmoid",
+            top_k_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            num_groups=int(n_group) if grouped else None,
+            group_top_k=int(topk_group) if grouped else None,
+            enable_expert_bias=True,
+            shared_expert_ffn_hidden_size=int(shared) * int(hf["moe_intermediate_size"])
+            if shared
+            else None,
+            first_k_dense_replace=int(hf.get("first_k_dense_replace") or 0),
+        ),
+    )
+    return fields
+
+
 def moe_config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
     """A ``GPTConfig`` for an HF MoE config dict (``overrides`` win)."""
     mt = hf.get("model_type")
@@ -52,7 +131,7 @@ def moe_config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
         raise ValueError(f"hidden_act={hf.get('hidden_act')!r} is not supported; valid: 'silu'")
     if hf.get("use_sliding_window") or (mt == "mixtral" and hf.get("sliding_window")):
         raise ValueError("sliding_window is not supported; valid: None")
-    theta, scaling = _rope(hf)
+    theta, scaling = rope_from_hf(hf)
     layers = int(hf["num_hidden_layers"])
     heads = int(hf["num_attention_heads"])
     kw: dict[str, Any] = dict(
@@ -68,73 +147,11 @@ def moe_config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
         init_method_std=float(hf.get("initializer_range", 0.02)),
     )
     if mt == "mixtral":
-        kw |= dict(
-            num_query_groups=int(hf.get("num_key_value_heads") or heads),
-            head_dim=hf.get("head_dim") or None,
-            ffn_hidden_size=int(hf["intermediate_size"]),
-            moe=MoEConfig(
-                num_experts=int(hf["num_local_experts"]),
-                top_k=int(hf["num_experts_per_tok"]),
-                ffn_hidden_size=int(hf["intermediate_size"]),
-            ),
-        )
+        kw |= _mixtral_fields(hf, heads)
     elif mt in ("qwen2_moe", "qwen3_moe"):
-        shared = hf.get("shared_expert_intermediate_size") if mt == "qwen2_moe" else None
-        kw |= dict(
-            num_query_groups=int(hf.get("num_key_value_heads") or heads),
-            head_dim=hf.get("head_dim") or None,
-            ffn_hidden_size=int(hf["intermediate_size"]),
-            qk_layernorm=mt == "qwen3_moe",
-            add_qkv_bias=bool(hf.get("qkv_bias", True)) if mt == "qwen2_moe" else False,
-            moe=MoEConfig(
-                num_experts=int(hf.get("num_experts") or hf["num_local_experts"]),
-                top_k=int(hf["num_experts_per_tok"]),
-                ffn_hidden_size=int(hf["moe_intermediate_size"]),
-                pre_softmax=not hf.get("norm_topk_prob", False),
-                shared_expert_ffn_hidden_size=int(shared) if shared else None,
-                shared_expert_gate=bool(shared),
-                layer_freq=_qwen_pattern(hf, layers),
-            ),
-        )
-        if mt == "qwen3_moe" and hf.get("attention_bias"):
-            raise ValueError("attention_bias=True with model_type='qwen3_moe' is not supported")
+        kw |= _qwen_moe_fields(hf, mt, heads, layers)
     else:
-        if not hf.get("norm_topk_prob", True):
-            raise ValueError("norm_topk_prob=False with model_type='deepseek_v3' is not supported")
-        if hf.get("rope_interleave", True) is False:
-            raise ValueError("rope_interleave=False is not supported; valid: True (DeepSeek-V3)")
-        if hf.get("attention_bias"):
-            raise ValueError("attention_bias=True is not supported for deepseek_v3; valid: False")
-        n_group = hf.get("n_group") or 1
-        topk_group = hf.get("topk_group") or 1
-        grouped = int(n_group) > 1
-        shared = hf.get("n_shared_experts") or 0
-        nope, rope = int(hf["qk_nope_head_dim"]), int(hf["qk_rope_head_dim"])
-        kw |= dict(
-            head_dim=nope + rope,
-            ffn_hidden_size=int(hf["intermediate_size"]),
-            mla=MLAConfig(
-                q_lora_rank=hf.get("q_lora_rank") or None,
-                kv_lora_rank=int(hf["kv_lora_rank"]),
-                qk_nope_head_dim=nope,
-                qk_rope_head_dim=rope,
-                v_head_dim=int(hf["v_head_dim"]),
-            ),
-            moe=MoEConfig(
-                num_experts=int(hf["n_routed_experts"]),
-                top_k=int(hf["num_experts_per_tok"]),
-                ffn_hidden_size=int(hf["moe_intermediate_size"]),
-                score_function="sigmoid",
-                top_k_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-                num_groups=int(n_group) if grouped else None,
-                group_top_k=int(topk_group) if grouped else None,
-                enable_expert_bias=True,
-                shared_expert_ffn_hidden_size=int(shared) * int(hf["moe_intermediate_size"])
-                if shared
-                else None,
-                first_k_dense_replace=int(hf.get("first_k_dense_replace") or 0),
-            ),
-        )
+        kw |= _deepseek_fields(hf)
     return GPTConfig(**(kw | overrides))
 
 
@@ -168,7 +185,7 @@ def hf_config_from_moe(config: GPTConfig, *, dtype: torch.dtype | None = None) -
         "max_position_embeddings": config.max_position_embeddings,
         "rms_norm_eps": config.norm_epsilon,
         "rope_theta": config.rope_theta,
-        "rope_scaling": _rope_scaling_dict(config.rope_scaling),
+        "rope_scaling": rope_scaling_to_hf(config.rope_scaling),
         "tie_word_embeddings": config.tie_word_embeddings,
         "initializer_range": config.init_method_std,
         "attention_dropout": config.attention_dropout,

@@ -33,9 +33,10 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from shardwork.models.full_state import full_state_dict
-from shardwork.models.hf.checkpoint import _weight_files, write_safetensors
+from shardwork.models.hf.files import weight_files, write_safetensors
 from shardwork.models.hf.keys import KEY_RULES, to_hf_key
 from shardwork.models.hf.moe_config import hf_config_from_moe, moe_model_type
+from shardwork.models.moe.state import moe_routers
 
 __all__ = [
     "hf_name",
@@ -155,7 +156,7 @@ class _Source:
 
     def __init__(self, folder: Path | None = None, tensors: dict[str, torch.Tensor] | None = None):
         self.tensors = tensors
-        self.files = _weight_files(folder) if folder is not None else None
+        self.files = weight_files(folder) if folder is not None else None
         self.handles: dict[Path, Any] = {}
 
     def close(self) -> None:
@@ -223,8 +224,6 @@ def _load(model, source: _Source) -> Any:
                         )
     finally:
         source.close()
-    from shardwork.models.moe.state import moe_routers
-
     for router in moe_routers(model):  # step counters are not in checkpoints (meta builds)
         router.reset_step_state()
     return model

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwork.models.moe.layer import MoELayer
+from shardwork.models.moe.router import MoERouter
 from shardwork.moe_router import AuxLossScale, AuxLossTracker, update_expert_bias
 from shardwork.parallel_state import ProcessGroups
 
@@ -29,8 +31,6 @@ __all__ = ["attach_moe", "expert_load", "moe_finalize_kwargs", "moe_routers"]
 
 def attach_moe(model: nn.Module, config, groups: ProcessGroups, *, device) -> Callable[[int], Any]:
     """Create ``model.aux_loss_tracker`` / ``model.aux_loss_scale``; return the mlp factory."""
-    from shardwork.models.moe.layer import MoELayer
-
     moe = config.moe
     tracker_device = "cpu" if torch.device(device).type == "meta" else device
     mtp_depths = config.mtp.num_layers if config.mtp is not None else 0
@@ -67,8 +67,6 @@ def _unwrap(chunk: nn.Module) -> nn.Module:
 
 def moe_routers(chunks: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
     """The moe-router ``TopKRouter`` of every MoE layer in ``chunks`` (wrappers looked through)."""
-    from shardwork.models.moe.router import MoERouter
-
     chunks = [chunks] if isinstance(chunks, nn.Module) else list(chunks)
     return [m.inner for c in chunks for m in c.modules() if isinstance(m, MoERouter)]
 

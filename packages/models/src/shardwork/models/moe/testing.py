@@ -21,7 +21,9 @@ import torch.distributed as dist
 
 from shardwork.models.full_state import full_state_dict
 from shardwork.models.gpt_model import GPTModel
-from shardwork.models.moe.state import expert_load, moe_finalize_kwargs
+from shardwork.models.moe.state import expert_load, moe_finalize_kwargs, moe_routers
+from shardwork.models.mtp import reduce_mtp_losses
+from shardwork.models.pipeline import build_stage, finalize_model_grads, get_schedule
 from shardwork.models.presets import preset
 from shardwork.parallel_state import ParallelConfig, ProcessGroups, init_process_groups
 
@@ -85,8 +87,6 @@ def compare_moe_layout(
     **overrides: Any,
 ) -> float:
     """Assert loss, gradients and expert loads at the layout equal world size 1; returns loss."""
-    from shardwork.models.pipeline import build_stage, finalize_model_grads, get_schedule
-
     parallel = ParallelConfig(tp=tp, pp=pp, ep=ep, etp=tp if etp is None else etp)
     groups = init_process_groups(parallel)
     cfg = preset(name, params_dtype=torch.float64, **overrides)
@@ -140,8 +140,6 @@ def compare_moe_layout(
             grads[key], ref_grad, rtol=rtol, atol=rtol * 1e-2, msg=lambda m, k=key: f"{k}: {m}"
         )
     if cfg.mtp is not None:
-        from shardwork.models.mtp import reduce_mtp_losses
-
         mine = reduce_mtp_losses(stage, groups)
         torch.testing.assert_close(mine, ref_model.mtp.tracker.mean_losses(), rtol=1e-9, atol=0)
     if ref_load is not None:
@@ -159,6 +157,4 @@ def compare_moe_layout(
 
 
 def _biases(model):
-    from shardwork.models.moe.state import moe_routers
-
     return {r.layer_index: r.expert_bias for r in moe_routers(model) if r.expert_bias is not None}
