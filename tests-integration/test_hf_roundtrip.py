@@ -108,7 +108,7 @@ def _finetune(model_type: str, folder_in: str, folder_out: str, run_dir: str, ca
 
 @pytest.mark.parametrize("model_type", ["llama", "mixtral"])
 def test_finetuned_export_reloads_in_transformers(tmp_path, monkeypatch, model_type):
-    from shardwork.trainer.generate import load_for_inference
+    from shardwork.trainer.inference import load_for_inference
     from shardwork.trainer.testing import first_global_batch
 
     cache = str(tmp_path / "corpus")

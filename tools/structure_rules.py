@@ -26,7 +26,10 @@ modules are not checked. Each problem reads ``path:line: rule: what``:
   transformer_engine, and ``OPTIONAL_WRAPPERS`` such as ``torch.utils.tensorboard``) may be
   imported on first use, so the package works without them; so may a module of the package
   that needs one (it imports one outside any gate, directly or through another such module:
-  ``fused_kernels.triton_router`` imports triton at its top).
+  ``fused_kernels.triton_router`` imports triton at its top). One written exception: a run of
+  in-function imports directly under a comment line ``# deferred import: <reason>`` (the
+  reason required), for an entry point that must act before a module loads (the CLIs set
+  OpenMP's wait policy, which it reads once when torch loads it). ``--structure`` lists them.
 - ``long-function``: a function body longer than ``MAX_BODY_LINES``, counted from the first
   statement after the docstring to the function's last line.
 """
@@ -351,6 +354,31 @@ def _is_required(full: str, required: frozenset[str]) -> bool:
     return parts[0] in required or ".".join(parts[:2]) in required
 
 
+DEFERRED = re.compile(r"#\s*deferred import:\s*\S")
+"""The comment that justifies the in-function imports right below it (with a reason)."""
+
+
+def deferred_import_lines(module: Module) -> dict[int, str]:
+    """Line of each in-function import justified by a ``# deferred import: <reason>`` comment
+    (directly above it, or above the imports and blank lines directly above it) -> the
+    reason."""
+    lines = module.path.read_text().splitlines()
+    spans = {}
+    for node, in_function in _imports(module.tree):
+        if in_function:
+            spans[node.lineno] = node.end_lineno
+    covered = {line for start, end in spans.items() for line in range(start, end + 1)}
+    justified = {}
+    for start in spans:
+        above = start - 1
+        while above in covered or (above >= 1 and not lines[above - 1].strip()):
+            above -= 1
+        comment = lines[above - 1].strip() if above >= 1 else ""
+        if DEFERRED.match(comment):
+            justified[start] = comment.split(":", 1)[1].strip()
+    return justified
+
+
 def function_import_problems(
     root: str, modules: dict[str, Module], required: frozenset[str], where
 ) -> list[str]:
@@ -358,8 +386,9 @@ def function_import_problems(
     optional = optional_modules(root, modules, required)
     problems = []
     for module in modules.values():
+        deferred = deferred_import_lines(module)
         for node, in_function in _imports(module.tree):
-            if not in_function:
+            if not in_function or node.lineno in deferred:
                 continue
             for full in _targets(node, module, root, modules):
                 inner = _inside(full, root)
@@ -412,6 +441,17 @@ def long_function_problems(modules: dict[str, Module], where) -> list[str]:
     for module in modules.values():
         walk(module.tree, "", module.path)
     return problems
+
+
+def deferred_imports(package: pathlib.Path, repo: pathlib.Path) -> list[str]:
+    """The written exceptions of ``import-in-function`` in ``package``: ``path:line: reason``."""
+    _, modules = read_modules(package)
+    return [
+        f"{path.relative_to(repo) if path.is_relative_to(repo) else path}:{line}: {reason}"
+        for module in modules.values()
+        for path in [module.path]
+        for line, reason in sorted(deferred_import_lines(module).items())
+    ]
 
 
 def structure_problems(package: pathlib.Path, repo: pathlib.Path) -> list[str]:

@@ -176,6 +176,41 @@ def test_import_in_function(tmp_path, statement, target):
     assert problem.startswith(f"{SRC}/user.py:3: import-in-function: {target} is required ")
 
 
+DEFERRED_SOURCE = """def main():
+    setup()
+    # deferred import: torch must load after setup() set its environment
+    import json
+
+    from shardwork.dep import d
+    import numpy
+    return json, d, numpy
+
+
+def other():
+    # a comment without the marker
+    import json
+    return json
+"""
+
+
+def test_deferred_import_comment_allows_the_imports_below_it(tmp_path):
+    """The written exception covers the run of imports (blank lines included) right below it,
+    names its reason, and nothing else: the same import in another function still fails, and
+    the marker without a reason allows nothing."""
+    (problem,) = problems_of(tmp_path, {"entry.py": DEFERRED_SOURCE})
+    assert problem.startswith(f"{SRC}/entry.py:13: import-in-function: json is required ")
+    listed = structure_rules.deferred_imports(tmp_path / "packages" / "pkg", tmp_path)
+    reason = "torch must load after setup() set its environment"
+    assert listed == [f"{SRC}/entry.py:{line}: {reason}" for line in (4, 6, 7)]
+    without_reason = DEFERRED_SOURCE.replace(f": {reason}", ":")
+    other_root = tmp_path / "bare"
+    other_root.mkdir()
+    found = problems_of(other_root, {"entry.py": without_reason})
+    assert [p.split(": import-in-function")[0] for p in found] == [
+        f"{SRC}/entry.py:{line}" for line in (4, 6, 7, 13)
+    ]
+
+
 @pytest.mark.parametrize("lines", [structure_rules.MAX_BODY_LINES + 1, 120])
 def test_long_function(tmp_path, lines):
     source = "class K:\n    pass\n\n\nclass L:\n" + "".join(
@@ -203,6 +238,17 @@ def test_command_line_reports_and_fails(tmp_path, capsys):
     assert check_dependencies.main_structure(["packages/none"], tmp_path) == 2
 
 
-@pytest.mark.parametrize("package", ["models", "fused-kernels"])
+@pytest.mark.parametrize(
+    "package",
+    [
+        "parallel-state",
+        "fused-kernels",
+        "moe-router",
+        "dist-checkpoint",
+        "dist-optimizer",
+        "models",
+        "trainer",
+    ],
+)
 def test_the_real_packages_pass(package):
     assert structure_rules.structure_problems(REPO / "packages" / package, REPO) == []

@@ -61,7 +61,7 @@ def _mean_loss(model, rows) -> float:
 
 def test_finetune_from_and_export_to_a_hugging_face_folder(tmp_path, source):
     from shardwork.models.hf import from_pretrained
-    from shardwork.trainer.generate import load_for_inference
+    from shardwork.trainer.inference import load_for_inference
 
     folder, model = source
     out = tmp_path / "exported"

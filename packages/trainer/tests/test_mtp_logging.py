@@ -101,7 +101,7 @@ def _step0_reference(config):
 def _valid_reference(checkpoint, config):
     """The validation losses of the saved final model, recomputed on the evaluated samples."""
     from shardwork.trainer.data.builder import build_eval_set, micro_batch, split_components
-    from shardwork.trainer.generate import load_for_inference
+    from shardwork.trainer.inference import load_for_inference
 
     model, _, _ = load_for_inference(checkpoint)
     model.eval()

@@ -150,7 +150,8 @@ def test_cli_fallback_off_exits_4_with_one_paragraph(reference, tmp_path):
 
 
 def test_generate_refuses_a_corrupt_checkpoint(reference, tmp_path, capsys):
-    from shardwork.trainer.generate import load_for_inference, main
+    from shardwork.trainer.generate import main
+    from shardwork.trainer.inference import load_for_inference
 
     ckpt = tmp_path / "step_000000006"
     shutil.copytree(reference[1] / "step_000000006", ckpt)
@@ -206,7 +207,8 @@ def test_hostile_newest_checkpoint_is_refused_and_skipped(reference, tmp_path):
 
 
 def test_generate_refuses_a_hostile_checkpoint(reference, tmp_path, capsys):
-    from shardwork.trainer.generate import load_for_inference, main
+    from shardwork.trainer.generate import main
+    from shardwork.trainer.inference import load_for_inference
 
     ckpt = tmp_path / "step_000000006"
     shutil.copytree(reference[1] / "step_000000006", ckpt)

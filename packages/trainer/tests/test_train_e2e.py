@@ -197,7 +197,7 @@ def test_checkpoint_reloads_the_trained_model_for_generation(tmp_path):
     import torch
 
     from shardwork.trainer.data.builder import build_eval_set, micro_batch, split_components
-    from shardwork.trainer.generate import load_for_inference, sample
+    from shardwork.trainer.inference import load_for_inference, sample
 
     result = train(
         tiny_config(tmp_path, schedule={"train_steps": 4}, checkpoint={"save_at_end": True})

@@ -52,7 +52,7 @@ def _checked_config(argv: list[str]):
     """``(resolved config, print_config)``, validated and, unless only printing, preflighted;
     raises a UserError (ConfigError, DataError) for a mistake."""
     config, print_config = parse_train_args(argv)  # --help and flag errors exit here
-    # torch loads here, after train_main set the OpenMP policy (see the module docstring)
+    # deferred import: torch loads here, after train_main set OpenMP's wait policy (docstring)
     from shardwork.trainer.config.validate import validate_config
     from shardwork.trainer.run.preflight import preflight
 
@@ -76,7 +76,8 @@ def train_main(argv: Sequence[str] | None = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(config_to_toml(resolved), end="")
         return 0
-    from shardwork.dist_checkpoint import CheckpointCorruptError, UnsupportedFormatError  # torch
+    # deferred import: the run's modules (torch), imported once the flags are valid
+    from shardwork.dist_checkpoint import CheckpointCorruptError, UnsupportedFormatError
     from shardwork.trainer.run.checkpointing import ResumeError
     from shardwork.trainer.run.collectives import CollectiveError
     from shardwork.trainer.run.trainer import NonFiniteLossError, train

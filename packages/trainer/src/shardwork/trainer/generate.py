@@ -17,23 +17,20 @@
 - Like ``shardwork-train``, the command lets idle OpenMP threads sleep (set before torch is
   imported): on a shared 2-core machine spinning threads made a run 3x slower (30.7 s vs
   10.9 s measured for 80 tokens from the demo checkpoint). So this module and its top-level
-  imports never load torch: what does (torch, the model, the checkpoint reader) is imported
-  inside the functions, which run after :func:`main` set the policy.
+  imports never load torch: the model loading and sampling live in :mod:`.inference`, which
+  :func:`main` imports after it set the policy and parsed the flags.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 import tyro
 
 from shardwork.trainer.cli import quiet_cpu_threads
-from shardwork.trainer.config.load import config_from_dict
-from shardwork.trainer.data.tokenizer import load_tokenizer
 from shardwork.trainer.errors import CheckpointError, UserError, report
 
 
@@ -77,82 +74,6 @@ def check_args(args: GenerateArgs) -> None:
         raise UserError("; ".join(problems))
 
 
-def load_for_inference(checkpoint: str | Path):
-    """``(model, train_config, tokenizer)`` rebuilt from a checkpoint on one CPU process."""
-    import torch
-
-    from shardwork.dist_checkpoint import CheckpointManager, read_info
-    from shardwork.parallel_state import ProcessGroups
-    from shardwork.trainer.model_factory import build_model_chunks, gpt_config
-    from shardwork.trainer.run.checkpointing import locate_checkpoint
-
-    root, step = locate_checkpoint(checkpoint)
-    manager = CheckpointManager(root)
-    step = manager.latest() if step is None else step
-    if step is None:
-        raise CheckpointError(f"CHECKPOINT={str(checkpoint)!r}: no complete checkpoint there")
-    info = read_info(manager.step_path(step))
-    text = (info.get("user_metadata") or {}).get("train_config")
-    if text is None:
-        raise CheckpointError(
-            f"{manager.step_path(step)} was not written by shardwork-train (no config)"
-        )
-    config = config_from_dict(tomllib.loads(text))
-    hf = (info.get("user_metadata") or {}).get("hf_config")  # runs started from a HF folder
-    groups = ProcessGroups.single()
-    (model,) = build_model_chunks(gpt_config(config, hf=hf), groups, device=torch.device("cpu"))
-    state = {"model": model.sharded_state_dict()}
-    manager.load(state, step=step, include=("model",))
-    model.eval()
-    tokenizer = load_tokenizer(config.data.tokenizer, eod_token=config.data.eod_token)
-    return model, config, tokenizer
-
-
-def sample(
-    model,
-    tokenizer,
-    prompt: str,
-    *,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int,
-    context: int,
-    generator,
-) -> str:
-    """Continue ``prompt`` by ``max_new_tokens`` tokens (stops at end-of-document);
-    ``generator`` is the ``torch.Generator`` that sampling draws from."""
-    import torch
-
-    with torch.no_grad():
-        return _sample(
-            model, tokenizer, prompt, max_new_tokens, temperature, top_k, context, generator
-        )
-
-
-def _sample(model, tokenizer, prompt, max_new_tokens, temperature, top_k, context, generator):
-    import torch
-
-    ids = tokenizer.encode(prompt) or [tokenizer.eod_id]
-    vocab = model.config.vocab_size
-    out: list[int] = []
-    for _ in range(max_new_tokens):
-        window = torch.tensor([ids[-context:]])
-        logits = model(input_ids=window)[-1, 0, :vocab].float()  # [s, b, V_pad]
-        if temperature <= 0:
-            token = int(logits.argmax())
-        else:
-            logits = logits / temperature
-            if 0 < top_k < vocab:
-                cutoff = torch.topk(logits, top_k).values[-1]
-                logits = logits.masked_fill(logits < cutoff, float("-inf"))
-            token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
-        if token == tokenizer.eod_id:
-            break
-        ids.append(token)
-        out.append(token)
-    return tokenizer.decode(out)
-
-
 def main(argv: list[str] | None = None) -> int:
     quiet_cpu_threads()
     args = tyro.cli(  # --help and flag errors exit here, before torch loads
@@ -161,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         use_underscores=True,
         prog="shardwork-generate",
     )
+    # deferred import: torch loads here, after quiet_cpu_threads set OpenMP's wait policy
     import torch
 
     from shardwork.dist_checkpoint import (
@@ -168,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         IncompleteCheckpointError,
         UnsupportedFormatError,
     )
+    from shardwork.trainer.inference import load_for_inference, sample
 
     try:
         check_args(args)

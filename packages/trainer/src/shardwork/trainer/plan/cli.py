@@ -19,7 +19,13 @@ from pathlib import Path
 
 import tyro
 
+from shardwork.models import preset
+from shardwork.models.hf import gpt_config_from_hf
+from shardwork.models.presets import PRESETS
 from shardwork.trainer.errors import UserError, report
+from shardwork.trainer.plan.cluster import CLUSTERS, GB, GPUS, Cluster
+from shardwork.trainer.plan.planner import plan
+from shardwork.trainer.plan.report import render_svg, render_table
 
 __all__ = ["PlanArgs", "check_args", "main"]
 
@@ -90,8 +96,6 @@ def _sizes_problems(args: PlanArgs) -> list[str]:
 
 def check_args(args: PlanArgs) -> None:
     """UserError naming every bad option (value and what is valid), before any work."""
-    from shardwork.trainer.plan.cluster import CLUSTERS, GPUS
-
     problems = []
     for name in ("gpus", "global_batch", "seq_length", "top", "gpus_per_node"):
         _positive(problems, name, getattr(args, name))
@@ -117,10 +121,6 @@ def check_args(args: PlanArgs) -> None:
 
 def load_model(spec: str):
     """The GPTConfig of a preset name, a config.json path or a folder holding one."""
-    from shardwork.models import preset
-    from shardwork.models.hf import gpt_config_from_hf
-    from shardwork.models.presets import PRESETS
-
     if spec in PRESETS:
         return preset(spec)
     path = Path(spec)
@@ -142,8 +142,6 @@ def load_model(spec: str):
 
 
 def _cluster(args: PlanArgs):
-    from shardwork.trainer.plan.cluster import CLUSTERS, GB, GPUS, Cluster
-
     base = dict(CLUSTERS[args.cluster]) if args.cluster else dict(gpu=GPUS[args.gpu])
     if args.cluster is None:
         base |= dict(gpus_per_node=8, internode=400 / 8 * GB)
@@ -160,9 +158,6 @@ def _matches(row, sizes: dict) -> bool:
 
 def run(args: PlanArgs) -> str:
     """Plan and return the table (writes the plot if asked)."""
-    from shardwork.trainer.plan.planner import plan
-    from shardwork.trainer.plan.report import render_svg, render_table
-
     check_args(args)
     model = load_model(args.model)
     result = plan(
