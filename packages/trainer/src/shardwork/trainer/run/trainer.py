@@ -268,9 +268,8 @@ class Trainer:
             if self.progress is not None:
                 self.progress.close()
                 self.progress = None
-            p.checkpoints.final(
-                step, result
-            )  # before the final evaluation: a signal there loses nothing
+            # the final checkpoint precedes the final evaluation: a signal there loses nothing
+            p.checkpoints.final(step, result)
             if p.evaluator.final_due(step, result.stopped_by):
                 p.evaluator.final(step, stop, result)
         self._finish(p, t_start)
