@@ -39,6 +39,16 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from shardwork.dist_checkpoint import (
+    CheckpointCorruptError,
+    CheckpointManager,
+    CheckpointMismatchError,
+    ShardedObject,
+    is_committed,
+    read_info,
+)
+from shardwork.trainer.config.load import config_to_toml
+from shardwork.trainer.model_factory import hf_config
 from shardwork.trainer.run.optimizer_keys import optimizer_param_rects
 from shardwork.trainer.run.resume_advice import corrupt_message, mismatch_message
 from shardwork.trainer.run.rng import (
@@ -48,6 +58,7 @@ from shardwork.trainer.run.rng import (
     restore_rng,
     seed_everything,
 )
+from shardwork.trainer.schedules import consumed_samples
 
 
 def layout_of(runtime) -> dict:
@@ -67,8 +78,6 @@ def layout_of(runtime) -> dict:
 
 def locate_checkpoint(path: str | Path) -> tuple[Path, int | None]:
     """``(root, step)`` for a ``step_*`` checkpoint directory, or ``(root, None)`` for a root."""
-    from shardwork.dist_checkpoint import is_committed
-
     path = Path(path)
     match = re.fullmatch(r"step_(\d+)", path.name)
     if match and is_committed(path):
@@ -85,9 +94,6 @@ class Checkpointer:
     """Saves and restores the run's state (see module docstring)."""
 
     def __init__(self, config, runtime, assembly) -> None:
-        from shardwork.dist_checkpoint import CheckpointManager
-        from shardwork.trainer.config.load import config_to_toml
-
         self.config = config
         self.runtime = runtime
         self.assembly = assembly
@@ -105,8 +111,6 @@ class Checkpointer:
         #: corrupt checkpoints skipped by a fallback: saved over when the run reaches them
         self.corrupt_steps: set[int] = set()
         if c.hf_init is not None:  # the architecture (shardwork-generate reads it)
-            from shardwork.trainer.model_factory import hf_config
-
             self.metadata["hf_config"] = hf_config(c.hf_init)
 
     # ---- state -------------------------------------------------------------------------------
@@ -117,8 +121,6 @@ class Checkpointer:
         return state
 
     def _rng_state(self):
-        from shardwork.dist_checkpoint import ShardedObject
-
         value = capture_rng(self.runtime.device)
         value["trackers"] = [m.rng_tracker.get_states() for m in self.assembly.modules]
         return ShardedObject(
@@ -129,8 +131,6 @@ class Checkpointer:
         )
 
     def state(self, step: int, *, include_optimizer: bool = True, include_rng: bool = True) -> dict:
-        from shardwork.trainer.schedules import consumed_samples
-
         s = self.config.schedule
         state = {
             "model": self._model_state(),
@@ -169,8 +169,6 @@ class Checkpointer:
 
     def maybe_resume(self, *, say) -> int:
         """Resume per ``checkpoint.resume``; returns the step to start from (0 for a fresh run)."""
-        from shardwork.dist_checkpoint import CheckpointCorruptError, CheckpointManager
-
         c = self.config.checkpoint
         if c.resume == "none":
             return 0
@@ -192,8 +190,6 @@ class Checkpointer:
         """``checkpoint.resume = "auto"``: the newest checkpoint that loads intact (see the
         module docstring); raises `CheckpointCorruptError` if fallback is off, `ResumeError` if
         no checkpoint is intact."""
-        from shardwork.dist_checkpoint import CheckpointCorruptError
-
         skipped: list[int] = []
         for step in reversed(steps):
             try:
@@ -221,8 +217,6 @@ class Checkpointer:
 
     def _resume_from(self, manager, step: int, *, say) -> int:
         """Load checkpoint ``step`` of ``manager`` into the run; return the step it holds."""
-        from shardwork.dist_checkpoint import CheckpointMismatchError, read_info
-
         c = self.config.checkpoint
         path = manager.step_path(step)
         info = read_info(path)

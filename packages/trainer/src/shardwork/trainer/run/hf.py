@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import torch
 
+from shardwork.dist_checkpoint import CheckpointManager
+from shardwork.models.hf import load_hf_weights, save_pretrained
+
 
 def will_resume(config) -> bool:
     """Whether :class:`~shardwork.trainer.run.checkpointing.Checkpointer` will load a checkpoint
     (``checkpoint.resume``: a path, or 'auto' with a complete checkpoint in ``checkpoint.dir``)."""
-    from shardwork.dist_checkpoint import CheckpointManager
-
     c = config.checkpoint
     if c.resume == "none":
         return False
@@ -34,8 +35,6 @@ def will_resume(config) -> bool:
 @torch.no_grad()
 def import_hf_weights(modules, folder: str) -> None:
     """Fill every model chunk of this rank with its slices of the checkpoint in ``folder``."""
-    from shardwork.models.hf import load_hf_weights
-
     for module in modules:
         for p in module.parameters():
             p.zero_()
@@ -44,7 +43,5 @@ def import_hf_weights(modules, folder: str) -> None:
 
 def export_hf(modules, folder: str) -> None:
     """Write the model (every rank calls this with its one chunk) as a Hugging Face folder."""
-    from shardwork.models.hf import save_pretrained
-
     (module,) = modules  # validation rejects virtual pipeline stages with hf_export
     save_pretrained(module, folder)

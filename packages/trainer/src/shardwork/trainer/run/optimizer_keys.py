@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from shardwork.dist_optimizer.sharded_state import default_param_rects
+from shardwork.models import EMBEDDING_KEY
 from shardwork.parallel_state import get_param_meta
 
 _EXPERT_SHARDS = "_shardwork_custom_shards"  # shardwork.models.moe.ExpertShards on stacked experts
@@ -28,9 +30,6 @@ _EXPERT_SHARDS = "_shardwork_custom_shards"  # shardwork.models.moe.ExpertShards
 
 def optimizer_param_rects(modules, groups):
     """A ``param_rects`` function for ``sharded_state_dict`` / ``load_sharded_state_dict``."""
-    from shardwork.dist_optimizer.sharded_state import default_param_rects
-    from shardwork.models import EMBEDDING_KEY
-
     key_of = {id(p): key for m in modules for key, p, _ in m.named_param_keys()}
     pp_rank = groups.rank("pp")
 

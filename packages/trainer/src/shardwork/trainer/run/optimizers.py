@@ -29,9 +29,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from shardwork.dist_optimizer import (
+    ChainedOptimizer,
+    DistributedOptimizer,
+    DynamicLossScaler,
+    LayerWiseDistributedOptimizer,
+    Muon,
+)
+from shardwork.dist_optimizer import OptimizerConfig as DistOptimizerConfig
 
 _ADAMW_NAMES = ("embedding.", "output_layer.")
 """Prefixes of the token embedding and LM head; ``mtp.embedding_weight`` is matched apart."""
@@ -55,17 +65,64 @@ def uses_zero_shards(config) -> bool:
     return config.optimizer.name == "adamw"
 
 
+def adamw_parts(o) -> tuple[Callable, Callable]:
+    """``(factory_for, param_group_fn)`` of ``optimizer.name = "adamw"`` (``o``: the optimizer
+    section): ``torch.optim.AdamW`` on each ZeRO shard, no weight decay for 1-D parameters."""
+
+    def factory_for(expert: bool):
+        def factory(param_groups):
+            return torch.optim.AdamW(
+                param_groups,
+                lr=o.lr,
+                betas=(o.beta1, o.beta2),
+                eps=o.eps,
+                weight_decay=o.weight_decay,
+            )
+
+        return factory
+
+    def param_group_fn(name: str, param: torch.nn.Parameter) -> dict[str, Any]:
+        return {"wd_mult": 0.0 if param.ndim < 2 else 1.0}
+
+    return factory_for, param_group_fn
+
+
+def muon_parts(o, groups) -> tuple[Callable, Callable]:
+    """``(factory_for, param_group_fn)`` of ``optimizer.name = "muon"``: Muon for hidden-layer
+    matrices (TP-aware over ``tp``, or ``etp`` for experts), its AdamW for the rest."""
+    lr_mult = o.muon_lr / o.lr
+
+    def factory_for(expert: bool):
+        tp_group = groups.group("etp" if expert else "tp")
+
+        def factory(param_groups):
+            return Muon(
+                param_groups,
+                lr=o.muon_lr,
+                momentum=o.muon_momentum,
+                nesterov=o.muon_nesterov,
+                ns_steps=o.muon_ns_steps,
+                weight_decay=o.weight_decay,
+                adam_betas=(o.beta1, o.beta2),
+                adam_eps=o.eps,
+                tp_group=tp_group,
+            )
+
+        return factory
+
+    def param_group_fn(name: str, param: torch.nn.Parameter) -> dict[str, Any]:
+        if is_muon_matrix(name, param):
+            group = {"use_muon": True, "wd_mult": 1.0, "lr_mult": lr_mult}
+            if is_fused_qkv(name):
+                group["fused_blocks"] = 3  # [Q | K | V]: one Newton–Schulz per block
+            return group
+        return {"use_muon": False, "wd_mult": 0.0 if param.ndim < 2 else 1.0}
+
+    return factory_for, param_group_fn
+
+
 def build_optimizer(config, runtime, chunks, *, model_config) -> Any:
     """The optimizer for the DDP-wrapped ``chunks`` (see the module docstring)."""
-    from shardwork.dist_optimizer import (
-        ChainedOptimizer,
-        DistributedOptimizer,
-        DynamicLossScaler,
-        LayerWiseDistributedOptimizer,
-        Muon,
-    )
-    from shardwork.dist_optimizer import OptimizerConfig as DistOptimizerConfig
-
     o = config.optimizer
     groups = runtime.groups
     scaler = None
@@ -74,54 +131,12 @@ def build_optimizer(config, runtime, chunks, *, model_config) -> Any:
     dist_config = DistOptimizerConfig(
         clip_grad=o.clip_grad, overlap_param_gather=o.overlap_param_gather
     )
-
     if o.name == "adamw":
         kind = DistributedOptimizer
-
-        def factory_for(expert: bool):
-            def factory(param_groups):
-                return torch.optim.AdamW(
-                    param_groups,
-                    lr=o.lr,
-                    betas=(o.beta1, o.beta2),
-                    eps=o.eps,
-                    weight_decay=o.weight_decay,
-                )
-
-            return factory
-
-        def param_group_fn(name: str, param: torch.nn.Parameter) -> dict[str, Any]:
-            return {"wd_mult": 0.0 if param.ndim < 2 else 1.0}
-
+        factory_for, param_group_fn = adamw_parts(o)
     else:
         kind = LayerWiseDistributedOptimizer
-        lr_mult = o.muon_lr / o.lr
-
-        def factory_for(expert: bool):
-            tp_group = groups.group("etp" if expert else "tp")
-
-            def factory(param_groups):
-                return Muon(
-                    param_groups,
-                    lr=o.muon_lr,
-                    momentum=o.muon_momentum,
-                    nesterov=o.muon_nesterov,
-                    ns_steps=o.muon_ns_steps,
-                    weight_decay=o.weight_decay,
-                    adam_betas=(o.beta1, o.beta2),
-                    adam_eps=o.eps,
-                    tp_group=tp_group,
-                )
-
-            return factory
-
-        def param_group_fn(name: str, param: torch.nn.Parameter) -> dict[str, Any]:
-            if is_muon_matrix(name, param):
-                group = {"use_muon": True, "wd_mult": 1.0, "lr_mult": lr_mult}
-                if is_fused_qkv(name):
-                    group["fused_blocks"] = 3  # [Q | K | V]: one Newton–Schulz per block
-                return group
-            return {"use_muon": False, "wd_mult": 0.0 if param.ndim < 2 else 1.0}
+        factory_for, param_group_fn = muon_parts(o, groups)
 
     def part(expert: bool):
         return kind(

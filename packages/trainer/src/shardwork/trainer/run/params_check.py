@@ -50,3 +50,9 @@ def check_dp_replicas(modules, groups, *, step: int) -> int:
             )
         compared += len(digests)
     return compared
+
+
+def replica_check_due(interval: int | None, step: int) -> bool:
+    """Whether ``reliability.check_dp_params_interval`` (``interval``) asks for a replica check
+    after ``step`` steps."""
+    return interval is not None and step % interval == 0

@@ -26,6 +26,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from shardwork.models.calculator import num_parameters
 from shardwork.trainer.config.load import ConfigError
 from shardwork.trainer.config.sections import TrainConfig
 from shardwork.trainer.data.builder import build_eval_set, read_data_config, split_components
@@ -33,6 +34,7 @@ from shardwork.trainer.data.corpus import builtin_corpus, corpus_prefix, default
 from shardwork.trainer.data.indexed import IndexedDataset, dataset_exists
 from shardwork.trainer.data.integrity import check_index, check_token_range
 from shardwork.trainer.errors import DataError
+from shardwork.trainer.model_factory import gpt_config
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 
@@ -97,9 +99,6 @@ def checkpoint_bytes(config: TrainConfig) -> int:
     """Estimated bytes of one checkpoint: per parameter its value in the run's dtype, an fp32
     master copy (fp64 with dtype fp64) and two optimizer moments (AdamW; Muon's one momentum
     is less). Fixed costs (metadata, RNG states) are left out: they matter only for tiny models."""
-    from shardwork.models.calculator import num_parameters
-    from shardwork.trainer.model_factory import gpt_config
-
     dtype = config.precision.dtype
     state = 8 if dtype == "fp64" else 4
     return num_parameters(gpt_config(config)) * (_DTYPE_BYTES[dtype] + 3 * state)

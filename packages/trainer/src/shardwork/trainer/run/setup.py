@@ -24,9 +24,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardwork.dist_optimizer import DDPConfig, DistributedDataParallel
+from shardwork.models.calculator import num_parameters
 from shardwork.parallel_state import ProcessGroups, init_process_groups
 from shardwork.trainer.config.sections import TrainConfig
 from shardwork.trainer.config.validate import parallel_config
+from shardwork.trainer.model_factory import build_model_chunks, gpt_config
+from shardwork.trainer.run import hf
+from shardwork.trainer.run.optimizers import build_optimizer, uses_zero_shards
 
 
 @dataclass
@@ -88,10 +93,6 @@ def build_assembly(
 ) -> Assembly:
     """Model chunks, DDP wrappers and optimizer; ``hf_init``: a Hugging Face folder whose weights
     the chunks get before DDP and the optimizer see them (:mod:`.hf`)."""
-    from shardwork.dist_optimizer import DDPConfig, DistributedDataParallel
-    from shardwork.trainer.model_factory import build_model_chunks, gpt_config
-    from shardwork.trainer.run.optimizers import build_optimizer, uses_zero_shards
-
     model_config = gpt_config(config)
     modules = build_model_chunks(
         model_config,
@@ -101,9 +102,7 @@ def build_assembly(
         last_stage_layers=config.parallel.last_stage_layers,
     )
     if hf_init is not None:
-        from shardwork.trainer.run.hf import import_hf_weights
-
-        import_hf_weights(modules, hf_init)
+        hf.import_hf_weights(modules, hf_init)  # looked up at call time: tests replace it
     o = config.optimizer
     ddp_config = DDPConfig(
         bucket_size=max(1, int(o.bucket_size_mb * 2**20 / 4)),
@@ -117,7 +116,5 @@ def build_assembly(
         for m in modules
     ]
     optimizer = build_optimizer(config, runtime, chunks, model_config=model_config)
-    from shardwork.models.calculator import num_parameters
-
     num_params = num_parameters(model_config)
     return Assembly(model_config, chunks, modules, optimizer, num_params)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -53,3 +54,13 @@ class StopRequest:
             if flag and self.signal_name is None:
                 self.signal_name = "signal on another rank"
         return flag
+
+
+def stop_agreed(stop: StopRequest, step: int, *, runtime, phase: Callable) -> bool:
+    """Whether any rank received a signal by the end of ``step``: with several ranks an
+    agreement over the world (named as a collective phase by ``phase(name, group_names)``, see
+    :func:`~.collectives.collective_phase`), so every rank stops after the same step."""
+    if runtime.world_size > 1:
+        with phase(f"stop-signal agreement after step {step}", ("world",)):
+            return stop.agreed(device=runtime.device)
+    return stop.signal_name is not None

@@ -32,6 +32,11 @@ from dataclasses import dataclass
 
 import torch
 
+from shardwork.models import slice_for_context_parallel
+from shardwork.models.moe import moe_finalize_kwargs
+from shardwork.models.mtp import reduce_mtp_losses
+from shardwork.models.pipeline import finalize_model_grads, get_schedule, loss_totals, reduce_loss
+from shardwork.moe_router import AuxLossTracker
 from shardwork.trainer.data.builder import micro_batch
 from shardwork.trainer.run.collectives import collective_phase
 
@@ -81,8 +86,6 @@ def _context_slice(x: torch.Tensor, cp_rank: int, cp_size: int) -> torch.Tensor:
     takes ``[b, s/cp]``); the identity without context parallelism."""
     if cp_size == 1:
         return x
-    from shardwork.models import slice_for_context_parallel
-
     return slice_for_context_parallel(x, cp_rank=cp_rank, cp_size=cp_size, dim=1)
 
 
@@ -134,8 +137,6 @@ def _mtp_losses(assembly, groups) -> list[float] | None:
     """Per-depth global mean MTP losses since the last :func:`_reset_mtp` (every rank calls)."""
     if getattr(assembly.model_config, "mtp", None) is None:
         return None
-    from shardwork.models.mtp import reduce_mtp_losses
-
     return reduce_mtp_losses(assembly.modules, groups)
 
 
@@ -164,8 +165,6 @@ def _moe_stats(trackers, num_microbatches: int) -> dict | None:
     """Aux-loss summary and per-layer expert load from the (already reduced) trackers."""
     if not trackers:
         return None
-    from shardwork.moe_router import AuxLossTracker
-
     first = trackers[0]
     total = AuxLossTracker(num_layers=first.num_layers, num_experts=first.num_experts)
     for t in trackers:
@@ -202,8 +201,6 @@ def run_schedule(
     grad_scale: float = 1.0,
 ):
     """Run the pipeline schedule over ``num_microbatches``; returns the MicrobatchLoss list."""
-    from shardwork.models.pipeline import get_schedule
-
     groups = runtime.groups
     schedule = get_schedule(groups.size("pp"), vpp)
 
@@ -266,8 +263,6 @@ def train_step(
 ) -> StepOutput:
     """Forward/backward over one global batch, finalize gradients, optimizer step
     (``step``: the step's index, named in a collective failure)."""
-    from shardwork.models.pipeline import finalize_model_grads, loss_totals, reduce_loss
-
     groups = runtime.groups
     mbs = config.schedule.micro_batch_size
     num_micro = global_batch_size // (mbs * groups.size("dp"))
@@ -299,8 +294,6 @@ def train_step(
         ("dp_cp", "tp", "pp", "embedding"),
         timeout_minutes=timeout,
     ):
-        from shardwork.models.moe import moe_finalize_kwargs
-
         _, local_tokens = loss_totals(losses, device=runtime.device)
         finalize_model_grads(
             assembly.chunks,
@@ -360,8 +353,6 @@ def evaluate(
     returns True the evaluation ends there and returns None. It must answer the same on every
     rank (e.g. a flag agreed over the world), since every rank has to leave at the same chunk.
     """
-    from shardwork.models.pipeline import reduce_loss
-
     groups = runtime.groups
     mbs = config.schedule.micro_batch_size
     chunk = eval_chunk_size(groups, config)

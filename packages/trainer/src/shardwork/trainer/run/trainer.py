@@ -22,38 +22,41 @@ With ``checkpoint.hf_init`` the model starts from a Hugging Face folder, and wit
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from shardwork.models.calculator import flops_per_token
 from shardwork.trainer.config.load import config_to_toml
 from shardwork.trainer.config.sections import TrainConfig
 from shardwork.trainer.data.baseline import bigram_entropy, nats_to_bits
 from shardwork.trainer.data.builder import build_blend, build_eval_set, split_components
+from shardwork.trainer.data.indexed import IndexedDataset
 from shardwork.trainer.observe.metrics import MetricsWriter
+from shardwork.trainer.observe.plot import plot_run
 from shardwork.trainer.observe.progress import Progress, format_duration
-from shardwork.trainer.observe.throughput import memory_gib, peak_tflops
+from shardwork.trainer.observe.throughput import peak_tflops
+from shardwork.trainer.run.checkpoint_policy import CheckpointPolicy
 from shardwork.trainer.run.checkpointing import Checkpointer
 from shardwork.trainer.run.collectives import collective_phase
-from shardwork.trainer.run.hf import export_hf, will_resume
+from shardwork.trainer.run.evaluator import Evaluator
+from shardwork.trainer.run.hf import will_resume
+from shardwork.trainer.run.metrics_window import MetricsWindow
 from shardwork.trainer.run.nonfinite import NonFiniteGuard
 from shardwork.trainer.run.nonfinite import NonFiniteLossError as NonFiniteLossError  # re-export
-from shardwork.trainer.run.params_check import check_dp_replicas
+from shardwork.trainer.run.params_check import check_dp_replicas, replica_check_due
 from shardwork.trainer.run.rng import derived_seed, rank_role, seed_everything
-from shardwork.trainer.run.setup import build_assembly, init_runtime
-from shardwork.trainer.run.signals import StopRequest
-from shardwork.trainer.run.step import evaluate, train_step
-from shardwork.trainer.schedules import (
-    batch_size,
-    consumed_samples,
-    learning_rate,
-    weight_decay,
-)
+from shardwork.trainer.run.setup import Assembly, build_assembly, init_runtime
+from shardwork.trainer.run.signals import StopRequest, stop_agreed
+from shardwork.trainer.run.step import StepOutput, train_step
+from shardwork.trainer.run.step_plan import StepPlan, apply_hyperparams, plan_step
+from shardwork.trainer.schedules import consumed_samples
 
 
 @dataclass
@@ -83,6 +86,33 @@ class RunResult:
     tokens: int = 0
     """Tokens trained on in this process's loop."""
 
+    def record_step(self, step: int, out: StepOutput, *, tokens: int, guard) -> None:
+        """Record finished step ``step`` (0-based): its losses, its ``tokens`` and the
+        non-finite ``guard``'s skip counts."""
+        self.skipped_steps = guard.skipped_steps
+        self.overflow_skips = guard.overflow_skips
+        self.train_losses[step] = out.loss
+        if out.mtp is not None:
+            self.train_mtp_losses[step] = out.mtp
+        self.final_step = step + 1
+        self.tokens += tokens
+
+
+@dataclass
+class RunParts:
+    """The training loop's components, built at start-up by ``Trainer._start``."""
+
+    assembly: Assembly
+    train_set: object
+    """The training set (None on a pipeline stage that reads no data)."""
+    result: RunResult
+    writer: MetricsWriter | None
+    guard: NonFiniteGuard
+    window: MetricsWindow
+    stop: StopRequest
+    evaluator: Evaluator
+    checkpoints: CheckpointPolicy
+
 
 def _train_samples(config: TrainConfig) -> int:
     s = config.schedule
@@ -107,10 +137,6 @@ def _baseline(components, runtime) -> float | None:
     """Bigram entropy (nats/token) of the training corpus, computed on the logging rank."""
     if not runtime.is_logging_rank or not components:
         return None
-    import numpy as np
-
-    from shardwork.trainer.data.indexed import IndexedDataset
-
     parts = []
     for c in components:
         ds = IndexedDataset(c.prefix)
@@ -194,15 +220,70 @@ class Trainer:
                 dist.destroy_process_group()
 
     def _run(self, config: TrainConfig, runtime, t_start: float) -> RunResult:
+        """Start up, then the loop: per step plan, train, guard, log, check replicas, evaluate,
+        agree on a stop, checkpoint; then the final checkpoint and evaluation, and the report.
+
+        Every collective (train step, replica check, evaluation and its stop checks, stop
+        agreement, saves) is issued in this order on every rank.
+        """
+        p = self._start(config, runtime)
+        result, stop, last = p.result, p.stop, config.schedule.train_steps
+        step = result.final_step
+        agreed = partial(stop_agreed, stop, runtime=runtime, phase=self._phase)
+        loop_t0 = time.perf_counter()
+        with stop:
+            while step < last:
+                plan = plan_step(step, config)
+                apply_hyperparams(p.assembly.optimizer, plan)
+                p.guard.before_step()
+                out = train_step(
+                    p.assembly,
+                    runtime,
+                    p.train_set,
+                    consumed=plan.consumed,
+                    global_batch_size=plan.global_batch_size,
+                    config=config,
+                    step=step,
+                )
+                p.guard.after_step(step, out.loss, out.update_successful)
+                step += 1
+                tokens = plan.global_batch_size * config.data.seq_length
+                result.record_step(plan.step, out, tokens=tokens, guard=p.guard)
+                p.window.add(out, tokens)
+                self._log_step(p, step, plan, out)
+                if replica_check_due(config.reliability.check_dp_params_interval, step):
+                    with self._phase(f"replica check at step {step}", ("dp_cp", "edp")):
+                        check_dp_replicas(p.assembly.modules, runtime.groups, step=step)
+                cut_short = p.evaluator.periodic(step, stop, partial(agreed, step))
+                # a cut-short evaluation already agreed on the stop: no second agreement
+                stopping = cut_short or agreed(step)
+                p.checkpoints.after_step(step, stopping=stopping)
+                if stopping:
+                    result.stopped_by = stop.signal_name
+                    self.say(
+                        f"received {stop.signal_name}: saving a checkpoint at step {step} and exiting"
+                    )
+                    break
+            result.loop_seconds = time.perf_counter() - loop_t0
+            if self.progress is not None:
+                self.progress.close()
+                self.progress = None
+            # the final checkpoint precedes the final evaluation: a signal there loses nothing
+            p.checkpoints.final(step, result)
+            if p.evaluator.final_due(step, result.stopped_by):
+                p.evaluator.final(step, stop, result)
+        self._finish(p, t_start)
+        return result
+
+    def _start(self, config: TrainConfig, runtime) -> RunParts:
+        """Seed, data, model and optimizer, resume, metrics writer, start-up messages and the
+        loop's components, in this order (resume precedes anything written to the run dir)."""
         groups = runtime.groups
         run_dir = Path(config.logging.run_dir)
         seed_everything(derived_seed(config.seed, 0, rank_role(groups)), runtime.device)
-
-        seq = config.data.seq_length
         comps, train_set, valid_set, eval_micro = _datasets(config, groups)
         with self._phase("start-up (evaluation size broadcast)", ("pp",)):
             eval_micro = _eval_micro_batches_of_first_stage(eval_micro, runtime)
-
         hf_init = config.checkpoint.hf_init
         if hf_init is not None and will_resume(config):
             self.say(f"checkpoint.hf_init={hf_init!r} not read: the run resumes a checkpoint")
@@ -217,46 +298,14 @@ class Trainer:
         with self._phase("start-up (checkpoint resume)", ("world",)):
             start_step = checkpointer.maybe_resume(say=self.say)
         result = RunResult(final_step=start_step, run_dir=str(run_dir))
-        writer = None
-        if runtime.is_logging_rank or config.logging.per_rank:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            writer = MetricsWriter(
-                run_dir,
-                rank=None if runtime.is_logging_rank else runtime.rank,
-                tensorboard=config.logging.tensorboard and runtime.is_logging_rank,
-            )
-            if runtime.is_logging_rank:
-                (run_dir / "config.toml").write_text(config_to_toml(config))
-                if writer.notice is not None:
-                    self.say(f"notice: {writer.notice}")
-
-        baseline = _baseline(comps["train"] + comps["valid"], runtime)
-        result.bigram_nats = baseline
-        flops_per_token = _flops_per_token(assembly.model_config, seq)
+        writer = self._open_writer(run_dir)
+        result.bigram_nats = baseline = _baseline(comps["train"] + comps["valid"], runtime)
+        flops = _flops_per_token(assembly.model_config, config.data.seq_length)
         peak, peak_source = peak_tflops(runtime.device, override=config.logging.peak_tflops)
         if runtime.is_logging_rank:
-            tokens_total = _train_samples(config) * seq
-            self.say(
-                f"shardwork-train: {assembly.num_params / 1e6:.2f} M parameters, "
-                f"{runtime.world_size} rank(s) {_layout_text(groups)} on {runtime.device.type}, "
-                f"{config.schedule.train_steps} steps × {config.schedule.global_batch_size} × "
-                f"{seq} tokens ({tokens_total / 1e6:.2f} M tokens)"
-            )
-            self.say(
-                f"{flops_per_token / 1e6:.2f} MFLOP per token (shardwork.models.calculator); "
-                + (
-                    f"MFU against {peak:.4g} TFLOP/s per device ({peak_source})"
-                    if peak is not None
-                    else f"no MFU: {peak_source} (set logging.peak_tflops to report it)"
-                )
-            )
-            if baseline is not None:
-                self.say(
-                    f"corpus bigram-entropy baseline: {baseline:.4f} nats/token "
-                    f"({nats_to_bits(baseline):.4f} bits/token); the validation loss should end below it"
-                )
-                if writer is not None:
-                    writer.write("event", start_step, {"bigram_nats": baseline})
+            self._announce(assembly, flops, (peak, peak_source), baseline)
+            if baseline is not None and writer is not None:
+                writer.write("event", start_step, {"bigram_nats": baseline})
         self.progress = (
             Progress(
                 total_steps=config.schedule.train_steps,
@@ -267,172 +316,96 @@ class Trainer:
             if runtime.is_logging_rank
             else None
         )
-        s, o, r = config.schedule, config.optimizer, config.reliability
-        guard = NonFiniteGuard(r, getattr(assembly.optimizer, "loss_scaler", None), self.say)
-        window_tokens, window_t0 = 0, time.perf_counter()
-        window_losses: list[float] = []
-        window_mtp: list[list[float]] = []
-        step = start_step
+        scaler = getattr(assembly.optimizer, "loss_scaler", None)
+        guard = NonFiniteGuard(config.reliability, scaler, self.say)
+        window = MetricsWindow(
+            flops_per_token=flops,
+            world_size=runtime.world_size,
+            peak_tflops=peak,
+            device=runtime.device,
+            loss_scaler=scaler,
+        )
         stop = StopRequest(enabled=config.checkpoint.save_on_signal)
+        evaluator = Evaluator.for_run(
+            config,
+            assembly,
+            runtime,
+            valid_set,
+            num_microbatches=eval_micro,
+            valid_losses=result.valid_losses,
+            writer=writer,
+            baseline=baseline,
+            say=self.say,
+        )
+        checkpoints = CheckpointPolicy(config, checkpointer, assembly.modules, self._phase)
+        return RunParts(
+            assembly, train_set, result, writer, guard, window, stop, evaluator, checkpoints
+        )
 
-        def evaluate_run(at_step: int, should_stop):
-            """Evaluate at ``at_step``, record and report the loss; None when cut short."""
-            ev = evaluate(
-                assembly,
-                runtime,
-                valid_set,
-                num_microbatches=eval_micro,
-                config=config,
-                should_stop=should_stop,
-                step=at_step,
-            )
-            if ev is not None:
-                result.valid_losses[at_step] = ev.loss
-                if writer is not None:
-                    writer.write("valid", at_step, {"loss": ev.loss, **mtp_values(ev.mtp)})
-                note = ""
-                if baseline is not None:
-                    below = "below" if ev.loss < baseline else "above"
-                    note = f" ({below} bigram {baseline:.4f})"
-                self.say(f"step {at_step}: validation loss {ev.loss:.4f} nats/token{note}")
-            return ev
-
-        loop_t0 = time.perf_counter()
-        with stop:
-            while step < s.train_steps:
-                gbs = batch_size(
-                    step, global_batch_size=s.global_batch_size, ramp=s.batch_size_ramp
-                )
-                lr = learning_rate(step, s, o)
-                wd = weight_decay(step, o, train_steps=s.train_steps)
-                for group in assembly.optimizer.param_groups:
-                    group["lr"] = lr * group.get("lr_mult", 1.0)
-                    group["weight_decay"] = wd * group.get("wd_mult", 1.0)
-                consumed = consumed_samples(
-                    step, global_batch_size=s.global_batch_size, ramp=s.batch_size_ramp
-                )
-                guard.before_step()
-                out = train_step(
-                    assembly,
-                    runtime,
-                    train_set,
-                    consumed=consumed,
-                    global_batch_size=gbs,
-                    config=config,
-                    step=step,
-                )
-                guard.after_step(step, out.loss, out.update_successful)
-                result.skipped_steps = guard.skipped_steps
-                result.overflow_skips = guard.overflow_skips
-                result.train_losses[step] = out.loss
-                if out.mtp is not None:
-                    result.train_mtp_losses[step] = out.mtp
-                if math.isfinite(out.loss):
-                    window_losses.append(out.loss)
-                    if out.mtp is not None:
-                        window_mtp.append(out.mtp)
-                step += 1
-                result.final_step = step
-                window_tokens += gbs * seq
-                result.tokens += gbs * seq
-
-                log_now = step % config.logging.interval == 0 or step == s.train_steps
-                values = {"loss": out.loss, **mtp_values(out.mtp), "lr": lr}
-                if log_now:
-                    # the logged losses are means over the steps since the last log line
-                    if window_losses:
-                        values["loss"] = sum(window_losses) / len(window_losses)
-                    if window_mtp:
-                        values.update(mtp_values([sum(d) / len(d) for d in zip(*window_mtp)]))
-                    window_losses, window_mtp = [], []
-                    elapsed = time.perf_counter() - window_t0
-                    tps = window_tokens / max(elapsed, 1e-9)
-                    window_tokens, window_t0 = 0, time.perf_counter()
-                    values.update(
-                        grad_norm=out.grad_norm if out.grad_norm is not None else float("nan"),
-                        weight_decay=wd,
-                        batch_size=gbs,
-                        tokens_per_s=tps,
-                        memory_gib=memory_gib(runtime.device),
-                        consumed_samples=consumed + gbs,
-                    )
-                    if guard.scaler is not None:
-                        values["loss_scale"] = guard.scaler.scale
-                    if out.moe:
-                        values.update(out.moe)
-                    achieved = tps * flops_per_token / runtime.world_size / 1e12
-                    values["tflops_per_device"] = achieved
-                    if peak is not None:
-                        values["mfu"] = achieved / peak
-                    if writer is not None:
-                        writer.write("train", step, values)
-                if self.progress is not None:
-                    self.progress.update(step, values, log_line=log_now)
-
-                if (
-                    r.check_dp_params_interval is not None
-                    and step % r.check_dp_params_interval == 0
-                ):
-                    with self._phase(f"replica check at step {step}", ("dp_cp", "edp")):
-                        check_dp_replicas(assembly.modules, groups, step=step)
-                cut_short = False
-                if eval_micro > 0 and step < s.train_steps and _eval_due(config, step):
-                    # a periodic evaluation ends early on a signal: the checkpoint that follows
-                    # must fit in a scheduler's grace period, and this result is not needed
-                    ev = evaluate_run(step, lambda at=step: self._agreed(stop, at))
-                    cut_short = ev is None
-                    if cut_short:
-                        self.say(f"step {step}: evaluation cut short by {stop.signal_name}")
-                stopping = cut_short or self._agreed(stop, step)
-                if (
-                    config.checkpoint.interval is not None
-                    and step % config.checkpoint.interval == 0
-                    and step < s.train_steps
-                    and not stopping
-                ):
-                    with self._phase(f"checkpoint save at step {step}", ("world",)):
-                        checkpointer.save(step)
-                if stopping:
-                    result.stopped_by = stop.signal_name
-                    self.say(
-                        f"received {stop.signal_name}: saving a checkpoint at step {step} and exiting"
-                    )
-                    break
-            result.loop_seconds = time.perf_counter() - loop_t0
-            if self.progress is not None:
-                self.progress.close()
-                self.progress = None
-            self._save_final(step, result, checkpointer, assembly)
-            final_eval = eval_micro > 0 and result.stopped_by is None and step == s.train_steps
-            if final_eval and (config.eval.at_end or _eval_due(config, step)):
-                self._final_evaluation(step, stop, result, evaluate_run)
-        if writer is not None:
-            writer.close()
-        result.seconds = time.perf_counter() - t_start
+    def _open_writer(self, run_dir: Path) -> MetricsWriter | None:
+        """The metrics writer of this rank (logging rank, or every rank with
+        ``logging.per_rank``), after writing the run's config.toml on the logging rank."""
+        config, runtime = self.config, self.runtime
+        if not (runtime.is_logging_rank or config.logging.per_rank):
+            return None
+        run_dir.mkdir(parents=True, exist_ok=True)
+        writer = MetricsWriter(
+            run_dir,
+            rank=None if runtime.is_logging_rank else runtime.rank,
+            tensorboard=config.logging.tensorboard and runtime.is_logging_rank,
+        )
         if runtime.is_logging_rank:
-            plots = []
-            if config.logging.plot:
-                from shardwork.trainer.observe.plot import plot_run
+            (run_dir / "config.toml").write_text(config_to_toml(config))
+            if writer.notice is not None:
+                self.say(f"notice: {writer.notice}")
+        return writer
 
-                plots = plot_run(run_dir)
-            self._report(result, plots, writer)
-        return result
+    def _announce(self, assembly, flops_per_token: float, peak, baseline) -> None:
+        """The start-up lines: model size, layout, tokens, FLOPs per token and MFU basis
+        (``peak``: ``(TFLOP/s or None, where it came from)``), bigram baseline."""
+        config, runtime = self.config, self.runtime
+        seq = config.data.seq_length
+        peak, peak_source = peak
+        tokens_total = _train_samples(config) * seq
+        self.say(
+            f"shardwork-train: {assembly.num_params / 1e6:.2f} M parameters, "
+            f"{runtime.world_size} rank(s) {_layout_text(runtime.groups)} on {runtime.device.type}, "
+            f"{config.schedule.train_steps} steps × {config.schedule.global_batch_size} × "
+            f"{seq} tokens ({tokens_total / 1e6:.2f} M tokens)"
+        )
+        self.say(
+            f"{flops_per_token / 1e6:.2f} MFLOP per token (shardwork.models.calculator); "
+            + (
+                f"MFU against {peak:.4g} TFLOP/s per device ({peak_source})"
+                if peak is not None
+                else f"no MFU: {peak_source} (set logging.peak_tflops to report it)"
+            )
+        )
+        if baseline is not None:
+            self.say(
+                f"corpus bigram-entropy baseline: {baseline:.4f} nats/token "
+                f"({nats_to_bits(baseline):.4f} bits/token); the validation loss should end below it"
+            )
 
-    def _save_final(self, step: int, result: RunResult, checkpointer, assembly) -> None:
-        """The end-of-run (or stop) checkpoint, committed, and the Hugging Face export.
+    def _log_step(self, p: RunParts, step: int, plan: StepPlan, out) -> None:
+        """The step's metrics: a ``train`` line every ``logging.interval`` steps and after the
+        last one (the window's means), and the progress bar's update."""
+        last = self.config.schedule.train_steps
+        log_now = step % self.config.logging.interval == 0 or step == last
+        values = p.window.values(plan, out, log_now=log_now)
+        if log_now and p.writer is not None:
+            p.writer.write("train", step, values)
+        if self.progress is not None:
+            self.progress.update(step, values, log_line=log_now)
 
-        Called before the final evaluation: a signal during it cannot lose either.
-        """
-        config = self.config
-        if result.stopped_by is not None or config.checkpoint.save_at_end:
-            with self._phase(f"checkpoint save at step {step}", ("world",)):
-                result.checkpoint = checkpointer.save(step)
-        with self._phase(f"checkpoint commit at step {step}", ("world",)):
-            checkpointer.close()  # waits for an async save's commit
-        if config.checkpoint.hf_export is not None and result.stopped_by is None:
-            with self._phase("Hugging Face export", ("world",)):
-                export_hf(assembly.modules, config.checkpoint.hf_export)
-            result.hf_export = config.checkpoint.hf_export
+    def _finish(self, p: RunParts, t_start: float) -> None:
+        """Close the metrics, time the run, and on the logging rank plot and report."""
+        if p.writer is not None:
+            p.writer.close()
+        p.result.seconds = time.perf_counter() - t_start
+        if self.runtime.is_logging_rank:
+            plots = plot_run(Path(p.result.run_dir)) if self.config.logging.plot else []
+            self._report(p.result, plots, p.writer)
 
     def _phase(self, phase: str, names: tuple[str, ...]):
         """A block whose lost peer or timeout is re-raised naming ``phase`` and ``names``."""
@@ -442,42 +415,6 @@ class Trainer:
             names,
             timeout_minutes=self.config.parallel.timeout_minutes,
         )
-
-    def _agreed(self, stop: StopRequest, step: int) -> bool:
-        """Whether any rank received a signal (a collective over the world when distributed)."""
-        if self.runtime.world_size > 1:
-            with self._phase(f"stop-signal agreement after step {step}", ("world",)):
-                return stop.agreed(device=self.runtime.device)
-        return stop.signal_name is not None
-
-    def _final_evaluation(self, step: int, stop: StopRequest, result: RunResult, evaluate_run):
-        """The evaluation after the last step, run once the final checkpoint is committed.
-
-        A first signal is announced at once ("stopping after this evaluation") and the
-        evaluation finishes (its result is the run's final score); a second SIGINT abandons it
-        and the run still ends normally, its checkpoint already on disk.
-        """
-        saved = (
-            f"checkpoint {result.checkpoint} is committed"
-            if result.checkpoint
-            else "no checkpoint configured"
-        )
-
-        def notice() -> bool:
-            if stop.signal_name is not None and result.stopped_by is None:
-                result.stopped_by = stop.signal_name
-                self.say(
-                    f"received {stop.signal_name} during the final evaluation: stopping after "
-                    f"this evaluation ({saved}; Ctrl-C again to stop now)"
-                )
-            return False  # every rank runs the whole evaluation: no collective needed here
-
-        try:
-            evaluate_run(step, notice)
-            notice()
-        except KeyboardInterrupt:
-            result.stopped_by = "SIGINT"
-            self.say(f"second SIGINT: final evaluation abandoned ({saved})")
 
     def _report(self, result: RunResult, plots, writer) -> None:
         lines = [f"done: {result.final_step} steps in {format_duration(result.seconds)}"]
@@ -503,16 +440,6 @@ class Trainer:
             print(line, file=self.stream, flush=True)
 
 
-def mtp_values(losses: list[float] | None) -> dict[str, float]:
-    """``{"mtp_loss_1": ..., "mtp_loss_2": ...}``: one metric per MTP depth (none without MTP)."""
-    return {} if losses is None else {f"mtp_loss_{k}": v for k, v in enumerate(losses, start=1)}
-
-
-def _eval_due(config: TrainConfig, step: int) -> bool:
-    """Whether ``eval.interval`` asks for an evaluation after ``step`` steps."""
-    return config.eval.interval is not None and step % config.eval.interval == 0
-
-
 def _layout_text(groups) -> str:
     c = groups.config
     parts = [f"{n}={getattr(c, n)}" for n in ("tp", "pp", "cp", "ep", "dp") if getattr(c, n)]
@@ -521,8 +448,6 @@ def _layout_text(groups) -> str:
 
 def _flops_per_token(model_config, seq_length: int) -> float:
     """Training FLOPs per token from shardwork.models' calculator."""
-    from shardwork.models.calculator import flops_per_token
-
     return float(
         flops_per_token(model_config, seq_length, full_recompute=model_config.recompute == "full")
     )
