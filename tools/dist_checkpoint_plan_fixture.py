@@ -15,6 +15,7 @@ primaries, a gap, a dtype and a shape mismatch, a duplicate object primary, more
 the message lists) record the exact `ValueError` text.
 """
 
+import itertools
 import json
 import random
 import sys
@@ -32,7 +33,7 @@ TP, PP, DP = 2, 2, 2
 def _flat_cuts(rng: random.Random, numel: int, parts: int) -> list[tuple[int, int]]:
     cuts = sorted(rng.sample(range(1, numel), parts - 1))
     bounds = [0, *cuts, numel]
-    return list(zip(bounds[:-1], bounds[1:]))
+    return list(itertools.pairwise(bounds))
 
 
 def rank_state(rank: int, sizes: dict[str, int], cuts: dict) -> dict:
