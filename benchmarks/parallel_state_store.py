@@ -50,9 +50,12 @@ from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers backend "fake")
+
+# torch registers its "fake" backend only when this module is imported (no public path)
+import torch.testing._internal.distributed.fake_pg
 
 from shardwork.parallel_state import ParallelConfig, init_process_groups
 from shardwork.parallel_state.layout import GROUP_NAMES, RankLayout
@@ -384,8 +387,6 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=list(WORLDS))
     parser.add_argument("--out", default=str(RESULTS / "parallel_state_store"))
     args = parser.parse_args()
-    import torch
-
     calibration = gloo_calibration()
     gloo, fit = gloo_model(calibration)
     rows = []
