@@ -1,6 +1,10 @@
 """Writer choice without processes: every distinct rectangle is written exactly once and the
 writing of replicated tensors is spread evenly over the ranks holding them."""
 
+import json
+from pathlib import Path
+
+import pytest
 import torch
 
 from shardwork.dist_checkpoint import ShardedTensor
@@ -42,3 +46,46 @@ def test_each_rectangle_written_once_and_balanced():
                 assert offsets == (5 * (r % 2), 0)
     assert plans[0].catalogue["grid"]["num_chunks"] == 4
     assert plans[0].catalogue["rep0"]["paths"] == ["rep0"]
+
+
+FIXTURE = Path(__file__).parent / "fixtures" / "global_plan.json"
+
+
+def _as_input(summaries):
+    """The fixture's JSON lists back to the tuples `summarize` produces (boxes are dict keys)."""
+    out = []
+    for s in summaries:
+        tensors = [
+            (k, d, tuple(g), r, p, [(tuple(o), tuple(z)) for o, z in boxes])
+            for k, d, g, r, p, boxes in s["tensors"]
+        ]
+        objects = [(k, tuple(g), tuple(o), r, p) for k, g, o, r, p in s["objects"]]
+        out.append({"tensors": tensors, "objects": objects, "plain": list(s["plain"])})
+    return out
+
+
+@pytest.mark.golden
+def test_plan_matches_recorded_plans_of_every_rank():
+    """The plan of every rank equals the one recorded before `build_global_plan` was split into
+    phases (tools/dist_checkpoint_plan_fixture.py): same catalogue, writers, bytes."""
+    record = json.loads(FIXTURE.read_text())
+    summaries = _as_input(record["summaries"])
+    assert len(summaries) == len(record["plans"]) == 8
+    for rank, expected in enumerate(record["plans"]):
+        plan = build_global_plan(summaries, rank)
+        assert json.loads(json.dumps(plan.catalogue)) == expected["catalogue"]
+        mine = sorted([key, list(off)] for key, off in plan.mine_tensors)
+        assert mine == expected["mine_tensors"], rank
+        assert sorted(plan.mine_objects) == expected["mine_objects"]
+        assert sorted(plan.mine_empty) == expected["mine_empty"]
+        assert plan.bytes_per_rank == expected["bytes_per_rank"]
+        assert plan.plain_paths == expected["plain_paths"]
+
+
+@pytest.mark.golden
+@pytest.mark.parametrize("case", range(6))
+def test_invalid_summaries_raise_the_recorded_error(case):
+    record = json.loads(FIXTURE.read_text())["invalid"][case]
+    with pytest.raises(ValueError) as info:
+        build_global_plan(_as_input(record["summaries"]), 0)
+    assert str(info.value) == record["error"], record["name"]

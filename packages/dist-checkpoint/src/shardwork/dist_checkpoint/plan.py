@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -144,6 +145,7 @@ class GlobalPlan:
     plain_paths: list[str]
 
 
+@functools.cache
 def _dtype_itemsize(dtype: str) -> int:
     return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
@@ -166,48 +168,64 @@ def _find_overlap(boxes: list[tuple[Box, int]]) -> tuple[tuple[Box, int], tuple[
     return None
 
 
-def build_global_plan(summaries: list[dict[str, Any]], rank: int) -> GlobalPlan:
-    """Validate all ranks' summaries and choose writers. Raises ValueError naming keys."""
-    errors: list[str] = []
-    info: dict[str, dict[str, Any]] = {}
-    primaries: dict[str, list[tuple[Box, int]]] = defaultdict(list)
-    holders: dict[tuple[str, Box], set[int]] = defaultdict(set)
+@dataclass
+class _Gathered:
+    """Phase 1's result: what every rank holds, per key and per distinct rectangle."""
 
-    def note(key: str, kind: str, dtype: str | None, gshape: tuple, r: int, path: str) -> bool:
-        entry = info.setdefault(
+    #: key -> {"kind", "dtype", "global_shape", "paths", "rank" (first rank seen)}.
+    info: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: key -> [(box, rank)] of the primary pieces (replica_id == 0).
+    primaries: dict[str, list[tuple[Box, int]]] = field(default_factory=lambda: defaultdict(list))
+    #: (key, box) -> ranks holding that rectangle (primary or replica): the writer candidates.
+    holders: dict[tuple[str, Box], set[int]] = field(default_factory=lambda: defaultdict(set))
+    errors: list[str] = field(default_factory=list)
+
+    def note(
+        self, key: str, kind: str, dtype: str | None, gshape: tuple, r: int, path: str
+    ) -> bool:
+        """Record rank ``r``'s view of ``key``; False (and an error) if it disagrees."""
+        entry = self.info.setdefault(
             key,
             {"kind": kind, "dtype": dtype, "global_shape": gshape, "paths": set(), "rank": r},
         )
         entry["paths"].add(path)
         for field_name, value in (("kind", kind), ("dtype", dtype), ("global_shape", gshape)):
             if entry[field_name] != value:
-                errors.append(
+                self.errors.append(
                     f"key {key!r}: {field_name} differs across ranks: rank {entry['rank']} has "
                     f"{entry[field_name]!r}, rank {r} has {value!r}; valid: the same on every rank"
                 )
                 return False
         return True
 
+
+def _gather(summaries: list[dict[str, Any]]) -> _Gathered:
+    """Phase 1: every rank's tensors and objects by key; kind/dtype/shape disagreements."""
+    g = _Gathered()
     for r, summary in enumerate(summaries):
         for key, dtype, gshape, replica_id, path, boxes in summary["tensors"]:
-            if not note(key, "tensor", dtype, tuple(gshape), r, path):
+            if not g.note(key, "tensor", dtype, tuple(gshape), r, path):
                 continue
             for box in boxes:
                 if math.prod(box[1]) == 0:
                     continue
-                holders[(key, box)].add(r)
+                g.holders[(key, box)].add(r)
                 if replica_id == 0:
-                    primaries[key].append((box, r))
+                    g.primaries[key].append((box, r))
         for key, gshape, goff, replica_id, path in summary["objects"]:
-            if not note(key, "object", None, tuple(gshape), r, path):
+            if not g.note(key, "object", None, tuple(gshape), r, path):
                 continue
             cell = (tuple(goff), (1,) * len(goff))
-            holders[(key, cell)].add(r)
+            g.holders[(key, cell)].add(r)
             if replica_id == 0:
-                primaries[key].append((cell, r))
+                g.primaries[key].append((cell, r))
+    return g
 
-    for key, entry in info.items():
-        boxes = primaries.get(key, [])
+
+def _check_tiling(g: _Gathered) -> None:
+    """Phase 2: per key, the primary pieces neither overlap nor leave elements uncovered."""
+    for key, entry in g.info.items():
+        boxes = g.primaries.get(key, [])
         total = math.prod(entry["global_shape"])
         if entry["kind"] == "tensor" and total == 0:
             continue
@@ -216,29 +234,41 @@ def build_global_plan(summaries: list[dict[str, Any]], rank: int) -> GlobalPlan:
         what = "object cell" if entry["kind"] == "object" else "shard"
         if pair is not None:
             (b0, r0), (b1, r1) = pair
-            errors.append(
+            g.errors.append(
                 f"key {key!r}: {what} at offset {b0[0]} size {b0[1]} on rank {r0} overlaps "
                 f"{what} at offset {b1[0]} size {b1[1]} on rank {r1}, both with replica_id=0; "
                 f"valid: exactly one rank holds each element with replica_id=0 "
                 f"(mark copies with replica_id > 0)"
             )
         elif covered != total:
-            errors.append(
+            g.errors.append(
                 f"key {key!r}: primary {what}s (replica_id=0) cover {covered} of {total} "
                 f"elements of global_shape {entry['global_shape']} (held by ranks "
                 f"{sorted({r for _, r in boxes})}); valid: replica_id=0 pieces that tile the "
                 f"whole tensor"
             )
+
+
+def _raise_errors(errors: list[str]) -> None:
     if errors:
         more = f"\n... and {len(errors) - _MAX_ERRORS} more" if len(errors) > _MAX_ERRORS else ""
         raise ValueError("invalid sharded state dict:\n" + "\n".join(errors[:_MAX_ERRORS]) + more)
 
-    load = [0] * len(summaries)
+
+def _choose_writers(
+    g: _Gathered, num_ranks: int, rank: int
+) -> tuple[list[int], set[tuple[str, tuple[int, ...]]], set[str]]:
+    """Phase 3: bytes per rank, and the rectangles and objects ``rank`` writes.
+
+    Rectangles largest first, each to the holder with the fewest bytes so far (ties: lowest
+    rank), so every rank computes the same assignment; objects go to their primary.
+    """
+    load = [0] * num_ranks
     mine_tensors: set[tuple[str, tuple[int, ...]]] = set()
     mine_objects: set[str] = set()
     units = []
-    for key, boxes in primaries.items():
-        entry = info[key]
+    for key, boxes in g.primaries.items():
+        entry = g.info[key]
         for box, primary in boxes:
             if entry["kind"] == "object":
                 if primary == rank:
@@ -249,27 +279,45 @@ def build_global_plan(summaries: list[dict[str, Any]], rank: int) -> GlobalPlan:
             units.append((nbytes, key, box))
     units.sort(key=lambda u: (-u[0], u[1], u[2]))
     for nbytes, key, box in units:
-        writer = min(holders[(key, box)], key=lambda r: (load[r], r))
+        writer = min(g.holders[(key, box)], key=lambda r: (load[r], r))
         load[writer] += nbytes
         if writer == rank:
             mine_tensors.add((key, box[0]))
-    # a zero-element tensor has nothing to tile: its first holder records it in the metadata
-    mine_empty = {
-        key
-        for key, e in info.items()
-        if e["kind"] == "tensor" and math.prod(e["global_shape"]) == 0 and e["rank"] == rank
-    }
+    return load, mine_tensors, mine_objects
 
-    catalogue = {
+
+def _catalogue(g: _Gathered) -> dict[str, dict[str, Any]]:
+    """Phase 4: the per-key record of the metadata file, in key order."""
+    return {
         key: {
             "kind": e["kind"],
             "dtype": e["dtype"],
             "global_shape": list(e["global_shape"]),
             "paths": sorted(e["paths"]),
-            "num_chunks": len(primaries.get(key, [])),
+            "num_chunks": len(g.primaries.get(key, [])),
         }
-        for key, e in sorted(info.items())
+        for key, e in sorted(g.info.items())
+    }
+
+
+def build_global_plan(summaries: list[dict[str, Any]], rank: int) -> GlobalPlan:
+    """Validate all ranks' summaries and choose writers. Raises ValueError naming keys.
+
+    Phases: gather every rank's pieces by key (`_gather`), check kinds/dtypes/shapes and
+    the tiling of the primaries (`_check_tiling`), raise every error found at once, then
+    choose writers (`_choose_writers`) and build the catalogue (`_catalogue`). Time and
+    memory are linear in the total number of pieces over all ranks.
+    """
+    g = _gather(summaries)
+    _check_tiling(g)
+    _raise_errors(g.errors)
+    load, mine_tensors, mine_objects = _choose_writers(g, len(summaries), rank)
+    # a zero-element tensor has nothing to tile: its first holder records it in the metadata
+    mine_empty = {
+        key
+        for key, e in g.info.items()
+        if e["kind"] == "tensor" and math.prod(e["global_shape"]) == 0 and e["rank"] == rank
     }
     return GlobalPlan(
-        catalogue, mine_tensors, mine_objects, mine_empty, load, list(summaries[0]["plain"])
+        _catalogue(g), mine_tensors, mine_objects, mine_empty, load, list(summaries[0]["plain"])
     )
