@@ -33,6 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from machine import cpu_model
 
 from shardwork.dist_checkpoint import (
     ShardedObject,
@@ -81,13 +82,6 @@ def old_decoders():
         yield
     finally:
         reader.decode_metadata, reader.check_storage_ranges, planners.decode_object = saved
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
 
 
 def timed(fn) -> float:

@@ -45,6 +45,7 @@ import tracemalloc
 from pathlib import Path
 
 import torch
+from machine import cpu_model
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
@@ -336,13 +337,6 @@ def fits(rows: list[dict]) -> dict:
             ),
         }
     return out
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
 
 
 def markdown(record: dict) -> str:

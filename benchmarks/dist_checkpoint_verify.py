@@ -37,21 +37,11 @@ from pathlib import Path
 
 import torch
 from dist_checkpoint import evict, global_tensors, rank_state, warm_free_memory
+from machine import cpu_model
 
 from shardwork.dist_checkpoint import load, save
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), or what `platform` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def crc_throughput() -> float:

@@ -39,13 +39,16 @@ import warnings
 from pathlib import Path
 
 import torch
+from machine import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+
 try:
     import shardwork.moe_router  # noqa: F401
 except ImportError:  # the Megatron scratch venv does not have the workspace installed
     sys.path.insert(0, str(ROOT / "packages" / "moe-router" / "src"))
+
 from shardwork.moe_router import AllToAllDispatcher, AuxLossScale, RouterConfig, TopKRouter  # noqa: E402
 
 CASES = {
@@ -246,16 +249,8 @@ def bench_dispatch(tokens, hidden, num_experts, top_k, m):
 
 
 def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return {
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "logical_cpus": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,

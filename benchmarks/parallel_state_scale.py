@@ -30,6 +30,7 @@ import tracemalloc
 from pathlib import Path
 
 import torch.distributed as dist
+from machine import cpu_model
 
 from shardwork.parallel_state import ParallelConfig, init_process_groups
 from shardwork.parallel_state.layout import DENSE_GROUPS, EXPERT_GROUPS, RankLayout
@@ -65,13 +66,6 @@ def python_layout(config: ParallelConfig, world: int) -> dict[str, list[list[int
     groups = {n: python_groups(dense, order, a) for n, a in DENSE_GROUPS.items()}
     groups |= {n: python_groups(expert, order, a) for n, a in EXPERT_GROUPS.items()}
     return groups
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
 
 
 def median_time(fn, repeats: int) -> float:

@@ -60,6 +60,7 @@ import torch.multiprocessing as mp
 
 # torch registers its "fake" backend only when this module is imported (no public path)
 import torch.testing._internal.distributed.fake_pg
+from machine import cpu_model
 
 from shardwork.parallel_state import ParallelConfig, init_process_groups
 from shardwork.parallel_state.layout import GROUP_NAMES, RankLayout
@@ -305,13 +306,6 @@ def world_row(world: int, gloo, every_group_ranks: bool) -> dict:
             "seconds": every["seconds"],
         }
     return row
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
 
 
 def markdown(record: dict) -> str:
