@@ -62,8 +62,8 @@ def _reduce_scatter(x: torch.Tensor, sizes: Sequence[int], group) -> torch.Tenso
         out = x.new_empty((sizes[me], *x.shape[1:]))
         dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
         return out
-    # Uneven reduce-scatter: receive every rank's copy of this rank's block, [world, n_me, ...],
-    # and sum them here.
+    # Uneven reduce-scatter: receive every rank's copy of this rank's block, [world, n_me, ...], and
+    # sum them here.
     parts = _a2a(x, [sizes[me]] * world, sizes, group)
     return parts.view(world, sizes[me], *x.shape[1:]).sum(dim=0)
 

@@ -97,8 +97,8 @@ class _Dispatcher:
                 f"hidden has {h.shape[0]} tokens but probs has {probs_TE.shape[0]} rows"
             )
         if self.tp_group is not None and group_size(self.tp_group) > 1:
-            # hidden is replicated over TP: each TP rank dispatches only its 1/TP of the tokens (so no
-            # token is processed TP times); _finish gathers the outputs back.
+            # hidden is replicated over TP: each TP rank dispatches only its 1/TP of the tokens (so
+            # no token is processed TP times); _finish gathers the outputs back.
             h = split_rows(h, self.tp_group)
             probs_TE = split_rows(probs_TE, self.tp_group)
             routing_map_TE = routing_map_TE.chunk(group_size(self.tp_group))[

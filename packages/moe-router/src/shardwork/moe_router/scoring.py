@@ -178,12 +178,9 @@ def topk_routing(
     else:
         scores_TE = activate(logits_TE, score_function)
         if expert_bias is not None:
+            # The bias only steers selection; the weights are gathered from the unbiased scores.
             _, top_TK = select_topk(
-                # The bias only steers selection; the weights are gathered from the unbiased scores.
-                scores_TE + expert_bias.to(dtype),
-                top_k,
-                num_groups,
-                group_top_k,
+                scores_TE + expert_bias.to(dtype), top_k, num_groups, group_top_k
             )
             probs_TK = torch.gather(scores_TE, 1, top_TK)
         else:
