@@ -172,8 +172,8 @@ class LaunchQueue:
 
     def launch_all(self) -> None:
         """Launch every bucket not launched yet (in order), ready or not."""
-        # Buckets with gradients still missing are launched too; a rank skipping one would leave
-        # the other ranks waiting in that collective.
+        # Buckets with gradients still missing are launched too; a rank skipping one would leave the
+        # other ranks waiting in that collective.
         while self.cursor < len(self.buckets):
             self._launch_next()
 

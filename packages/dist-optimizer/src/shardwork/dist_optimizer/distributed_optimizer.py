@@ -125,8 +125,7 @@ class DistributedOptimizer(LocalMastersOptimizer):
                         # lands in place.
                         master = pv
                     else:
-                        # bf16/fp16 parameters: an fp32 copy, so updates smaller than the low-
-                        # precision spacing
+                        # bf16/fp16 parameters: an fp32 copy, so updates below the bf16/fp16 spacing
                         # accumulate instead of rounding away (mixed-precision master weights).
                         master = pv.detach().to(torch.float32, copy=True)
                     if gv.dtype == master.dtype:
