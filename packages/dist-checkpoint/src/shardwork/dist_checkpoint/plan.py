@@ -319,8 +319,8 @@ def build_global_plan(summaries: list[dict[str, Any]], rank: int) -> GlobalPlan:
     """
     g = _gather(summaries)
     _check_tiling(g)
-    # All ranks hold the same summaries and find the same errors, so they all raise here
-    # together, before anything is written or any rank waits in a collective.
+    # All ranks hold the same summaries and find the same errors, so they all raise here together,
+    # before anything is written or any rank waits in a collective.
     _raise_errors(g.errors)
     load, mine_tensors, mine_objects = _choose_writers(g, len(summaries), rank)
     # a zero-element tensor has nothing to tile: its first holder records it in the metadata

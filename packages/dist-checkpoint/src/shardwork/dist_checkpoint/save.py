@@ -181,8 +181,7 @@ def _write_items(local: Any, plan: GlobalPlan, rank: int) -> tuple[list, dict]:
         size = torch.Size(st.global_shape)
         if st.key in plan.mine_empty:
             # A zero-element tensor has no piece to tile: one rank writes an empty item so the key
-            # and
-            # its shape still appear in DCP's metadata.
+            # and its shape still appear in DCP's metadata.
             plan.mine_empty.discard(st.key)
             offsets = torch.Size([0] * len(size))
             pieces_to_write = [(offsets, size, torch.empty(size, dtype=dtype))]
@@ -459,8 +458,8 @@ def save(
 
     local = collect_local(state)
     summary = summarize(local)
-    # Only the first rank inspects the directory; its verdict rides in the all-gather, so every
-    # rank raises the same error before anything is touched.
+    # Only the first rank inspects the directory; its verdict rides in the all-gather, so every rank
+    # raises the same error before anything is touched.
     summary["target_error"] = _inspect_target(path, overwrite) if g.rank == 0 else None
     summaries = all_gather_object(summary, g)
     if summaries[0]["target_error"]:
@@ -500,8 +499,7 @@ def save(
             ranks = dist.get_process_group_ranks(g.pg)
             # Background collectives get their own group: issued from another thread on the training
             # group, they could interleave differently with the training thread's collectives on
-            # each
-            # rank. use_local_synchronization: only the member ranks take part in creating it.
+            # each rank. use_local_synchronization: only the member ranks take part in creating it.
             async_group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
             job.owned_group = async_group
         job.write_g = resolve_group(async_group)
