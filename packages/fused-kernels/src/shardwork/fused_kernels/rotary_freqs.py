@@ -127,8 +127,8 @@ def _llama3(inv_freq: torch.Tensor, s: Llama3RopeScaling) -> torch.Tensor:
     low_wavelen = old_len / s.low_freq_factor
     high_wavelen = old_len / s.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
-    # Llama 3.1: long wavelengths (low frequencies) are divided by factor, short ones kept, and
-    # the band in between blended below.
+    # Llama 3.1: long wavelengths (low frequencies) are divided by factor, short ones kept, and the
+    # band in between blended below.
     scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
     smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
     smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled

@@ -80,13 +80,13 @@ def _blocks(h: int) -> tuple[int, int]:
 def destination_table(sorted_indices: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """``[N, K]`` int64: the permuted rows of each token (ascending), -1 padded; K = max rows per token."""
     m = sorted_indices.numel()
-    # Stable sort by token: each token's permuted rows stay in ascending order.
     counts = torch.bincount(sorted_indices, minlength=num_tokens)
     k = int(counts.max()) if m else 0
+    # Stable sort by token: each token's permuted rows stay in ascending order.
     order = torch.argsort(sorted_indices, stable=True)
-    # slot: the row's position among its token's rows.
     starts = torch.cumsum(counts, 0) - counts
     tokens = sorted_indices[order]
+    # slot: the row's position among its token's rows.
     slot = torch.arange(m, device=sorted_indices.device) - starts[tokens]
     table = torch.full((num_tokens, max(k, 1)), -1, dtype=torch.int64, device=sorted_indices.device)
     table[tokens, slot] = order

@@ -112,8 +112,8 @@ def _router_fwd(L, BIAS, PROBS, MAP, AUX, COUNTS, N, E, scaling, TOPK: tl.conste
     picked = chosen > 0
     if SCORE > 0 or PRE_SOFTMAX:
         p = tl.where(picked, sc, 0.0)
-    # Post-softmax: softmax over the chosen logits = their exp shifted by the row max,
-    # renormalised (the shift cancels).
+    # Post-softmax: softmax over the chosen logits = their exp shifted by the row max, renormalised
+    # (the shift cancels).
     else:
         p = tl.where(picked, ex, 0.0)
         p = p / tl.sum(p, axis=1)[:, None]
