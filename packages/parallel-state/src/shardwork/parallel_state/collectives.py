@@ -72,8 +72,7 @@ class _CopyToRegion(torch.autograd.Function):
     def forward(ctx, x, group):
         ctx.group = group
         # Megatron-LM's operator f (Shoeybi et al., 2019, section 3): every rank uses the full
-        # input,
-        # so the input's gradient is the sum of the ranks' partial gradients.
+        # input, so the input's gradient is the sum of the ranks' partial gradients.
         return x
 
     @staticmethod

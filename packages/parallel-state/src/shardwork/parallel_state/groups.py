@@ -201,8 +201,8 @@ def _create_groups(
     """
     local_me = list(global_ranks).index(me)
     mine: dict[str, ProcessGroup] = {}
-    # Members create their groups in the same order (``names``' order), which keeps torch's
-    # per-rank group counter, and so the hashed group names, equal across each group's members.
+    # Members create their groups in the same order (``names``' order), which keeps torch's per-rank
+    # group counter, and so the hashed group names, equal across each group's members.
     for name in names:
         members = next((g for g in layout.groups[name] if local_me in g), None)
         if members is None:  # a middle pipeline stage has no 'embedding' group

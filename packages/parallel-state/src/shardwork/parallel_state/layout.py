@@ -58,8 +58,8 @@ def _masked_groups(
     the front (each group of axes reversed, for the same reason) and flattening each part
     lists the groups as rows.
     """
-    # Dims in reverse order: the last axis of ``order`` is dim 0, so C order varies the first
-    # axis fastest.
+    # Dims in reverse order: the last axis of ``order`` is dim 0, so C order varies the first axis
+    # fastest.
     ranks = np.arange(math.prod(sizes[n] for n in order)).reshape(
         [sizes[n] for n in reversed(order)]
     )
