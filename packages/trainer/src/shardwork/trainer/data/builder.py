@@ -178,7 +178,7 @@ def micro_batch(
 ) -> torch.Tensor:
     """Micro-batch ``index`` of this data-parallel rank: int64 ``[mbs, seq_length + 1]``."""
     start = consumed + index * micro_batch_size * dp_size + dp_rank * micro_batch_size
-    # Wraps: an evaluation set smaller than one micro-batch per rank is still run once
-    # (_datasets gives every rank at least one micro-batch).
+    # Wraps: an evaluation set smaller than one micro-batch per rank is still run once (_datasets
+    # gives every rank at least one micro-batch).
     rows = [dataset[(start + j) % len(dataset)] for j in range(micro_batch_size)]
     return torch.from_numpy(np.stack(rows))

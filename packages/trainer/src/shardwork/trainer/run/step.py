@@ -176,7 +176,7 @@ def _moe_stats(trackers, num_microbatches: int) -> dict | None:
         total.tokens_per_expert += t.tokens_per_expert.cpu()
     stats = total.summary(num_micro_batches=num_microbatches)
     counts = total.tokens_per_expert
-    # MoE layers that counted no tokens (not on this stage) are left out: no 0/0 fractions.
+    # MoE layers with no counted tokens are left out: no 0/0 fractions.
     used = counts.sum(dim=1) > 0
     if bool(used.any()):
         rows = counts[used]
@@ -277,8 +277,8 @@ def train_step(
     for m in assembly.modules:
         m.train()
     assembly.optimizer.zero_grad()
-    # The backward scale (fp16 loss scale, else 1) is read before backward; the optimizer
-    # divides it out again in step().
+    # The backward scale (fp16 loss scale, else 1) is read before backward; the optimizer divides it
+    # out again in step().
     grad_scale = assembly.optimizer.loss_scale
     trackers = _prepare_moe(assembly.modules, grad_scale)
     where = "" if step is None else f"train step {step}, "
