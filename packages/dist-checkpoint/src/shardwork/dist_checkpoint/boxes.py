@@ -45,6 +45,7 @@ def _split(
     if not shape:  # a scalar: the only non-empty range is (0, 1)
         return [((), (), 0)]
     inner = math.prod(shape[1:])
+    # Rows of the leading dim the range touches, and its offsets inside the first and last row.
     first_row, last_row = start // inner, (stop - 1) // inner
     head, tail = start % inner, stop % inner
 
@@ -54,6 +55,7 @@ def _split(
             for off, sizes, flat in _split(shape[1:], lo, hi)
         ]
 
+    # The range lies inside one row (not whole): recurse into that row alone.
     if first_row == last_row and (head or tail):
         return row(first_row, head, stop - first_row * inner)
     out = row(first_row, head, inner) if head else []
@@ -69,9 +71,11 @@ def _split(
 
 def boxes_overlap(a: Box, b: Box) -> bool:
     """Whether two boxes (offsets, sizes) share at least one element."""
+    # An empty box shares no element with anything.
     if any(s == 0 for s in a[1]) or any(s == 0 for s in b[1]):
         return False
     for ao, asz, bo, bsz in zip(a[0], a[1], b[0], b[1]):
+        # Disjoint along one dimension is enough to share no element.
         if ao >= bo + bsz or bo >= ao + asz:
             return False
     return True

@@ -34,6 +34,8 @@ def _process_start() -> str:
         stat = Path("/proc/self/stat").read_text()
     except OSError:
         return ""
+    # Field 22 (starttime): split after the last ")" because the command name (field 2) may contain
+    # spaces or parentheses; field 3 is then index 0.
     return stat.rsplit(")", 1)[1].split()[19]
 
 
@@ -53,6 +55,7 @@ def clear_in_flight(path: Path) -> None:
 def in_flight_here(path: Path) -> list[Path]:
     """Directories of ``path``'s root (``path`` included) that this process is still writing
     asynchronously (a marker with this process's identity)."""
+    # The root holds the sibling step directories, any of which may be in flight.
     root = path.parent
     if not root.is_dir():
         return []

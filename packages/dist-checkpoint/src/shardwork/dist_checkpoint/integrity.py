@@ -68,15 +68,19 @@ class FileCheck:
         """Fold ``data``, the file's bytes at ``offset``, into the CRC (skipping what was seen)."""
         view = memoryview(data).cast("B")
         end = offset + view.nbytes
+        # Already folded (a chunk's head overlapping its data, or a re-read): nothing new.
         if end <= self._pos:
             return
+        # A range beyond the covered prefix: the CRC runs in file order, so read the gap first.
         if offset > self._pos:
             self._read_gap(offset)
+        # Fold only the part past the covered prefix.
         self._crc = zlib.crc32(view[self._pos - offset :], self._crc)
         self._pos = end
 
     def finish(self) -> str | None:
         """Read the rest of the file; return how it differs from the record (None: intact)."""
+        # To the end of the file: the bytes the load did not need still count toward its CRC.
         while True:
             block = os.pread(self._fd, _GAP_SLICE, self._pos)
             if not block:

@@ -121,6 +121,7 @@ def find_keys(local: LocalState, saved: dict[str, Any], info: dict[str, Any]) ->
             )
         else:
             for piece in pieces:
+                # A zero-element piece has nothing to read.
                 if any(s == 0 for s in piece.box[1]):
                     continue
                 found.chunks.setdefault(st.key, []).append(

@@ -108,6 +108,7 @@ def _open(
         saved = reader.read_metadata().state_dict_metadata
     except _OPEN_ERRORS as exc:
         failure = exc
+    # Every rank joins, a failed one too; each then raises its own error or the first other's.
     failures = [f for f in all_gather_object(failure, g) if f is not None]
     if failure is not None:
         raise failure
@@ -129,6 +130,7 @@ def _judge_keys(
     missing = sorted({k for miss, _, _ in everyone for k in miss}) if strict else []
     unexpected: list[str] = []
     if strict is True:
+        # A key this rank's template lacks may be another rank's: judge against the union.
         union = {k for _, _, w in everyone for k in w}
         saved_names = [(key, entry["paths"]) for key, entry in info["keys"].items()] + [
             (p, [p]) for p in info.get("plain_paths", [])
@@ -164,6 +166,7 @@ def _read(
             )
     except (Exception, CheckpointException) as exc:  # DCP raises on every rank together
         failure = exc
+    # Gathered after the read: a bad file seen by one rank makes every rank raise.
     found = sorted({item for rank in all_gather_object(reader.corrupt, g) for item in rank})
     if found:
         raise md.CheckpointCorruptError(
@@ -173,6 +176,7 @@ def _read(
         ) from failure
     if failure is None:
         return
+    # A truncated or missing file is reported as such before DCP's generic read error.
     _raise_size_problems(path, info, cause=failure)
     refused = _checkpoint_error(failure)
     if refused is not None:
@@ -254,6 +258,7 @@ def load(
         plain=[(p, v) for p, v in local.plain if keep(p, path_str(p))],
     )
     found: KeyFindings = find_keys(wanted, saved, info)
+    # Gathered before any data is read, so every rank raises the same mismatch error.
     everyone = all_gather_object((sorted(found.missing), found.mismatched, sorted(found.wanted)), g)
     _judge_keys(everyone, path=path, strict=strict, info=info, keep=keep)
 
@@ -277,6 +282,7 @@ def load(
 
     def fill(p: TreePath, leaf: Any) -> Any:
         if isinstance(leaf, ShardedTensor):
+            # Filled in place by the reader (the template's own tensor).
             return leaf.data
         if isinstance(leaf, ShardedObject):
             if keep(p, leaf.key) and leaf.unique_key in loaded_objects:

@@ -132,6 +132,7 @@ class CheckpointManager:
         return [
             p
             for step, p in self._step_dirs()
+            # The step of an unfinalized async save is in flight, not abandoned: leave it alone.
             if not md.is_committed(p) and step != self._pending_step
         ]
 
@@ -157,9 +158,12 @@ class CheckpointManager:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r} is not valid; valid: an int >= 0")
         use_async = self.async_save if async_save is None else async_save
+        # A second save waits for the first: its directory is committed (or its error raised) before
+        # anything below touches the root.
         self.finalize(blocking=True)
         if self._g.rank == 0:
             self.clean_incomplete()
+        # Created once, on first async use, and reused by every later background write.
         if use_async and self._g.distributed and self._async_group is None:
             ranks = dist.get_process_group_ranks(self._g.pg)
             self._async_group = dist.new_group(
@@ -195,6 +199,7 @@ class CheckpointManager:
         if self._pending is None:
             return None
         if not blocking:
+            # Every rank must decide the same: finalize's collectives run only if all writes ended.
             done = all_gather_object(self._pending.done(), self._g)
             if not all(done):
                 return None
@@ -224,6 +229,7 @@ class CheckpointManager:
             if step in keep:
                 continue
             path = self.step_path(step)
+            # Marker first: a crash mid-deletion leaves a directory that reads as incomplete.
             (path / md.COMMIT_MARKER).unlink(missing_ok=True)
             shutil.rmtree(path, ignore_errors=True)
             deleted.append(step)
@@ -301,6 +307,7 @@ class CheckpointManager:
         """Checksum every file of ``step`` on the first rank; all ranks raise on a bad file."""
         path = self.step_path(self._resolve_step(step))
         outcome: Any = None
+        # One rank reads the files; the verdict is broadcast so every rank returns or raises alike.
         if self._g.rank == 0:
             try:
                 outcome = verify(path)

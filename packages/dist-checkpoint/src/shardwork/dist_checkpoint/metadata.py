@@ -129,7 +129,9 @@ def _write_atomic(path: Path, text: str) -> None:
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
+        # Durable before the rename, so after a crash the final name never holds unwritten data.
         os.fsync(f.fileno())
+    # Atomic within one filesystem: readers see the old file or the new one, never half.
     os.replace(tmp, path)
 
 
@@ -146,7 +148,9 @@ def write_commit(path: str | os.PathLike, info: dict[str, Any]) -> None:
     }
     text = json.dumps(full, indent=1, sort_keys=True)
     _write_atomic(path / INFO_FILE, text)
+    # Make the rename itself durable before the marker can exist.
     _fsync_dir(path)
+    # The marker records shardwork.json's CRC-32, which read_info checks.
     marker = {"committed": True, "time": time.time(), "info_crc32": zlib.crc32(text.encode())}
     _write_atomic(path / COMMIT_MARKER, json.dumps(marker))
     _fsync_dir(path)

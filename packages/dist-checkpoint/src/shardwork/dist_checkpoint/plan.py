@@ -68,6 +68,7 @@ def tensor_pieces(st: ShardedTensor) -> list[TensorPiece]:
     if st.flattened_range is None:
         return [TensorPiece(st.key, (st.global_offset, st.local_shape), st.data)]
     start, stop = st.flattened_range
+    # The pieces are views at offsets into the 1-D data, which needs contiguous storage.
     if not st.data.is_contiguous():
         raise ValueError(
             f"{st.key!r}: flattened data with stride {st.data.stride()} is not valid; "
@@ -76,6 +77,8 @@ def tensor_pieces(st: ShardedTensor) -> list[TensorPiece]:
     pieces = []
     for (off, sizes), flat in flat_range_boxes(st.local_shape, start, stop):
         numel = math.prod(sizes)
+        # Row-major order restricted to a sub-box is the sub-box's own row-major order, so each box
+        # is a contiguous run of the flat data.
         view = st.data[flat - start : flat - start + numel].view(sizes)
         goff = tuple(g + o for g, o in zip(st.global_offset, off))
         pieces.append(TensorPiece(st.key, (goff, sizes), view))
@@ -156,10 +159,12 @@ def _find_overlap(boxes: list[tuple[Box, int]]) -> tuple[tuple[Box, int], tuple[
         return None
     if not boxes[0][0][0]:  # 0-d tensor: every box is the whole scalar
         return (boxes[0], boxes[1]) if len(boxes) > 1 else None
+    # Sweep over dim 0: boxes sorted by their dim-0 start; ``active`` holds those still open.
     order = sorted(boxes, key=lambda b: (b[0][0][0], b[0][0]))
     active: list[tuple[Box, int]] = []
     for item in order:
         start = item[0][0][0]
+        # A box ending on dim 0 before this one starts cannot overlap it or any later box.
         active = [a for a in active if a[0][0][0] + a[0][1][0] > start]
         for other in active:
             if boxes_overlap(item[0], other[0]):
@@ -207,6 +212,7 @@ def _gather(summaries: list[dict[str, Any]]) -> _Gathered:
             if not g.note(key, "tensor", dtype, tuple(gshape), r, path):
                 continue
             for box in boxes:
+                # A zero-element box holds nothing to write and covers nothing.
                 if math.prod(box[1]) == 0:
                     continue
                 g.holders[(key, box)].add(r)
@@ -215,6 +221,7 @@ def _gather(summaries: list[dict[str, Any]]) -> _Gathered:
         for key, gshape, goff, replica_id, path in summary["objects"]:
             if not g.note(key, "object", None, tuple(gshape), r, path):
                 continue
+            # An object is one grid cell: size 1 in every dimension at its offset.
             cell = (tuple(goff), (1,) * len(goff))
             g.holders[(key, cell)].add(r)
             if replica_id == 0:
@@ -229,6 +236,7 @@ def _check_tiling(g: _Gathered) -> None:
         total = math.prod(entry["global_shape"])
         if entry["kind"] == "tensor" and total == 0:
             continue
+        # With no overlap found, a covered count below the total means a piece is missing.
         covered = sum(math.prod(b[1]) for b, _ in boxes)
         pair = _find_overlap(boxes)
         what = "object cell" if entry["kind"] == "object" else "shard"
@@ -277,6 +285,7 @@ def _choose_writers(
                 continue
             nbytes = math.prod(box[1]) * _dtype_itemsize(entry["dtype"])
             units.append((nbytes, key, box))
+    # A total order (size desc, key, box): every rank computes the same assignment, no messages.
     units.sort(key=lambda u: (-u[0], u[1], u[2]))
     for nbytes, key, box in units:
         writer = min(g.holders[(key, box)], key=lambda r: (load[r], r))
@@ -310,6 +319,8 @@ def build_global_plan(summaries: list[dict[str, Any]], rank: int) -> GlobalPlan:
     """
     g = _gather(summaries)
     _check_tiling(g)
+    # All ranks hold the same summaries and find the same errors, so they all raise here together,
+    # before anything is written or any rank waits in a collective.
     _raise_errors(g.errors)
     load, mine_tensors, mine_objects = _choose_writers(g, len(summaries), rank)
     # a zero-element tensor has nothing to tile: its first holder records it in the metadata

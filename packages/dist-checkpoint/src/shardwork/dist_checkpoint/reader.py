@@ -79,6 +79,7 @@ def _pread(fd: int, size: int, offset: int, name: str) -> bytes:
     """Exactly ``size`` bytes at ``offset`` (OSError naming ``name`` if the file is short)."""
     parts = []
     done = 0
+    # pread may return fewer bytes than asked (a short read): loop until done or end of file.
     while done < size:
         block = os.pread(fd, size - done, offset + done)
         if not block:
@@ -92,6 +93,7 @@ def _readinto(fd: int, view: memoryview, offset: int, name: str) -> None:
     """Fill ``view`` (bytes) from ``offset``; OSError naming ``name`` if the file is short."""
     done, size = 0, view.nbytes
     while done < size:
+        # Short reads again: continue into the rest of the view.
         n = os.preadv(fd, [view[done:]], offset + done)
         if n <= 0:
             raise OSError(f"{name}: file ends at byte {offset + done}, expected {offset + size}")
@@ -121,6 +123,7 @@ def _dense_suffix(lengths: tuple[int, ...], stride: tuple[int, ...]) -> int:
 def _runs(dest: torch.Tensor, k: int) -> list[memoryview]:
     """Byte views of ``dest``'s dense runs (dims ``k:`` packed), in row-major order."""
     item = dest.element_size()
+    # A byte view of dest's whole storage, so runs can be addressed by dest's storage offsets.
     storage = torch.empty(0, dtype=torch.uint8).set_(dest.untyped_storage())
     whole = memoryview(storage.numpy()).cast("B")
     run = math.prod(dest.shape[k:]) * item
@@ -300,6 +303,7 @@ class ShardworkReader(FileSystemReader):
         fd = os.open(path, os.O_RDONLY)
         check = FileCheck(fd, relative_path, record) if record is not None else None
         try:
+            # Requests are read in file order: let the kernel read ahead.
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             for req in reqs:
                 info = self.storage_data[req.storage_index]
@@ -324,6 +328,7 @@ class ShardworkReader(FileSystemReader):
                     blob = _pread(fd, info.length, info.offset, relative_path)
                     if check is not None:
                         check.add(info.offset, blob)
+                    # weights_only: a checkpoint file never gets to unpickle arbitrary objects.
                     tensor = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
                     for dim, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
                         tensor = tensor.narrow(dim, o, n)

@@ -123,6 +123,7 @@ class _Job:
 
 
 def _is_checkpoint_file(name: str) -> bool:
+    # A crash during an atomic write leaves ``<name>.tmp``: still ours, so still clearable.
     base = name.removesuffix(".tmp")
     return base.endswith(DATA_SUFFIX) or base in (
         md.DCP_METADATA_FILE,
@@ -137,6 +138,7 @@ def _inspect_target(path: Path, overwrite: bool) -> str | None:
     if path.exists() and not path.is_dir():
         return f"path={str(path)!r} exists and is not a directory; valid: a directory path"
     if path.is_dir():
+        # The directory is removed before writing: refuse to delete files a save did not make.
         foreign = sorted(p.name for p in path.iterdir() if not _is_checkpoint_file(p.name))
         if foreign:
             return (
@@ -178,6 +180,8 @@ def _write_items(local: Any, plan: GlobalPlan, rank: int) -> tuple[list, dict]:
         dtype = st.data.dtype
         size = torch.Size(st.global_shape)
         if st.key in plan.mine_empty:
+            # A zero-element tensor has no piece to tile: one rank writes an empty item so the key
+            # and its shape still appear in DCP's metadata.
             plan.mine_empty.discard(st.key)
             offsets = torch.Size([0] * len(size))
             pieces_to_write = [(offsets, size, torch.empty(size, dtype=dtype))]
@@ -209,6 +213,7 @@ def _write_items(local: Any, plan: GlobalPlan, rank: int) -> tuple[list, dict]:
             plan.mine_objects.discard(obj.unique_key)
             items.append(WriteItem(index=MetadataIndex(obj.unique_key), type=WriteItemType.BYTE_IO))
             data[(obj.unique_key, None)] = obj.data
+    # Plain values are taken from the first rank only.
     if rank == 0:
         common = {path_str(path): value for path, value in local.plain}
         items.append(WriteItem(index=MetadataIndex(COMMON_KEY), type=WriteItemType.BYTE_IO))
@@ -232,6 +237,8 @@ def _run_write(job: _Job) -> None:
                 process_group=job.write_g.pg,
                 no_dist=not job.write_g.distributed,
             )
+    # Recorded, not raised: every rank must still reach finalize's all-gather, which reports the
+    # error on all ranks (a rank raising here would leave the others waiting there).
     except (Exception, CheckpointException) as exc:  # reported to all ranks at finalize
         job.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"
     job.checksums = dict(writer.checksums)
@@ -250,6 +257,7 @@ def _finalize(job: _Job, agree_g: GroupInfo) -> SaveResult:
     everyone = all_gather_object(mine, agree_g)
     failed = {r: m["error"] for r, m in enumerate(everyone) if m["error"]}
     if job.g.rank == 0:
+        # The all-gather above returned, so every rank's write has ended.
         clear_in_flight(job.path)  # every rank's write has ended
     if failed:
         text = "\n".join(f"--- rank {r} ---\n{err}" for r, err in sorted(failed.items()))
@@ -264,12 +272,16 @@ def _finalize(job: _Job, agree_g: GroupInfo) -> SaveResult:
             files: dict[str, dict[str, int]] = {}
             for m in everyone:
                 files.update(m["files"])
+            # DCP's ``.metadata`` is written by the base class's finish, outside the inline
+            # checksums.
             size, crc = file_crc32(job.path / md.DCP_METADATA_FILE)
             files[md.DCP_METADATA_FILE] = {"size": size, "crc32": crc}
+            # A phase took as long as its slowest rank.
             phases = {k: max(m["timings"][k] for m in everyone) for k in ("plan", "stage", "write")}
             md.write_commit(job.path, {**job.info, "files": files, "timings": phases})
         except Exception as exc:
             outcome = f"{type(exc).__name__}: {exc}"
+    # Every rank learns the commit's outcome, so all return or all raise together.
     outcome = broadcast_object(outcome, agree_g)
     if outcome is not None:
         raise CheckpointSaveError(f"commit of {str(job.path)!r} failed on rank 0: {outcome}")
@@ -294,6 +306,7 @@ def _stage_on_every_rank(
         staged = stage(data, staging_buffers)
     except Exception as exc:
         error = exc
+    # Every rank joins this all-gather, a failed one too; raising comes after.
     failed = [r for r, bad in enumerate(all_gather_object(error is not None, g)) if bad]
     if error is not None:
         raise error
@@ -445,6 +458,8 @@ def save(
 
     local = collect_local(state)
     summary = summarize(local)
+    # Only the first rank inspects the directory; its verdict rides in the all-gather, so every rank
+    # raises the same error before anything is touched.
     summary["target_error"] = _inspect_target(path, overwrite) if g.rank == 0 else None
     summaries = all_gather_object(summary, g)
     if summaries[0]["target_error"]:
@@ -452,6 +467,7 @@ def save(
     plan = build_global_plan(summaries, g.rank)
     if g.rank == 0:
         _clear_target(path)
+    # No rank may write into the directory before the first rank has cleared it.
     barrier(g)
     items, data = _write_items(local, plan, g.rank)
     timings["plan"] = time.perf_counter() - blocking_start
@@ -481,6 +497,9 @@ def save(
     if g.distributed:
         if async_group is None:
             ranks = dist.get_process_group_ranks(g.pg)
+            # Background collectives get their own group: issued from another thread on the training
+            # group, they could interleave differently with the training thread's collectives on
+            # each rank. use_local_synchronization: only the member ranks take part in creating it.
             async_group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
             job.owned_group = async_group
         job.write_g = resolve_group(async_group)

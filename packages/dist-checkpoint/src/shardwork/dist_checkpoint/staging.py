@@ -39,6 +39,7 @@ class StagingBuffers:
     def get(self, key: tuple[str, Any], like: torch.Tensor) -> torch.Tensor:
         """A contiguous host tensor shaped like ``like`` for ``key`` (reused when it fits)."""
         buf = self._buffers.get(key)
+        # Pinned host memory lets the device-to-host copy run asynchronously.
         pin = like.is_cuda
         if (
             buf is None
@@ -74,12 +75,14 @@ def stage(
                 host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
                 host.copy_(value, non_blocking=True)
             else:
+                # A copy now: the caller may modify its tensor as soon as save returns.
                 host = value.clone(memory_format=torch.contiguous_format)
             if value.is_cuda:
                 cuda_devices.add(value.device)
             staged[key] = host
         else:
             buffer = io.BytesIO()
+            # Pickled now, so later changes to the object do not reach the checkpoint.
             torch.save(value, buffer)
             staged[key] = buffer.getvalue()
     # the copies are queued on each device's current stream: wait for all of them before the

@@ -57,6 +57,7 @@ class Bucket:
         self.group = group
         self.reduce_scatter = reduce_scatter
         size = group_size(group)
+        # The layout pads each bucket to a multiple of the group size, so the shards are equal.
         self.shard_numel = grad_data.numel() // size if reduce_scatter else grad_data.numel()
         rank = group_rank(group)
         self.shard_slice = (
@@ -68,6 +69,8 @@ class Bucket:
         if divisor is None:
             self.prescale, self.op = 1.0, dist.ReduceOp.SUM
         elif average_in_collective:
+            # AVG divides by the group size; size / divisor turns that into a division by
+            # ``divisor``.
             self.prescale, self.op = size / divisor, dist.ReduceOp.AVG
         else:
             self.prescale, self.op = 1.0 / divisor, dist.ReduceOp.SUM
@@ -101,6 +104,7 @@ class Bucket:
         """Launch this bucket's gradient reduction (asynchronous)."""
         assert not self.grad_launched, "bucket launched twice"
         self.grad_launched = True
+        # No collective, but the division must still happen, as it would on a larger group.
         if self.group is None or group_size(self.group) == 1:
             if self.prescale != 1.0:
                 self.grad_data.mul_(self.prescale)
@@ -108,6 +112,8 @@ class Bucket:
         if self.prescale != 1.0:
             self.grad_data.mul_(self.prescale)
         if self.reduce_scatter:
+            # Output is this rank's slice of the same buffer: only that slice holds the reduced sum
+            # afterwards; the rest keeps this rank's local gradient.
             out = self.grad_data[self.shard_slice]
             self.grad_handle = dist.reduce_scatter_tensor(
                 out, self.grad_data, op=self.op, group=self.group, async_op=True
@@ -129,6 +135,8 @@ class Bucket:
         if not self.reduce_scatter or self.group is None or group_size(self.group) == 1:
             return False
         shard = self.param_data[self.shard_slice]
+        # In place: the input is this rank's slice of the output, and the parameters are views of
+        # param_data, so they see every rank's update without a copy.
         handle = dist.all_gather_into_tensor(
             self.param_data, shard, group=self.group, async_op=async_op
         )
@@ -157,11 +165,15 @@ class LaunchQueue:
 
     def launch_ready(self) -> None:
         """Launch every bucket from the cursor on that is ready, stopping at the first that is not."""
+        # Strict order: a later bucket waits for an earlier one, so every rank issues the same
+        # collectives in the same sequence whatever order its gradients arrive in.
         while self.cursor < len(self.buckets) and self.buckets[self.cursor].ready:
             self._launch_next()
 
     def launch_all(self) -> None:
         """Launch every bucket not launched yet (in order), ready or not."""
+        # Buckets with gradients still missing are launched too; a rank skipping one would leave the
+        # other ranks waiting in that collective.
         while self.cursor < len(self.buckets):
             self._launch_next()
 
@@ -200,6 +212,7 @@ class ParamAndGradBuffer:
         self.param_data = torch.zeros(layout.numel, dtype=key.torch_param_dtype, device=device)
         self.grad_data = torch.zeros(layout.numel, dtype=key.torch_grad_dtype, device=device)
         for p, (start, end) in zip(self.params, layout.param_ranges):
+            # The parameter becomes a view into the flat buffer (values copied first).
             view = self.param_data[start:end].view(p.shape)
             view.copy_(p.data)
             p.data = view

@@ -134,6 +134,7 @@ class DistributedDataParallel(nn.Module):
         def grad_dtype(_: int, p: torch.Tensor) -> torch.dtype:
             if p.dtype == torch.float32 or p.dtype == torch.float64:
                 return p.dtype
+            # bf16/fp16: fp32 accumulation keeps small micro-batch gradients from rounding away.
             if config.grad_reduce_in_fp32 or self._fp32_rule(names[id(p)], p):
                 return torch.float32
             return p.dtype
@@ -210,9 +211,12 @@ class DistributedDataParallel(nn.Module):
             if bucket.grad_launched or bucket.marked_ready(param):
                 raise RuntimeError(self._late_gradient_message(param, bucket.grad_launched))
             if p.grad is not None:
+                # Fold into the flat accumulator and free p.grad: one gradient copy per parameter.
                 p.main_grad.add_(p.grad)
                 p.grad = None
             self._grads_dirty = True
+            # Under no_sync nothing is marked ready; finish_grad_sync launches every bucket at the
+            # end.
             overlap = self._sync_enabled and self.config.overlap_grad_reduce
             if overlap and bucket.mark_ready(param):
                 for q in self._queues:
@@ -288,6 +292,7 @@ class DistributedDataParallel(nn.Module):
         """Zero every ``main_grad`` and reset bucket readiness (start of an iteration)."""
         for buffer in self.buffers.values():
             for bucket in buffer.buckets:
+                # A reduction still in flight would write into the buffer after it is zeroed.
                 bucket.finish_grad_sync()
             buffer.zero_grad()
         for q in self._queues:
@@ -327,6 +332,7 @@ class DistributedDataParallel(nn.Module):
         after construction if ranks initialised their models differently)."""
         for buffer in self.buffers.values():
             if buffer.group is not None and group_size(buffer.group) > 1:
+                # broadcast's src is a global rank, not a rank within the group.
                 src = dist.get_global_rank(buffer.group, 0)
                 dist.broadcast(buffer.param_data, src=src, group=buffer.group)
 

@@ -121,10 +121,16 @@ class DistributedOptimizer(LocalMastersOptimizer):
                     pv = buffer.param_data[piece.buffer_start : piece.buffer_end]
                     gv = buffer.grad_data[piece.buffer_start : piece.buffer_end]
                     if pv.dtype in (torch.float32, torch.float64):
+                        # fp32/fp64 parameters: the master is the shard view itself; the update
+                        # lands in place.
                         master = pv
                     else:
+                        # bf16/fp16 parameters: an fp32 copy, so updates below the bf16/fp16 spacing
+                        # accumulate instead of rounding away (mixed-precision master weights).
                         master = pv.detach().to(torch.float32, copy=True)
                     if gv.dtype == master.dtype:
+                        # Gradient buffer already in the master's dtype: .grad aliases the reduced
+                        # shard (no copy).
                         master.grad = gv
                     counted = self._counted(get_param_meta(p))
                     name = m.param_names[id(p)]
@@ -138,10 +144,13 @@ class DistributedOptimizer(LocalMastersOptimizer):
     # ------------------------------------------------------------------ step phases
     def prepare_grads(self, inv_scale: float) -> None:
         """Finish gradient reduction and fill fp32 master gradients divided by the loss scale."""
+        # The previous step's parameter all-gather writes the buffer the masters read and write.
         self.finish_param_sync()
         for m in self.models:
             m.finish_grad_sync()
         for mp in self.pieces:
+            # Gradient buffer in another dtype (or the copy dropped by zero_grad): copy into the
+            # master's.
             if mp.master.grad is None or mp.master.grad.data_ptr() != mp.grad_view.data_ptr():
                 mp.master.grad = mp.grad_view.to(mp.master.dtype, copy=True)
             if inv_scale != 1.0:
@@ -157,6 +166,8 @@ class DistributedOptimizer(LocalMastersOptimizer):
         with torch.no_grad():
             for mp in self.pieces:
                 if not mp.master_is_view:
+                    # Copies are rounded back into the parameter dtype before the shards are
+                    # gathered.
                     mp.param_view.copy_(mp.master)
         for m in self.models:
             m.start_param_sync(overlap=self.config.overlap_param_gather, expert=self.expert)
@@ -166,5 +177,6 @@ class DistributedOptimizer(LocalMastersOptimizer):
         for m in self.models:
             m.zero_grad_buffer()
         for mp in self.pieces:
+            # Only copies are dropped; an aliased .grad is the gradient buffer, zeroed above.
             if mp.master.grad is not None and mp.master.grad.data_ptr() != mp.grad_view.data_ptr():
                 mp.master.grad = None

@@ -130,6 +130,8 @@ class BufferLayout:
             raise ValueError(f"dp_size={dp_size} must be >= 1")
         if bucket_size is not None and bucket_size < 1:
             raise ValueError(f"bucket_size={bucket_size} must be >= 1 or None (one bucket)")
+        # Padded bucket lengths are divisible by dp_size (equal reduce-scatter shards) and by
+        # pad_multiple.
         align = math.lcm(dp_size, pad_multiple) if pad_for_dp else 1
         ranges: list[tuple[int, int]] = []
         buckets: list[BucketRange] = []
@@ -139,6 +141,7 @@ class BufferLayout:
 
         def close() -> None:
             nonlocal cursor, bucket_start, members
+            # Round the bucket end up to the next multiple of align (ceil division).
             end = -(-cursor // align) * align
             buckets.append(BucketRange(len(buckets), bucket_start, end, tuple(members)))
             cursor = bucket_start = end
@@ -146,6 +149,7 @@ class BufferLayout:
 
         for index, numel in enumerate(numels):
             alone = bool(isolated[index]) if isolated is not None else False
+            # An isolated parameter starts a fresh bucket and (below) closes it right after itself.
             if alone and members:
                 close()
             ranges.append((cursor, cursor + int(numel)))
@@ -164,6 +168,7 @@ class BufferLayout:
         bucket = self.buckets[bucket_index]
         if not self.padded:
             raise ValueError("shard_range needs a layout built with pad_for_dp=True")
+        # Equal shards: the padded bucket length is a multiple of dp_size.
         size = bucket.numel // self.dp_size
         return bucket.start + dp_rank * size, bucket.start + (dp_rank + 1) * size
 
@@ -176,6 +181,7 @@ class BufferLayout:
             lo, hi = self.shard_range(bucket.index, dp_rank)
             for index in bucket.param_indices:
                 start, end = self.param_ranges[index]
+                # The intersection of the parameter's range with the shard, if any.
                 a, b = max(start, lo), min(end, hi)
                 if a < b:
                     pieces.append(ShardPiece(index, a - start, b - start, a, b, bucket.index))
@@ -250,8 +256,11 @@ class ParamIndexMap:
             grouped.setdefault(key, []).append(p)
         buffers: dict[BufferKey, BufferLayout] = {}
         ordered: dict[BufferKey, list[torch.Tensor]] = {}
+        # Sorted keys: the buffer order does not depend on which dtype the parameter list shows
+        # first.
         for key in sorted(grouped):
             in_order = list(reversed(grouped[key]))  # backward order
+            # Expert parameters are sharded over the expert-data-parallel group.
             size = (expert_dp_size or dp_size) if key.is_expert else dp_size
             buffers[key] = BufferLayout.build(
                 [p.numel() for p in in_order],

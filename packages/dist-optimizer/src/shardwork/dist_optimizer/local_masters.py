@@ -160,6 +160,8 @@ class LocalMastersOptimizer(ABC):
     def _counted(self, meta: Any) -> bool:
         """Whether a parameter with ``meta`` counts toward the global norm on this rank: TP
         replicas on TP rank 0 only, the shared embedding on the first pipeline stage only."""
+        # Each TP rank holds a replica of an unsplit parameter and each of the two stages a copy of
+        # the shared embedding; the norm counts one of them.
         return (meta.tp_axis is not None or self._tp_rank == 0) and (
             not meta.shared_embedding or self.pp_rank == 0
         )
@@ -176,6 +178,7 @@ class LocalMastersOptimizer(ABC):
             overrides = (
                 dict(param_group_fn(owned.name, owned.param) or {}) if param_group_fn else {}
             )
+            # repr: override values need not be hashable (e.g. a list of betas).
             signature = tuple(sorted((k, repr(v)) for k, v in overrides.items()))
             grouped.setdefault(signature, {"params": [], **overrides})["params"].append(
                 owned.master
@@ -242,6 +245,7 @@ class LocalMastersOptimizer(ABC):
             v.numel()
             for s in self.optimizer.state.values()
             for v in s.values()
+            # dim() > 0 leaves out scalar state such as a step counter.
             if torch.is_tensor(v) and v.dim() > 0
         )
 

@@ -84,6 +84,7 @@ class DynamicLossScaler:
     def update(self, found_nonfinite: bool) -> None:
         """Adjust the scale after a step; ``found_nonfinite`` must agree on every rank."""
         if found_nonfinite:
+            # Hysteresis: the scale drops from the hysteresis-th overflow since the last growth on.
             self._growth_tracker = 0
             self._hysteresis_tracker -= 1
             if self._hysteresis_tracker <= 0:
@@ -91,6 +92,8 @@ class DynamicLossScaler:
         else:
             self._growth_tracker += 1
             if self._growth_tracker == self.growth_interval:
+                # As Megatron-LM's DynamicGradScaler: the hysteresis budget refills only when the
+                # scale grows.
                 self._growth_tracker = 0
                 self._hysteresis_tracker = self.hysteresis
                 self.scale *= self.growth_factor

@@ -66,6 +66,7 @@ def _tensor_states(
     states = {"fp32_param": master}
     if optimizer is not None:
         for name, value in optimizer.state.get(master, {}).items():
+            # Per-element states only (same element count as the master); scalars are saved apart.
             if torch.is_tensor(value) and value.dim() > 0 and value.numel() == master.numel():
                 states[name] = value
     return states
@@ -94,11 +95,13 @@ def _merged_scalars(opt: Any) -> dict[str, Any]:
         if group is None or dist.get_world_size(group) == 1:
             continue
         gathered: list[Any] = [None] * dist.get_world_size(group)
+        # Every rank of the group joins, a rank without masters too (its dict is empty).
         dist.all_gather_object(gathered, merged, group=group)
         for other in gathered:
             for name, value in other.items():
                 if merged.setdefault(name, value) != value:
                     raise ValueError(f"optimizer scalar state {name!r} differs between ranks")
+    # Sorted so every rank saves the same plain values in the same key order.
     return dict(sorted(merged.items()))
 
 
@@ -109,6 +112,8 @@ def _ensure_state(optimizer: torch.optim.Optimizer | None, masters: Sequence[tor
     fresh = [m for m in masters if not optimizer.state.get(m)]
     saved_grads = [m.grad for m in masters]
     lrs = [g["lr"] for g in optimizer.param_groups]
+    # Zero gradients and lr 0 leave the parameters unchanged (AdamW's decay is scaled by lr too)
+    # while the optimizer allocates its lazy state.
     for m in masters:
         m.grad = torch.zeros_like(m)
     for g in optimizer.param_groups:
@@ -164,6 +169,7 @@ def _build(opt: Any, prefix: str, param_rects: ParamRectsFn | None):
     targets: dict[str, tuple[torch.Tensor, Any]] = {}
     for key, rect, bshape, frange, flat, selector, whole in _entries(opt, prefix, param_rects):
         data = flat[selector]
+        # A rank may hold several pieces of one key (fused blocks), each at its own global offset.
         path = f"{key}@{','.join(map(str, rect.global_offset))}"
         if whole and frange == (0, math.prod(bshape)) and isinstance(selector, slice):
             # the whole box: a plain rectangle (layer-wise optimizer, or a piece = a parameter)
@@ -215,6 +221,7 @@ def _load(
         for s in opt.optimizer.state.values():
             for name, value in state.get("scalars", {}).items():
                 if name in s:
+                    # torch's Adam/AdamW keep ``step`` as a 0-d tensor: restore it in the same form.
                     s[name] = torch.tensor(float(value)) if torch.is_tensor(s[name]) else value
     if opt.loss_scaler is not None and "loss_scaler" in state:
         opt.loss_scaler.load_state_dict(state["loss_scaler"])
@@ -246,5 +253,6 @@ def load_optimizer_sharded_state_dict(
     rank (the optimizer's own write-back and gather/broadcast, waited for)."""
     _ensure_state(opt.optimizer, [owned.master for owned in opt.masters])
     _load(opt, state, prefix, param_rects)
+    # Write the loaded masters into the parameters and gather them, so every rank's model matches.
     opt.finish_step()
     opt.finish_param_sync()

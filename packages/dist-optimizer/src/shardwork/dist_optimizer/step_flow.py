@@ -60,6 +60,7 @@ def reduce_stats(stats: torch.Tensor, groups: Sequence[Any]) -> torch.Tensor:
     """
     for group in groups:
         if group is not None and dist.get_world_size(group) > 1:
+            # NCCL only moves CUDA tensors; gloo groups take CPU tensors.
             if dist.get_backend(group) == "nccl":
                 device = torch.device("cuda", torch.cuda.current_device())
             else:
@@ -82,18 +83,23 @@ def run_step(
     scale = 1.0 if loss_scaler is None else float(loss_scaler.scale)
     for part in parts:
         part.prepare_grads(1.0 / scale)
+    # fp64: less rounding in the sum over ranks and parts, and zero counts stay exact past 2**24.
     totals = torch.zeros(3, dtype=torch.float64)
     for part in parts:
         local = part.local_grad_stats(count_zeros=count_zeros)
         stats = reduce_stats(local.to(torch.float64), part.stats_groups)
         totals += stats
+    # totals are all-reduced, so every rank takes the same branch below (skip or step together);
+    # ranks that disagreed would issue different collectives from here on.
     found = bool(totals[0] > 0)
     if loss_scaler is not None:
         loss_scaler.update(found)
+    # With a loss scaler an overflow is expected (the scale just backed off): never step on it.
     if found and (skip_nonfinite or loss_scaler is not None):
         return StepResult(False, None, None)
     norm = math.sqrt(float(totals[1])) if math.isfinite(float(totals[1])) else float("nan")
     if clip_grad > 0:
+        # +1e-6 as in torch.nn.utils.clip_grad_norm_ (also guards a zero norm).
         coef = clip_grad / (norm + 1e-6)
         if coef < 1.0:
             for part in parts:

@@ -45,12 +45,14 @@ def cross_entropy_stats_torch(
     stats = torch.zeros(n, 4, dtype=acc_dtype(logits), device=logits.device)
     step = _rows_per_chunk(vocab)
     for a in range(0, n, step):
+        # Upcast one row chunk at a time: the float32 scratch stays bounded by _CHUNK_ELEMENTS.
         xf = logits[a : a + step].to(stats.dtype)
         m = xf.max(dim=-1).values
         stats[a : a + step, 0] = m
         stats[a : a + step, 1] = (xf - m.unsqueeze(-1)).exp_().sum(dim=-1)
         if smoothing:
             stats[a : a + step, 3] = xf.sum(dim=-1)
+    # clamp: an out-of-shard label would index out of range; its value is replaced by 0 below.
     picked = logits.gather(1, local_labels.clamp(0, vocab - 1).unsqueeze(-1)).squeeze(-1)
     stats[:, 2] = torch.where(in_shard, picked.to(stats.dtype), 0.0)
     return stats
@@ -63,8 +65,10 @@ def _grad_torch(logits, local_labels, in_shard, lse, grad_rows, *, smoothing, vo
     rows = torch.arange(n, device=logits.device)
     for a in range(0, n, step):
         b = min(n, a + step)
+        # softmax recomputed from the saved logits and lse: exp(x - lse).
         p = (logits[a:b].to(lse.dtype) - lse[a:b].unsqueeze(-1)).exp_()
         if smoothing:
+            # Smoothed target (1-e)*onehot + e/V, V the whole vocab over all TP ranks.
             p -= smoothing / vocab_total
         hit = in_shard[a:b]
         p[rows[a:b][hit] - a, local_labels[a:b][hit]] -= 1.0 - smoothing
@@ -77,14 +81,18 @@ def _combine(stats: torch.Tensor, tp_group) -> tuple[torch.Tensor, torch.Tensor,
     """Combine per-shard stats over ``tp_group``: (lse, label logit, sum of logits), each ``[N]``."""
     m = stats[:, 0]
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        # MAX before SUM (every TP rank issues both in this order): the rescale below needs the
+        # global max. exp(m - M) * sum exp(x - m) = sum exp(x - M).
         global_max = m.clone()
         dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
+        # One SUM for all three: sum exp, the label logit (nonzero on one rank only), sum of logits.
         sums = stats[:, 1:].clone()
         sums[:, 0] *= (m - global_max).exp()
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
         m = global_max
     else:
         sums = stats[:, 1:]
+    # lse = M + log(sum exp(x - M)).
     return m + sums[:, 0].log(), sums[:, 1], sums[:, 2]
 
 
@@ -96,6 +104,7 @@ class _CrossEntropy(torch.autograd.Function):
         rank = 0 if tp_group is None else dist.get_rank(tp_group)
         vocab_total = vocab * world
         valid = labels != ignore_index
+        # Labels are global vocab ids; rank r owns [r*V_local, (r+1)*V_local).
         local_labels = labels - rank * vocab
         in_shard = valid & (local_labels >= 0) & (local_labels < vocab)
         if impl == "triton":
@@ -122,6 +131,7 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_valid):
         logits, local_labels, in_shard, valid, lse = ctx.saved_tensors
+        # Ignored tokens get no gradient.
         grad_rows = torch.where(valid, grad_loss.to(lse.dtype), 0.0)
         out = logits if ctx.inplace_backward else None
         kwargs = {"smoothing": ctx.smoothing, "vocab_total": ctx.vocab_total, "out": out}
@@ -197,4 +207,5 @@ def cross_entropy(
         return losses
     if reduction == "sum":
         return losses.sum()
+    # Non-ignored tokens only; 0/0 = NaN when there are none, as torch does.
     return losses.sum() / valid.sum()

@@ -30,6 +30,7 @@ def rms_norm_reference(
 ) -> torch.Tensor:
     """Plain-torch RMSNorm: ``x / sqrt(mean(x²) + eps) * w`` in float32, cast to ``x.dtype``."""
     xf = x.to(acc_dtype(x))
+    # RMSNorm (Zhang and Sennrich, 2019): no mean subtraction, scale by 1 / rms.
     rstd = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
     w = weight.to(xf.dtype) + 1.0 if zero_centered_gamma else weight.to(xf.dtype)
     return (xf * rstd * w).to(x.dtype)

@@ -28,8 +28,10 @@ __all__ = ["apply_rotary", "apply_rotary_reference"]
 def _rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
     if interleaved:
         x1, x2 = x[..., 0::2], x[..., 1::2]
+        # Interleaved: each pair (a, b) becomes (-b, a), re-interleaved.
         return torch.stack((-x2, x1), dim=-1).flatten(-2)
     x1, x2 = x.chunk(2, dim=-1)
+    # Half-split: HF's rotate_half, (x1, x2) -> (-x2, x1).
     return torch.cat((-x2, x1), dim=-1)
 
 
@@ -39,6 +41,7 @@ def apply_rotary_reference(
     """Plain-torch rotary embedding in float32, cast to ``x.dtype`` (a new tensor)."""
     rotary_dim = cos.shape[-1]
     xr = x[..., :rotary_dim].to(acc_dtype(x))
+    # [..., R] -> [..., 1, R]: the same table row for every head.
     c, s = cos.unsqueeze(-2).to(xr.dtype), sin.unsqueeze(-2).to(xr.dtype)
     out = (xr * c + _rotate(xr, interleaved) * s).to(x.dtype)
     if rotary_dim == x.shape[-1]:

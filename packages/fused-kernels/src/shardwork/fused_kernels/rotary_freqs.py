@@ -117,6 +117,7 @@ RopeScaling = Llama3RopeScaling | YarnRopeScaling
 
 
 def _base_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
+    # int64 arange then float, as Hugging Face computes it, so the tables match it bit for bit.
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
     return 1.0 / (base**exponents)
 
@@ -126,6 +127,8 @@ def _llama3(inv_freq: torch.Tensor, s: Llama3RopeScaling) -> torch.Tensor:
     low_wavelen = old_len / s.low_freq_factor
     high_wavelen = old_len / s.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
+    # Llama 3.1: long wavelengths (low frequencies) are divided by factor, short ones kept, and the
+    # band in between blended below.
     scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
     smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
     smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
@@ -135,6 +138,8 @@ def _llama3(inv_freq: torch.Tensor, s: Llama3RopeScaling) -> torch.Tensor:
 
 def _yarn(rotary_dim: int, base: float, s: YarnRopeScaling) -> torch.Tensor:
     def correction_dim(rotations: float) -> float:
+        # YaRN (Peng et al., 2023): the dimension whose frequency makes ``rotations`` full turns
+        # over the original context length.
         return (
             rotary_dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi))
         ) / (2 * math.log(base))
@@ -144,8 +149,10 @@ def _yarn(rotary_dim: int, base: float, s: YarnRopeScaling) -> torch.Tensor:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, rotary_dim - 1)
     if low == high:
+        # Keeps the ramp's denominator nonzero (Hugging Face adds the same 0.001).
         high += 0.001
     ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    # ramp 0: extrapolate (frequency kept); ramp 1: interpolate (divided by factor).
     extrapolation_weight = 1 - ramp
     pos_freqs = base ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
     inv_extrapolation = 1.0 / pos_freqs
@@ -189,6 +196,8 @@ def rotary_cos_sin(
     if inv_freq.dim() != 1:
         raise ValueError(f"inv_freq.shape={tuple(inv_freq.shape)} must be 1-D [rotary_dim // 2]")
     compute = torch.float64 if dtype == torch.float64 else torch.float32
+    # Angles in float32 (or float64): positions times inv_freq in bf16 would lose the angle's
+    # fractional part at large positions.
     angles = positions.to(compute).unsqueeze(-1) * inv_freq.to(positions.device, compute)
     if interleaved:
         angles = angles.repeat_interleave(2, dim=-1)
@@ -213,5 +222,6 @@ def packed_positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"cu_seqlens={cu.tolist()} must start at 0 and be non-decreasing")
     total = int(cu[-1])
     lengths = cu[1:] - cu[:-1]
+    # Each sequence's start offset, repeated over its length.
     starts = torch.repeat_interleave(cu[:-1], lengths, output_size=total)
     return torch.arange(total, device=cu.device) - starts

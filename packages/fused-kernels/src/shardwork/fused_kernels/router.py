@@ -40,10 +40,12 @@ SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 
 def _group_limited_topk(scores_NE, topk, num_groups, group_topk):
     n, e = scores_NE.shape
+    # [N, E] -> [N, G, E/G]: the experts of one group are contiguous.
     per_group = scores_NE.view(n, num_groups, e // num_groups)
     group_scores = per_group.topk(topk // group_topk, dim=-1).values.sum(dim=-1)
     group_idx = group_scores.topk(group_topk, dim=-1).indices
     group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, group_idx, True)
+    # Each kept group's flag repeated over its E/G experts: [N, G] -> [N, E].
     expert_mask = group_mask.repeat_interleave(e // num_groups, dim=1)
     masked = scores_NE.masked_fill(~expert_mask, float("-inf"))
     return masked.topk(topk, dim=-1)

@@ -28,14 +28,18 @@ def _act(g, KIND: tl.constexpr):
     """Return (act(g), act'(g)) in float32."""
     if KIND == 0:
         s = tl.sigmoid(g)
+        # silu'(g) = s * (1 + g * (1 - s)) with s = sigmoid(g).
         return g * s, s * (1.0 + g * (1.0 - s))
     elif KIND == 1:
+        # GELU's tanh approximation (Hendrycks and Gimpel, 2016): 0.5 g (1 + tanh(sqrt(2/pi) (g +
+        # 0.044715 g^3))).
         inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
         t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0  # tanh
         d_inner = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * g * g)
         return 0.5 * g * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * d_inner
     else:
         cdf = 0.5 * (1.0 + tl.math.erf(g * 0.7071067811865476))
+        # Standard normal pdf: 1 / sqrt(2 pi) = 0.3989...
         pdf = 0.3989422804014327 * tl.exp(-0.5 * g * g)
         return g * cdf, cdf + g * pdf
 
@@ -48,6 +52,7 @@ def _glu_fwd(X, TW, Y, M, NI, KIND: tl.constexpr, HAS_TW: tl.constexpr, BLOCK_M:
     rmask = rows < M
     mask = rmask[:, None] & (cols < NI)[None, :]
     rows64 = rows.to(tl.int64)
+    # A row of X is [gate | up]: gate at col, up at col + NI.
     xoff = rows64[:, None] * (2 * NI) + cols[None, :]
     g = tl.load(X + xoff, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(X + xoff + NI, mask=mask, other=0.0).to(tl.float32)
@@ -74,6 +79,7 @@ def _glu_bwd(X, TW, DY, DX, DTW, M, NI, NUM_COL_BLOCKS, KIND: tl.constexpr, HAS_
     a, da = _act(g, KIND)
     if HAS_TW:
         tw = tl.load(TW + rows, mask=rmask, other=0.0).to(tl.float32)
+        # This column block's share of the token-weight gradient; torch sums the blocks afterwards.
         tl.store(DTW + rows64 * NUM_COL_BLOCKS + cb, tl.sum(dy * a * u, axis=1), mask=rmask)
         dy = dy * tw[:, None]
     tl.store(DX + xoff, (dy * u * da).to(DX.dtype.element_ty), mask=mask)
@@ -97,6 +103,7 @@ class _GLU(torch.autograd.Function):
         y = torch.empty(m, i, dtype=x.dtype, device=x.device)
         block_m, block_n = _blocks(i)
         grid = (triton.cdiv(m, block_m), triton.cdiv(i, block_n))
+        # No token weights: x2 fills the pointer slot; with HAS_TW=False the kernel never reads it.
         launch(f"{kind}_fwd", _glu_fwd, grid, x2, x2 if tw is None else tw, y, m, i,
                KIND=_KINDS[kind], HAS_TW=tw is not None, BLOCK_M=block_m, BLOCK_N=block_n)  # fmt: skip
         ctx.save_for_backward(x2, tw)

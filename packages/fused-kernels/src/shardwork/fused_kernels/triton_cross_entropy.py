@@ -22,6 +22,7 @@ __all__ = ["grad", "stats"]
 
 @triton.jit
 def _ce_stats(X, STATS, V, stride_x, SMOOTH: tl.constexpr, BLOCK_V: tl.constexpr):
+    # int64: row * stride overflows int32 once N x V passes 2**31 elements (e.g. 16k x 128k).
     row = tl.program_id(0).to(tl.int64)
     base = X + row * stride_x
     m = tl.full([], float("-inf"), tl.float32)
@@ -30,11 +31,14 @@ def _ce_stats(X, STATS, V, stride_x, SMOOTH: tl.constexpr, BLOCK_V: tl.constexpr
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < V
+        # Masked lanes load -inf: they change neither the max nor the sum of exponentials.
         x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
         new_m = tl.maximum(m, tl.max(x, axis=0))
+        # Online softmax (Milakov and Gimelshein, 2018): rescale the running sum to the new max.
         s = s * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), axis=0)
         m = new_m
         if SMOOTH:
+            # Masked lanes hold -inf here: keep them out of the plain sum.
             total += tl.sum(tl.where(mask, x, 0.0), axis=0)
     tl.store(STATS + row * 4, m)
     tl.store(STATS + row * 4 + 1, s)
@@ -54,6 +58,7 @@ def _ce_grad(X, DX, LSE, G, LBL, V, stride_x, stride_dx, smoothing, vocab_total,
     p = tl.exp(x - lse)
     if SMOOTH:
         p = p - smoothing / vocab_total
+    # Labels outside this shard arrive as -1 and match no column.
     p = tl.where(cols == label, p - (1.0 - smoothing), p)
     tl.store(DX + row * stride_dx + cols, (p * g).to(DX.dtype.element_ty), mask=mask)
 
@@ -72,6 +77,7 @@ def stats(
     out = torch.zeros(n, 4, dtype=torch.float32, device=logits.device)
     launch("cross_entropy_stats", _ce_stats, (n,), logits, out, v, logits.stride(0),
            SMOOTH=smoothing, BLOCK_V=_block_v(v), num_warps=8)  # fmt: skip
+    # clamp: an out-of-shard label would index out of range; its value is replaced by 0 below.
     picked = logits.gather(1, local_labels.clamp(0, v - 1).unsqueeze(-1)).squeeze(-1)
     out[:, 2] = torch.where(in_shard, picked.float(), 0.0)
     return out

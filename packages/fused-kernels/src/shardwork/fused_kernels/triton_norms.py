@@ -31,18 +31,22 @@ def _norm_fwd(X, W, B, Y, MEAN, RSTD, M, N, eps, IS_RMS: tl.constexpr, HAS_BIAS:
     rmask = rows < M
     cmask = cols < N
     mask = rmask[:, None] & cmask[None, :]
+    # int64: rows * N overflows int32 past 2**31 elements.
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     if IS_RMS:
         xc = x
     else:
         mean = tl.sum(x, axis=1) / N
+        # Padded columns (cols >= N) would add (0 - mean)**2 to the variance: zero them.
         xc = tl.where(mask, x - mean[:, None], 0.0)
         tl.store(MEAN + rows, mean, mask=rmask)
+    # eps keeps a constant row (zero variance) from dividing by zero.
     rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
     tl.store(RSTD + rows, rstd, mask=rmask)
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
+        # zero_centered_gamma: the stored weight is the offset from a scale of 1.
         w = w + 1.0
     y = xc * rstd[:, None] * w[None, :]
     if HAS_BIAS:
@@ -54,6 +58,7 @@ def _norm_fwd(X, W, B, Y, MEAN, RSTD, M, N, eps, IS_RMS: tl.constexpr, HAS_BIAS:
 def _norm_bwd(X, W, DY, DX, MEAN, RSTD, DW, DB, M, N, IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
               ZERO_CENTERED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
+    # Persistent grid: each program strides over row blocks and keeps one dw/db partial row.
     step = tl.num_programs(0) * BLOCK_M
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
@@ -74,8 +79,10 @@ def _norm_bwd(X, W, DY, DX, MEAN, RSTD, DW, DB, M, N, IS_RMS: tl.constexpr, HAS_
             xhat = x * rstd[:, None]
         else:
             mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
+            # Padded columns again: x - mean is not zero there.
             xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
         wdy = w[None, :] * dy
+        # mean(x_hat * w * dy): the term the normalisation's Jacobian subtracts along x_hat.
         c1 = tl.sum(xhat * wdy, axis=1) / N
         if IS_RMS:
             dx = (wdy - xhat * c1[:, None]) * rstd[:, None]
@@ -86,6 +93,8 @@ def _norm_bwd(X, W, DY, DX, MEAN, RSTD, DW, DB, M, N, IS_RMS: tl.constexpr, HAS_
         dw_acc += tl.sum(dy * xhat, axis=0)
         if HAS_BIAS:
             db_acc += tl.sum(dy, axis=0)
+    # One partial row per program, summed by torch afterwards: no atomics, so dw/db are
+    # deterministic.
     tl.store(DW + pid * N + cols, dw_acc, mask=cmask)
     if HAS_BIAS:
         tl.store(DB + pid * N + cols, db_acc, mask=cmask)
@@ -102,12 +111,15 @@ class _Norm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, zero_centered, rms):
         n = x.shape[-1]
+        # [..., N] -> [M, N]
         x2 = x.reshape(-1, n).contiguous()
         m = x2.shape[0]
         y = torch.empty_like(x2)
         mean = torch.empty(m, dtype=torch.float32, device=x.device)
         rstd = torch.empty(m, dtype=torch.float32, device=x.device)
         block_m, block_n, warps = _blocks(n)
+        # No bias: the weight only fills the pointer slot; with HAS_BIAS=False the kernel never
+        # reads it.
         b = weight if bias is None else bias
         launch("rms_norm_fwd" if rms else "layer_norm_fwd", _norm_fwd, (triton.cdiv(m, block_m),),
                x2, weight, b, y, mean, rstd, m, n, eps, IS_RMS=rms, HAS_BIAS=bias is not None,
@@ -129,6 +141,7 @@ class _Norm(torch.autograd.Function):
         db = (
             torch.zeros(programs, n, dtype=torch.float32, device=x2.device)
             if bias is not None
+            # Never written without a bias (HAS_BIAS=False): dw fills the pointer slot.
             else dw
         )
         launch("rms_norm_bwd" if rms else "layer_norm_bwd", _norm_bwd, (programs,),

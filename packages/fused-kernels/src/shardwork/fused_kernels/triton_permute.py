@@ -44,6 +44,7 @@ def _sum_rows(SRC, TABLE, W, DST, N, H, K, HAS_W: tl.constexpr, BLOCK_N: tl.cons
     cmask = cols < H
     rows64 = rows.to(tl.int64)
     acc = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
+    # Each token sums its rows in table order, the same on every run: deterministic, no atomics.
     for k in range(K):
         j = tl.load(TABLE + rows64 * K + k, mask=rmask, other=-1)
         jmask = j >= 0
@@ -81,9 +82,11 @@ def destination_table(sorted_indices: torch.Tensor, num_tokens: int) -> torch.Te
     m = sorted_indices.numel()
     counts = torch.bincount(sorted_indices, minlength=num_tokens)
     k = int(counts.max()) if m else 0
+    # Stable sort by token: each token's permuted rows stay in ascending order.
     order = torch.argsort(sorted_indices, stable=True)
     starts = torch.cumsum(counts, 0) - counts
     tokens = sorted_indices[order]
+    # slot: the row's position among its token's rows.
     slot = torch.arange(m, device=sorted_indices.device) - starts[tokens]
     table = torch.full((num_tokens, max(k, 1)), -1, dtype=torch.int64, device=sorted_indices.device)
     table[tokens, slot] = order
@@ -139,9 +142,11 @@ class _ScatterRows(torch.autograd.Function):
         permuted, sorted_indices, probs = ctx.saved_tensors
         grad = grad.contiguous()
         m, h = permuted.shape
+        # Backward of the weighted sum: each permuted row gets its token's gradient times its prob.
         d_permuted = _gather(grad, sorted_indices, probs, m)
         d_probs = None
         if probs is not None and ctx.needs_input_grad[2]:
+            # d prob_j = sum_h dy[token_j, h] * permuted[j, h].
             out = torch.empty(m, dtype=torch.float32, device=grad.device)
             block_m, block_h = _blocks(h)
             launch("permute_row_dot", _row_dot, (triton.cdiv(m, block_m),), grad, sorted_indices,

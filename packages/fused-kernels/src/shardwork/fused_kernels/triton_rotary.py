@@ -33,12 +33,14 @@ def _rotary_kernel(X, COS, SIN, OUT, H, D, R, stride_xt, stride_xh, stride_ot, s
     j = tl.arange(0, BLOCK_R)
     jmask = j < R
     if INTERLEAVED:
+        # Interleaved pairs are (2k, 2k + 1): the partner index is j xor 1.
         partner = j ^ 1
         first = (j % 2) == 0
     else:
         half = R // 2
         partner = tl.where(j < half, j + half, j - half)
         first = j < half
+    # The transpose of the rotation: the pair's sign flips and the partner's sin is used.
     if BACKWARD:
         sign = tl.where(first, 1.0, -1.0)
         sin_idx = partner
@@ -75,6 +77,7 @@ def _run(x3, cos2, sin2, out3, *, interleaved: bool, backward: bool) -> None:
     r = cos2.shape[1]
     block_r = next_pow2(r)
     block_h = max(1, min(next_pow2(h), 4096 // block_r, 16))
+    # Partial rotary: features R..D need copying only into a separate output.
     copy_rest = d > r and out3.data_ptr() != x3.data_ptr()
     grid = (t, triton.cdiv(h, block_h))
     launch("rotary_bwd" if backward else "rotary_fwd", _rotary_kernel, grid, x3, cos2, sin2, out3,
@@ -90,10 +93,12 @@ class _Rotary(torch.autograd.Function):
         ctx.save_for_backward(cos2, sin2)
         ctx.interleaved = interleaved
         if inplace:
+            # A layout _view3 cannot view: rotate a contiguous copy, then copy back into x.
             target = x3 if x3 is not None else x.contiguous().view(-1, *x.shape[-2:])
             _run(target, cos2, sin2, target, interleaved=interleaved, backward=False)
             if x3 is None:
                 x.copy_(target.view(x.shape))
+            # Tells autograd that x itself was modified (the in-place result is x).
             ctx.mark_dirty(x)
             return x
         if x3 is None:
@@ -121,6 +126,7 @@ def rotary(x, cos, sin, *, interleaved: bool, inplace: bool) -> torch.Tensor:
         )
     lead = tuple(x.shape[:-2])
     r = cos.shape[-1]
+    # One table row per token (t * R indexing in the kernel), whatever cos/sin broadcast from.
     cos2 = cos.expand(*lead, r).reshape(-1, r).contiguous()
     sin2 = sin.expand(*lead, r).reshape(-1, r).contiguous()
     return _Rotary.apply(x, cos2, sin2, bool(interleaved), bool(inplace))

@@ -41,6 +41,7 @@ def _score(x, SCORE: tl.constexpr):
         s = tl.sigmoid(x)
         return s, s * (1.0 - s)
     else:
+        # softplus as max(x, 0) + log(1 + exp(-|x|)): exp never overflows for large |x|.
         sp = tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x)))
         s = tl.sqrt(sp)
         return s, tl.sigmoid(x) / (2.0 * tl.maximum(s, 1e-30))  # s = 0 only in padded lanes
@@ -58,15 +59,18 @@ def _router_fwd(L, BIAS, PROBS, MAP, AUX, COUNTS, N, E, scaling, TOPK: tl.conste
     mask = rmask[:, None] & cmask[None, :]
     offs = rows.to(tl.int64)[:, None] * E + cols[None, :]
     x = tl.load(L + offs, mask=mask, other=0.0).to(tl.float32)
+    # Padded experts at -inf: never selected, and exp(-inf) = 0 in the softmax.
     x = tl.where(cmask[None, :], x, float("-inf"))
     if SCORE > 0:
         sc, _ = _score(x, SCORE)
         sc = tl.where(cmask[None, :], sc, 0.0)
+        # +1e-20 as Megatron-Core and the torch path: no 0/0 when every score underflows.
         aux = sc / (tl.sum(sc, axis=1)[:, None] + 1e-20)
         sel = sc
         if HAS_BIAS:
             sel = sc + tl.load(BIAS + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     else:
+        # Shift by the row max before exp (stable softmax).
         ex = tl.where(cmask[None, :], tl.exp(x - tl.max(x, axis=1)[:, None]), 0.0)
         sc = ex / tl.sum(ex, axis=1)[:, None]
         aux = sc
@@ -76,12 +80,15 @@ def _router_fwd(L, BIAS, PROBS, MAP, AUX, COUNTS, N, E, scaling, TOPK: tl.conste
             sel = x
     sel = tl.where(mask, sel, float("-inf"))
     if GROUP_TOPK > 0:
+        # The experts of one group are contiguous.
         gid = cols // (E // NUM_GROUPS)
         gcols = tl.arange(0, BLOCK_G)
         gscore = tl.full([BLOCK_T, BLOCK_G], float("-inf"), tl.float32)
         for g in tl.static_range(NUM_GROUPS):
             tmp = tl.where((gid == g)[None, :], sel, float("-inf"))
             acc = tl.zeros([BLOCK_T], dtype=tl.float32)
+            # A group's score: the sum of its best TOPK // GROUP_TOPK selection scores
+            # (DeepSeek-V3).
             for _ in tl.static_range(TOPK // GROUP_TOPK):
                 mv, hit = _take_max(tmp, cols, BLOCK_E)
                 acc += mv
@@ -105,6 +112,8 @@ def _router_fwd(L, BIAS, PROBS, MAP, AUX, COUNTS, N, E, scaling, TOPK: tl.conste
     picked = chosen > 0
     if SCORE > 0 or PRE_SOFTMAX:
         p = tl.where(picked, sc, 0.0)
+    # Post-softmax: softmax over the chosen logits = their exp shifted by the row max, renormalised
+    # (the shift cancels).
     else:
         p = tl.where(picked, ex, 0.0)
         p = p / tl.sum(p, axis=1)[:, None]
@@ -114,12 +123,14 @@ def _router_fwd(L, BIAS, PROBS, MAP, AUX, COUNTS, N, E, scaling, TOPK: tl.conste
     tl.store(PROBS + offs, p.to(PROBS.dtype.element_ty), mask=mask)
     tl.store(MAP + offs, chosen.to(tl.int8), mask=mask)
     tl.store(AUX + offs, aux, mask=mask)
+    # Aux-loss counts: a plain top-k of the aux scores (no groups, no bias), as the torch path.
     a = tl.where(mask, aux, float("-inf"))
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for _ in tl.static_range(TOPK):
         _, hit = _take_max(a, cols, BLOCK_E)
         counts += tl.sum(tl.where(hit & rmask[:, None], 1, 0), axis=0)
         a = tl.where(hit, float("-inf"), a)
+    # Integer adds are exact, so the totals do not depend on the programs' order.
     tl.atomic_add(COUNTS + cols, counts, mask=cmask)
 
 
@@ -134,6 +145,7 @@ def _router_bwd(L, MAP, GP, GA, DX, N, E, scaling, SCORE: tl.constexpr, PRE_SOFT
     x = tl.load(L + offs, mask=mask, other=0.0).to(tl.float32)
     x = tl.where(cmask[None, :], x, float("-inf"))
     picked = tl.load(MAP + offs, mask=mask, other=0) != 0
+    # Only the chosen experts' prob gradients reach the logits.
     gp = tl.where(picked, tl.load(GP + offs, mask=mask, other=0.0).to(tl.float32) * scaling, 0.0)
     ga = tl.load(GA + offs, mask=mask, other=0.0).to(tl.float32)
     if SCORE > 0:
@@ -142,11 +154,13 @@ def _router_bwd(L, MAP, GP, GA, DX, N, E, scaling, SCORE: tl.constexpr, PRE_SOFT
         if NORMALIZE:
             v = tl.where(picked, sc, 0.0)
             den = tl.sum(v, axis=1)[:, None] + 1e-20
+            # Gradient of v / (sum v + eps): (g - sum(g v) / den) / den.
             dv = (gp - tl.sum(gp * v, axis=1)[:, None] / den) / den
         else:
             dv = gp
         dv = tl.where(picked, dv, 0.0)
         aden = tl.sum(sc, axis=1)[:, None] + 1e-20
+        # The aux scores' gradient through their row normalisation, added to the probs'.
         ds = dv + (ga - tl.sum(ga * sc, axis=1)[:, None] / aden) / aden
         dx = tl.where(cmask[None, :], ds * dsc, 0.0)
     else:
@@ -160,6 +174,7 @@ def _router_bwd(L, MAP, GP, GA, DX, N, E, scaling, SCORE: tl.constexpr, PRE_SOFT
             else:
                 dv = gp
             dsm = tl.where(picked, dv, 0.0) + ga
+            # Softmax Jacobian: sm * (g - sum(g * sm)).
             dx = sm * (dsm - tl.sum(dsm * sm, axis=1)[:, None])
         else:
             ps = tl.where(picked, ex, 0.0)
@@ -196,11 +211,13 @@ class _Router(torch.autograd.Function):
         block_e = next_pow2(e)
         block_t = _block_t(block_e)
         launch("router_topk_fwd", _router_fwd, (triton.cdiv(n, block_t),), x,
+               # No bias: x fills the pointer slot; with HAS_BIAS=False the kernel never reads it.
                x if expert_bias is None else expert_bias.contiguous(), probs, routing, aux, counts, n, e,
                scaling, TOPK=topk, SCORE=score, PRE_SOFTMAX=pre_softmax,
                HAS_BIAS=expert_bias is not None, NORMALIZE=normalize, NUM_GROUPS=num_groups or 1,
                GROUP_TOPK=group_topk or 0, BLOCK_T=block_t, BLOCK_E=block_e,
                BLOCK_G=next_pow2(num_groups or 1))  # fmt: skip
+        # int8 0/1 viewed as bool: same size, no copy.
         routing_map = routing.view(torch.bool)
         ctx.save_for_backward(x, routing)
         ctx.cfg = (score, pre_softmax, normalize, scaling)

@@ -21,6 +21,7 @@ class AuxLossScale:
     """Multiplier applied to every aux-loss gradient; ``set`` it once per step (or micro-batch)."""
 
     def __init__(self, value: float | torch.Tensor = 1.0) -> None:
+        # Copied so a later in-place change to the caller's tensor cannot change the scale.
         self._value = torch.as_tensor(value, dtype=torch.float32).detach().clone()
 
     def set(self, value: float | torch.Tensor) -> None:
@@ -47,6 +48,7 @@ class _AttachAuxLoss(torch.autograd.Function):
     def backward(ctx, grad_x: torch.Tensor):
         dtype, device = ctx.loss_meta
         value = ctx.scale.value if ctx.scale is not None else torch.tensor(1.0)
+        # d(scale * loss)/d(loss) = scale: the loss receives the scale as its gradient.
         return grad_x, value.to(dtype=dtype, device=device), None
 
 
@@ -54,6 +56,7 @@ def attach_aux_loss(
     x: torch.Tensor, loss: torch.Tensor, scale: AuxLossScale | None = None
 ) -> torch.Tensor:
     """Return ``x``; backward adds ``scale.value * d(loss)/d(inputs)`` (scale 1 when None)."""
+    # No graph behind the loss (e.g. under no_grad): there is nothing to send a gradient to.
     if not loss.requires_grad:
         return x
     return _AttachAuxLoss.apply(x, loss, scale)
@@ -118,8 +121,10 @@ def z_loss(
     logits_TE: torch.Tensor, coeff: float, padding_mask_T: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Router z-loss (ST-MoE): coeff * mean over valid tokens of logsumexp(logits)^2."""
+    # Router z-loss of ST-MoE (Zoph et al., 2022): squared log-partition of each token's logits.
     values_T = torch.square(torch.logsumexp(logits_TE, dim=-1))
     if padding_mask_T is None:
         return torch.mean(values_T) * coeff
     valid_T = ~padding_mask_T
+    # clamp: an all-padding batch gives 0 / 1 = 0 rather than 0 / 0 = NaN.
     return (values_T * valid_T).sum() / torch.clamp(valid_T.sum(), min=1.0) * coeff

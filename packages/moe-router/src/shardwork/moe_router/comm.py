@@ -52,6 +52,7 @@ def _gather(x: torch.Tensor, sizes: Sequence[int], group) -> torch.Tensor:
         out = x.new_empty((world * x.shape[0], *x.shape[1:]))
         dist.all_gather_into_tensor(out, x.contiguous(), group=group)
         return out
+    # Uneven all-gather as an all-to-all: every rank sends its whole block to every rank.
     return _a2a(x.repeat(world, *([1] * (x.dim() - 1))), sizes, [x.shape[0]] * world, group)
 
 
@@ -61,6 +62,8 @@ def _reduce_scatter(x: torch.Tensor, sizes: Sequence[int], group) -> torch.Tenso
         out = x.new_empty((sizes[me], *x.shape[1:]))
         dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
         return out
+    # Uneven reduce-scatter: receive every rank's copy of this rank's block, [world, n_me, ...], and
+    # sum them here.
     parts = _a2a(x, [sizes[me]] * world, sizes, group)
     return parts.view(world, sizes[me], *x.shape[1:]).sum(dim=0)
 
@@ -73,6 +76,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # Every rank used the gathered rows, so each row's gradient is the sum over ranks.
         return _reduce_scatter(grad, ctx.sizes, ctx.group), None, None
 
 
@@ -106,6 +110,7 @@ class _Split(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # Each chunk was used only by its own rank: the gradient is the concatenation, no sum.
         return _gather(grad, [grad.shape[0]] * group_size(ctx.group), ctx.group), None
 
 
@@ -117,6 +122,7 @@ class _GatherReplicated(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # The loss downstream is replicated: every rank already holds the full gradient, so no sum.
         return grad.chunk(group_size(ctx.group), dim=0)[group_rank(ctx.group)].contiguous(), None
 
 

@@ -97,6 +97,8 @@ class _Dispatcher:
                 f"hidden has {h.shape[0]} tokens but probs has {probs_TE.shape[0]} rows"
             )
         if self.tp_group is not None and group_size(self.tp_group) > 1:
+            # hidden is replicated over TP: each TP rank dispatches only its 1/TP of the tokens (so
+            # no token is processed TP times); _finish gathers the outputs back.
             h = split_rows(h, self.tp_group)
             probs_TE = split_rows(probs_TE, self.tp_group)
             routing_map_TE = routing_map_TE.chunk(group_size(self.tp_group))[
@@ -118,6 +120,8 @@ class AllGatherDispatcher(_Dispatcher):
     ) -> tuple[Dispatched, DispatchHandle]:
         """Gather all tokens of the ETP×EP ranks and keep those routed to local experts."""
         h, probs_TE, map_TE = self._flatten(hidden, probs_TE, routing_map_TE)
+        # Gather ETP then EP: rows end up [ep][etp][T], the order combine's reduce-scatters (EP then
+        # ETP) undo, so each rank gets back exactly its own tokens.
         h = all_gather_rows(all_gather_rows(h, self.etp_group), self.ep_group)
         probs_TE = all_gather_rows(all_gather_rows(probs_TE, self.etp_group), self.ep_group)
         with torch.no_grad():
@@ -138,6 +142,8 @@ class AllGatherDispatcher(_Dispatcher):
             num_tokens=handle.num_rows,
             probs_N=handle.permuted_probs if apply_probs else None,
         )
+        # Reverse of dispatch's gathers; the ETP sum also adds the partial outputs of the ETP ranks'
+        # ffn slices.
         out = reduce_scatter_rows(reduce_scatter_rows(out, self.ep_group), self.etp_group)
         return self._finish(out, handle)
 
@@ -160,12 +166,16 @@ class AllToAllDispatcher(_Dispatcher):
         permuted, pprobs, idx, counts_E = permute(h, map_TE, probs_TE=probs_TE)
         handle = DispatchHandle(hidden.shape, h.shape[0], idx, pprobs)
         L = self.num_local_experts
+        # Nothing to exchange: the permuted rows are already this rank's expert inputs.
         if self.ep_size == 1 and self.etp_size == 1:
             return Dispatched(permuted, counts_E.cpu()), handle
         C = self._counts(counts_E)  # [ep, etp, E]
         local = C[:, :, self.local_start : self.local_start + L]  # [ep, etp, L]
+        # permute's output is expert-major, so the rows for each EP rank's L experts are contiguous.
         handle.ep_input_sizes = counts_E.cpu().view(self.ep_size, L).sum(1).tolist()
+        # Rows received from each EP rank: its count (at this ETP rank) for this rank's L experts.
         handle.ep_output_sizes = local[:, self.etp_rank].sum(-1).tolist()
+        # Rows each ETP rank got from its all-to-all, the block sizes of the uneven all-gather.
         handle.etp_sizes = local.sum(dim=(0, 2)).tolist()
         x = all_to_all_rows(
             permuted,
@@ -191,12 +201,15 @@ class AllToAllDispatcher(_Dispatcher):
         """Reverse of dispatch; probs are applied on the way back to the source tokens."""
         y = expert_out_NH
         if handle.row_order is not None:
+            # inverse = argsort(row_order): undoes the (local expert, src etp, src ep) sort.
             inverse = torch.empty_like(handle.row_order)
             inverse[handle.row_order] = torch.arange(
                 handle.row_order.numel(), device=inverse.device
             )
             y = y.index_select(0, inverse)
+            # Reduce-scatter over ETP sums the ffn-slice partial outputs and keeps this rank's rows.
             y = reduce_scatter_rows(y, self.etp_group, handle.etp_sizes)
+            # The reverse exchange: the dispatch's input and output sizes swap roles.
             y = all_to_all_rows(
                 y,
                 self.ep_group,

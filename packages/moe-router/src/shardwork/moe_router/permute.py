@@ -39,15 +39,20 @@ def permute(
         tokens_per_expert_E (int64)).
     """
     num_tokens = routing_map_TE.shape[0]
+    # [T, E] -> [E, T]: flattening then gives expert-major order, token order inside each expert.
     map_ET = routing_map_TE.bool().t().contiguous()
     if num_out_tokens is None:
         flat = map_ET.reshape(-1).nonzero().squeeze(1)
     else:
+        # A stable descending sort of the 0/1 map puts the routed entries first, still in [E, T]
+        # order; knowing N in advance avoids nonzero()'s device-to-host sync.
         flat = map_ET.reshape(-1).to(torch.int8).argsort(descending=True, stable=True)
         flat = flat[:num_out_tokens]
+    # Flat index e * T + t -> source token t.
     sorted_indices = flat % num_tokens
     permuted_probs = None
     if probs_TE is not None:
+        # Same [E, T] flattening as the map, so ``flat`` indexes the matching probabilities.
         permuted_probs = probs_TE.t().reshape(-1).index_select(0, flat)
     permuted = tokens_TH.index_select(0, sorted_indices)
     return permuted, permuted_probs, sorted_indices, map_ET.sum(dim=1)
@@ -68,8 +73,10 @@ def unpermute(
     dtype = permuted_NH.dtype
     x = permuted_NH
     if probs_N is not None:
+        # Type promotion: the product is in the probabilities' dtype (fp32 for a bf16 activation).
         x = x * probs_N.unsqueeze(-1)
     out = x.new_zeros((num_tokens, *x.shape[1:]))
+    # index_add sums the K copies of each token; tokens dropped for every expert stay zero.
     out = out.index_add(0, sorted_indices_N, x)
     return out.to(dtype)
 
@@ -80,7 +87,9 @@ def pad_routing_map(routing_map_TE: torch.Tensor, multiple: int) -> torch.Tensor
     if multiple < 1:
         raise ValueError(f"multiple={multiple} is invalid: it must be >= 1")
     routed = routing_map_TE.bool()
+    # Slots each expert lacks to reach the next multiple: (-count) mod multiple.
     need_E = (-routed.sum(dim=0)) % multiple
     free = ~routed
+    # Per expert column, the first need_E tokens not routed there become zero-probability slots.
     extra = free & (torch.cumsum(free.to(torch.int32), dim=0) <= need_E)
     return routed | extra

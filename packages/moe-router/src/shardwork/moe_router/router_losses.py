@@ -77,6 +77,7 @@ def apply_z_loss(site: LossSite, logits_TE: torch.Tensor, padding_mask) -> torch
     coeff = site.config.z_loss_coeff
     if coeff is None:
         return logits_TE
+    # Megatron-Core divides the z-loss coefficient by the TP x CP size the same way.
     coeff = coeff / group_size(site.tp_cp_group)
     loss = z_loss(logits_TE, coeff, padding_mask)
     n = logits_TE.shape[0] if padding_mask is None else (~padding_mask).sum()
@@ -156,6 +157,7 @@ def _loss_terms(site: LossSite, counts_BE, sums_BE, *, num_tokens, seq_len, padd
     K, batch = cfg.top_k, counts_BE.shape[0]
     counts_E = None  # whole micro-batch counts, for the aux and global losses
     if cfg.aux_loss_coeff_for("aux_loss") > 0 or cfg.aux_loss_coeff_for("global_aux_loss") > 0:
+        # Batch of one: the sequence row is already the micro-batch count (no sum needed).
         counts_E = counts_BE.sum(dim=0) if batch > 1 else counts_BE[0]
     whole = None if sums_BE is None else sums_BE.sum(dim=0)
     terms = []
@@ -183,6 +185,7 @@ def _loss_terms(site: LossSite, counts_BE, sums_BE, *, num_tokens, seq_len, padd
     if coeff > 0:
         tpe, n_local, n_total = _counts(counts_E, num_tokens, site.tp_dp_cp_group, K, padded)
         with torch.no_grad():
+            # Running token counts across calls; the loss uses their mean per call.
             site.global_tokens_per_expert.add_(tpe)  # the router's buffers, in place
             site.global_aux_steps.add_(1)
         mean_tpe = site.global_tokens_per_expert / site.global_aux_steps
@@ -195,9 +198,13 @@ def _counts(local_E, num_rows: int, group, divisor: int, padded: bool):
     """(reduced tokens_per_expert, local token count, total token count)."""
     total_E = local_E
     if group_size(group) > 1:
+        # all_reduce works in place and local_E is still needed for the local token count.
         total_E = local_E.clone()
+        # Every rank of the group reaches this all-reduce for the same losses and layers in the same
+        # order (one config), so the collectives pair up.
         dist.all_reduce(total_E, group=group)
     if padded:
+        # Each valid token is counted once per selected expert: count sum / K = valid tokens.
         return total_E, local_E.sum() / divisor, total_E.sum() / divisor
     return total_E, num_rows, num_rows * group_size(group)
 

@@ -52,6 +52,7 @@ class TopKProbs(torch.autograd.Function):
         if mode == "softmax_post":
             if top_logits_TK is None:
                 top_logits_TK = logits_TE.gather(1, top_TK)
+            # Post-softmax (Megatron-Core's default): softmax over only the K selected logits.
             probs_TK = torch.softmax(top_logits_TK, dim=-1, dtype=dtype)
             ctx.save_for_backward(top_TK, probs_TK)
         elif mode == "softmax_pre":
@@ -61,6 +62,8 @@ class TopKProbs(torch.autograd.Function):
             s_TK = scores_TE.gather(1, top_TK)
             logits_TK = logits_TE.gather(1, top_TK) if mode == "sqrtsoftplus" else None
             if top_TK.shape[1] > 1:
+                # The +1e-20 (Megatron-Core's value) keeps a row whose K scores all underflow to 0
+                # from 0/0.
                 denom_T1 = s_TK.sum(dim=-1, keepdim=True) + _NORM_EPS
                 probs_TK = s_TK / denom_T1
             else:
@@ -68,7 +71,10 @@ class TopKProbs(torch.autograd.Function):
             ctx.save_for_backward(top_TK, s_TK, denom_T1, logits_TK)
         if scaling:
             probs_TK = probs_TK * scaling
+        # Scores are computed in score_dtype (fp32 for low-precision logits); probs return in the
+        # logits' dtype.
         probs_TK = probs_TK.to(logits_TE.dtype)
+        # [T, K] -> dense [T, E], zero at the experts not selected.
         return torch.zeros_like(logits_TE).scatter_(1, top_TK, probs_TK)
 
     @staticmethod
@@ -78,6 +84,8 @@ class TopKProbs(torch.autograd.Function):
         saved = ctx.saved_tensors
         top_TK = saved[0]
         work = saved[1].dtype
+        # Only the K selected entries of the output depend on the logits; the rest are constant
+        # zeros.
         g_TK = grad_TE.gather(1, top_TK).to(work)
         if scaling:
             g_TK = g_TK * scaling
@@ -86,6 +94,8 @@ class TopKProbs(torch.autograd.Function):
             g_TK = torch._softmax_backward_data(g_TK, probs_TK, -1, probs_TK.dtype)
         elif mode == "softmax_pre":
             scores_TE = saved[1]
+            # The softmax Jacobian couples all E entries, so the K gradients are spread to [T, E]
+            # first.
             dense = torch.zeros_like(scores_TE).scatter_(1, top_TK, g_TK)
             grad = torch._softmax_backward_data(dense, scores_TE, -1, scores_TE.dtype)
             return grad.to(ctx.out_dtype), None, None, None, None, None
@@ -180,12 +190,15 @@ class AuxLossGradient(torch.autograd.Function):
         # One [T, E] buffer serves every dense step (fewer allocations and memory passes).
         buf = torch.mul(norm, g_SBE)
         dot = buf.sum(dim=-1, keepdim=True)
+        # buf = g - sum_j g_j n_j: the common factor of the softmax and the s / D Jacobians.
         buf = torch.sub(g_SBE, dot, out=buf)
         if ctx.score_function == "softmax":
-            grad = buf.mul_(norm).view(T, E)
+            grad = buf.mul_(norm).view(T, E)  # softmax: grad_logits = n * (g - sum_j g_j n_j)
         else:  # n = s / D: grad_s = (g - sum_j g_j n_j) / D
             g_s = buf.mul_((1 / denom_T1).view(T // B, B, 1)).view(T, E)
             if ctx.score_function == "sigmoid":
+                # grad_input=g_s writes g * s * (1 - s) into g_s's storage (no new [T, E]
+                # allocation).
                 grad = torch.ops.aten.sigmoid_backward.grad_input(g_s, scores_TE, grad_input=g_s)
             else:
                 grad = activation_grad(g_s, scores_TE, logits_TE, ctx.score_function)
@@ -227,6 +240,7 @@ def route_topk(
             probs_TE, routing_map_TE, scores_TE = dense
             return probs_TE, routing_map_TE, None, scores_TE
     scores_TE = top_logits_TK = None
+    # Selection is not differentiable; TopKProbs supplies the gradient of the chosen probs.
     with torch.no_grad():
         if score_function == "softmax":
             if pre_softmax:
@@ -237,6 +251,8 @@ def route_topk(
             mode = "softmax_pre" if pre_softmax else "softmax_post"
         else:
             scores_TE = activate(logits_TE, score_function)
+            # The bias (aux-loss-free balancing, DeepSeek-V3 section 2.1.2) only changes which
+            # experts are picked; the probs come from the unbiased scores.
             ranked = scores_TE if expert_bias is None else scores_TE + expert_bias.to(dtype)
             top_TK = select_topk(ranked, top_k, num_groups, group_top_k)[1]
             mode = score_function

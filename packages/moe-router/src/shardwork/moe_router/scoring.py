@@ -51,6 +51,7 @@ def activation_grad(
     if score_function == "sigmoid":
         return torch.ops.aten.sigmoid_backward(grad, scores)
     # sqrtsoftplus: s = sqrt(softplus(x)); autograd's SqrtBackward then SoftplusBackward.
+    # d sqrt(u) = g / (2 sqrt(u)); beta=1, threshold=20 are F.softplus's defaults.
     return torch.ops.aten.softplus_backward(grad / (2 * scores), logits.to(scores.dtype), 1, 20)
 
 
@@ -80,15 +81,18 @@ def top2_values(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     row on CPU). Exact, ties included: equal maxima give second == largest, as topk does.
     """
     n = x.shape[-1]
+    # The tournament needs a power-of-two width; topk elsewhere (and off CPU).
     if n < 2 or n & (n - 1) or x.device.type != "cpu":
         v = torch.topk(x, 2, dim=-1)[0]
         return v[..., 0], v[..., 1]
     h = n // 2
+    # Pair the two halves: m1 = pairwise maxima, m2 = pairwise minima.
     m1 = torch.maximum(x[..., :h], x[..., h:])
     m2 = torch.minimum(x[..., :h], x[..., h:])
     while m1.shape[-1] > 1:
         h = m1.shape[-1] // 2
         a1, b1, a2, b2 = m1[..., :h], m1[..., h:], m2[..., :h], m2[..., h:]
+        # The runner-up of two pairs is the larger of (smaller maximum, larger runner-up).
         m2 = torch.maximum(torch.minimum(a1, b1), torch.maximum(a2, b2))
         m1 = torch.maximum(a1, b1)
     return m1[..., 0], m2[..., 0]
@@ -116,11 +120,13 @@ def group_limited_topk(
     """
     num_tokens, num_experts = scores_TE.shape
     per_group = num_experts // num_groups
+    # [T, E] -> [T, G, E/G]: experts of one group are contiguous.
     grouped_TGe = scores_TE.view(num_tokens, num_groups, per_group)
     group_scores_TG = _top_sum(grouped_TGe, top_k // group_top_k)
     group_idx = torch.topk(group_scores_TG, k=group_top_k, dim=-1, sorted=False)[1]
     kept = torch.gather(grouped_TGe, 1, group_idx.unsqueeze(-1).expand(-1, -1, per_group))
     values, local = torch.topk(kept.reshape(num_tokens, group_top_k * per_group), k=top_k, dim=-1)
+    # Position among the kept groups -> global expert: group id * (E/G) + offset in the group.
     indices = torch.gather(group_idx, 1, local // per_group) * per_group + local % per_group
     return values, indices
 
@@ -172,6 +178,7 @@ def topk_routing(
     else:
         scores_TE = activate(logits_TE, score_function)
         if expert_bias is not None:
+            # The bias only steers selection; the weights are gathered from the unbiased scores.
             _, top_TK = select_topk(
                 scores_TE + expert_bias.to(dtype), top_k, num_groups, group_top_k
             )
@@ -179,6 +186,7 @@ def topk_routing(
         else:
             probs_TK, top_TK = select_topk(scores_TE, top_k, num_groups, group_top_k)
         if top_k > 1:
+            # +1e-20 as Megatron-Core (NORM_EPS): no 0/0 when every selected score underflows.
             probs_TK = probs_TK / (probs_TK.sum(dim=-1, keepdim=True) + 1e-20)
     if scaling_factor:
         probs_TK = probs_TK * scaling_factor
@@ -233,6 +241,7 @@ def sinkhorn(cost_TE: torch.Tensor, tol: float = 1e-4, max_iters: int = 1000) ->
     cost = torch.exp(cost_TE)
     d0 = torch.ones(cost.shape[0], device=cost.device, dtype=cost.dtype)
     d1 = torch.ones(cost.shape[1], device=cost.device, dtype=cost.dtype)
+    # Guards the divisions when exp(cost) underflows a whole row or column (Megatron-Core: 1e-8).
     eps = 1e-8
     error = 1e9
     d1_old = d1
@@ -259,6 +268,7 @@ def sinkhorn_routing(
 
     if training:
         with torch.no_grad():
+            # Selection only (no grad); the weights below come from the logits with autograd.
             plan_TE = sinkhorn(logits_TE.to(torch.float32))
             top_TK = torch.topk(plan_TE, k=top_k, dim=1)[1]
         scores_TE = activation(logits_TE)
@@ -304,6 +314,7 @@ def drop_to_capacity(
     if capacity > num_tokens:
         keep_TE = torch.ones_like(routing_map_TE)
     elif drop_policy == "probs":
+        # topk over the token axis: each expert keeps its `capacity` highest-probability tokens.
         idx = torch.topk(probs_TE, k=capacity, dim=0, sorted=False)[1]
         keep_TE = torch.zeros_like(routing_map_TE).scatter_(0, idx, True)
     elif drop_policy == "position":

@@ -31,6 +31,7 @@ from shardwork.parallel_state.groups import group_rank, group_size
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    # A copy: all_reduce works in place and the caller's tensor must stay unchanged.
     x = x.contiguous().clone()
     dist.all_reduce(x, group=group)
     return x
@@ -47,6 +48,7 @@ def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     size = group_size(group)
+    # all_gather_into_tensor concatenates along dim 0: move ``dim`` to the front and back.
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((size * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
     dist.all_gather_into_tensor(out, moved, group=group)
@@ -69,6 +71,8 @@ class _CopyToRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
+        # Megatron-LM's operator f (Shoeybi et al., 2019, section 3): every rank uses the full
+        # input, so the input's gradient is the sum of the ranks' partial gradients.
         return x
 
     @staticmethod
@@ -83,6 +87,7 @@ class _ReduceFromRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # Megatron-LM's operator g: the output is replicated, so its gradient is already complete.
         return grad, None
 
 
@@ -105,8 +110,10 @@ class _GatherFromRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # The output gradient is a partial sum on each rank: sum over ranks, keep this rank's chunk.
         if ctx.grad_is_partial:
             return _reduce_scatter(grad, ctx.dim, ctx.group), None, None, None
+        # The output gradient is replicated: each rank's chunk is already final.
         return _split(grad, ctx.dim, ctx.group), None, None, None
 
 
@@ -135,6 +142,7 @@ class _AllToAll(torch.autograd.Function):
 def _all_to_all(x, output_splits, input_splits, group):
     x = x.contiguous()
     if output_splits is None:
+        # No splits given: equal splits, the output has the input's shape.
         out = torch.empty_like(x)
     else:
         out = x.new_empty((sum(output_splits), *x.shape[1:]))

@@ -109,6 +109,8 @@ class ProcessGroups:
         return self._members_of(name).index(self.global_rank)
 
     def __getattr__(self, name: str) -> ProcessGroup | None:
+        # Read through __dict__: ``self.handles`` on an instance without it (mid-unpickling or copy)
+        # would re-enter __getattr__ without end.
         handles = self.__dict__.get("handles")
         if handles is not None and name in handles:
             return handles[name]
@@ -195,12 +197,12 @@ def _create_groups(
     member of, with local synchronisation (only the members meet in the creation barrier):
     per-rank work is one ``new_group`` per name, whatever the world size, where creating
     every group on every rank costs each rank one call per group of the whole layout (about
-    190,000 at 100k ranks) and a world-wide barrier in each. Members create their groups in
-    the same order (``names``' order), which keeps torch's per-rank group counter, and so the
-    hashed group names, equal across the members of each group.
+    190,000 at 100k ranks) and a world-wide barrier in each.
     """
     local_me = list(global_ranks).index(me)
     mine: dict[str, ProcessGroup] = {}
+    # Members create their groups in the same order (``names``' order), which keeps torch's per-rank
+    # group counter, and so the hashed group names, equal across each group's members.
     for name in names:
         members = next((g for g in layout.groups[name] if local_me in g), None)
         if members is None:  # a middle pipeline stage has no 'embedding' group
@@ -259,6 +261,7 @@ def init_process_groups(
 
     if initialise:
         if backend is None:
+            # NCCL needs CUDA; without it gloo is the backend that works on CPU.
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         kwargs: dict[str, Any] = {"backend": backend, "rank": me, "world_size": world}
         if timeout is not None:
@@ -267,10 +270,12 @@ def init_process_groups(
             kwargs["store"] = store
         dist.init_process_group(**kwargs)
 
+    # backend=None: every group uses the world's backend.
     handles = _create_groups(layout, GROUP_NAMES, global_ranks, me, backend=None, timeout=timeout)
     if not gloo_twins:
         gloo = dict.fromkeys(_GLOO_TWINNED)
     elif _world_is_gloo_only(dist.get_backend()):
+        # A world that is gloo on every device: its groups already are the gloo twins.
         gloo = {name: handles[name] for name in _GLOO_TWINNED}
     else:
         gloo = _create_groups(

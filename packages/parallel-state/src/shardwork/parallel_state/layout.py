@@ -58,6 +58,8 @@ def _masked_groups(
     the front (each group of axes reversed, for the same reason) and flattening each part
     lists the groups as rows.
     """
+    # Dims in reverse order: the last axis of ``order`` is dim 0, so C order varies the first axis
+    # fastest.
     ranks = np.arange(math.prod(sizes[n] for n in order)).reshape(
         [sizes[n] for n in reversed(order)]
     )
@@ -68,6 +70,7 @@ def _masked_groups(
         [dim[n] for n in reversed(outside)] + [dim[n] for n in reversed(inside)]
     )
     group_size = math.prod(sizes[n] for n in inside)
+    # One row per group: the outside axes enumerate the groups, the inside axes their members.
     return permuted.reshape(-1, group_size).tolist()
 
 
@@ -83,6 +86,8 @@ class RankLayout:
         """Resolve ``config`` for ``world_size`` and compute every group (ValueError if impossible)."""
         config = config.resolve(world_size)
         order = config.full_order
+        # ep is 1 on the dense grid and cp is 1 on the expert grid: both grids span the same ranks
+        # (tp*cp*dp = etp*ep*edp per pipeline stage).
         dense = {"tp": config.tp, "cp": config.cp, "ep": 1, "dp": config.dp, "pp": config.pp}
         expert = {"tp": config.etp, "cp": 1, "ep": config.ep, "dp": config.edp, "pp": config.pp}
         groups = {name: _masked_groups(dense, order, axes) for name, axes in DENSE_GROUPS.items()}
@@ -90,12 +95,15 @@ class RankLayout:
             name: _masked_groups(expert, order, axes) for name, axes in EXPERT_GROUPS.items()
         }
         expert_pp = _masked_groups(expert, order, ("pp",))
+        # Compared as sets: the expert grid may list the same pipeline groups in another order.
         if sorted(map(tuple, expert_pp)) != sorted(map(tuple, groups["pp"])):
             raise ValueError(
                 f"ParallelConfig.order={config.order!r} puts pipeline stages on different ranks for "
                 f"dense and expert layers with tp={config.tp}, cp={config.cp}, etp={config.etp}, "
                 f"ep={config.ep}: use an order where pp is outside the other axes (e.g. 'tp-cp-ep-dp-pp')"
             )
+        # First and last stage of each pipeline (tied input embedding and output layer); a set, so
+        # pp = 1 gives a one-rank group.
         groups["embedding"] = [sorted({pp_group[0], pp_group[-1]}) for pp_group in groups["pp"]]
         return cls(config=config, groups=groups)
 

@@ -34,11 +34,13 @@ def learning_rate(step: int, schedule: ScheduleConfig, optimizer: OptimizerConfi
     peak, low = optimizer.lr, optimizer.min_lr
     warmup = schedule.warmup_steps
     if step < warmup:
+        # (step + 1): the first step already learns instead of taking a zero-lr step.
         return peak * (step + 1) / warmup
     kind = schedule.lr_schedule
     if kind == "constant":
         return peak
     if kind == "inverse_sqrt":
+        # sqrt(max(W, 1)) makes it equal peak at step + 1 = W, where warmup ends.
         return max(low, peak * math.sqrt(max(warmup, 1)) / math.sqrt(step + 1))
     decay_end = (
         schedule.lr_decay_steps if schedule.lr_decay_steps is not None else schedule.train_steps
@@ -46,6 +48,7 @@ def learning_rate(step: int, schedule: ScheduleConfig, optimizer: OptimizerConfi
     if step >= decay_end:
         return low
     if kind == "wsd":
+        # WSD: warmup-stable-decay (MiniCPM, Hu et al., 2024).
         length = schedule.wsd_decay_steps
         if length is None:
             length = max(1, round(0.2 * (decay_end - warmup)))
@@ -59,6 +62,7 @@ def learning_rate(step: int, schedule: ScheduleConfig, optimizer: OptimizerConfi
         elif style == "cosine":
             coeff = 0.5 * (1.0 + math.cos(math.pi * u))
         elif style == "exponential":
+            # 2 * 0.5**u - 1 falls from 1 at u = 0 to 0 at u = 1.
             coeff = 2.0 * 0.5**u - 1.0
         elif style == "minus_sqrt":
             coeff = 1.0 - math.sqrt(u)
@@ -67,6 +71,7 @@ def learning_rate(step: int, schedule: ScheduleConfig, optimizer: OptimizerConfi
                 f"schedule.wsd_decay_style={style!r}; valid: linear, cosine, exponential, minus_sqrt"
             )
         return low + (peak - low) * coeff
+    # max(..., 1): no division by zero when decay ends where warmup does.
     t = (step - warmup) / max(decay_end - warmup, 1)
     if kind == "linear":
         return low + (peak - low) * (1.0 - t)
@@ -109,6 +114,7 @@ def consumed_samples(step: int, *, global_batch_size: int, ramp: Sequence[tuple[
     """Samples consumed by steps ``0 .. step-1``."""
     total = 0
     bounds = [(0, global_batch_size), *[(s, v) for s, v in ramp if s > 0]]
+    # A ramp entry at step 0 replaces the configured size from the first step.
     if ramp and ramp[0][0] == 0:
         bounds[0] = (0, ramp[0][1])
     for i, (start, value) in enumerate(bounds):

@@ -72,6 +72,7 @@ def split_documents(num_documents: int, split: str) -> dict[str, np.ndarray]:
     parts = np.asarray([float(x) for x in split.split(",")], dtype=np.float64)
     bounds = np.concatenate([[0.0], np.cumsum(parts / parts.sum())])
     edges = np.round(bounds * num_documents).astype(np.int64)
+    # Rounding can leave the last edge short: the final split ends at the last document.
     edges[-1] = num_documents
     return {name: np.arange(edges[i], edges[i + 1]) for i, name in enumerate(SPLITS)}
 
@@ -124,6 +125,7 @@ def build_blend(
             c.documents,
             seq_length=seq_length,
             num_samples=max(count, 1),
+            # A different shuffle seed per component, fixed by (seed, position).
             seed=seed + 7919 * i,
             shuffle=shuffle,
         )
@@ -141,6 +143,7 @@ def build_eval_set(
     if num_samples is None:
         sets = []
         for c in components:
+            # A one-sample probe, only to learn how many samples one pass holds.
             probe = GPTDataset(
                 IndexedDataset(c.prefix),
                 c.documents,
@@ -165,6 +168,7 @@ def build_eval_set(
         if not sets:
             return None
         sizes = [len(s) for s in sets]
+        # Weights = sizes: each component contributes exactly its one pass.
         return BlendedDataset(sets, sizes, sum(sizes))
     return build_blend(components, size=num_samples, seq_length=seq_length, seed=0, shuffle=False)
 
@@ -174,5 +178,7 @@ def micro_batch(
 ) -> torch.Tensor:
     """Micro-batch ``index`` of this data-parallel rank: int64 ``[mbs, seq_length + 1]``."""
     start = consumed + index * micro_batch_size * dp_size + dp_rank * micro_batch_size
+    # Wraps: an evaluation set smaller than one micro-batch per rank is still run once (_datasets
+    # gives every rank at least one micro-batch).
     rows = [dataset[(start + j) % len(dataset)] for j in range(micro_batch_size)]
     return torch.from_numpy(np.stack(rows))

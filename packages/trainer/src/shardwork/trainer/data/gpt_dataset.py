@@ -50,7 +50,9 @@ class GPTDataset:
         self.seq_length = seq_length
         self.num_samples = num_samples
         self.tokens_per_epoch = tokens_per_epoch
+        # +1: the last sample's final label is one token past its window.
         needed = num_samples * seq_length + 1
+        # Epochs needed to cover that many tokens (ceil division).
         self.num_epochs = max(1, -(-needed // tokens_per_epoch))
         rng = np.random.default_rng(seed)
         orders = []
@@ -61,6 +63,7 @@ class GPTDataset:
         self._doc_ends = np.cumsum(doc_lengths)
         self._doc_starts = self._doc_ends - doc_lengths
         self.shuffle_index = (
+            # seed + 1: the sample order's generator is independent of the document order's.
             np.random.default_rng(seed + 1).permutation(num_samples)
             if shuffle
             else np.arange(num_samples)
@@ -68,6 +71,7 @@ class GPTDataset:
 
     @property
     def samples_per_epoch(self) -> int:
+        # -1: every window needs one more token than it has inputs (the last label).
         return (self.tokens_per_epoch - 1) // self.seq_length
 
     def __len__(self) -> int:
@@ -79,6 +83,7 @@ class GPTDataset:
             raise IndexError(f"sample {index} out of range [0, {self.num_samples})")
         start = int(self.shuffle_index[index]) * self.seq_length
         stop = start + self.seq_length + 1
+        # The document holding token ``start``: first whose end lies beyond it.
         first = int(np.searchsorted(self._doc_ends, start, side="right"))
         pieces = []
         position = start
@@ -86,6 +91,8 @@ class GPTDataset:
         while position < stop:
             doc = int(self.document_index[k])
             offset = position - int(self._doc_starts[k])
+            # A window may span several documents: take the rest of this one, up to the window's
+            # end.
             take = min(stop - position, int(self._doc_ends[k]) - position)
             pieces.append(self.dataset.get(doc, offset, take))
             position += take

@@ -76,6 +76,7 @@ def _read_header(idx_path: Path) -> tuple[np.dtype, int, int, int]:
         raise DataError(f"{idx_path}: index version {version} is not supported (only 1)")
     if code not in _DTYPE_CODES:
         raise DataError(f"{idx_path}: unknown dtype code {code}; valid: {sorted(_DTYPE_CODES)}")
+    # Per sequence an int32 length and an int64 pointer; per document index one int64.
     expected = _HEADER_BYTES + num_sequences * (4 + 8) + num_doc_indices * 8
     if size != expected:
         raise DataError(
@@ -152,6 +153,7 @@ def write_index(
     lengths = np.asarray(sequence_lengths, dtype=np.int32)
     pointers = np.zeros(len(lengths), dtype=np.int64)
     if len(lengths) > 1:
+        # Byte offset of each sequence: the summed byte sizes of those before it (the first at 0).
         np.cumsum(lengths[:-1].astype(np.int64) * np.dtype(dtype).itemsize, out=pointers[1:])
     with open(path, "wb") as f:
         f.write(INDEX_HEADER)
@@ -200,6 +202,7 @@ class IndexedDataset:
                 f"bytes: the .bin is {'truncated' if size < expected else 'longer than indexed'} "
                 "or the pair comes from different builds; rebuild both with shardwork-preprocess"
             )
+        # numpy cannot memory-map an empty file: an empty corpus gets an empty array instead.
         self._bin = np.memmap(bin_path, mode="r", dtype=np.uint8) if size else np.zeros(0, np.uint8)
 
     def expected_bin_size(self) -> int:

@@ -123,6 +123,7 @@ class Checkpointer:
     def _rng_state(self):
         value = capture_rng(self.runtime.device)
         value["trackers"] = [m.rng_tracker.get_states() for m in self.assembly.modules]
+        # One cell per global rank: it only fits a run with the same ranks in the same roles.
         return ShardedObject(
             "rng",
             value,
@@ -158,6 +159,8 @@ class Checkpointer:
         A step that already has a complete checkpoint (a resumed, finished run) is kept.
         """
         if step in self.corrupt_steps:
+            # A checkpoint skipped as corrupt by the fallback is saved over, not kept as "already
+            # saved".
             self.manager.save(step, self.state(step), metadata=self.metadata, overwrite=True)
             self.corrupt_steps.discard(step)
         elif step not in self.manager.list():
@@ -222,6 +225,7 @@ class Checkpointer:
         info = read_info(path)
         saved_layout = info.get("layout") or {}
         same_layout = saved_layout == layout_of(self.runtime)
+        # The RNG grid is indexed by global rank, whose role changes with the layout.
         load_rng = c.load_rng and same_layout
         exclude = [] if c.load_optimizer else ["optimizer"]
         if not load_rng:
@@ -237,6 +241,7 @@ class Checkpointer:
             raise ResumeError(message) from exc
         step = int(loaded["trainer"]["step"])
         if c.load_optimizer:
+            # This also writes the loaded fp32 masters back into the model's parameters.
             self.assembly.optimizer.load_sharded_state_dict(
                 loaded["optimizer"], param_rects=self.param_rects
             )

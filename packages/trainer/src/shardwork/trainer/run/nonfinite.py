@@ -41,6 +41,8 @@ class NonFiniteGuard:
         self._settled_said = False
 
     def before_step(self) -> None:
+        # Asked before the step: the step's own overflow may lower the scale to its floor, and what
+        # counts is whether it could still drop when that overflow happened.
         self._could_back_off = bool(getattr(self.scaler, "can_back_off", False))
 
     def after_step(self, step: int, loss: float, update_successful: bool) -> None:
@@ -54,6 +56,7 @@ class NonFiniteGuard:
                     f"{self.overflow_skips} overflow-skipped step(s) (normal for a dynamic scaler)"
                 )
             return
+        # A finite loss but no update while the scale could drop: the dynamic scaler's overflow.
         if math.isfinite(loss) and self._could_back_off:
             self.overflow_skips += 1
             return

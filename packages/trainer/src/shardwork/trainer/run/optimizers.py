@@ -57,6 +57,7 @@ def is_muon_matrix(name: str, param: torch.Tensor) -> bool:
     """True for a 2-D hidden-layer weight (Muon); False for embedding / head / 1-D / 3-D."""
     if param.ndim != 2:
         return False
+    # The embedding and LM head are 2-D too but stay on AdamW (see the module docstring).
     return not (name.startswith(_ADAMW_NAMES) or name.endswith("embedding_weight"))
 
 
@@ -82,6 +83,7 @@ def adamw_parts(o) -> tuple[Callable, Callable]:
         return factory
 
     def param_group_fn(name: str, param: torch.nn.Parameter) -> dict[str, Any]:
+        # 1-D parameters (norms, biases) get no weight decay.
         return {"wd_mult": 0.0 if param.ndim < 2 else 1.0}
 
     return factory_for, param_group_fn
@@ -90,6 +92,7 @@ def adamw_parts(o) -> tuple[Callable, Callable]:
 def muon_parts(o, groups) -> tuple[Callable, Callable]:
     """``(factory_for, param_group_fn)`` of ``optimizer.name = "muon"``: Muon for hidden-layer
     matrices (TP-aware over ``tp``, or ``etp`` for experts), its AdamW for the rest."""
+    # The loop sets one lr from the schedule; Muon matrices follow it at muon_lr / lr times it.
     lr_mult = o.muon_lr / o.lr
 
     def factory_for(expert: bool):
@@ -127,6 +130,7 @@ def build_optimizer(config, runtime, chunks, *, model_config) -> Any:
     groups = runtime.groups
     scaler = None
     if config.precision.dtype == "fp16":
+        # fp16's narrow exponent range needs a loss scale; bf16 and fp32 train without one.
         scaler = DynamicLossScaler(initial_scale=config.precision.initial_loss_scale)
     dist_config = DistOptimizerConfig(
         clip_grad=o.clip_grad, overlap_param_gather=o.overlap_param_gather

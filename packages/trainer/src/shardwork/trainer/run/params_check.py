@@ -23,6 +23,7 @@ class ReplicaMismatchError(RuntimeError):
 
 
 def _digest(param: torch.Tensor) -> str:
+    # Raw bytes, not values: replicas must be bit-identical (-0.0 vs 0.0 and NaN payloads count).
     data = param.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
     return hashlib.sha1(data).hexdigest()
 
@@ -31,6 +32,8 @@ def check_dp_replicas(modules, groups, *, step: int) -> int:
     """Compare parameters across replicas; returns how many parameters were compared."""
     compared = 0
     for expert, name in ((False, "dp_cp"), (True, "edp")):
+        # An object collective pickles on the CPU: the gloo twin when there is one (over NCCL the
+        # pickles would travel through GPU memory).
         group = groups.gloo_group(name) or groups.group(name)
         if groups.size(name) == 1 or group is None:
             continue

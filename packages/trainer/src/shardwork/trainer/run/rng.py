@@ -23,6 +23,7 @@ def rank_role(groups) -> dict[str, int]:
 
 def derived_seed(seed: int, step: int, role: dict[str, int]) -> int:
     """A 63-bit seed that depends on the run seed, the step and the rank's role."""
+    # Sorted names: the seed does not depend on the role dict's insertion order.
     text = f"{seed}|{step}|" + "|".join(f"{k}={role[k]}" for k in sorted(role))
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 

@@ -56,16 +56,19 @@ def init_runtime(config: TrainConfig) -> Runtime:
     use_cuda = want == "cuda" or (want == "auto" and torch.cuda.is_available())
     if use_cuda:
         local = int(os.environ.get("LOCAL_RANK", "0"))
+        # One GPU per process on its node: torchrun's LOCAL_RANK picks it.
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     else:
         device = torch.device("cpu")
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    # One process started without torchrun: no torch.distributed at all.
     if world == 1 and not dist.is_initialized():
         return Runtime(ProcessGroups.single(), device, 0, 1, owns_distributed=False)
     backend = config.parallel.backend
     if backend == "auto":
         backend = "nccl" if use_cuda else "gloo"
+    # Only a process group created here is destroyed at the end of the run.
     owns = not dist.is_initialized()
     groups = init_process_groups(
         parallel_config(config),
@@ -105,9 +108,12 @@ def build_assembly(
         hf.import_hf_weights(modules, hf_init)  # looked up at call time: tests replace it
     o = config.optimizer
     ddp_config = DDPConfig(
+        # bucket_size counts elements: MiB at 4 bytes (fp32 gradients) per element.
         bucket_size=max(1, int(o.bucket_size_mb * 2**20 / 4)),
         overlap_grad_reduce=o.overlap_grad_reduce,
         use_distributed_optimizer=uses_zero_shards(config),
+        # Summed, not averaged: the loss is a token sum and finalize_model_grads divides by the
+        # global token count.
         average_gradients=False,
         grad_reduce_in_fp32=config.precision.grad_reduce_in_fp32,
     )

@@ -28,12 +28,14 @@ class StopRequest:
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum, frame) -> None:
+        # Already stopping and Ctrl-C again: give up the clean stop and let Python interrupt.
         if self.signal_name is not None and signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             raise KeyboardInterrupt
         self.signal_name = signal.Signals(signum).name
 
     def __enter__(self) -> StopRequest:
+        # signal.signal may only be called from the main thread (ValueError elsewhere).
         if self.enabled and threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGTERM, signal.SIGINT):
                 self._previous[signum] = signal.signal(signum, self._handle)
@@ -49,6 +51,7 @@ class StopRequest:
         flag = self.signal_name is not None
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             t = torch.tensor([1.0 if flag else 0.0], device=device or "cpu")
+            # MAX: one rank's signal stops every rank after this same step.
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
             flag = bool(t.item() > 0)
             if flag and self.signal_name is None:

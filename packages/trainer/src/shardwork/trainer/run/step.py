@@ -62,6 +62,8 @@ def micro_batches(
     embeds the shifted inputs there).
     """
     for index in range(count):
+        # Middle stages still yield one (empty) item per micro-batch: the schedule calls next() once
+        # per micro-batch on every stage.
         if not (first_stage or last_stage):
             yield {}
             continue
@@ -75,6 +77,8 @@ def micro_batches(
         ).to(device, non_blocking=True)
         batch = {}
         if first_stage or last_stage_inputs:
+            # Next-token prediction: inputs are tokens [0, L-1), labels the same rows shifted by
+            # one.
             batch["input_ids"] = _context_slice(rows[:, :-1], cp_rank, cp_size)
         if last_stage:
             batch["labels"] = _context_slice(rows[:, 1:], cp_rank, cp_size)
@@ -172,6 +176,7 @@ def _moe_stats(trackers, num_microbatches: int) -> dict | None:
         total.tokens_per_expert += t.tokens_per_expert.cpu()
     stats = total.summary(num_micro_batches=num_microbatches)
     counts = total.tokens_per_expert
+    # MoE layers with no counted tokens are left out: no 0/0 fractions.
     used = counts.sum(dim=1) > 0
     if bool(used.any()):
         rows = counts[used]
@@ -181,6 +186,7 @@ def _moe_stats(trackers, num_microbatches: int) -> dict | None:
 
 def activation_shape(config, *, seq_length: int, micro_batch_size: int, groups) -> list[int]:
     """Shape of the activation sent between pipeline stages: ``[s/cp(/tp under SP), b, h]``."""
+    # The pipeline's send/receive buffers are allocated from this shape on both sides.
     local = seq_length // groups.size("cp")
     if config.sequence_parallel:
         local //= groups.size("tp")
@@ -265,11 +271,14 @@ def train_step(
     (``step``: the step's index, named in a collective failure)."""
     groups = runtime.groups
     mbs = config.schedule.micro_batch_size
+    # Each data-parallel rank runs global / (mbs * dp) micro-batches.
     num_micro = global_batch_size // (mbs * groups.size("dp"))
     timeout = config.parallel.timeout_minutes
     for m in assembly.modules:
         m.train()
     assembly.optimizer.zero_grad()
+    # The backward scale (fp16 loss scale, else 1) is read before backward; the optimizer divides it
+    # out again in step().
     grad_scale = assembly.optimizer.loss_scale
     trackers = _prepare_moe(assembly.modules, grad_scale)
     where = "" if step is None else f"train step {step}, "
@@ -294,6 +303,8 @@ def train_step(
         ("dp_cp", "tp", "pp", "embedding"),
         timeout_minutes=timeout,
     ):
+        # finalize_model_grads divides every gradient by the global token count it reduces from
+        # these.
         _, local_tokens = loss_totals(losses, device=runtime.device)
         finalize_model_grads(
             assembly.chunks,
@@ -308,6 +319,7 @@ def train_step(
     with collective_phase(
         f"{where}loss reduction", groups, ("pp", "dp_cp"), timeout_minutes=timeout
     ):
+        # After the step, for reporting only; every pp and dp_cp rank takes part.
         mean, _, tokens = reduce_loss(
             losses, pp_group=groups.pp, dp_cp_group=groups.group("dp_cp"), device=runtime.device
         )
@@ -367,6 +379,8 @@ def evaluate(
         timeout_minutes=config.parallel.timeout_minutes,
     ):
         for first in range(0, num_microbatches, chunk):
+            # Asked between chunks only; the answer is the same on every rank, so all leave at the
+            # same chunk and no rank waits in a collective of a pipeline that others have left.
             if first > 0 and should_stop is not None and should_stop():
                 for m in assembly.modules:
                     m.train()
@@ -375,6 +389,7 @@ def evaluate(
                 assembly,
                 runtime,
                 dataset,
+                # Each chunk reads the next samples of every data-parallel rank.
                 consumed=first * mbs * groups.size("dp"),
                 num_microbatches=min(chunk, num_microbatches - first),
                 micro_batch_size=mbs,

@@ -182,6 +182,7 @@ def _eval_micro_batches_of_first_stage(count: int, runtime) -> int:
     if groups.size("pp") == 1:
         return count
     value = torch.tensor([count], dtype=torch.int64, device=runtime.device)
+    # broadcast's src is a global rank: the first stage of this rank's pipeline.
     dist.broadcast(value, src=groups.members["pp"][0], group=groups.pp)
     return int(value.item())
 
@@ -216,6 +217,7 @@ class Trainer:
         try:
             return self._run(config, runtime, t_start)
         finally:
+            # Only a process group this run created itself is torn down.
             if runtime.owns_distributed and dist.is_initialized():
                 dist.destroy_process_group()
 
@@ -455,5 +457,6 @@ def _flops_per_token(model_config, seq_length: int) -> float:
 
 def train(config: TrainConfig, *, stream=None) -> RunResult:
     """Run training for a resolved, validated config (see shardwork.trainer.config)."""
+    # Allows TF32 for fp32 matmuls on GPUs that have it.
     torch.set_float32_matmul_precision("high")
     return Trainer(config, stream=stream).run()
