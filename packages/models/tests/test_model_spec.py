@@ -243,3 +243,13 @@ def test_every_preset_belongs_to_one_family_and_maps_to_its_hf_model_type():
     moe_types = {t for f in MOE_FAMILIES for t in f.HF_MODEL_TYPES}
     assert dense_types == set(SUPPORTED_MODEL_TYPES)
     assert moe_types == set(MOE_MODEL_TYPES)
+
+
+def test_moe_state_follows_the_config_even_without_moe_layers():
+    all_dense = preset("tiny-mixtral-8x7b", moe=tiny_moe(first_k_dense_replace=2))
+    assert list(spec_for(all_dense).layers) == [A, A]
+    model = GPTModel(all_dense)
+    assert tuple(model.aux_loss_tracker.tokens_per_expert.shape) == (2, 8)
+    assert model.aux_loss_scale is not None
+    dense = GPTModel(preset("tiny-llama3-8b"))
+    assert (dense.aux_loss_tracker, dense.aux_loss_scale) == (None, None)

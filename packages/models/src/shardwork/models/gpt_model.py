@@ -37,7 +37,7 @@ from shardwork.models.context_parallel import (
     local_positions,
 )
 from shardwork.models.embedding import LMHead, VocabParallelEmbedding
-from shardwork.models.layer_kinds import BuildContext, mlp_kind
+from shardwork.models.layer_kinds import BuildContext, attach_model_state
 from shardwork.models.loss import token_loss
 from shardwork.models.module import ShardedModule, to_empty_keep_meta
 from shardwork.models.mtp import MultiTokenPrediction
@@ -99,10 +99,7 @@ class GPTModel(ShardedModule):
         self.recompute_replay = RecomputeReplay()  # first run -> recompute (MoE router state)
         self.spec = spec
         self.aux_loss_tracker = self.aux_loss_scale = None
-        for kind in spec.mlp_kinds():  # model-level state of the kinds (MoE: aux-loss tracker)
-            attach = mlp_kind(kind).attach
-            if attach is not None:
-                attach(self, config, device)
+        attach_model_state(self, config, device)  # e.g. the MoE aux-loss tracker
         ctx = BuildContext(config, groups, self.rng_tracker, device, owner=self)
         self.embedding = (
             VocabParallelEmbedding(config, groups, device=device) if self.pre_process else None

@@ -16,9 +16,11 @@ owning model) and the layer's global index, and returns a :class:`ShardedModule`
 :class:`~shardwork.models.attention.AttentionInputs`). Parameters are created, not
 initialised: ``GPTModel.init_parameters`` fills them from their global keys afterwards.
 
-An MLP kind may also have ``attach(owner, config, device)``, run once per model chunk whose
-global spec uses that kind (on every pipeline stage, whether or not the stage holds such a
-layer): the MoE kind gives the model its aux-loss tracker and scale there.
+An MLP kind may also have ``attach(owner, config, device)``: :func:`attach_model_state` runs
+every registered one once per model chunk, before any layer is built, and each decides from
+the config whether the model needs its state. The MoE kind gives the model its aux-loss
+tracker and scale when ``config.moe`` is set: on every pipeline stage, whether or not the
+stage holds an MoE layer, because the tracker's reductions span all stages.
 """
 
 from __future__ import annotations
@@ -42,9 +44,9 @@ __all__ = [
     "MLPS",
     "BuildContext",
     "MLPKind",
+    "attach_model_state",
     "build_mixer",
     "build_mlp",
-    "mlp_kind",
     "register_mixer",
     "register_mlp",
 ]
@@ -114,9 +116,11 @@ def build_mlp(kind: str, ctx: BuildContext, layer_number: int) -> torch.nn.Modul
     return _lookup(MLPS, "mlp", kind).build(ctx, layer_number)
 
 
-def mlp_kind(kind: str) -> MLPKind:
-    """The registry entry of MLP kind ``kind`` (clear error when unknown)."""
-    return _lookup(MLPS, "mlp", kind)
+def attach_model_state(owner: torch.nn.Module, config: GPTConfig, device: torch.device) -> None:
+    """Run every registered MLP kind's ``attach`` on ``owner`` (see module docstring)."""
+    for kind in MLPS.values():
+        if kind.attach is not None:
+            kind.attach(owner, config, device)
 
 
 def _moe(ctx: BuildContext, layer_number: int) -> MoELayer:

@@ -50,10 +50,6 @@ class DecoderSpec:
     rotary: RotarySpec
     mtp: tuple[LayerSpec, ...] = ()
 
-    def mlp_kinds(self) -> list[str]:
-        """The distinct MLP kinds of the decoder and MTP layers, in first-use order."""
-        return list(dict.fromkeys(s.mlp for s in self.layers + self.mtp))
-
     def check(self, config: GPTConfig) -> None:
         """Raise when the spec's layer counts disagree with ``config``."""
         if len(self.layers) != config.num_layers:

@@ -1,7 +1,7 @@
 """MoE state owned by a model, and the hooks ``finalize_model_grads`` runs for it.
 
-- :func:`attach_moe` (run by ``GPTModel`` when its spec has an MoE layer) gives the model an
-  :class:`~shardwork.moe_router.AuxLossTracker` (``model.aux_loss_tracker``: per-layer aux
+- :func:`attach_moe` (run by ``GPTModel`` on every chunk; nothing when ``config.moe`` is
+  None) gives the model an :class:`~shardwork.moe_router.AuxLossTracker` (``model.aux_loss_tracker``: per-layer aux
   losses and per-expert token counts, ``num_layers`` rows on every stage so stages without MoE
   layers join the same reductions) and an :class:`~shardwork.moe_router.AuxLossScale`
   (``model.aux_loss_scale``: the factor on aux-loss gradients; the trainer sets it to its
@@ -31,8 +31,11 @@ __all__ = ["attach_moe", "expert_load", "moe_finalize_kwargs", "moe_routers"]
 
 def attach_moe(model: nn.Module, config, device) -> None:
     """Create ``model.aux_loss_tracker`` / ``model.aux_loss_scale`` (the ``"moe"`` MLP kind's
-    ``attach`` in :mod:`shardwork.models.layer_kinds`, run before any layer is built)."""
+    ``attach`` in :mod:`shardwork.models.layer_kinds`, run before any layer is built); nothing
+    for a model without ``config.moe``."""
     moe = config.moe
+    if moe is None:
+        return
     tracker_device = "cpu" if torch.device(device).type == "meta" else device
     mtp_depths = config.mtp.num_layers if config.mtp is not None else 0
     model.aux_loss_tracker = AuxLossTracker(
