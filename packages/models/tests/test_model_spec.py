@@ -19,6 +19,7 @@ from shardwork.models import (
     LayerSpec,
     RotarySpec,
     ShardedModule,
+    layout_groups,
     preset,
     register_mixer,
     register_mlp,
@@ -28,9 +29,10 @@ from shardwork.models.families import DENSE_FAMILIES, FAMILIES, MOE_FAMILIES
 from shardwork.models.families.twins import tiny_moe
 from shardwork.models.hf import SUPPORTED_MODEL_TYPES, hf_config_from_gpt
 from shardwork.models.hf.moe_config import MOE_MODEL_TYPES
+from shardwork.models.pipeline import build_stage
 from shardwork.models.sharding import describe_param
 from shardwork.models.testing import random_batch
-from shardwork.parallel_state import ParamMeta
+from shardwork.parallel_state import ParallelConfig, ParamMeta
 
 # ---- the toy family: its parts, their registration, its spec and preset --------------------
 
@@ -171,6 +173,26 @@ def test_toy_family_state_dict_uses_the_usual_layer_keys():
     assert "decoder.layers.1.mlp.w_in" in keys
     assert "decoder.layers.2.self_attention.weight" in keys
     assert not any("linear_qkv" in k for k in keys)
+
+
+def test_toy_family_pipeline_stages_hold_the_world_one_weights():
+    """``build_stage(spec=)``: two pp stages (meta-built, then materialised) split the toy
+    model's parameters between them with the world-1 model's keys and initial values."""
+    cfg = toy_config()
+    whole = {key: p for key, p, _ in GPTModel(cfg, spec=toy_spec(cfg)).named_param_keys()}
+    seen: dict[str, torch.Tensor] = {}
+    for rank in range(2):
+        groups = layout_groups(ParallelConfig(pp=2), 2, rank)
+        stage = build_stage(
+            cfg, groups, first_stage_layers=1, device="meta", spec=toy_spec(cfg)
+        ).materialize("cpu")
+        assert stage.decoder.layer_range == [(0, 1), (1, 3)][rank]
+        for key, param, _ in stage.named_param_keys():
+            assert key not in seen, key
+            seen[key] = param
+    assert set(seen) == set(whole)
+    for key, param in seen.items():
+        assert torch.equal(param, whole[key]), key
 
 
 def test_unknown_kind_and_wrong_layer_count_are_named():
