@@ -8,6 +8,8 @@ pipeline and expert parallelism.
 - Building blocks: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`,
   :class:`VocabParallelEmbedding`, :class:`LMHead`, :class:`Attention`, :class:`SwiGLUMLP`,
   :class:`RMSNorm`, :class:`TransformerLayer`, :class:`TransformerBlock`.
+- Composition: :class:`DecoderSpec` / :class:`LayerSpec` and :func:`spec_for` (which parts
+  each layer has), :func:`register_mixer` / :func:`register_mlp` (new part kinds).
 - :class:`RNGTracker` and recompute :func:`checkpoint`; losses as (sum, count) with
   :func:`loss_for_backward` / :func:`reduce_loss`; context-parallel helpers.
 - Mixture of experts (:class:`MoEConfig`, :class:`MoELayer`, :func:`moe_finalize_kwargs`,
@@ -43,6 +45,7 @@ from shardwork.models.context_parallel import (
 )
 from shardwork.models.embedding import EMBEDDING_KEY, LMHead, VocabParallelEmbedding
 from shardwork.models.gpt_model import GPTModel
+from shardwork.models.layer_kinds import BuildContext, register_mixer, register_mlp
 from shardwork.models.logits import gather_logits
 from shardwork.models.loss import loss_for_backward, reduce_loss, token_loss
 from shardwork.models.mla import MLAttention
@@ -58,6 +61,7 @@ from shardwork.models.presets import PRESETS, PUBLISHED_PARAMS, preset
 from shardwork.models.presets_moe import MOE_PRESETS, PUBLISHED_MOE_PARAMS
 from shardwork.models.recompute import RecomputeReplay, checkpoint
 from shardwork.models.rng import REPLICATED, TENSOR_PARALLEL, RNGTracker
+from shardwork.models.spec import DecoderSpec, LayerSpec, RotarySpec, spec_for
 from shardwork.models.transformer_layer import TransformerBlock, TransformerLayer
 
 __version__ = "0.1.0"
@@ -73,10 +77,13 @@ __all__ = [
     "TENSOR_PARALLEL",
     "Attention",
     "AttentionInputs",
+    "BuildContext",
     "ColumnParallelLinear",
+    "DecoderSpec",
     "GPTConfig",
     "GPTModel",
     "LMHead",
+    "LayerSpec",
     "LocalParams",
     "MLAConfig",
     "MLAttention",
@@ -89,6 +96,7 @@ __all__ = [
     "RMSNorm",
     "RNGTracker",
     "RecomputeReplay",
+    "RotarySpec",
     "RowParallelLinear",
     "ShardedModule",
     "SwiGLUMLP",
@@ -113,6 +121,9 @@ __all__ = [
     "preset",
     "reduce_loss",
     "reduce_mtp_losses",
+    "register_mixer",
+    "register_mlp",
     "slice_for_context_parallel",
+    "spec_for",
     "token_loss",
 ]

@@ -16,13 +16,14 @@
 - Outputs: hidden states (not ``post_process``), vocab-split logits ``[s, b, V_pad/tp]`` (no
   labels), or ``(loss_sum, num_tokens)`` over this rank's tokens (labels given); see
   :mod:`shardwork.models.loss` for the dp×cp reduction.
+- The layers come from a :class:`~shardwork.models.spec.DecoderSpec` (``spec=``; default
+  :func:`~shardwork.models.spec.spec_for` of the config): each layer's mixer and MLP are built
+  by the kinds registered in :mod:`shardwork.models.layer_kinds`, with no family branch here.
 - The model owns its :class:`~shardwork.models.rng.RNGTracker` (``model.rng_tracker``) and its
   :class:`~shardwork.models.recompute.RecomputeReplay` (``model.recompute_replay``).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 
@@ -36,13 +37,14 @@ from shardwork.models.context_parallel import (
     local_positions,
 )
 from shardwork.models.embedding import LMHead, VocabParallelEmbedding
+from shardwork.models.layer_kinds import BuildContext, attach_model_state
 from shardwork.models.loss import token_loss
 from shardwork.models.module import ShardedModule, to_empty_keep_meta
-from shardwork.models.moe.state import attach_moe
 from shardwork.models.mtp import MultiTokenPrediction
 from shardwork.models.recompute import RecomputeReplay
 from shardwork.models.rng import RNGTracker
 from shardwork.models.sharding import init_from_shards
+from shardwork.models.spec import DecoderSpec, spec_for
 from shardwork.models.transformer_layer import TransformerBlock, hidden_dropout
 from shardwork.moe_router import AuxLossScale, attach_aux_loss
 from shardwork.parallel_state import ProcessGroups
@@ -51,7 +53,7 @@ __all__ = ["GPTModel"]
 
 
 class GPTModel(ShardedModule):
-    """A dense decoder (or one pipeline stage of it) at the layout given by ``groups``."""
+    """A decoder (or one pipeline stage of it) built from ``spec``, at the layout of ``groups``."""
 
     def __init__(
         self,
@@ -62,10 +64,12 @@ class GPTModel(ShardedModule):
         pre_process: bool | None = None,
         post_process: bool | None = None,
         device: str | torch.device | None = None,
-        mlp_factory: Callable[[int], torch.nn.Module] | None = None,
+        spec: DecoderSpec | None = None,
     ) -> None:
         groups = ProcessGroups.single() if groups is None else groups
         config.check_layout(groups.config)
+        spec = spec_for(config) if spec is None else spec
+        spec.check(config)
         if layer_range is None:
             if groups.size("pp") > 1:
                 raise ValueError(
@@ -93,9 +97,10 @@ class GPTModel(ShardedModule):
             device=rng_device,
         )
         self.recompute_replay = RecomputeReplay()  # first run -> recompute (MoE router state)
+        self.spec = spec
         self.aux_loss_tracker = self.aux_loss_scale = None
-        if config.moe is not None and mlp_factory is None:  # MoE layers (shardwork.models.moe)
-            mlp_factory = attach_moe(self, config, groups, device=device)
+        attach_model_state(self, config, device)  # e.g. the MoE aux-loss tracker
+        ctx = BuildContext(config, groups, self.rng_tracker, device, owner=self)
         self.embedding = (
             VocabParallelEmbedding(config, groups, device=device) if self.pre_process else None
         )
@@ -105,7 +110,8 @@ class GPTModel(ShardedModule):
             layer_range=(start, stop),
             final_norm=self.post_process,
             rng=self.rng_tracker,
-            mlp_factory=mlp_factory,
+            specs=spec.layers,
+            ctx=ctx,
             replay=self.recompute_replay,
             device=device,
         )
@@ -115,13 +121,13 @@ class GPTModel(ShardedModule):
         else:
             self.output_layer = None
         self.mtp = None
-        if config.mtp is not None and self.post_process:  # multi-token prediction (mtp.py)
+        if spec.mtp and self.post_process:  # multi-token prediction (mtp.py)
             self.mtp = MultiTokenPrediction(
                 config,
                 groups,
-                rng=self.rng_tracker,
                 own_embedding=not self.pre_process and not config.tie_word_embeddings,
-                mlp_factory=mlp_factory,
+                specs=spec.mtp,
+                ctx=ctx,
                 device=device,
             )
             self.mtp_loss_scale = AuxLossScale(1.0)
@@ -184,14 +190,14 @@ class GPTModel(ShardedModule):
             if cp > 1:
                 keys = gathered_positions(local_len, cp_size=cp, device=device)
                 mask = attention_mask(positions, keys)
-        rope_dim = cfg.kv_channels if cfg.mla is None else cfg.mla.qk_rope_head_dim
-        inv_freq = rotary_inv_freq(rope_dim, base=cfg.rope_theta, scaling=cfg.rope_scaling)
+        rotary = self.spec.rotary
+        inv_freq = rotary_inv_freq(rotary.dim, base=cfg.rope_theta, scaling=cfg.rope_scaling)
         table_dtype = torch.float64 if cfg.activation_dtype == torch.float64 else torch.float32
         cos, sin = rotary_cos_sin(
             positions,
             inv_freq.to(device),
             scaling=cfg.rope_scaling,
-            interleaved=cfg.mla is not None,  # MLA rotates neighbouring pairs
+            interleaved=rotary.interleaved,
             dtype=table_dtype,
         )
         return AttentionInputs(cos=cos.unsqueeze(1), sin=sin.unsqueeze(1), mask=mask)

@@ -22,8 +22,9 @@ the main model's output after its final norm) with the embedding of token ``i+k`
   return value is unchanged. :class:`MTPLossTracker` (``model.mtp.tracker``, last stage) keeps
   each depth's (loss sum, token count); :func:`reduce_mtp_losses` (every rank) gives the
   per-depth means for logging.
-- MTP layers are ordinary :class:`TransformerLayer` s (MoE when the model is MoE), with global
-  layer numbers ``num_layers + k - 1`` (their tracker rows follow the decoder's).
+- MTP layers are ordinary :class:`TransformerLayer` s built from the spec's ``mtp`` entries
+  (:func:`~shardwork.models.spec.spec_for`: MoE when the model is MoE), with global layer
+  numbers ``num_layers + k - 1`` (their tracker rows follow the decoder's).
 """
 
 from __future__ import annotations
@@ -36,13 +37,15 @@ from shardwork.dist_checkpoint import ShardedTensor
 from shardwork.models.attention import AttentionInputs
 from shardwork.models.context_parallel import document_ids
 from shardwork.models.embedding import EMBEDDING_KEY
+from shardwork.models.layer_kinds import BuildContext
 from shardwork.models.loss import token_loss
 from shardwork.models.module import ShardedModule
 from shardwork.models.mtp_config import MTPConfig
 from shardwork.models.norm import RMSNorm
 from shardwork.models.parallel_linear import RowParallelLinear
 from shardwork.models.sharding import describe_param, param_shards
-from shardwork.models.transformer_layer import TransformerLayer
+from shardwork.models.spec import LayerSpec
+from shardwork.models.transformer_layer import TransformerLayer, build_layer
 from shardwork.parallel_state import (
     ParamMeta,
     ProcessGroups,
@@ -157,7 +160,7 @@ def _embed(weight: torch.Tensor, ids: torch.Tensor, groups: ProcessGroups, sp: b
 class MTPDepth(ShardedModule):
     """One prediction depth: norms, ``eh_proj [h, 2h]`` (row-parallel), a layer, a final norm."""
 
-    def __init__(self, config, groups, *, layer_number, rng, mlp, device) -> None:
+    def __init__(self, config, groups, *, layer: TransformerLayer, device) -> None:
         super().__init__(groups)
         sp = config.sequence_parallel
         norm = dict(
@@ -180,9 +183,7 @@ class MTPDepth(ShardedModule):
             params_dtype=config.params_dtype,
             device=device,
         )
-        self.transformer_layer = TransformerLayer(
-            config, groups, layer_number=layer_number, rng=rng, mlp=mlp, device=device
-        )
+        self.transformer_layer = layer
         self.final_layernorm = RMSNorm(config.hidden_size, **norm)
 
     def forward(self, hidden, embedded, inputs: AttentionInputs):
@@ -198,7 +199,17 @@ class MTPDepth(ShardedModule):
 class MultiTokenPrediction(ShardedModule):
     """The MTP depths of a model's last stage (see module docstring)."""
 
-    def __init__(self, config, groups, *, rng, own_embedding: bool, mlp_factory=None, device=None):
+    def __init__(
+        self,
+        config,
+        groups,
+        *,
+        own_embedding: bool,
+        specs: tuple[LayerSpec, ...],
+        ctx: BuildContext,
+        device=None,
+    ) -> None:
+        """``specs``: one layer spec per depth (``DecoderSpec.mtp``); ``ctx`` builds them."""
         super().__init__(groups)
         self.config = config
         mtp = config.mtp
@@ -206,12 +217,10 @@ class MultiTokenPrediction(ShardedModule):
             MTPDepth(
                 config,
                 groups,
-                layer_number=config.num_layers + k,
-                rng=rng,
-                mlp=None if mlp_factory is None else mlp_factory(config.num_layers + k),
+                layer=build_layer(spec, ctx, config.num_layers + k),
                 device=device,
             )
-            for k in range(mtp.num_layers)
+            for k, spec in enumerate(specs)
         )
         self.embedding_weight = None
         if own_embedding:

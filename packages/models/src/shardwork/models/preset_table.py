@@ -1,6 +1,6 @@
 """Presets as table rows: a dict of ``GPTConfig`` fields becomes a preset function.
 
-Used by :mod:`shardwork.models.presets` (dense) and :mod:`shardwork.models.presets_moe` so
+Used by the family modules (:mod:`shardwork.models.families`) so
 every preset is data (its fields) plus one shared constructor with keyword overrides.
 """
 

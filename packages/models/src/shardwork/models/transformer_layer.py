@@ -9,27 +9,31 @@
   split save into one layout-free namespace. ``recompute="full"`` checkpoints whole layers
   (``replay``: the model's :class:`~shardwork.models.recompute.RecomputeReplay`, so MoE
   routers count once per real forward).
-- The MLP is built by ``mlp_factory(layer_index)`` when given (the MoE work plugs in here).
+- The layer is generic: its mixer and MLP are built from a
+  :class:`~shardwork.models.spec.LayerSpec` by :func:`build_layer` through the registries of
+  :mod:`shardwork.models.layer_kinds`; the block builds its range of the global
+  :class:`~shardwork.models.spec.DecoderSpec` layers. Submodule names (``self_attention``,
+  ``mlp``) are the checkpoint keys whatever the kind, so state-dict keys do not depend on it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from shardwork.models.attention import Attention, AttentionInputs
+from shardwork.models.attention import AttentionInputs
 from shardwork.models.config import GPTConfig
-from shardwork.models.mla import MLAttention
-from shardwork.models.mlp import SwiGLUMLP
+from shardwork.models.layer_kinds import BuildContext, build_mixer, build_mlp
 from shardwork.models.module import ShardedModule
 from shardwork.models.norm import RMSNorm
 from shardwork.models.recompute import RecomputeReplay, checkpoint
 from shardwork.models.rng import REPLICATED, TENSOR_PARALLEL, RNGTracker
+from shardwork.models.spec import LayerSpec
 from shardwork.parallel_state import ProcessGroups
 
-__all__ = ["TransformerBlock", "TransformerLayer"]
+__all__ = ["TransformerBlock", "TransformerLayer", "build_layer"]
 
 
 def _norm(config: GPTConfig, groups: ProcessGroups, device) -> RMSNorm:
@@ -53,7 +57,7 @@ def hidden_dropout(x: torch.Tensor, p: float, *, training: bool, rng: RNGTracker
 
 
 class TransformerLayer(ShardedModule):
-    """One pre-norm attention + MLP layer; ``layer_number`` is its global index."""
+    """One pre-norm mixer + MLP layer; ``layer_number`` is its global index."""
 
     def __init__(
         self,
@@ -62,7 +66,8 @@ class TransformerLayer(ShardedModule):
         *,
         layer_number: int,
         rng: RNGTracker,
-        mlp: torch.nn.Module | None = None,
+        mixer: torch.nn.Module,
+        mlp: torch.nn.Module,
         device: str | torch.device | None = None,
     ) -> None:
         super().__init__(groups)
@@ -71,12 +76,9 @@ class TransformerLayer(ShardedModule):
         self.dropout = config.hidden_dropout
         self.sp = config.sequence_parallel
         self.input_layernorm = _norm(config, groups, device)
-        if config.mla is not None:  # multi-head latent attention (DeepSeek)
-            self.self_attention = MLAttention(config, groups, rng=rng, device=device)
-        else:
-            self.self_attention = Attention(config, groups, rng=rng, device=device)
+        self.self_attention = mixer
         self.pre_mlp_layernorm = _norm(config, groups, device)
-        self.mlp = mlp if mlp is not None else SwiGLUMLP(config, groups, device=device)
+        self.mlp = mlp
 
     def forward(self, hidden: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         drop = dict(training=self.training, rng=self.rng, sp=self.sp)
@@ -84,6 +86,21 @@ class TransformerLayer(ShardedModule):
         hidden = hidden + hidden_dropout(attn, self.dropout, **drop)
         mlp = self.mlp(self.pre_mlp_layernorm(hidden))
         return hidden + hidden_dropout(mlp, self.dropout, **drop)
+
+
+def build_layer(spec: LayerSpec, ctx: BuildContext, layer_number: int) -> TransformerLayer:
+    """The layer ``spec`` describes, as global layer ``layer_number``."""
+    mlp = build_mlp(spec.mlp, ctx, layer_number)
+    mixer = build_mixer(spec.mixer, ctx, layer_number)
+    return TransformerLayer(
+        ctx.config,
+        ctx.groups,
+        layer_number=layer_number,
+        rng=ctx.rng,
+        mixer=mixer,
+        mlp=mlp,
+        device=ctx.device,
+    )
 
 
 class TransformerBlock(ShardedModule):
@@ -97,27 +114,19 @@ class TransformerBlock(ShardedModule):
         layer_range: tuple[int, int],
         final_norm: bool,
         rng: RNGTracker,
-        mlp_factory: Callable[[int], torch.nn.Module] | None = None,
+        specs: Sequence[LayerSpec],
+        ctx: BuildContext,
         replay: RecomputeReplay | None = None,
         device: str | torch.device | None = None,
     ) -> None:
+        """``specs``: the global stack's layer specs (this block builds ``specs[start:stop]``)."""
         super().__init__(groups)
         start, stop = layer_range
         self.replay = replay
         self.layer_range = (start, stop)
         self.rng = rng
         self.full_recompute = config.recompute == "full"
-        self.layers = torch.nn.ModuleList(
-            TransformerLayer(
-                config,
-                groups,
-                layer_number=i,
-                rng=rng,
-                mlp=None if mlp_factory is None else mlp_factory(i),
-                device=device,
-            )
-            for i in range(start, stop)
-        )
+        self.layers = torch.nn.ModuleList(build_layer(specs[i], ctx, i) for i in range(start, stop))
         self.final_norm = _norm(config, groups, device) if final_norm else None
 
     def _child_prefix(self, name: str, index: int | None = None) -> str:

@@ -1,11 +1,12 @@
 """MoE state owned by a model, and the hooks ``finalize_model_grads`` runs for it.
 
-- :func:`attach_moe` (called by ``GPTModel`` when ``config.moe`` is set) gives the model an
-  :class:`~shardwork.moe_router.AuxLossTracker` (``model.aux_loss_tracker``: per-layer aux
+- :func:`attach_moe` (run by ``GPTModel`` on every chunk; nothing when ``config.moe`` is
+  None) gives the model an :class:`~shardwork.moe_router.AuxLossTracker` (``model.aux_loss_tracker``: per-layer aux
   losses and per-expert token counts, ``num_layers`` rows on every stage so stages without MoE
   layers join the same reductions) and an :class:`~shardwork.moe_router.AuxLossScale`
   (``model.aux_loss_scale``: the factor on aux-loss gradients; the trainer sets it to its
-  main-loss backward scale), and returns the ``mlp_factory`` that builds MoE layers.
+  main-loss backward scale); the ``"moe"`` MLP kind (:mod:`shardwork.models.layer_kinds`)
+  builds each :class:`~shardwork.models.moe.layer.MoELayer` with them.
 - :func:`moe_finalize_kwargs` returns ``{"moe_tracker": ..., "moe_hooks": [...]}`` for
   ``finalize_model_grads(chunks, groups, **kwargs)``: the tracker reduction over pp / tp×cp / dp
   and the aux-loss-free expert-bias update (DeepSeek-V3) from token counts summed over the
@@ -15,13 +16,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from shardwork.models.moe.layer import MoELayer
 from shardwork.models.moe.router import MoERouter
 from shardwork.moe_router import AuxLossScale, AuxLossTracker, update_expert_bias
 from shardwork.parallel_state import ProcessGroups
@@ -29,9 +29,13 @@ from shardwork.parallel_state import ProcessGroups
 __all__ = ["attach_moe", "expert_load", "moe_finalize_kwargs", "moe_routers"]
 
 
-def attach_moe(model: nn.Module, config, groups: ProcessGroups, *, device) -> Callable[[int], Any]:
-    """Create ``model.aux_loss_tracker`` / ``model.aux_loss_scale``; return the mlp factory."""
+def attach_moe(model: nn.Module, config, device) -> None:
+    """Create ``model.aux_loss_tracker`` / ``model.aux_loss_scale`` (the ``"moe"`` MLP kind's
+    ``attach`` in :mod:`shardwork.models.layer_kinds`, run before any layer is built); nothing
+    for a model without ``config.moe``."""
     moe = config.moe
+    if moe is None:
+        return
     tracker_device = "cpu" if torch.device(device).type == "meta" else device
     mtp_depths = config.mtp.num_layers if config.mtp is not None else 0
     model.aux_loss_tracker = AuxLossTracker(
@@ -40,21 +44,6 @@ def attach_moe(model: nn.Module, config, groups: ProcessGroups, *, device) -> Ca
         device=tracker_device,
     )
     model.aux_loss_scale = AuxLossScale(1.0)
-
-    def factory(layer: int):
-        if layer < config.num_layers and not moe.is_moe_layer(layer):  # MTP layers: MoE
-            return None  # the layer builds its dense SwiGLU MLP
-        return MoELayer(
-            config,
-            groups,
-            layer_number=layer,
-            tracker=model.aux_loss_tracker,
-            loss_scale=model.aux_loss_scale,
-            replay=getattr(model, "recompute_replay", None),
-            device=device,
-        )
-
-    return factory
 
 
 def _unwrap(chunk: nn.Module) -> nn.Module:

@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,6 +22,7 @@ import torch
 from shardwork.models.config import GPTConfig
 from shardwork.models.gpt_model import GPTModel
 from shardwork.models.pipeline.split import stage_layers
+from shardwork.models.spec import DecoderSpec
 from shardwork.parallel_state import ProcessGroups
 
 
@@ -53,7 +53,7 @@ def build_stage(
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
     device: str | torch.device | None = None,
-    mlp_factory: Callable[[int], torch.nn.Module] | None = None,
+    spec: DecoderSpec | None = None,
 ) -> GPTStage:
     """The model chunk ``vp_chunk`` (default 0) of pipeline rank ``pp_rank`` (default: this
     rank's), for ``groups``' pp size and vpp (``groups.config.vpp``)."""
@@ -81,7 +81,7 @@ def build_stage(
         pre_process=(pp_rank == 0 and chunk == 0),
         post_process=(pp_rank == pp - 1 and chunk == vpp - 1),
         device=device,
-        mlp_factory=mlp_factory,
+        spec=spec,
     )
 
 

@@ -1,0 +1,19 @@
+"""Model families, one module each: the place that says "this is Llama 3 / Qwen3-MoE / DeepSeek-V3".
+
+Each family module declares its presets (``PRESETS``: published shapes, ``TINY_PRESETS``: CPU
+twins with the same features), the published parameter counts they are checked against
+(``PUBLISHED_PARAMS``), the layer layout :func:`~shardwork.models.spec.spec_for` gives its
+configs (module docstring), and the Hugging Face ``model_type`` s its configs map to
+(``HF_MODEL_TYPES``; the mapping itself lives in :mod:`shardwork.models.hf`).
+
+:data:`DENSE_FAMILIES` and :data:`MOE_FAMILIES` list them in preset order;
+:mod:`shardwork.models.presets` and :mod:`shardwork.models.presets_moe` gather their presets.
+"""
+
+from shardwork.models.families import deepseek, llama, mixtral, qwen, qwen_moe
+
+__all__ = ["DENSE_FAMILIES", "FAMILIES", "MOE_FAMILIES"]
+
+DENSE_FAMILIES = (llama, qwen)
+MOE_FAMILIES = (mixtral, qwen_moe, deepseek)
+FAMILIES = DENSE_FAMILIES + MOE_FAMILIES

@@ -1,0 +1,141 @@
+"""Registries of a layer's parts: the token mixer and the MLP, by kind name.
+
+A :class:`~shardwork.models.spec.LayerSpec` names its parts by kind (``mixer="attention"``,
+``mlp="moe"``); this module maps each kind to the function that builds the module. Built in:
+
+- mixers ``"attention"`` (:class:`~shardwork.models.attention.Attention`: MHA/GQA, QKV bias,
+  QK-norm) and ``"mla"`` (:class:`~shardwork.models.mla.MLAttention`, DeepSeek);
+- MLPs ``"dense"`` (:class:`~shardwork.models.mlp.SwiGLUMLP`) and ``"moe"``
+  (:class:`~shardwork.models.moe.layer.MoELayer`).
+
+A new kind (Mamba-2, DeltaNet, a toy mixer in a test) is registered from its own file with
+:func:`register_mixer` / :func:`register_mlp`; nothing in ``GPTModel`` changes. A builder
+takes a :class:`BuildContext` (config, explicit process groups, RNG tracker, device and the
+owning model) and the layer's global index, and returns a :class:`ShardedModule` mapping
+``[s(/tp), b, h]`` to the same shape (a mixer also takes the
+:class:`~shardwork.models.attention.AttentionInputs`). Parameters are created, not
+initialised: ``GPTModel.init_parameters`` fills them from their global keys afterwards.
+
+An MLP kind may also have ``attach(owner, config, device)``: :func:`attach_model_state` runs
+every registered one once per model chunk, before any layer is built, and each decides from
+the config whether the model needs its state. The MoE kind gives the model its aux-loss
+tracker and scale when ``config.moe`` is set: on every pipeline stage, whether or not the
+stage holds an MoE layer, because the tracker's reductions span all stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from shardwork.models.attention import Attention
+from shardwork.models.config import GPTConfig
+from shardwork.models.mla import MLAttention
+from shardwork.models.mlp import SwiGLUMLP
+from shardwork.models.moe.layer import MoELayer
+from shardwork.models.moe.state import attach_moe
+from shardwork.models.rng import RNGTracker
+from shardwork.parallel_state import ProcessGroups
+
+__all__ = [
+    "MIXERS",
+    "MLPS",
+    "BuildContext",
+    "MLPKind",
+    "attach_model_state",
+    "build_mixer",
+    "build_mlp",
+    "register_mixer",
+    "register_mlp",
+]
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a part's builder may use: nothing global, every group explicit."""
+
+    config: GPTConfig
+    groups: ProcessGroups
+    rng: RNGTracker
+    """The model's tracker (dropout streams)."""
+    device: torch.device
+    owner: torch.nn.Module
+    """The model chunk being built: holds state shared by its layers (``recompute_replay``,
+    the MoE ``aux_loss_tracker`` / ``aux_loss_scale`` set by an MLP kind's ``attach``)."""
+
+
+Builder = Callable[[BuildContext, int], torch.nn.Module]
+
+
+@dataclass(frozen=True)
+class MLPKind:
+    """An MLP kind: its builder and the optional model-level ``attach(owner, config, device)``."""
+
+    build: Builder
+    attach: Callable[[torch.nn.Module, GPTConfig, torch.device], None] | None = None
+
+
+MIXERS: dict[str, Builder] = {}
+"""Mixer kind -> builder."""
+MLPS: dict[str, MLPKind] = {}
+"""MLP kind -> :class:`MLPKind`."""
+
+
+def register_mixer(kind: str, build: Builder) -> None:
+    """Make ``LayerSpec(mixer=kind)`` build with ``build(ctx, layer_number)``."""
+    if kind in MIXERS and MIXERS[kind] is not build:
+        raise ValueError(f"mixer kind {kind!r} is already registered")
+    MIXERS[kind] = build
+
+
+def register_mlp(kind: str, build: Builder, *, attach=None) -> None:
+    """Make ``LayerSpec(mlp=kind)`` build with ``build(ctx, layer_number)``."""
+    entry = MLPKind(build, attach)
+    if kind in MLPS and MLPS[kind] != entry:
+        raise ValueError(f"MLP kind {kind!r} is already registered")
+    MLPS[kind] = entry
+
+
+def _lookup(table: dict, field: str, kind: str):
+    if kind not in table:
+        raise ValueError(
+            f"LayerSpec.{field}={kind!r} is not a registered kind: known are {sorted(table)}"
+        )
+    return table[kind]
+
+
+def build_mixer(kind: str, ctx: BuildContext, layer_number: int) -> torch.nn.Module:
+    """The mixer of kind ``kind`` for global layer ``layer_number``."""
+    return _lookup(MIXERS, "mixer", kind)(ctx, layer_number)
+
+
+def build_mlp(kind: str, ctx: BuildContext, layer_number: int) -> torch.nn.Module:
+    """The MLP of kind ``kind`` for global layer ``layer_number``."""
+    return _lookup(MLPS, "mlp", kind).build(ctx, layer_number)
+
+
+def attach_model_state(owner: torch.nn.Module, config: GPTConfig, device: torch.device) -> None:
+    """Run every registered MLP kind's ``attach`` on ``owner`` (see module docstring)."""
+    for kind in MLPS.values():
+        if kind.attach is not None:
+            kind.attach(owner, config, device)
+
+
+def _moe(ctx: BuildContext, layer_number: int) -> MoELayer:
+    return MoELayer(
+        ctx.config,
+        ctx.groups,
+        layer_number=layer_number,
+        tracker=ctx.owner.aux_loss_tracker,
+        loss_scale=ctx.owner.aux_loss_scale,
+        replay=ctx.owner.recompute_replay,
+        device=ctx.device,
+    )
+
+
+register_mixer("attention", lambda c, i: Attention(c.config, c.groups, rng=c.rng, device=c.device))
+register_mixer("mla", lambda c, i: MLAttention(c.config, c.groups, rng=c.rng, device=c.device))
+register_mlp("dense", lambda c, i: SwiGLUMLP(c.config, c.groups, device=c.device))
+register_mlp("moe", _moe, attach=attach_moe)

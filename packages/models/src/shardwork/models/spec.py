@@ -1,0 +1,84 @@
+"""Declarative model specs: which parts each layer has, derived from a config in one place.
+
+- :class:`LayerSpec`: one decoder layer, ``norm -> mixer -> residual, norm -> mlp -> residual``,
+  its parts named by kind (built through :mod:`shardwork.models.layer_kinds`).
+- :class:`DecoderSpec`: the whole stack, global and layout-free: every decoder layer's spec
+  (``layers[i]`` is global layer ``i``; a pipeline stage builds its range of them), the
+  multi-token-prediction depths (``mtp``, global layer numbers ``num_layers + k``), and the
+  rotary position table every mixer shares (:class:`RotarySpec`).
+- :func:`spec_for` derives the spec of a :class:`~shardwork.models.config.GPTConfig`. It is
+  the one place that reads the config's family switches (``mla``, ``moe``'s dense-first layers
+  and layer frequency, ``mtp``): ``GPTModel`` builds whatever spec it is given, with no
+  branch on a family. A family whose layers differ in other ways passes its own spec
+  (``GPTModel(config, groups, spec=...)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardwork.models.config import GPTConfig
+
+__all__ = ["DecoderSpec", "LayerSpec", "RotarySpec", "spec_for"]
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One pre-norm layer's parts, by registered kind."""
+
+    mixer: str = "attention"
+    """Token mixer kind: ``"attention"``, ``"mla"`` or a registered one."""
+    mlp: str = "dense"
+    """Channel MLP kind: ``"dense"``, ``"moe"`` or a registered one."""
+
+
+@dataclass(frozen=True)
+class RotarySpec:
+    """The rotary table shared by the stack's mixers (theta and scaling come from the config)."""
+
+    dim: int
+    """Rotated channels per head."""
+    interleaved: bool = False
+    """Rotate neighbouring channel pairs (MLA) instead of the two halves (Llama)."""
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """The layer specs of a whole model (all stages), its MTP depths and positions."""
+
+    layers: tuple[LayerSpec, ...]
+    rotary: RotarySpec
+    mtp: tuple[LayerSpec, ...] = ()
+
+    def check(self, config: GPTConfig) -> None:
+        """Raise when the spec's layer counts disagree with ``config``."""
+        if len(self.layers) != config.num_layers:
+            raise ValueError(
+                f"DecoderSpec.layers has {len(self.layers)} entries: it needs one per layer, "
+                f"num_layers={config.num_layers}"
+            )
+        depths = config.mtp.num_layers if config.mtp is not None else 0
+        if len(self.mtp) != depths:
+            raise ValueError(
+                f"DecoderSpec.mtp has {len(self.mtp)} entries: it needs one per MTP depth, "
+                f"config.mtp.num_layers={depths}"
+            )
+
+
+def spec_for(config: GPTConfig) -> DecoderSpec:
+    """The spec of ``config``: MLA or attention everywhere; MoE where ``config.moe`` says
+    (``first_k_dense_replace`` dense layers first, then every ``layer_freq``-th layer, or the
+    0/1 pattern); MTP depths use the mixer of the decoder and MoE when the model has MoE."""
+    mixer = "mla" if config.mla is not None else "attention"
+    moe = config.moe
+    layers = tuple(
+        LayerSpec(mixer, "moe" if moe is not None and moe.is_moe_layer(i) else "dense")
+        for i in range(config.num_layers)
+    )
+    depths = config.mtp.num_layers if config.mtp is not None else 0
+    mtp = (LayerSpec(mixer, "dense" if moe is None else "moe"),) * depths
+    if config.mla is not None:
+        rotary = RotarySpec(config.mla.qk_rope_head_dim, interleaved=True)
+    else:
+        rotary = RotarySpec(config.kv_channels)
+    return DecoderSpec(layers=layers, rotary=rotary, mtp=mtp)
