@@ -132,8 +132,8 @@ class LMHead(ShardedModule):
         real_here = self.vocab_size - self.local_vocab_start
         if real_here < local:
             mask = torch.arange(local, device=logits.device) >= real_here
-            # Lowest finite value, not -inf: exp() gives 0 for padded columns without inf - inf =
-            # NaN in the max-subtracted softmax.
+            # Lowest finite value: after max-subtraction exp() of it is exactly 0 (zero probability
+            # and gradient for padded columns) and no inf enters the arithmetic.
             logits = logits.masked_fill(mask, torch.finfo(logits.dtype).min)
         return logits
 
