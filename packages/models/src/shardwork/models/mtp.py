@@ -265,13 +265,10 @@ class MultiTokenPrediction(ShardedModule):
         for segment, child in self._sharded_children():
             out.update(child.sharded_state_dict(f"{prefix}{segment}."))
         if self.embedding_weight is not None:
+            # replica_offset=1: the first stage's embedding is the primary copy of this key; the
+            # copy here is saved as a replica so the checkpoint holds one version.
             for st in param_shards(
-                # replica_offset=1: the first stage's embedding is the primary copy of this key; the
-                # copy here is saved as a replica so the checkpoint holds one version.
-                self.embedding_weight,
-                EMBEDDING_KEY,
-                self.shard_ctx,
-                replica_offset=1,
+                self.embedding_weight, EMBEDDING_KEY, self.shard_ctx, replica_offset=1
             ):
                 out[st.key] = st
         return out

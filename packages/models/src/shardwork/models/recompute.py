@@ -114,10 +114,7 @@ def checkpoint(
             if replay is not None:
                 replay._exit(previous)
 
+    # preserve_rng_state restores torch's global RNG; the tracker's streams are handled above.
     return torch.utils.checkpoint.checkpoint(
-        # preserve_rng_state restores torch's global RNG; the tracker's streams are handled above.
-        run,
-        *args,
-        use_reentrant=False,
-        preserve_rng_state=True,
+        run, *args, use_reentrant=False, preserve_rng_state=True
     )

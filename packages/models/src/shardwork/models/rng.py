@@ -22,8 +22,8 @@ __all__ = ["REPLICATED", "TENSOR_PARALLEL", "RNGTracker"]
 
 REPLICATED = "replicated"
 TENSOR_PARALLEL = "tensor_parallel"
-# The TP and PP offsets are Megatron-LM's (model_parallel_cuda_manual_seed: seed + 2718 + tp_rank;
-# _set_random_seed: seed + 100·pp_rank), kept so seeds read the same across both codebases.
+# The TP and PP offsets are Megatron-LM's: model_parallel_cuda_manual_seed uses seed + 2718 +
+# tp_rank for the tensor-parallel stream, _set_random_seed adds 100·pp_rank.
 _TP_OFFSET = 2718
 _PP_OFFSET = 100
 _LAYER_OFFSET = 7919

@@ -141,13 +141,10 @@ class TransformerBlock(ShardedModule):
     def forward(self, hidden: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         for layer in self.layers:
             if self.full_recompute and self.training:
+                # lyr=layer binds this iteration's layer: the recompute runs in backward, after
+                # the loop ended.
                 hidden = checkpoint(
-                    # lyr=layer binds this iteration's layer: the recompute runs in backward, after
-                    # the loop ended.
-                    lambda h, lyr=layer: lyr(h, inputs),
-                    self.rng,
-                    hidden,
-                    replay=self.replay,
+                    lambda h, lyr=layer: lyr(h, inputs), self.rng, hidden, replay=self.replay
                 )
             else:
                 hidden = layer(hidden, inputs)
