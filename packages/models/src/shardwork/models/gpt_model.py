@@ -88,6 +88,8 @@ class GPTModel(ShardedModule):
         self.pre_process = start == 0 if pre_process is None else pre_process
         self.post_process = stop == config.num_layers if post_process is None else post_process
         device = torch.device("cpu") if device is None else torch.device(device)
+        # A meta build draws nothing: the tracker starts on the CPU and materialize() moves it
+        # to the real device.
         rng_device = "cpu" if device.type == "meta" else device
         self.rng_tracker = RNGTracker(
             config.dropout_seed,
@@ -116,6 +118,8 @@ class GPTModel(ShardedModule):
             device=device,
         )
         if self.post_process:
+            # Tied and on the embedding's stage: the head reads the embedding's weight. Otherwise it
+            # owns a weight (untied, or the tied copy of a later pipeline stage).
             own = not (config.tie_word_embeddings and self.pre_process)
             self.output_layer = LMHead(config, groups, own_weight=own, device=device)
         else:
@@ -125,6 +129,8 @@ class GPTModel(ShardedModule):
             self.mtp = MultiTokenPrediction(
                 config,
                 groups,
+                # Untied on a stage without the embedding: MTP needs its own copy; tied, the head's
+                # copy serves.
                 own_embedding=not self.pre_process and not config.tie_word_embeddings,
                 specs=spec.mtp,
                 ctx=ctx,
