@@ -62,6 +62,8 @@ class Attention(ShardedModule):
         d = config.kv_channels
         self.head_dim = d
         self.num_heads = config.num_attention_heads // tp
+        # GQA: each TP rank keeps whole kv heads, so kv_heads must divide by tp (checked in
+        # GPTConfig).
         self.num_kv_heads = config.kv_heads // tp
         self.dropout = config.attention_dropout
         self.selective_recompute = config.recompute == "selective"
@@ -84,6 +86,8 @@ class Attention(ShardedModule):
                 groups=groups,
                 eps=config.norm_epsilon,
                 backend=config.kernel_backend,
+                # Each TP rank normalises only its own heads, so the norm weight's gradient is a
+                # partial sum over ranks: marked like an SP parameter, it is all-reduced over TP.
                 partial_grad=tp > 1,
                 params_dtype=config.params_dtype,
                 device=device,
@@ -103,18 +107,26 @@ class Attention(ShardedModule):
 
     def _core(self, q, k, v, mask):
         """SDPA on ``q [s, b, nq, d]``, ``k/v [sk, b, nkv, d]`` -> ``[s, b, nq·d]``."""
+        # Query head j uses kv head j // groups: repeat_interleave (not repeat) matches HF's
+        # repeat_kv.
         groups = self.num_heads // self.num_kv_heads
+        # [s, b, n, d] -> [b, n, s, d], SDPA's layout.
         q = q.permute(1, 2, 0, 3)
         k = k.permute(1, 2, 0, 3).repeat_interleave(groups, dim=1)
         v = v.permute(1, 2, 0, 3).repeat_interleave(groups, dim=1)
         p = self.dropout if self.training else 0.0
+        # is_causal masks top-left aligned, correct only when queries and keys are the same
+        # positions 0..s-1; context parallel and packed sequences always bring an explicit mask.
         kwargs = dict(attn_mask=mask, is_causal=mask is None, dropout_p=p)
         if p > 0:
+            # Heads are TP-sharded, so each rank must draw a different dropout pattern for its
+            # heads.
             with self.rng.fork(TENSOR_PARALLEL):
                 out = F.scaled_dot_product_attention(q, k, v, **kwargs)
         else:
             out = F.scaled_dot_product_attention(q, k, v, **kwargs)
         s, b = out.shape[2], out.shape[0]
+        # [b, n, s, d] -> [s, b, n·d]: heads contiguous per token, linear_proj's input order.
         return out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
 
     def forward(self, hidden: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
@@ -123,6 +135,8 @@ class Attention(ShardedModule):
         s, b = qkv.shape[0], qkv.shape[1]
         d = self.head_dim
         q_len, kv_len = self.num_heads * d, self.num_kv_heads * d
+        # The column-parallel shard is [Q | K | V] of this rank's heads (partition_sizes), not
+        # interleaved.
         q, k, v = qkv.split((q_len, kv_len, kv_len), dim=-1)
         q = q.reshape(s, b, self.num_heads, d)
         k = k.reshape(s, b, self.num_kv_heads, d)
@@ -130,15 +144,22 @@ class Attention(ShardedModule):
         if self.q_layernorm is not None:
             q = self.q_layernorm(q)
             k = self.k_layernorm(k)
+        # Tables are fp32 (fp64 in fp64 runs); cast to the activations' dtype so the rotation does
+        # not upcast q/k.
         cos, sin = inputs.cos.to(q.dtype), inputs.sin.to(q.dtype)
         q = apply_rotary(q, cos, sin, backend=self.backend)
         k = apply_rotary(k, cos, sin, backend=self.backend)
         if self.groups.size("cp") > 1:
+            # After RoPE, so every key carries its own global position. Backward reduce-scatters:
+            # every rank's queries contribute gradient to every key. All cp ranks issue k then v in
+            # this order.
             k = gather_from_sequence_region(k, self.groups.cp, dim=0, grad_is_partial=True)
             v = gather_from_sequence_region(v, self.groups.cp, dim=0, grad_is_partial=True)
         mask = inputs.mask
         if mask is not None:
             mask = mask.to(q.device)
+        # Selective recompute (Korthikanti et al. 2022): keep q/k/v, recompute the s x s scores,
+        # softmax and dropout in backward; checkpoint replays the same dropout draws.
         if self.selective_recompute and self.training:
             out = checkpoint(lambda q_, k_, v_: self._core(q_, k_, v_, mask), self.rng, q, k, v)
         else:

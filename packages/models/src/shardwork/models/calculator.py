@@ -61,9 +61,13 @@ def flops_per_token(
     d, a, g, h = c.kv_channels, c.num_attention_heads, c.kv_heads, c.hidden_size
     matmul = c.num_layers * (h * (a + 2 * g) * d + a * d * h + 3 * h * c.ffn_hidden_size)
     head = c.padded_vocab_size * h
+    # QKᵀ and AV: each 2·s·d FLOPs per query per head (s keys, a multiply-add per element).
     attn = c.num_layers * 4 * seq_length * a * d * (0.5 if causal else 1.0)
+    # 2 FLOPs (multiply + add) per weight per token in a matmul.
     layers_fwd = 2 * matmul + attn
     fwd = layers_fwd + 2 * head
+    # Backward costs two forwards (input and weight gradients), hence 3×: the 6·N per token of
+    # Kaplan et al. 2020 (sec. 2.1) and Narayanan et al. 2021's FLOPs formula.
     return 3 * fwd + (layers_fwd if full_recompute else 0.0)
 
 
@@ -133,6 +137,7 @@ def memory_estimate(
             f"ep={ep} x etp={etp} does not divide tp·cp·dp={tp * cp * dp}: the expert layout "
             "(etp, ep, edp) must tile the same ranks as the dense one (tp, cp, dp)"
         )
+    # Expert layout (etp, ep, edp) tiles the same tp·cp·dp ranks as the dense one.
     edp = tp * cp * dp // (ep * etp)
     recompute = c.recompute if recompute is None else recompute
     if recompute not in RECOMPUTE_MODES:
@@ -157,8 +162,13 @@ def memory_estimate(
         )
         est = MemoryEstimate(
             weights=local.total * c.params_dtype.itemsize,
+            # fp32 main_grad whatever params_dtype is (the DDP default grad_reduce_in_fp32=True).
             gradients=local.total * 4,
+            # Adam's fp32 master weight, m and v: 12 bytes per parameter (ZeRO paper's K = 12),
+            # sharded over the replicas (ZeRO-1): dp×cp for dense, edp for expert parameters.
             optimizer=12 * (local.dense / (dp * cp) + local.expert / edp),
+            # 1F1B keeps at most pp - r micro-batches' activations alive on rank r (its warm-up
+            # depth + 1).
             activations=acts * min(pp - r, m),
             params=local.total,
             expert_params=local.expert,

@@ -184,6 +184,7 @@ def kv_cache_bytes_per_token(config: GPTConfig, *, tp: int = 1) -> int:
     """
     c = config
     per_layer = (
+        # K and V per kv head on this rank; GQA shares them across the query heads of a group.
         2 * (c.kv_heads // tp) * c.kv_channels
         if c.mla is None
         else c.mla.kv_lora_rank + c.mla.qk_rope_head_dim
@@ -270,7 +271,10 @@ def layer_activation_bytes(
     etp = tp if etp is None else etp
     recompute = cfg.recompute if recompute is None else recompute
     e = cfg.activation_dtype.itemsize
+    # Norms and SwiGLU compute in fp32 (fp64 in fp64 runs) whatever the activation dtype, so
+    # the intermediates they save have that width.
     c = 8 if cfg.activation_dtype == torch.float64 else 4
+    # Each cp rank holds s/cp tokens of every sequence (two load-balanced chunks).
     t = seq_length * micro_batch_size / cp
     tn = t / tp if cfg.sequence_parallel else t
     h = cfg.hidden_size

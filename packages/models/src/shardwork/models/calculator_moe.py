@@ -133,6 +133,7 @@ def moe_param_counts(config: GPTConfig) -> ParamCounts:
         else:
             t = a = 3 * h * c.ffn_hidden_size
             r = 0
+        # eh_proj [h, 2h], enorm + hnorm + final norm, and the depth's attention + layer norms.
         extra = 2 * h * h + 3 * h + base
         mtp = c.mtp.num_layers * (extra + t)
         mtp_active = c.mtp.num_layers * (extra + a)
@@ -157,6 +158,7 @@ def _layer_forward(c: GPTConfig, seq_length: int, moe_layer: bool, causal: bool)
     """Forward FLOPs per token of one transformer layer (matmuls and attention scores)."""
     n = c.num_attention_heads
     dq, dv = (c.kv_channels,) * 2 if c.mla is None else (c.mla.qk_head_dim, c.mla.v_head_dim)
+    # QKᵀ over dq and AV over dv, 2 FLOPs per multiply-add, for s keys per query per head.
     scores = 2 * seq_length * n * (dq + dv) * (0.5 if causal else 1.0)
     return 2 * (_attention_matmul(c) + _mlp_matmul(c, moe_layer)) + scores
 
@@ -173,5 +175,6 @@ def moe_flops_per_token(
     )
     depths = c.mtp.num_layers if c.mtp is not None else 0
     mtp = depths * (2 * 2 * h * h + _layer_forward(c, seq_length, moe is not None, causal))
+    # The padded vocabulary: the head computes those columns too (real work, unlike parameters).
     heads = (1 + depths) * 2 * c.padded_vocab_size * h
     return 3 * (layers + mtp + heads) + (layers if full_recompute else 0.0)

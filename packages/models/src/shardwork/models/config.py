@@ -181,6 +181,8 @@ class GPTConfig:
     def padded_vocab_size(self) -> int:
         """``vocab_size`` rounded up to a multiple of ``make_vocab_size_divisible_by``."""
         m = self.make_vocab_size_divisible_by
+        # ceil(vocab_size / m) · m via negated floor division, exact in integers (no float
+        # rounding).
         return -(-self.vocab_size // m) * m
 
     @property

@@ -38,6 +38,8 @@ def slice_for_context_parallel(
             "context parallelism needs 2·cp equal chunks"
         )
     chunks = x.chunk(2 * cp_size, dim=dim)
+    # Chunk i (cheap, early positions) pairs with chunk 2cp-1-i (expensive, late positions):
+    # under a causal mask every rank then does the same attention work.
     return torch.cat((chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]), dim=dim)
 
 
@@ -48,6 +50,7 @@ def local_positions(
     if cp_size == 1:
         return torch.arange(local_len, device=device)
     chunk = local_len // 2
+    # local_len = 2 chunks: positions of chunk cp_rank, then of chunk 2cp-1-cp_rank.
     first = torch.arange(chunk, device=device) + cp_rank * chunk
     second = torch.arange(chunk, device=device) + (2 * cp_size - 1 - cp_rank) * chunk
     return torch.cat((first, second))
@@ -72,6 +75,7 @@ def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
         raise ValueError(
             f"cu_seqlens[-1]={int(cu[-1])} must equal the packed sequence length {total}"
         )
+    # right=True: a token at a document's end offset cu[i+1] already belongs to document i+1.
     return torch.bucketize(torch.arange(total, device=cu.device), cu[1:], right=True)
 
 
@@ -83,6 +87,7 @@ def attention_mask(
     k_doc: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal (and same-document) boolean mask ``[sq, sk]``; True where a query may attend."""
+    # [1, sk] <= [sq, 1] -> [sq, sk]: causal on global positions, valid for any chunk layout.
     mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
     if q_doc is not None:
         mask = mask & (k_doc.unsqueeze(0) == q_doc.unsqueeze(1))

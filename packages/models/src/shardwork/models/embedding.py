@@ -74,9 +74,13 @@ class VocabParallelEmbedding(ShardedModule):
             return F.embedding(ids, self.weight)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.rows_per_rank)
+        # Out-of-range ids look up row 0 (a valid index) and are zeroed: after the sum over TP each
+        # token's embedding comes from the one rank that owns its row.
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
+            # Under SP the sum over TP and the split along the sequence happen in one
+            # reduce-scatter.
             return reduce_scatter_to_sequence_region(out, self.groups.tp, dim=0)
         return reduce_from_tp_region(out, self.groups.tp)
 
@@ -118,6 +122,7 @@ class LMHead(ShardedModule):
             del self.linear.weight
             self.linear.register_parameter("weight", None)
         tp = groups.size("tp")
+        # Padding sits at the end of the vocabulary, so only the last rank(s) hold padded columns.
         self.local_vocab_start = (config.padded_vocab_size // tp) * groups.rank("tp")
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -127,6 +132,8 @@ class LMHead(ShardedModule):
         real_here = self.vocab_size - self.local_vocab_start
         if real_here < local:
             mask = torch.arange(local, device=logits.device) >= real_here
+            # Lowest finite value: after max-subtraction exp() of it is exactly 0 (zero probability
+            # and gradient for padded columns) and no inf enters the arithmetic.
             logits = logits.masked_fill(mask, torch.finfo(logits.dtype).min)
         return logits
 

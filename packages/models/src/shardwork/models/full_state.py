@@ -34,6 +34,8 @@ def full_state_dict(
         world = dist.get_world_size(group)
         entries = [None] * world
         mine = {k: (tuple(st.global_shape), str(st.data.dtype)) for k, st in pieces.items()}
+        # Every rank must know every key (other pipeline stages' too): all of them then issue the
+        # same all-reduces, one per key, in the same sorted order.
         dist.all_gather_object(entries, mine, group=group)
         keys: dict[str, tuple] = {}
         for entry in entries:
@@ -46,6 +48,8 @@ def full_state_dict(
         target = dtype or getattr(torch, dt.removeprefix("torch."))
         full = torch.zeros(shape, dtype=target)
         st = pieces.get(key)
+        # Only primary pieces are written into the zeros, so the SUM all-reduce adds each element
+        # once.
         if st is not None and st.replica_id == 0:
             index = tuple(slice(o, o + s) for o, s in zip(st.global_offset, st.data.shape))
             full[index] = st.data.detach().to("cpu", target)

@@ -88,6 +88,8 @@ class GPTModel(ShardedModule):
         self.pre_process = start == 0 if pre_process is None else pre_process
         self.post_process = stop == config.num_layers if post_process is None else post_process
         device = torch.device("cpu") if device is None else torch.device(device)
+        # A meta build draws nothing: the tracker starts on the CPU and materialize() moves it
+        # to the real device.
         rng_device = "cpu" if device.type == "meta" else device
         self.rng_tracker = RNGTracker(
             config.dropout_seed,
@@ -116,6 +118,8 @@ class GPTModel(ShardedModule):
             device=device,
         )
         if self.post_process:
+            # Tied and on the embedding's stage: the head reads the embedding's weight. Otherwise it
+            # owns a weight (untied, or the tied copy of a later pipeline stage).
             own = not (config.tie_word_embeddings and self.pre_process)
             self.output_layer = LMHead(config, groups, own_weight=own, device=device)
         else:
@@ -125,6 +129,8 @@ class GPTModel(ShardedModule):
             self.mtp = MultiTokenPrediction(
                 config,
                 groups,
+                # Untied on a stage without the embedding: MTP needs its own copy; tied, the head's
+                # copy serves.
                 own_embedding=not self.pre_process and not config.tie_word_embeddings,
                 specs=spec.mtp,
                 ctx=ctx,
@@ -184,14 +190,20 @@ class GPTModel(ShardedModule):
                 )
             docs = document_ids(cu, local_len)
             index = torch.arange(local_len, device=device)
+            # RoPE positions restart per document (packed_positions), but causality follows the
+            # token's index in the packed row; the document ids forbid attention across documents.
             mask = attention_mask(index, index, q_doc=docs, k_doc=docs)
         else:
             positions = local_positions(local_len, cp_rank=cp_rank, cp_size=cp, device=device)
             if cp > 1:
+                # Keys arrive all-gathered in cp-rank order, each rank's two chunks; is_causal
+                # cannot express this layout, so the mask is built from global positions.
                 keys = gathered_positions(local_len, cp_size=cp, device=device)
                 mask = attention_mask(positions, keys)
         rotary = self.spec.rotary
         inv_freq = rotary_inv_freq(rotary.dim, base=cfg.rope_theta, scaling=cfg.rope_scaling)
+        # fp32 angles even for bf16 activations: position·inv_freq needs more mantissa than bf16's 8
+        # bits at long positions.
         table_dtype = torch.float64 if cfg.activation_dtype == torch.float64 else torch.float32
         cos, sin = rotary_cos_sin(
             positions,
@@ -244,6 +256,8 @@ class GPTModel(ShardedModule):
             if hidden_states is None:
                 raise ValueError("hidden_states is required on a stage that is not pre_process")
             hidden = hidden_states
+            # Under SP the received hidden states hold s/tp tokens; RoPE and masks need the full
+            # local s.
             local_len = hidden.shape[0] * sp_factor
         inputs = self._attention_inputs(local_len, cu_seqlens, hidden.device)
         hidden = self.decoder(hidden, inputs)
@@ -272,6 +286,8 @@ class GPTModel(ShardedModule):
                 head=self.output_layer,
                 head_weight=tied,
             )
+            # The MTP loss joins backward through the main logits' graph; the returned loss is
+            # unchanged.
             logits = attach_aux_loss(logits, mtp_loss, self.mtp_loss_scale)
         return token_loss(
             logits,

@@ -19,6 +19,8 @@ def gather_logits(logits: torch.Tensor, *, tp_group, vocab_size: int) -> torch.T
     tp = group_size(tp_group)
     if tp > 1:
         parts = [torch.empty_like(logits) for _ in range(tp)]
+        # all_gather (not the differentiable gather): these logits are for evaluation and sampling.
         dist.all_gather(parts, logits.contiguous(), group=tp_group)
         logits = torch.cat(parts, dim=-1)
+    # Drop the vocab padding columns (padded_vocab_size divides by tp), then [s, b, V] -> [b, s, V].
     return logits[..., :vocab_size].transpose(0, 1)

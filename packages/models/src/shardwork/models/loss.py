@@ -41,9 +41,11 @@ def token_loss(
         raise ValueError(
             f"labels.shape={tuple(labels.shape)} must be [b, s] = {(b, s)} to match the logits"
         )
+    # [b, s] -> [s, b] -> [s*b]: the same token order as the sequence-first logits flattened below.
     lab = labels.transpose(0, 1).reshape(-1)
     # bf16/fp16 logits go in as they are: the op computes in fp32 per row chunk without a
     # full-vocab fp32 copy, and its per-token losses come back in fp32.
+    # [s, b, V/tp] -> [s*b, V/tp].
     flat = logits.reshape(s * b, logits.shape[-1])
     losses = cross_entropy(
         flat, lab, tp_group=tp_group, ignore_index=ignore_index, reduction="none", backend=backend
@@ -59,6 +61,8 @@ def token_loss(
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    # Detached clone: the count/sum is a constant for backward and the caller's tensor is not
+    # overwritten by the in-place all-reduce.
     x = x.detach().clone()
     if group_size(group) > 1:
         dist.all_reduce(x, group=group)
@@ -68,6 +72,8 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
 def loss_for_backward(loss_sum: torch.Tensor, num_tokens: torch.Tensor, group) -> torch.Tensor:
     """``loss_sum / (num_tokens summed over group)``: backprop this, then sum grads over group."""
     total = _all_reduce(num_tokens, group)
+    # Divide by the global count, not the local one: ranks with fewer tokens then weigh each token
+    # the same, and summing gradients over dp×cp gives the global per-token mean exactly.
     return loss_sum / total.to(loss_sum.dtype)
 
 

@@ -61,6 +61,8 @@ class ReplicatedLinear(ShardedModule):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same weight and full input on every TP rank: no collective. The layers after it
+        # all-reduce their input gradient over TP, so this weight's gradient is identical on all.
         return F.linear(x, self.weight.to(x.dtype))
 
 
@@ -86,8 +88,11 @@ class MLAttention(ShardedModule):
         self.selective_recompute = config.recompute == "selective"
         self.backend = config.kernel_backend
         self.rng = rng
+        # Scale by the full query-key width (dn+dr), not dv: the score is a dot product over dn+dr.
         scale = mla.qk_head_dim**-0.5
         if isinstance(config.rope_scaling, YarnRopeScaling):
+            # DeepSeek-V3's reference multiplies the softmax scale by mscale(factor,
+            # mscale_all_dim)² under YaRN; softmax_scale_factor returns that square.
             scale *= config.rope_scaling.softmax_scale_factor()
         self.softmax_scale = scale
         common = dict(groups=groups, params_dtype=config.params_dtype, device=device)
@@ -95,6 +100,8 @@ class MLAttention(ShardedModule):
             groups=groups,
             eps=config.norm_epsilon,
             backend=config.kernel_backend,
+            # Latent norms see the full latent on every TP rank (replicated), so their gradient is
+            # complete.
             partial_grad=False,
             params_dtype=config.params_dtype,
             device=device,
@@ -121,6 +128,7 @@ class MLAttention(ShardedModule):
 
     def _core(self, q, k, v, mask):
         """SDPA on ``q/k [s(k), b, n, dn+dr]``, ``v [sk, b, n, dv]`` -> ``[s, b, n·dv]``."""
+        # [s, b, n, d] -> [b, n, s, d], SDPA's layout.
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         p = self.dropout if self.training else 0.0
         kw = dict(attn_mask=mask, is_causal=mask is None, dropout_p=p, scale=self.softmax_scale)
@@ -129,12 +137,16 @@ class MLAttention(ShardedModule):
                 out = F.scaled_dot_product_attention(q, k, v, **kw)
         else:
             out = F.scaled_dot_product_attention(q, k, v, **kw)
+        # [b, n, s, dv] -> [s, b, n·dv].
         return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
 
     def forward(self, hidden: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         """``hidden [s(/tp under SP), b, h]`` -> same shape."""
         mla, tp = self.mla, self.groups.tp
         if self.sp:
+            # One gather for all projections. Backward keeps the own chunk (no reduce-scatter): the
+            # column up projections all-reduce their input gradient, so the gradient arriving here
+            # is already complete on every rank.
             hidden = gather_from_sequence_region(hidden, tp, dim=0, grad_is_partial=False)
         s, b = hidden.shape[0], hidden.shape[1]
         dn, dr, dv = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
@@ -144,17 +156,25 @@ class MLAttention(ShardedModule):
             q = self.linear_q_up_proj(self.q_layernorm(self.linear_q_down_proj(hidden)))
         q = q.reshape(s, b, self.num_heads, dn + dr)
         q_nope, q_rot = q.split((dn, dr), dim=-1)
+        # [s, b, rkv+dr] -> latent [s, b, rkv] and one rope key [s, b, dr] shared by all heads.
         latent, k_rot = self.linear_kv_down_proj(hidden).split((mla.kv_lora_rank, dr), dim=-1)
         kv = self.linear_kv_up_proj(self.kv_layernorm(latent))
         k_nope, v = kv.reshape(s, b, self.num_heads, dn + dv).split((dn, dv), dim=-1)
+        # The shared rope key feeds every rank's heads: copy_to_tp_region all-reduces its gradient.
         k_rot = copy_to_tp_region(k_rot, tp).reshape(s, b, 1, dr)
         cos, sin = inputs.cos.to(q.dtype), inputs.sin.to(q.dtype)
+        # Decoupled RoPE (DeepSeek-V2 paper, section 2.1.3): only the dr features rotate
+        # (neighbouring pairs); the nope features stay position-free so that inference can absorb
+        # the key up projection into the query projection.
         q_rot = apply_rotary(q_rot, cos, sin, interleaved=True, backend=self.backend)
         k_rot = apply_rotary(k_rot, cos, sin, interleaved=True, backend=self.backend)
         q = torch.cat((q_nope, q_rot), dim=-1)
+        # Broadcast the single rope key [s, b, 1, dr] to every local head (a view, no copy).
         k = torch.cat((k_nope, k_rot.expand(s, b, self.num_heads, dr)), dim=-1)
         v = v.contiguous()
         if self.groups.size("cp") > 1:
+            # Same as Attention: keys after RoPE, gradient reduce-scattered; k then v on every cp
+            # rank.
             k = gather_from_sequence_region(k, self.groups.cp, dim=0, grad_is_partial=True)
             v = gather_from_sequence_region(v, self.groups.cp, dim=0, grad_is_partial=True)
         mask = None if inputs.mask is None else inputs.mask.to(q.device)

@@ -52,4 +52,6 @@ class SwiGLUMLP(ShardedModule):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[s(/tp), b, h]`` -> same shape."""
+        # fc1 -> [s, b, 2f/tp] ([gate_local | up_local]) -> swiglu -> [s, b, f/tp] -> fc2 ->
+        # [s(/tp), b, h].
         return self.fc2(swiglu(self.fc1(hidden), backend=self.backend))

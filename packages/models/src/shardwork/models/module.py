@@ -107,6 +107,8 @@ def to_empty_keep_meta(module: torch.nn.Module, device: str | torch.device) -> N
             new = torch.nn.Parameter(
                 torch.empty_like(param, device=device), requires_grad=param.requires_grad
             )
+            # ParamMeta, fused blocks, real rows and init rule are plain attributes of the Parameter
+            # object: copy them onto the new one or init and checkpointing lose the description.
             new.__dict__.update(param.__dict__)
             sub._parameters[name] = new
         for name, buf in list(sub._buffers.items()):

@@ -68,6 +68,8 @@ class MTPLossTracker:
     """Per-depth (loss sum, counted tokens) of the MTP losses, accumulated over micro-batches."""
 
     def __init__(self, num_depths: int, device: torch.device | str = "cpu") -> None:
+        # float64: sums of many micro-batches' losses and token counts stay exact enough for
+        # logging.
         self.values = torch.zeros(num_depths, 2, dtype=torch.float64, device=device)
         """``[depth, (loss_sum, num_tokens)]``."""
 
@@ -105,6 +107,7 @@ def reduce_mtp_losses(chunks, groups: ProcessGroups) -> list[float]:
         depths = chunk.config.mtp.num_layers
         if getattr(chunk, "mtp", None) is not None:
             found = chunk.mtp.tracker.values
+    # Stages without MTP still join with zeros: every pp rank must issue the same all-reduces.
     values = found.clone() if found is not None else torch.zeros(depths, 2, dtype=torch.float64)
     for group in (groups.group("pp"), groups.group("dp_cp")):
         if group is not None and dist.get_world_size(group) > 1:
@@ -132,8 +135,10 @@ def roll_for_depth(
     valid = src < s
     if cu_seqlens is not None:
         docs = document_ids(cu_seqlens.to(input_ids.device), s)
+        # A target in another packed document would leak across the boundary: ignore that position.
         valid = valid & (docs[src.clamp(max=s - 1)] == docs)
     src = src.clamp(max=s - 1)
+    # Rolled left by k (labels[:, i+k] is t_{i+k+1}); invalid positions get id 0 and label -100.
     ids = torch.where(valid, input_ids[:, src], torch.zeros_like(input_ids))
     lab = torch.where(valid, labels[:, src], torch.full_like(labels, -100))
     mask = None
@@ -144,11 +149,14 @@ def roll_for_depth(
 
 def _embed(weight: torch.Tensor, ids: torch.Tensor, groups: ProcessGroups, sp: bool):
     """Vocab-parallel lookup with ``weight [V_pad/tp, h]`` (VocabParallelEmbedding's rule)."""
+    # [b, s] -> [s, b], sequence first like the hidden states.
     x = ids.transpose(0, 1)
     tp = groups.size("tp")
     if tp == 1:
         return F.embedding(x, weight)
     rows = weight.shape[0]
+    # Same rule as VocabParallelEmbedding: ids outside this rank's vocab rows look up row 0, are
+    # zeroed, and the sum over TP leaves the one rank that owns each id.
     local = x - rows * groups.rank("tp")
     outside = (local < 0) | (local >= rows)
     out = F.embedding(local.masked_fill(outside, 0), weight).masked_fill(outside.unsqueeze(-1), 0.0)
@@ -187,9 +195,14 @@ class MTPDepth(ShardedModule):
         self.final_layernorm = RMSNorm(config.hidden_size, **norm)
 
     def forward(self, hidden, embedded, inputs: AttentionInputs):
+        # [emb ; hidden] order, as Megatron-Core's and vLLM's DeepSeek-V3 MTP concatenate: eh_proj's
+        # input columns follow it.
         x = torch.cat((self.enorm(embedded), self.hnorm(hidden)), dim=-1)
         tp = self.groups.tp
         if self.sp:
+            # eh_proj is row-parallel: each TP rank needs its slice of the 2h features for all
+            # tokens. Backward keeps the own chunk: scatter_to_tp_region's backward all-gathers the
+            # feature slices, so the gradient is already complete.
             x = gather_from_sequence_region(x, tp, dim=0, grad_is_partial=False)
         h = self.eh_proj(scatter_to_tp_region(x, tp))
         h = self.transformer_layer(h, inputs)
@@ -252,6 +265,8 @@ class MultiTokenPrediction(ShardedModule):
         for segment, child in self._sharded_children():
             out.update(child.sharded_state_dict(f"{prefix}{segment}."))
         if self.embedding_weight is not None:
+            # replica_offset=1: the first stage's embedding is the primary copy of this key; the
+            # copy here is saved as a replica so the checkpoint holds one version.
             for st in param_shards(
                 self.embedding_weight, EMBEDDING_KEY, self.shard_ctx, replica_offset=1
             ):

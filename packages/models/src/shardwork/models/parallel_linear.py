@@ -96,13 +96,21 @@ class ColumnParallelLinear(ShardedModule):
         """
         tp = self.groups.tp
         if self.sequence_parallel:
+            # g of the SP paper (Korthikanti et al. 2022): all-gather the sequence forward; backward
+            # reduce-scatters because each rank's output slice contributes a partial gradient for
+            # every token.
             x = gather_from_sequence_region(x, tp, dim=0, grad_is_partial=True)
         else:
+            # f of the Megatron-LM paper (Shoeybi et al. 2019, sec. 3): identity forward, all-reduce
+            # of the input gradient backward.
             x = copy_to_tp_region(x, tp)
         w = self.weight if weight is None else weight
         b = None if self.bias is None else self.bias.to(x.dtype)
+        # Cast on the fly: params may be fp32 (params_dtype) while activations run in bf16.
         y = F.linear(x, w.to(x.dtype), b)
         if self.gather_output:
+            # Concatenates the local slices rank by rank: with several partition blocks the
+            # result is in per-rank block order, not the global [A | B] layout.
             y = gather_from_tp_region(y, tp)
         return y
 
@@ -136,6 +144,8 @@ class RowParallelLinear(ShardedModule):
         if bias:
             self.bias = describe_param(
                 _param((output_size,), dtype=params_dtype, device=device),
+                # Under SP the bias sees only this rank's tokens, so its gradient must be
+                # all-reduced over TP.
                 ParamMeta(sequence_parallel=sequence_parallel),
                 init="zeros",
             )
@@ -144,10 +154,14 @@ class RowParallelLinear(ShardedModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [s, b, in/tp]`` -> ``[s(/tp under SP), b, out]``, summed over TP."""
+        # No bias yet: each rank's product is a partial sum, and a bias added here would be counted
+        # tp times by the reduction.
         y = F.linear(x, self.weight.to(x.dtype))
         if self.sequence_parallel:
+            # g-bar of the SP paper: sum partial outputs and keep this rank's sequence chunk.
             y = reduce_scatter_to_sequence_region(y, self.groups.tp, dim=0)
         else:
+            # g of the Megatron-LM paper: all-reduce forward, identity backward.
             y = reduce_from_tp_region(y, self.groups.tp)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)

@@ -89,6 +89,8 @@ def checkpoint(
     ``replay``: the model's :class:`RecomputeReplay`, through which modules inside ``fn``
     hand state from the first run to the recompute (None: no module needs it).
     """
+    # Snapshot before the first run: the recompute must start from the streams' state at this
+    # point, not from wherever later layers have advanced them by the time backward runs.
     saved = tracker.get_states()
     calls = [0]
     log: list[Any] = []
@@ -100,6 +102,8 @@ def checkpoint(
         try:
             if first:
                 return fn(*inputs)
+            # Swap the snapshot in for the recompute, then restore the streams' current state so
+            # later forwards (other micro-batches under 1F1B) continue their own sequence.
             current = tracker.get_states()
             tracker.set_states(saved)
             try:
@@ -110,6 +114,7 @@ def checkpoint(
             if replay is not None:
                 replay._exit(previous)
 
+    # preserve_rng_state restores torch's global RNG; the tracker's streams are handled above.
     return torch.utils.checkpoint.checkpoint(
         run, *args, use_reentrant=False, preserve_rng_state=True
     )

@@ -22,6 +22,8 @@ __all__ = ["REPLICATED", "TENSOR_PARALLEL", "RNGTracker"]
 
 REPLICATED = "replicated"
 TENSOR_PARALLEL = "tensor_parallel"
+# The TP and PP offsets are Megatron-LM's: model_parallel_cuda_manual_seed uses seed + 2718 +
+# tp_rank for the tensor-parallel stream, _set_random_seed adds 100·pp_rank.
 _TP_OFFSET = 2718
 _PP_OFFSET = 100
 _LAYER_OFFSET = 7919
@@ -80,11 +82,15 @@ class RNGTracker:
         """Run the block with stream ``name`` as torch's global RNG of the tracker's device."""
         if name not in self._states:
             raise ValueError(f"unknown RNG stream {name!r}; valid: {sorted(self._states)}")
+        # Save the caller's global RNG so code outside the block draws as if the fork never
+        # happened.
         outer = _get_state(self.device)
         _set_state(self.device, self._states[name])
         try:
             yield
         finally:
+            # In finally: the stream keeps its advanced state even if the block raised (or a
+            # checkpoint stopped its recompute early), so later draws never repeat a mask.
             self._states[name] = _get_state(self.device)
             _set_state(self.device, outer)
 

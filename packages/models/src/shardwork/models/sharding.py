@@ -62,6 +62,8 @@ class ShardContext:
 
     def replica_id(self, tp_split: bool) -> int:
         """0 for the primary copy; a positive id on every rank holding a duplicate."""
+        # A TP-split piece differs per TP rank, so each TP rank of replica 0 holds a primary; a
+        # replicated tensor's only primary is tp rank 0 of replica 0. One rank saves each piece.
         tp_part = 0 if tp_split else self.tp_rank
         return tp_part + self.tp_size * self.replica_rank
 
@@ -113,6 +115,8 @@ def _tp_blocks(param: torch.Tensor, ctx: ShardContext, source: torch.Tensor | No
         gshape = list(shape)
         gshape[axis] = size
         off = [0] * len(shape)
+        # Each fused block is split on its own: this rank's slice of block q sits at q's tp_rank-th
+        # slice, not at an offset into the concatenated [q | k | v] tensor.
         off[axis] = local * ctx.tp_rank
         local_start += local
         yield f".{name}", view, tuple(gshape), tuple(off), True
@@ -123,6 +127,7 @@ def _real_rows(view, gshape, goff, real_rows):
     if real_rows is None:
         return view, gshape, goff
     start = goff[0]
+    # Padding rows sit at the end of the vocabulary, so clipping keeps a prefix of the piece.
     keep = min(view.shape[0], real_rows - start)
     if keep <= 0:
         return None
@@ -160,6 +165,7 @@ def param_shards(
 
 def key_seed(init_seed: int, key: str) -> int:
     """A 63-bit seed derived from the base seed and the global key (stable across runs)."""
+    # sha256 rather than hash(): Python's str hash is salted per process, so ranks would disagree.
     digest = hashlib.sha256(f"{init_seed}:{key}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
@@ -193,6 +199,7 @@ def normal_slice(
             )
     lines = global_shape[axis]
     start, stop = global_offset[axis], global_offset[axis] + shape[axis]
+    # The blocks overlapping [start, stop); max() keeps an empty slice from ending before it starts.
     first, last = start // INIT_BLOCK, max(start, stop - 1) // INIT_BLOCK
     parts = []
     for block in range(first, last + 1):
@@ -224,6 +231,8 @@ def init_from_shards(
     param.zero_()
     if rule == "zeros":
         return
+    # Output projections: std / sqrt(2·num_layers), Megatron's scaled_init_method_normal (GPT-2's
+    # scaling of residual-branch weights, two residual branches per layer).
     scale = std / math.sqrt(2.0 * num_layers) if rule == "scaled_normal" else std
     rows = getattr(param, _ROWS, None)
     tp_axis = get_param_meta(param).tp_axis

@@ -42,6 +42,8 @@ def _norm(config: GPTConfig, groups: ProcessGroups, device) -> RMSNorm:
         groups=groups,
         eps=config.norm_epsilon,
         backend=config.kernel_backend,
+        # Under SP the norm sees only this rank's tokens: its weight gradient is all-reduced over
+        # TP.
         partial_grad=config.sequence_parallel,
         params_dtype=config.params_dtype,
         device=device,
@@ -52,6 +54,8 @@ def hidden_dropout(x: torch.Tensor, p: float, *, training: bool, rng: RNGTracker
     """Dropout on hidden states from the right RNG stream (see module docstring)."""
     if p == 0.0 or not training:
         return x
+    # Under SP each TP rank holds different tokens, so masks must differ per rank; without SP every
+    # TP rank holds the same hidden states and must drop the same elements, or the replicas diverge.
     with rng.fork(TENSOR_PARALLEL if sp else REPLICATED):
         return F.dropout(x, p=p, training=True)
 
@@ -137,6 +141,8 @@ class TransformerBlock(ShardedModule):
     def forward(self, hidden: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         for layer in self.layers:
             if self.full_recompute and self.training:
+                # lyr=layer binds this iteration's layer: the recompute runs in backward, after
+                # the loop ended.
                 hidden = checkpoint(
                     lambda h, lyr=layer: lyr(h, inputs), self.rng, hidden, replay=self.replay
                 )

@@ -27,6 +27,8 @@ HF_MODEL_TYPES = ("deepseek_v3",)
 
 
 def _deepseek_yarn(mscale: float) -> YarnRopeScaling:
+    # The rope_scaling of the published config.json files: YaRN factor 40 over a 4096-token
+    # original context; mscale = mscale_all_dim (V3: 1.0, V2-Lite: 0.707).
     return YarnRopeScaling(
         factor=40.0,
         original_max_position_embeddings=4096,

@@ -107,6 +107,8 @@ class MoEConfig:
         freq = self.layer_freq
         if isinstance(freq, list):
             freq = tuple(freq)
+            # The dataclass is frozen: a list pattern is normalised to a tuple (hashable, compares
+            # equal to the tuple form) through object.__setattr__.
             object.__setattr__(self, "layer_freq", freq)
         if isinstance(freq, tuple):
             if not freq or any(v not in (0, 1) or isinstance(v, bool) for v in freq):

@@ -95,6 +95,8 @@ class ExpertShards:
         self, param: torch.Tensor, key: str, *, init_seed: int, std: float, num_layers: int
     ) -> None:
         """Normal init of every expert key, drawing only this rank's (etp) slice of it."""
+        # Output layers: std / sqrt(2·num_layers), Megatron's scaled_init_method_normal (GPT-2's
+        # residual scaling, two residual branches per layer).
         scale = std / (2.0 * num_layers) ** 0.5 if self.init == "scaled_normal" else std
         for k, view, gshape, off in self._pieces(param, key):
             local = normal_slice(
@@ -109,6 +111,7 @@ def _use_grouped_mm(mode: str, x: torch.Tensor, w: torch.Tensor) -> bool:
         return False
     ok = (
         x.dtype in _GROUPED_DTYPES
+        # grouped_mm needs 16-byte aligned row strides; otherwise fall back to the padded bmm.
         and (x.shape[-1] * x.element_size()) % 16 == 0
         and (w.shape[1] * w.element_size()) % 16 == 0
     )
@@ -143,10 +146,13 @@ def grouped_linear(
         # this rank too, or its peers wait in a collective this rank never joins.
         return x_NI.new_zeros((0, w_LOI.shape[1])) + 0 * w_LOI.sum() + 0 * x_NI.sum()
     if _use_grouped_mm(mode, x_NI, w_LOI):
+        # grouped_mm takes the end offset of each group's rows (int32), not the counts.
         offs = torch.cumsum(counts_L.to(device=x_NI.device, dtype=torch.int64), 0).to(torch.int32)
         y = F.grouped_mm(x_NI.contiguous(), w_LOI.transpose(1, 2), offs=offs)
         return _ContiguousGrad.apply(y)
     counts = counts_L.to(device=x_NI.device, dtype=torch.int64)
+    # Row i goes to (group_N[i], slot_N[i]) of a [L, max_count, in] zero-padded batch; padded rows
+    # multiply to zeros and are never gathered back.
     group_N = torch.repeat_interleave(torch.arange(L, device=x_NI.device), counts, output_size=n)
     starts = torch.cumsum(counts, 0) - counts
     slot_N = torch.arange(n, device=x_NI.device) - starts[group_N]
@@ -224,6 +230,7 @@ class GroupedExperts(ShardedModule):
                 f"tokens_per_expert has {tokens_per_expert_L.numel()} entries, expected "
                 f"{self.num_local_experts} local experts"
             )
+        # [N, H] -> fc1 [N, 2f] ([gate | up]) -> swiglu [N, f] -> fc2 [N, H] (partial over etp).
         w1 = self.linear_fc1.weight.to(tokens_NH.dtype)
         w2 = self.linear_fc2.weight.to(tokens_NH.dtype)
         h = grouped_linear(tokens_NH, w1, tokens_per_expert_L, mode=self.mode)

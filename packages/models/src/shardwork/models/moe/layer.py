@@ -82,6 +82,9 @@ class MoELayer(ShardedModule):
         if moe is None:
             raise ValueError("MoELayer needs GPTConfig.moe (a MoEConfig)")
         tp = groups.size("tp")
+        # Under SP the TP ranks hold different tokens, so the router's token counts must reduce over
+        # tp too; without SP they hold the same tokens and reducing over tp would count them tp
+        # times.
         sp = config.sequence_parallel and tp > 1
         self.layer_number = layer_number
         self.router = MoERouter(
@@ -101,6 +104,8 @@ class MoELayer(ShardedModule):
             moe.num_experts,
             ep_group=groups.group("ep"),
             etp_group=groups.group("etp"),
+            # Without SP every TP rank holds all tokens: each dispatches 1/tp of them and the
+            # dispatcher all-gathers the outputs, so no token runs through the experts tp times.
             tp_group=groups.tp if tp > 1 and not sp else None,
         )
         self.experts = GroupedExperts(
@@ -123,6 +128,8 @@ class MoELayer(ShardedModule):
                 self.shared_experts_gate = SharedExpertGate(
                     config.hidden_size,
                     groups,
+                    # Replicated over TP; under SP each rank sees only its tokens, so the gradient
+                    # is all-reduced.
                     sequence_parallel=sp,
                     params_dtype=config.params_dtype,
                     device=device,

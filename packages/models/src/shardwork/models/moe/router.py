@@ -62,6 +62,8 @@ class MoERouter(ShardedModule):
         )
         if self.inner.bias is not None:
             raise ValueError("RouterConfig.add_bias=True is not supported by the models' MoE layer")
+        # The gating weight lives on this ShardedModule (checkpoint key, layout-independent init,
+        # ParamMeta); the inner router's own copy is removed so it is not a second parameter.
         del self.inner.weight
         self.inner.register_parameter("weight", None)
         self.weight = describe_param(
@@ -96,7 +98,10 @@ class MoERouter(ShardedModule):
         cfg = self.inner.config
         seq_len, batch = hidden.shape[0], hidden.shape[1]
         x = self.inner._jitter(hidden)
+        # Like Megatron-Core's moe_router_dtype: logits (and so top-k) in fp32/fp64 for stable
+        # routing with many experts; unset means the activation dtype.
         dtype = _DTYPES.get(cfg.router_dtype, hidden.dtype)
+        # [s, b, h] -> [s*b, h]: token t = i·b + j, the row order the dispatcher uses.
         logits = torch.mm(x.reshape(-1, x.shape[-1]).to(dtype), self.weight.to(dtype).t())
         replay = self.replay
         if replay is not None and replay.recomputing:
@@ -104,6 +109,7 @@ class MoERouter(ShardedModule):
         if replay is not None and replay.recording:
             replay.record(self._global_counts())
             return self.inner.route(logits, seq_len=seq_len, batch=batch)
+        # -1: no backward pass is running on this thread, so this is an ordinary forward.
         if torch._C._current_graph_task_id() == -1:
             return self.inner.route(logits, seq_len=seq_len, batch=batch)
         # Recomputed inside backward by a checkpoint without our replay channel: record

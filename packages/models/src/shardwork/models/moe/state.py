@@ -36,9 +36,12 @@ def attach_moe(model: nn.Module, config, device) -> None:
     moe = config.moe
     if moe is None:
         return
+    # Meta tensors hold no values and the tracker counts real tokens: CPU for a meta build.
     tracker_device = "cpu" if torch.device(device).type == "meta" else device
     mtp_depths = config.mtp.num_layers if config.mtp is not None else 0
     model.aux_loss_tracker = AuxLossTracker(
+        # One row per global layer on every stage (MTP layers after the decoder's): stages without
+        # MoE layers join the same reductions with zero rows, so all ranks' tensors have one shape.
         num_layers=config.num_layers + mtp_depths,
         num_experts=moe.num_experts,
         device=tracker_device,
@@ -92,6 +95,8 @@ def moe_finalize_kwargs(
         return {}
     config = models[0].config
     sp = config.sequence_parallel and groups.size("tp") > 1
+    # Expert-bias token counts summed over the ranks that routed different tokens: with SP the TP
+    # ranks too; without it they routed the same tokens and would be counted tp times.
     bias_group = groups.group("tp_dp_cp") if sp else groups.group("dp_cp")
     routers = moe_routers(models)
     hooks = []

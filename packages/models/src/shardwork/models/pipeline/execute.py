@@ -110,6 +110,8 @@ def run_pipeline(
             if action.kind == "F":
                 inp = inbox.pop(("act", c, m), None)
                 if inp is not None and not forward_only:
+                    # The received activation is a leaf here; its .grad after backward is what goes
+                    # back upstream.
                     inp.requires_grad_(True)
                 set_input_tensor(chunk, inp)
                 with grad_mode:
@@ -119,6 +121,8 @@ def run_pipeline(
                         target = loss_sum if grad_scale == 1.0 else loss_sum * grad_scale
                     else:
                         comm.check_activation(output, chunk=c, microbatch=m)
+                        # Send a detached copy: the graph stays local, backward re-enters it through
+                        # autograd.backward(target, grad) with the gradient the next stage returns.
                         produced = output.detach()
                         if not forward_only:
                             sent_specs[(c, m)] = (output.shape, output.dtype)
@@ -128,13 +132,20 @@ def run_pipeline(
             else:
                 inp, target = saved.pop((c, m))
                 grad = None if virtual_stage == last_virtual else inbox.pop(("grad", c, m))
+                # Only a chunk's last backward lets a DDP wrapper reduce: gradients of all
+                # microbatches are summed locally first, so they are reduced once per step.
                 sync = contextlib.nullcontext() if action == last_backward[c] else no_sync(chunk)
                 with sync:
                     torch.autograd.backward(target, grad_tensors=grad)
                 if virtual_stage > 0:
                     assert inp is not None
+                    # A stage whose output does not depend on its input (e.g. detached) still owes
+                    # the previous stage a gradient message, or that rank would wait for it forever.
                     produced = inp.grad if inp.grad is not None else torch.zeros_like(inp)
+        # The plan and the executed actions must agree, or the ranks' exchanges would mismatch.
         assert len(tick.sends) == (0 if produced is None else 1), (tick, produced is None)
+        # Every rank runs the exchange of each tick its plan lists, in tick order: the peers
+        # computed the same plan, so each exchange pairs with theirs (see plan.py).
         if tick.sends or tick.recvs:
             grad_specs = {
                 msg: sent_specs.pop((msg.chunk, msg.microbatch))

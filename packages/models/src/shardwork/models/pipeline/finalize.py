@@ -50,6 +50,9 @@ def _grads_or_zeros(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
         if not p.requires_grad:
             continue
         g = _grad(p)
+        # Zeros instead of skipping: every rank of the group must flatten the same parameters into
+        # the coalesced buffer, or the all-reduce would sum misaligned elements (or mismatch in
+        # size).
         if g is None:
             p.grad = torch.zeros_like(p)
             g = p.grad
@@ -64,6 +67,7 @@ def all_reduce_coalesced(grads: Sequence[torch.Tensor], group) -> None:
     buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for g in grads:
         buckets.setdefault((g.dtype, g.device), []).append(g)
+    # Sorted buckets: every rank issues its all-reduces in the same order, or they pair wrongly.
     for _, bucket in sorted(buckets.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
         flat = torch.cat([g.reshape(-1) for g in bucket])
         dist.all_reduce(flat, group=group)
@@ -129,9 +133,13 @@ def finalize_model_grads(
             dense = [p for p in own if not get_param_meta(p).is_expert]
             expert = [p for p in own if get_param_meta(p).is_expert]
             all_reduce_coalesced(_grads_or_zeros(dense), groups.group("dp_cp"))
+            # Expert weights are distinct across ep ranks; only their expert-data-parallel replicas
+            # hold the same ones.
             all_reduce_coalesced(_grads_or_zeros(expert), groups.group("edp"))
 
     if groups.size("tp") > 1:
+        # Replicated over TP but fed only this rank's tokens (or heads): each TP rank has a partial
+        # sum.
         sp = [p for p in params if get_param_meta(p).sequence_parallel]
         all_reduce_coalesced(_grads_or_zeros(sp), groups.group("tp"))
 
@@ -153,7 +161,10 @@ def finalize_model_grads(
         return None
     device = params[0].device if params else torch.device("cpu")
     total = torch.as_tensor(num_tokens, dtype=torch.float64).to(device).reshape(())
+    # Clone: the all-reduce below is in place and must not overwrite the caller's tensor.
     total = total.clone()
+    # Only the last pp stage counts tokens (0 elsewhere), so summing over pp gives every stage the
+    # count; then over dp×cp for all replicas. float64 keeps the count exact.
     for group in (groups.group("pp"), groups.group("dp_cp")):
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(total, group=group)

@@ -47,6 +47,7 @@ def loss_totals(
             device = torch.device("cuda", torch.cuda.current_device())
         else:
             device = torch.device("cpu")
+    # float64 sums: token counts stay exact and many micro-batches' losses add without fp32 drift.
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for item in losses:
         total[0] += item.loss_sum.detach().to(total)
@@ -71,4 +72,5 @@ def reduce_loss(
     for group in (pp_group, dp_cp_group):
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(total, group=group)
+    # Divide after the reductions: a mean of per-rank means would weigh ranks with fewer tokens up.
     return total[0] / total[1], total[0], total[1]

@@ -27,8 +27,12 @@ import torch.distributed as dist
 
 from shardwork.models.pipeline.plan import Message
 
+# Distinct tags keep an activation and a gradient between the same two ranks in one tick
+# (pp = 2 with virtual chunks) from pairing with each other.
 _TAGS = {"act": 0, "grad": 1}
 _HEADER_TAG = 2
+# Header: [dtype code, ndim, dims..., zero padding], a fixed length so the receiver can post it
+# before knowing the shape.
 _MAX_DIMS = 8
 _DTYPES = (
     torch.float32,
@@ -55,6 +59,8 @@ def _post(ops: list, messages: Sequence[Message], tensors: dict, me: int, group,
 
 def _run(ops: list) -> None:
     if ops:
+        # All of a tick's sends and receives are posted together, so two ranks that both send before
+        # they receive cannot block each other.
         for work in dist.batch_isend_irecv(ops):
             work.wait()
 
@@ -139,6 +145,8 @@ class P2PExchange:
             for msg in act_recvs:
                 headers[msg] = torch.empty(_MAX_DIMS + 2, dtype=torch.int64, device=self.device)
             ops: list = []
+            # Headers go in their own round before the payloads: the receiver needs the shape to
+            # allocate. Sorted, so both ends post in the same order.
             _post(ops, sorted(headers), headers, self.rank, self.group, lambda m: _HEADER_TAG)
             _run(ops)
             for msg in act_recvs:
@@ -151,12 +159,14 @@ class P2PExchange:
             if msg.kind == "grad":
                 specs[msg] = grad_specs[msg]
 
+        # torch.distributed sends only contiguous tensors (a strided view would raise).
         tensors = {m: t.contiguous() for m, t in sends.items()}
         received = {
             m: torch.empty(specs[m][0], dtype=specs[m][1], device=self.device) for m in recvs
         }
         tensors.update(received)
         ops = []
+        # Canonical (sorted) order on both ends, so matching sends and receives pair up.
         _post(ops, sorted(tensors), tensors, self.rank, self.group, lambda m: _TAGS[m.kind])
         _run(ops)
         return received

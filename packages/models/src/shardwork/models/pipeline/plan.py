@@ -73,6 +73,8 @@ def one_f_one_b_order(
     m = num_microbatches
     if forward_only:
         return [Action("F", 0, i) for i in range(m)]
+    # The last stage needs no warm-up; each earlier stage one more, to fill the pipeline before
+    # its first backward arrives (Narayanan et al. 2021, PipeDream-Flush / 1F1B).
     warmup = min(pp_size - pp_rank - 1, m)
     order = [Action("F", 0, i) for i in range(warmup)]
     for i in range(m - warmup):
@@ -100,6 +102,7 @@ def interleaved_order(
     total = m * v
 
     def microbatch(k: int) -> int:
+        # Within a group of p·v virtual steps the same p microbatches visit each chunk in turn.
         return (k // (p * v)) * p + k % p
 
     def forward(k: int) -> Action:
@@ -110,6 +113,7 @@ def interleaved_order(
 
     if forward_only:
         return [forward(k) for k in range(total)]
+    # Megatron-Core's num_warmup_microbatches for the interleaved schedule, so the two orders match.
     warmup = min(2 * (p - pp_rank - 1) + (v - 1) * p, total)
     order = [forward(k) for k in range(warmup)]
     for k in range(total - warmup):
@@ -175,6 +179,8 @@ def plan_ticks(orders: list[list[Action]], *, vpp: int = 1) -> list[list[Tick]]:
                 if (r, a.chunk, a.microbatch) not in done_forward:
                     raise RuntimeError(f"rank {r}: {a} comes before its forward")
                 dep = ("B", vs + 1, a.microbatch) if vs < last_virtual else None
+            # An input produced at tick t is exchanged at the end of tick t, so it is usable from
+            # t+1.
             if dep is not None and produced.get(dep, tick) >= tick:
                 continue
             produced[(a.kind, vs, a.microbatch)] = tick
@@ -183,6 +189,7 @@ def plan_ticks(orders: list[list[Action]], *, vpp: int = 1) -> list[list[Tick]]:
                 done_forward.add((r, a.chunk, a.microbatch))
                 if vs < last_virtual:
                     nxt = vs + 1
+                    # Virtual stage v lives on rank v % p as chunk v // p.
                     msg = Message("act", r, nxt % p, nxt // p, a.microbatch)
                     messages.setdefault(tick, []).append(msg)
             elif vs > 0:
@@ -198,6 +205,7 @@ def plan_ticks(orders: list[list[Action]], *, vpp: int = 1) -> list[list[Tick]]:
 
     plans: list[list[Tick]] = [[] for _ in range(p)]
     for t in range(tick):
+        # Both ends see the same sorted list, so they post a tick's messages in the same order.
         msgs = sorted(messages.get(t, ()))
         for r in range(p):
             sends = tuple(m for m in msgs if m.src == r)

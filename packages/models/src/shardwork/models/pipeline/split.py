@@ -88,6 +88,8 @@ def layer_split(
     )
     split: list[list[range]] = [[range(0)] * v for _ in range(pp_size)]
     start = 0
+    # Chunk-major: chunk c of every rank before chunk c+1, so virtual stage c·pp + r holds the
+    # next layers after virtual stage c·pp + r - 1 (Megatron's interleaved assignment).
     for c in range(v):
         for r in range(pp_size):
             size = per_rank[r] // v

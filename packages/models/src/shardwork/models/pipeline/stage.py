@@ -78,6 +78,8 @@ def build_stage(
         config,
         groups,
         layer_range=(layers.start, layers.stop),
+        # Virtual stage 0 (chunk 0 of rank 0) embeds; the last virtual stage (last chunk of the last
+        # rank) holds the final norm and head.
         pre_process=(pp_rank == 0 and chunk == 0),
         post_process=(pp_rank == pp - 1 and chunk == vpp - 1),
         device=device,
