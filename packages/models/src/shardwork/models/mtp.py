@@ -3,9 +3,12 @@
 Depth ``k`` (1..D) at position ``i`` combines the previous depth's hidden state ``h`` (depth 0:
 the main model's output after its final norm) with the embedding of token ``i+k``::
 
-    h_k = layer_k(eh_proj_k([hnorm_k(h_{k-1}) ; enorm_k(emb(t_{i+k}))]))
+    h_k = layer_k(eh_proj_k([enorm_k(emb(t_{i+k})) ; hnorm_k(h_{k-1})]))
     logits_k = head(final_norm_k(h_k))        -> predicts t_{i+k+1} (= labels[i+k])
 
+- The concatenation puts the embedding first, as Megatron-Core's and vLLM's DeepSeek-V3 MTP
+  do (the paper's formula writes the hidden state first; the order only permutes
+  ``eh_proj``'s input columns, so it matters for exchanging ``eh_proj`` weights).
 - Embedding and head are the main model's (shared weights). On a pipeline's last stage
   (pp > 1) the embedding is a copy: the tied LM head's copy when embeddings are tied, else an
   MTP-owned copy with the embedding's checkpoint key (saved as a replica) and
