@@ -28,7 +28,7 @@ from shardwork.models import (
 from shardwork.models.families import DENSE_FAMILIES, FAMILIES, MOE_FAMILIES
 from shardwork.models.families.twins import tiny_moe
 from shardwork.models.hf import SUPPORTED_MODEL_TYPES, hf_config_from_gpt
-from shardwork.models.hf.moe_config import MOE_MODEL_TYPES
+from shardwork.models.hf.moe_adapters import MOE_MODEL_TYPES
 from shardwork.models.pipeline import build_stage
 from shardwork.models.sharding import describe_param
 from shardwork.models.testing import random_batch
@@ -263,7 +263,7 @@ def test_every_preset_belongs_to_one_family_and_maps_to_its_hf_model_type():
     assert set(owners) == set(PRESETS)
     dense_types = {t for f in DENSE_FAMILIES for t in f.HF_MODEL_TYPES}
     moe_types = {t for f in MOE_FAMILIES for t in f.HF_MODEL_TYPES}
-    assert dense_types == set(SUPPORTED_MODEL_TYPES)
+    assert dense_types | moe_types == set(SUPPORTED_MODEL_TYPES)
     assert moe_types == set(MOE_MODEL_TYPES)
 
 

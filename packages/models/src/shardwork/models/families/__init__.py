@@ -4,7 +4,9 @@ Each family module declares its presets (``PRESETS``: published shapes, ``TINY_P
 twins with the same features), the published parameter counts they are checked against
 (``PUBLISHED_PARAMS``), the layer layout :func:`~shardwork.models.spec.spec_for` gives its
 configs (module docstring), and the Hugging Face ``model_type`` s its configs map to
-(``HF_MODEL_TYPES``; the mapping itself lives in :mod:`shardwork.models.hf`).
+(``HF_MODEL_TYPES``) with the Hugging Face adapter of each (the ``HFAdapter`` in
+:mod:`shardwork.models.hf.registry`, keyed by those types). Families do not import the bridge
+and the bridge does not import families (no cycle); a test checks the two agree.
 
 :data:`DENSE_FAMILIES` and :data:`MOE_FAMILIES` list them in preset order;
 :mod:`shardwork.models.presets` and :mod:`shardwork.models.presets_moe` gather their presets.

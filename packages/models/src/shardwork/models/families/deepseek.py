@@ -6,8 +6,8 @@
   (V3: 3 dense then 58 MoE; V2-Lite: 1 dense then 26 MoE). V3 adds one MTP depth, an
   ``("mla", "moe")`` layer numbered ``num_layers``. V3 routes with a group-limited sigmoid and
   an aux-loss-free expert bias; V2-Lite with softmax top-6.
-- Hugging Face: ``model_type`` ``"deepseek_v3"`` (both; :mod:`shardwork.models.hf.moe_config`,
-  :mod:`shardwork.models.hf.moe_weights`).
+- Hugging Face: ``model_type`` ``"deepseek_v3"`` (both): adapter
+  :data:`shardwork.models.hf.moe_adapters.DEEPSEEK_V3`.
 """
 
 from __future__ import annotations

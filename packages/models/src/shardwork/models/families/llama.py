@@ -3,8 +3,8 @@
 - Spec (:func:`~shardwork.models.spec.spec_for`): every layer ``LayerSpec("attention",
   "dense")`` (GQA except Llama 2, SwiGLU MLP), rotary over the whole head (halves rotated),
   Llama 3.1/3.2 with Llama-3 RoPE scaling; Llama 3.2 ties the embeddings.
-- Hugging Face: ``model_type`` ``"llama"`` (:mod:`shardwork.models.hf.config_map`, keys in
-  :mod:`shardwork.models.hf.keys`).
+- Hugging Face: ``model_type`` ``"llama"`` adapter
+  :data:`shardwork.models.hf.dense_adapters.LLAMA`.
 """
 
 from __future__ import annotations

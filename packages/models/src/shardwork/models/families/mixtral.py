@@ -2,8 +2,8 @@
 
 - Spec (:func:`~shardwork.models.spec.spec_for`): every layer ``LayerSpec("attention",
   "moe")`` (GQA; 8 experts, softmax over the top-2 logits, no shared expert).
-- Hugging Face: ``model_type`` ``"mixtral"`` (:mod:`shardwork.models.hf.moe_config`, expert
-  weights in :mod:`shardwork.models.hf.moe_weights`).
+- Hugging Face: ``model_type`` ``"mixtral"`` adapter
+  :data:`shardwork.models.hf.moe_adapters.MIXTRAL`.
 """
 
 from __future__ import annotations

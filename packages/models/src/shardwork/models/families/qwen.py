@@ -3,7 +3,8 @@
 - Spec (:func:`~shardwork.models.spec.spec_for`): every layer ``LayerSpec("attention",
   "dense")``; Qwen2.5 adds a QKV bias, Qwen3 per-head QK-norm (``qk_layernorm``) and an
   explicit ``head_dim``; rope theta 1e6.
-- Hugging Face: ``model_type`` ``"qwen2"`` / ``"qwen3"`` (:mod:`shardwork.models.hf.config_map`).
+- Hugging Face: ``model_type`` ``"qwen2"`` / ``"qwen3"`` adapters
+  :data:`~shardwork.models.hf.dense_adapters.QWEN2`, :data:`~shardwork.models.hf.dense_adapters.QWEN3`.
 """
 
 from __future__ import annotations

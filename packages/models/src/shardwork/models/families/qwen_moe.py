@@ -5,7 +5,8 @@
   bias, softmax over all experts without renormalising, a shared expert scaled by a sigmoid
   gate.
 - Hugging Face: ``model_type`` ``"qwen2_moe"`` / ``"qwen3_moe"``
-  (:mod:`shardwork.models.hf.moe_config`, :mod:`shardwork.models.hf.moe_weights`).
+  adapters :data:`~shardwork.models.hf.moe_adapters.QWEN2_MOE`,
+  :data:`~shardwork.models.hf.moe_adapters.QWEN3_MOE`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Import a Hugging Face checkpoint folder into a GPTModel at any layout; export one back.
 
+- The model's adapter (:func:`~shardwork.models.hf.registry.adapter_for_config`) gives the
+  tensor names and the weight layout (``dense`` here, ``experts`` in
+  :mod:`~shardwork.models.hf.moe_weights`); nothing here depends on the family.
 - :func:`load_hf_weights` fills every local piece of ``model.sharded_state_dict()`` from the
   folder's safetensors (single file or sharded with ``model.safetensors.index.json``) using
   ``safe_open(...).get_slice``: each rank reads only the rows/columns it holds.
@@ -26,23 +29,29 @@ from shardwork.models.gpt_model import GPTModel
 from shardwork.models.hf.config_map import gpt_config_from_hf, hf_config_from_gpt, read_hf_config
 from shardwork.models.hf.files import weight_files, write_safetensors
 from shardwork.models.hf.keys import to_hf_key
-from shardwork.models.hf.moe_weights import load_hf_moe_weights, save_moe_pretrained
+from shardwork.models.hf.moe_weights import load_hf_moe_weights, moe_hf_state_dict
+from shardwork.models.hf.registry import adapter_for_config
 from shardwork.models.module import to_empty_keep_meta
 from shardwork.parallel_state import ProcessGroups
 
 __all__ = ["from_pretrained", "load_hf_weights", "save_pretrained"]
 
 
-@torch.no_grad()
 def load_hf_weights(model: GPTModel, folder: str | Path) -> GPTModel:
     """Copy the HF checkpoint in ``folder`` into ``model``'s local shards (in place)."""
-    if model.config.moe is not None or model.config.mla is not None:  # MoE families
+    adapter = adapter_for_config(model.config)
+    if adapter.weight_layout == "experts":
         return load_hf_moe_weights(model, folder)
-    folder = Path(folder)
+    return _load_dense(model, Path(folder), adapter.key_rules())
+
+
+@torch.no_grad()
+def _load_dense(model: GPTModel, folder: Path, rules: list[tuple[str, str]]) -> GPTModel:
+    """The ``dense`` layout: every shardwork key is one HF tensor, read by slices."""
     files = weight_files(folder)
     by_file: dict[Path, list[tuple[str, Any]]] = {}
     for key, st in model.sharded_state_dict().items():
-        name = to_hf_key(key)
+        name = to_hf_key(key, rules)
         if name not in files:
             raise ValueError(
                 f"{folder!s} has no tensor {name!r} (for {key!r}); check tie_word_embeddings "
@@ -104,17 +113,17 @@ def save_pretrained(
     max_shard_bytes: int = 5 * 2**30,
 ) -> None:
     """Write ``model`` (all its ranks and stages, which must all call this) as a HF folder."""
-    if model.config.moe is not None or model.config.mla is not None:  # MoE families
-        return save_moe_pretrained(
-            model, folder, dtype=dtype, group=group, max_shard_bytes=max_shard_bytes
-        )
-    full = full_state_dict(model, group=group, dtype=dtype)
+    hf = hf_config_from_gpt(model.config, dtype=dtype)
+    adapter = adapter_for_config(model.config)
+    if adapter.weight_layout == "experts":
+        tensors = moe_hf_state_dict(model, group=group, dtype=dtype)
+    else:
+        full = full_state_dict(model, group=group, dtype=dtype)
+        rules = adapter.key_rules()
+        tensors = {to_hf_key(k, rules): v.contiguous() for k, v in full.items()}
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     if rank != 0:
         return
     folder = Path(folder)
-    write_safetensors(
-        folder, {to_hf_key(k): v.contiguous() for k, v in full.items()}, max_shard_bytes
-    )
-    hf = hf_config_from_gpt(model.config, dtype=dtype)
+    write_safetensors(folder, tensors, max_shard_bytes)
     (folder / "config.json").write_text(json.dumps(hf, indent=2))

@@ -1,15 +1,11 @@
-"""Tensor names and weight import/export for Hugging Face MoE families (any ep/etp/tp/pp layout).
+"""Weight import/export of the ``experts`` layout (Hugging Face MoE families, any
+ep/etp/tp/pp layout); tensor names come from the model's adapter (``key_rules``, see
+:mod:`shardwork.models.hf.moe_adapters`).
 
-- :func:`moe_key_rules` extends the dense ``KEY_RULES`` per family: routers
-  (``block_sparse_moe.gate`` for Mixtral on disk, ``mlp.gate`` elsewhere), per-expert tensors
-  (``experts.<e>.w1/w3/w2`` for Mixtral, ``experts.<e>.gate_proj/up_proj/down_proj``),
-  ``e_score_correction_bias`` (DeepSeek-V3 expert bias), shared experts and their gate
-  (``shared_expert`` + ``shared_expert_gate`` for Qwen2-MoE, ``shared_experts`` for
-  DeepSeek-V3), MLA projections (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj`` / ``q_proj``,
-  ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``) and MTP depths (DeepSeek's
-  ``model.layers.<L+k>`` with ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, and
-  copies of the shared ``embed_tokens`` / ``shared_head.head``: :func:`mtp_shared_copies`;
-  export writes them, import checks they equal the main embedding and head).
+- MTP depths: DeepSeek's ``model.layers.<L+k>`` with ``enorm``, ``hnorm``, ``eh_proj``,
+  ``shared_head.norm``, and, for adapters with ``mtp_copies``, copies of the shared
+  ``embed_tokens`` / ``shared_head.head`` (:func:`mtp_shared_copies`; export writes them,
+  import checks they equal the main embedding and head).
 - Import reads each local ShardedTensor's slice from a *source*: a checkpoint folder (per-expert
   tensors as saved on disk, read with ``safe_open(...).get_slice``) or an in-memory state dict
   (e.g. a transformers 5 model's ``state_dict()``, whose experts are fused
@@ -17,25 +13,23 @@
   absent the fused tensor is sliced instead, so both layouts load at any layout.
 - Export: :func:`moe_hf_state_dict` assembles full tensors (all ranks call it) with per-expert
   disk names, or with ``fused=True`` the transformers 5 in-memory names that
-  ``model.load_state_dict`` takes; :func:`save_moe_pretrained` writes a folder
-  transformers' ``from_pretrained`` loads.
+  ``model.load_state_dict`` takes; :func:`~shardwork.models.hf.checkpoint.save_pretrained`
+  writes the per-expert names to a folder transformers' ``from_pretrained`` loads.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 
 from shardwork.models.full_state import full_state_dict
-from shardwork.models.hf.files import weight_files, write_safetensors
-from shardwork.models.hf.keys import KEY_RULES, to_hf_key
-from shardwork.models.hf.moe_config import hf_config_from_moe, moe_model_type
+from shardwork.models.hf.files import weight_files
+from shardwork.models.hf.keys import to_hf_key
+from shardwork.models.hf.registry import adapter_for_config
 from shardwork.models.moe.state import moe_routers
 
 __all__ = [
@@ -43,51 +37,11 @@ __all__ = [
     "load_hf_moe_state_dict",
     "load_hf_moe_weights",
     "moe_hf_state_dict",
-    "moe_key_rules",
     "mtp_shared_copies",
-    "save_moe_pretrained",
-]
-
-_L = r"decoder\.layers\.(\d+)\."
-_MLA = [
-    (r"self_attention\.linear_q_down_proj\.weight", "self_attn.q_a_proj.weight"),
-    (r"self_attention\.q_layernorm\.weight", "self_attn.q_a_layernorm.weight"),
-    (r"self_attention\.linear_q_up_proj\.weight", "self_attn.q_b_proj.weight"),
-    (r"self_attention\.linear_q_proj\.weight", "self_attn.q_proj.weight"),
-    (r"self_attention\.linear_kv_down_proj\.weight", "self_attn.kv_a_proj_with_mqa.weight"),
-    (r"self_attention\.kv_layernorm\.weight", "self_attn.kv_a_layernorm.weight"),
-    (r"self_attention\.linear_kv_up_proj\.weight", "self_attn.kv_b_proj.weight"),
 ]
 
 
-def _layer_rules(model_type: str) -> list[tuple[str, str]]:
-    """Rules for the part of a key after ``decoder.layers.<i>.`` (relative to one layer)."""
-    moe = "block_sparse_moe" if model_type == "mixtral" else "mlp"
-    names = ("w1", "w3", "w2") if model_type == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-    shared = "shared_expert" if model_type == "qwen2_moe" else "shared_experts"
-    rules = [
-        (r"mlp\.router\.weight", f"{moe}.gate.weight"),
-        (r"mlp\.router\.expert_bias", "mlp.gate.e_score_correction_bias"),
-        (r"mlp\.experts\.linear_fc1\.weight\.(\d+)\.gate", rf"{moe}.experts.\1.{names[0]}.weight"),
-        (r"mlp\.experts\.linear_fc1\.weight\.(\d+)\.up", rf"{moe}.experts.\1.{names[1]}.weight"),
-        (r"mlp\.experts\.linear_fc2\.weight\.(\d+)", rf"{moe}.experts.\1.{names[2]}.weight"),
-        (r"mlp\.shared_experts\.fc1\.weight\.(gate|up)", rf"mlp.{shared}.\1_proj.weight"),
-        (r"mlp\.shared_experts\.fc2\.weight", f"mlp.{shared}.down_proj.weight"),
-        (r"mlp\.shared_experts_gate\.weight", "mlp.shared_expert_gate.weight"),
-    ]
-    return rules + (_MLA if model_type == "deepseek_v3" else [])
-
-
-def moe_key_rules(model_type: str, num_layers: int) -> list[tuple[str, str]]:
-    """Ordered (regex, template) rules from shardwork keys to HF tensor names on disk."""
-    rules = [
-        (_L + pat, r"model.layers.\1." + tpl.replace(r"\1", r"\2"))
-        for pat, tpl in _layer_rules(model_type)
-    ]
-    return rules + list(KEY_RULES)
-
-
-def _mtp_name(key: str, model_type: str, num_layers: int) -> str | None:
+def _mtp_name(key: str, rules: list[tuple[str, str]], num_layers: int) -> str | None:
     m = re.fullmatch(r"mtp\.layers\.(\d+)\.(.+)", key)
     if m is None:
         return None
@@ -101,8 +55,7 @@ def _mtp_name(key: str, model_type: str, num_layers: int) -> str | None:
     if rest in fixed:
         return f"model.layers.{layer}.{fixed[rest]}"
     inner = rest.removeprefix("transformer_layer.")
-    name = to_hf_key(f"decoder.layers.{layer}.{inner}", moe_key_rules(model_type, num_layers))
-    return name
+    return to_hf_key(f"decoder.layers.{layer}.{inner}", rules)
 
 
 def mtp_shared_copies(config) -> dict[str, str]:
@@ -113,7 +66,7 @@ def mtp_shared_copies(config) -> dict[str, str]:
     ``lm_head`` (DeepSeek-V3's README_WEIGHTS.md: the MTP module shares them). shardwork keeps
     one embedding and one head, so export writes these copies and import checks them.
     """
-    if config.mtp is None or moe_model_type(config) != "deepseek_v3":
+    if config.mtp is None or not adapter_for_config(config).mtp_copies:
         return {}
     head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
     out = {}
@@ -124,10 +77,11 @@ def mtp_shared_copies(config) -> dict[str, str]:
     return out
 
 
-def hf_name(key: str, model_type: str, num_layers: int) -> str:
-    """The HF (disk) tensor name of shardwork checkpoint ``key``."""
-    mtp = _mtp_name(key, model_type, num_layers)
-    return mtp if mtp is not None else to_hf_key(key, moe_key_rules(model_type, num_layers))
+def hf_name(key: str, rules: list[tuple[str, str]], num_layers: int) -> str:
+    """The HF (disk) tensor name of shardwork checkpoint ``key`` under an adapter's ``rules``
+    (MTP depths numbered after the ``num_layers`` main layers)."""
+    mtp = _mtp_name(key, rules, num_layers)
+    return mtp if mtp is not None else to_hf_key(key, rules)
 
 
 _EXPERT = re.compile(
@@ -207,11 +161,11 @@ class _Source:
 @torch.no_grad()
 def _load(model, source: _Source) -> Any:
     cfg = model.config
-    mt = moe_model_type(cfg)
+    rules = adapter_for_config(cfg).key_rules()
     copies = mtp_shared_copies(cfg)
     try:
         for key, st in model.sharded_state_dict().items():
-            name = hf_name(key, mt, cfg.num_layers)
+            name = hf_name(key, rules, cfg.num_layers)
             index = tuple(slice(o, o + s) for o, s in zip(st.global_offset, st.data.shape))
             st.data.copy_(source.read(name, index, tuple(st.global_shape)).to(st.data.dtype))
             for copy, main in copies.items():  # MTP copies of shared weights must be equal
@@ -248,9 +202,9 @@ def moe_hf_state_dict(
     transformers 5 in-memory layout (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``).
     """
     cfg = model.config
-    mt = moe_model_type(cfg)
+    rules = adapter_for_config(cfg).key_rules()
     full = full_state_dict(model, group=group, dtype=dtype)
-    out = {hf_name(k, mt, cfg.num_layers): v.contiguous() for k, v in full.items()}
+    out = {hf_name(k, rules, cfg.num_layers): v.contiguous() for k, v in full.items()}
     for copy, main in mtp_shared_copies(cfg).items():  # as DeepSeek-V3 checkpoints store them
         out[copy] = out[main].clone()  # own storage: safetensors refuses shared memory
     if not fused:
@@ -273,22 +227,3 @@ def moe_hf_state_dict(
                 [torch.cat((by_expert[e]["gate_proj"], by_expert[e]["up_proj"])) for e in order]
             )
     return result
-
-
-def save_moe_pretrained(
-    model,
-    folder: str | Path,
-    *,
-    dtype: torch.dtype | None = None,
-    group=None,
-    max_shard_bytes: int = 5 * 2**30,
-) -> None:
-    """Write ``model`` as an HF folder with per-expert tensors (all ranks and stages call it)."""
-    tensors = moe_hf_state_dict(model, group=group, dtype=dtype)
-    rank = dist.get_rank(group) if dist.is_initialized() else 0
-    if rank != 0:
-        return
-    folder = Path(folder)
-    write_safetensors(folder, tensors, max_shard_bytes)
-    config = hf_config_from_moe(model.config, dtype=dtype)
-    (folder / "config.json").write_text(json.dumps(config, indent=2))

@@ -1,0 +1,113 @@
+"""Hugging Face adapters of the dense families: ``llama`` (Llama 2/3/3.1/3.2), ``qwen2`` (QKV
+bias), ``qwen3`` (QK-norm).
+
+They share every field but the attention variant; unsupported features (o_proj/MLP biases,
+activations other than SiLU, sliding windows) raise ``ValueError`` naming the field instead of
+silently loading a different model. Tensor names are the dense ``KEY_RULES``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardwork.models.config import GPTConfig
+from shardwork.models.hf.adapter import HFAdapter
+from shardwork.models.hf.rope_map import rope_from_hf, rope_scaling_to_hf
+
+__all__ = ["DENSE_ADAPTERS", "LLAMA", "QWEN2", "QWEN3"]
+
+
+def _dense_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """``GPTConfig`` fields every dense family reads the same way (after the shared checks)."""
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act={act!r} is not supported; valid: 'silu' (SwiGLU)")
+    if hf.get("mlp_bias"):
+        raise ValueError("mlp_bias=True is not supported; valid: False")
+    if hf.get("use_sliding_window"):
+        raise ValueError("use_sliding_window=True is not supported; valid: False")
+    theta, scaling = rope_from_hf(hf)
+    heads = int(hf["num_attention_heads"])
+    return dict(
+        num_layers=int(hf["num_hidden_layers"]),
+        hidden_size=int(hf["hidden_size"]),
+        num_attention_heads=heads,
+        num_query_groups=int(hf.get("num_key_value_heads") or heads),
+        head_dim=hf.get("head_dim") or None,
+        ffn_hidden_size=int(hf["intermediate_size"]),
+        vocab_size=int(hf["vocab_size"]),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
+        qk_layernorm=False,
+        add_qkv_bias=False,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        init_method_std=float(hf.get("initializer_range", 0.02)),
+    )
+
+
+def _dense_to_hf(config: GPTConfig) -> dict[str, Any]:
+    return {
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.ffn_hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.kv_heads,
+        "head_dim": config.kv_channels,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.norm_epsilon,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": rope_scaling_to_hf(config.rope_scaling),
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "attention_bias": False,
+        "attention_dropout": config.attention_dropout,
+        "initializer_range": config.init_method_std,
+    }
+
+
+def _is_dense(config: GPTConfig) -> bool:
+    return config.moe is None and config.mla is None
+
+
+def _llama_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    fields = _dense_fields(hf)
+    if hf.get("attention_bias"):
+        raise ValueError(
+            "attention_bias=True (llama: biases on q/k/v and o_proj) is not supported; valid: False"
+        )
+    return fields
+
+
+def _qwen3_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    fields = _dense_fields(hf) | dict(qk_layernorm=True)
+    if hf.get("attention_bias"):
+        raise ValueError("attention_bias=True with model_type='qwen3' is not supported")
+    return fields
+
+
+LLAMA = HFAdapter(
+    model_type="llama",
+    architecture="LlamaForCausalLM",
+    fields_from_hf=_llama_from_hf,
+    fields_to_hf=lambda c: _dense_to_hf(c) | {"mlp_bias": False},
+    claims=lambda c: _is_dense(c) and not c.qk_layernorm and not c.add_qkv_bias,
+)
+QWEN2 = HFAdapter(
+    model_type="qwen2",
+    architecture="Qwen2ForCausalLM",
+    # Qwen2's q/k/v always carry biases (o_proj none), whatever attention_bias says
+    fields_from_hf=lambda hf: _dense_fields(hf) | dict(add_qkv_bias=True),
+    fields_to_hf=_dense_to_hf,
+    claims=lambda c: _is_dense(c) and not c.qk_layernorm and c.add_qkv_bias,
+)
+QWEN3 = HFAdapter(
+    model_type="qwen3",
+    architecture="Qwen3ForCausalLM",
+    fields_from_hf=_qwen3_from_hf,
+    fields_to_hf=_dense_to_hf,
+    claims=lambda c: _is_dense(c) and c.qk_layernorm and not c.add_qkv_bias,
+)
+DENSE_ADAPTERS = (LLAMA, QWEN2, QWEN3)

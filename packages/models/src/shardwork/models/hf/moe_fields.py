@@ -1,0 +1,170 @@
+"""Family-specific ``GPTConfig`` <-> ``config.json`` fields of the Hugging Face MoE families,
+used by their adapters in :mod:`shardwork.models.hf.moe_adapters` (which documents the
+semantics): Mixtral, Qwen2-MoE / Qwen3-MoE (one function each, ``qwen2`` picks the variant)
+and DeepSeek-V3 (MLA).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardwork.models.config import GPTConfig
+from shardwork.models.mla_config import MLAConfig
+from shardwork.models.moe.config import MoEConfig
+
+__all__ = [
+    "deepseek_fields",
+    "deepseek_to_hf",
+    "mixtral_fields",
+    "mixtral_to_hf",
+    "qwen_moe_fields",
+    "qwen_moe_to_hf",
+]
+
+
+def _qwen_pattern(hf: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    step = int(hf.get("decoder_sparse_step", 1) or 1)
+    dense = set(hf.get("mlp_only_layers") or ())
+    return tuple(int(i not in dense and (i + 1) % step == 0) for i in range(num_layers))
+
+
+def mixtral_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Mixtral's attention and MoE fields (top-k softmax renormalised, no shared expert)."""
+    heads = int(hf["num_attention_heads"])
+    return dict(
+        num_query_groups=int(hf.get("num_key_value_heads") or heads),
+        head_dim=hf.get("head_dim") or None,
+        ffn_hidden_size=int(hf["intermediate_size"]),
+        moe=MoEConfig(
+            num_experts=int(hf["num_local_experts"]),
+            top_k=int(hf["num_experts_per_tok"]),
+            ffn_hidden_size=int(hf["intermediate_size"]),
+        ),
+    )
+
+
+def qwen_moe_fields(hf: dict[str, Any], *, qwen2: bool) -> dict[str, Any]:
+    """Qwen2-MoE (``qwen2``) / Qwen3-MoE attention and MoE fields (shared expert and its gate
+    for Qwen2-MoE, QK-norm for Qwen3-MoE)."""
+    heads, layers = int(hf["num_attention_heads"]), int(hf["num_hidden_layers"])
+    shared = hf.get("shared_expert_intermediate_size") if qwen2 else None
+    fields = dict(
+        num_query_groups=int(hf.get("num_key_value_heads") or heads),
+        head_dim=hf.get("head_dim") or None,
+        ffn_hidden_size=int(hf["intermediate_size"]),
+        qk_layernorm=not qwen2,
+        add_qkv_bias=bool(hf.get("qkv_bias", True)) if qwen2 else False,
+        moe=MoEConfig(
+            num_experts=int(hf.get("num_experts") or hf["num_local_experts"]),
+            top_k=int(hf["num_experts_per_tok"]),
+            ffn_hidden_size=int(hf["moe_intermediate_size"]),
+            pre_softmax=not hf.get("norm_topk_prob", False),
+            shared_expert_ffn_hidden_size=int(shared) if shared else None,
+            shared_expert_gate=bool(shared),
+            layer_freq=_qwen_pattern(hf, layers),
+        ),
+    )
+    if not qwen2 and hf.get("attention_bias"):
+        raise ValueError("attention_bias=True with model_type='qwen3_moe' is not supported")
+    return fields
+
+
+def deepseek_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3's MLA and MoE fields (sigmoid scores, group-limited selection, expert bias)."""
+    if not hf.get("norm_topk_prob", True):
+        raise ValueError("norm_topk_prob=False with model_type='deepseek_v3' is not supported")
+    if hf.get("rope_interleave", True) is False:
+        raise ValueError("rope_interleave=False is not supported; valid: True (DeepSeek-V3)")
+    if hf.get("attention_bias"):
+        raise ValueError("attention_bias=True is not supported for deepseek_v3; valid: False")
+    n_group = hf.get("n_group") or 1
+    topk_group = hf.get("topk_group") or 1
+    grouped = int(n_group) > 1
+    shared = hf.get("n_shared_experts") or 0
+    nope, rope = int(hf["qk_nope_head_dim"]), int(hf["qk_rope_head_dim"])
+    fields = dict(
+        head_dim=nope + rope,
+        ffn_hidden_size=int(hf["intermediate_size"]),
+        mla=MLAConfig(
+            q_lora_rank=hf.get("q_lora_rank") or None,
+            kv_lora_rank=int(hf["kv_lora_rank"]),
+            qk_nope_head_dim=nope,
+            qk_rope_head_dim=rope,
+            v_head_dim=int(hf["v_head_dim"]),
+        ),
+        moe=MoEConfig(
+            num_experts=int(hf["n_routed_experts"]),
+            top_k=int(hf["num_experts_per_tok"]),
+            ffn_hidden_size=int(hf["moe_intermediate_size"]),
+            score_function="sigmoid",
+            top_k_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            num_groups=int(n_group) if grouped else None,
+            group_top_k=int(topk_group) if grouped else None,
+            enable_expert_bias=True,
+            shared_expert_ffn_hidden_size=int(shared) * int(hf["moe_intermediate_size"])
+            if shared
+            else None,
+            first_k_dense_replace=int(hf.get("first_k_dense_replace") or 0),
+        ),
+    )
+    return fields
+
+
+def mixtral_to_hf(config: GPTConfig) -> dict[str, Any]:
+    """Mixtral's expert fields of ``config.json``."""
+    return {
+        "num_local_experts": config.moe.num_experts,
+        "intermediate_size": config.moe.ffn_hidden_size,
+        "head_dim": config.kv_channels,
+        "sliding_window": None,
+    }
+
+
+def qwen_moe_to_hf(config: GPTConfig, *, qwen2: bool) -> dict[str, Any]:
+    """Qwen2-MoE (``qwen2``) / Qwen3-MoE expert and layer-placement fields of ``config.json``."""
+    m = config.moe
+    pattern = [int(m.is_moe_layer(i)) for i in range(config.num_layers)]
+    out = {
+        "num_experts": m.num_experts,
+        "moe_intermediate_size": m.ffn_hidden_size,
+        "intermediate_size": config.ffn_hidden_size,
+        "norm_topk_prob": not m.pre_softmax,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i, v in enumerate(pattern) if not v],
+        "head_dim": config.kv_channels,
+        "use_sliding_window": False,
+    }
+    if qwen2:
+        out["shared_expert_intermediate_size"] = m.shared_expert_ffn_hidden_size or 0
+        out["qkv_bias"] = config.add_qkv_bias
+    return out
+
+
+def deepseek_to_hf(config: GPTConfig) -> dict[str, Any]:
+    """DeepSeek-V3's MLA, routing and MTP fields of ``config.json``."""
+    m, mla = config.moe, config.mla
+    shared = m.shared_expert_ffn_hidden_size or 0
+    if shared % m.ffn_hidden_size:
+        raise ValueError(
+            f"shared_expert_ffn_hidden_size={shared} is not a multiple of the expert width "
+            f"{m.ffn_hidden_size}: DeepSeek-V3 counts shared experts (n_shared_experts)"
+        )
+    return {
+        "n_routed_experts": m.num_experts,
+        "moe_intermediate_size": m.ffn_hidden_size,
+        "intermediate_size": config.ffn_hidden_size,
+        "n_shared_experts": shared // m.ffn_hidden_size,
+        "routed_scaling_factor": m.top_k_scaling_factor or 1.0,
+        "n_group": m.num_groups or 1,
+        "topk_group": m.group_top_k or 1,
+        "norm_topk_prob": True,
+        "first_k_dense_replace": m.first_k_dense_replace,
+        "q_lora_rank": mla.q_lora_rank,
+        "kv_lora_rank": mla.kv_lora_rank,
+        "qk_nope_head_dim": mla.qk_nope_head_dim,
+        "qk_rope_head_dim": mla.qk_rope_head_dim,
+        "v_head_dim": mla.v_head_dim,
+        "rope_interleave": True,
+        "attention_bias": False,
+        "num_nextn_predict_layers": config.mtp.num_layers if config.mtp is not None else 0,
+    }
