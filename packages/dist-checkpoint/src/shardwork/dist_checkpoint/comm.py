@@ -10,7 +10,15 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["GroupInfo", "all_gather_object", "barrier", "broadcast_object", "resolve_group"]
+__all__ = [
+    "GroupInfo",
+    "all_gather_object",
+    "barrier",
+    "broadcast_object",
+    "gather_object",
+    "resolve_group",
+    "scatter_object",
+]
 
 
 class GroupInfo:
@@ -45,6 +53,25 @@ def all_gather_object(obj: Any, g: GroupInfo) -> list[Any]:
     out: list[Any] = [None] * g.size
     dist.all_gather_object(out, obj, group=g.pg)
     return out
+
+
+def gather_object(obj: Any, g: GroupInfo) -> list[Any] | None:
+    """Every rank's ``obj`` in group-rank order on group rank 0; None on the other ranks."""
+    if not g.distributed:
+        return [obj]
+    out: list[Any] | None = [None] * g.size if g.rank == 0 else None
+    dist.gather_object(obj, out, dst=dist.get_global_rank(g.pg, 0), group=g.pg)
+    return out
+
+
+def scatter_object(objs: list[Any] | None, g: GroupInfo) -> Any:
+    """Group rank r's item of group rank 0's ``objs`` (one per rank; None on other ranks)."""
+    if not g.distributed:
+        assert objs is not None
+        return objs[0]
+    box: list[Any] = [None]
+    dist.scatter_object_list(box, objs, src=dist.get_global_rank(g.pg, 0), group=g.pg)
+    return box[0]
 
 
 def broadcast_object(obj: Any, g: GroupInfo) -> Any:

@@ -3,9 +3,9 @@
 - `collect_local` turns a sharded state dict into this rank's pieces: every `ShardedTensor`
   becomes one or more rectangles (several when it is a flat range, see `boxes`), every
   `ShardedObject` one grid cell, every other leaf a plain value.
-- `summarize` reduces that to a small picklable description; all ranks all-gather the
-  descriptions once, so `build_global_plan` runs the same deterministic computation on every
-  rank and every rank raises the same `ValueError` before anything is written.
+- `summarize` reduces that to a small picklable description; `save` gathers the descriptions
+  on the first rank, which runs `build_rank_plans` once for all ranks and sends each rank only
+  its `RankAssignment` (or the `ValueError`, raised on every rank before anything is written).
 - Validation: per key the kind, dtype and global shape agree on all ranks; the primary pieces
   (``replica_id == 0``) tile the global tensor exactly (no overlap, nothing missing); every
   object cell has exactly one primary.
@@ -33,7 +33,9 @@ __all__ = [
     "COMMON_KEY",
     "GlobalPlan",
     "LocalState",
+    "RankAssignment",
     "build_global_plan",
+    "build_rank_plans",
     "collect_local",
     "summarize",
 ]
@@ -146,6 +148,20 @@ class GlobalPlan:
     bytes_per_rank: list[int]
     #: paths of plain values (taken from the first rank).
     plain_paths: list[str]
+
+
+@dataclass
+class RankAssignment:
+    """What one rank writes: all it needs from planning unless it writes the metadata."""
+
+    #: (key, offsets) of the rectangles this rank writes.
+    mine_tensors: set[tuple[str, tuple[int, ...]]] = field(default_factory=set)
+    #: unique keys of the objects this rank writes.
+    mine_objects: set[str] = field(default_factory=set)
+    #: keys of zero-element tensors this rank records (one rank per key).
+    mine_empty: set[str] = field(default_factory=set)
+    #: bytes of tensor data this rank writes.
+    nbytes: int = 0
 
 
 @functools.cache
@@ -263,36 +279,37 @@ def _raise_errors(errors: list[str]) -> None:
         raise ValueError("invalid sharded state dict:\n" + "\n".join(errors[:_MAX_ERRORS]) + more)
 
 
-def _choose_writers(
-    g: _Gathered, num_ranks: int, rank: int
-) -> tuple[list[int], set[tuple[str, tuple[int, ...]]], set[str]]:
-    """Phase 3: bytes per rank, and the rectangles and objects ``rank`` writes.
+def _choose_writers(g: _Gathered, num_ranks: int) -> tuple[list[int], list[RankAssignment]]:
+    """Phase 3: bytes per rank, and the rectangles and objects every rank writes, in one pass.
 
     Rectangles largest first, each to the holder with the fewest bytes so far (ties: lowest
-    rank), so every rank computes the same assignment; objects go to their primary.
+    rank), a deterministic assignment; objects go to their primary.
     """
     load = [0] * num_ranks
-    mine_tensors: set[tuple[str, tuple[int, ...]]] = set()
-    mine_objects: set[str] = set()
+    shares = [RankAssignment() for _ in range(num_ranks)]
     units = []
     for key, boxes in g.primaries.items():
         entry = g.info[key]
         for box, primary in boxes:
             if entry["kind"] == "object":
-                if primary == rank:
-                    obj = ShardedObject(key, None, entry["global_shape"], box[0])
-                    mine_objects.add(obj.unique_key)
+                obj = ShardedObject(key, None, entry["global_shape"], box[0])
+                shares[primary].mine_objects.add(obj.unique_key)
                 continue
             nbytes = math.prod(box[1]) * _dtype_itemsize(entry["dtype"])
             units.append((nbytes, key, box))
-    # A total order (size desc, key, box): every rank computes the same assignment, no messages.
+    # A total order (size desc, key, box) makes the assignment independent of arrival order.
     units.sort(key=lambda u: (-u[0], u[1], u[2]))
     for nbytes, key, box in units:
         writer = min(g.holders[(key, box)], key=lambda r: (load[r], r))
         load[writer] += nbytes
-        if writer == rank:
-            mine_tensors.add((key, box[0]))
-    return load, mine_tensors, mine_objects
+        shares[writer].mine_tensors.add((key, box[0]))
+    for key, e in g.info.items():
+        # a zero-element tensor has nothing to tile: its first holder records it in the metadata
+        if e["kind"] == "tensor" and math.prod(e["global_shape"]) == 0:
+            shares[e["rank"]].mine_empty.add(key)
+    for r, share in enumerate(shares):
+        share.nbytes = load[r]
+    return load, shares
 
 
 def _catalogue(g: _Gathered) -> dict[str, dict[str, Any]]:
@@ -309,26 +326,39 @@ def _catalogue(g: _Gathered) -> dict[str, dict[str, Any]]:
     }
 
 
-def build_global_plan(summaries: list[dict[str, Any]], rank: int) -> GlobalPlan:
-    """Validate all ranks' summaries and choose writers. Raises ValueError naming keys.
+def build_rank_plans(summaries: list[dict[str, Any]]) -> tuple[GlobalPlan, list[RankAssignment]]:
+    """Validate all ranks' summaries and choose every rank's writes. Raises ValueError naming keys.
 
     Phases: gather every rank's pieces by key (`_gather`), check kinds/dtypes/shapes and
     the tiling of the primaries (`_check_tiling`), raise every error found at once, then
-    choose writers (`_choose_writers`) and build the catalogue (`_catalogue`). Time and
-    memory are linear in the total number of pieces over all ranks.
+    choose every rank's writers in one pass (`_choose_writers`) and build the catalogue
+    (`_catalogue`). Time and memory are linear in the total number of pieces over all ranks.
+    Returns the plan of the first rank (which writes the metadata) and each rank's share.
     """
     g = _gather(summaries)
     _check_tiling(g)
-    # All ranks hold the same summaries and find the same errors, so they all raise here together,
-    # before anything is written or any rank waits in a collective.
     _raise_errors(g.errors)
-    load, mine_tensors, mine_objects = _choose_writers(g, len(summaries), rank)
-    # a zero-element tensor has nothing to tile: its first holder records it in the metadata
-    mine_empty = {
-        key
-        for key, e in g.info.items()
-        if e["kind"] == "tensor" and math.prod(e["global_shape"]) == 0 and e["rank"] == rank
-    }
-    return GlobalPlan(
-        _catalogue(g), mine_tensors, mine_objects, mine_empty, load, list(summaries[0]["plain"])
+    load, shares = _choose_writers(g, len(summaries))
+    first = shares[0]
+    plan = GlobalPlan(
+        _catalogue(g),
+        set(first.mine_tensors),
+        set(first.mine_objects),
+        set(first.mine_empty),
+        load,
+        list(summaries[0]["plain"]),
     )
+    return plan, shares
+
+
+def build_global_plan(summaries: list[dict[str, Any]], rank: int) -> GlobalPlan:
+    """The plan of ``rank``: the shared catalogue, bytes and plain paths with its own writes
+    (`build_rank_plans`, for callers that hold every rank's summary)."""
+    plan, shares = build_rank_plans(summaries)
+    mine = shares[rank]
+    plan.mine_tensors, plan.mine_objects, plan.mine_empty = (
+        mine.mine_tensors,
+        mine.mine_objects,
+        mine.mine_empty,
+    )
+    return plan

@@ -2,10 +2,11 @@
 
 Phases (each timed, see `SaveResult.timings`):
 
-1. **plan** (training thread, ``group``): sort the leaves, all-gather a small description of
-   every rank's pieces, validate globally (`plan.build_global_plan`, the same `ValueError` on
-   every rank before anything is touched), choose one writer per distinct rectangle; then the
-   first rank clears the target directory (only an incomplete one, or a complete one with
+1. **plan** (training thread, ``group``): sort the leaves, gather a small description of
+   every rank's pieces on the first rank, which validates globally and chooses one writer per
+   distinct rectangle for all ranks at once (`plan.build_rank_plans`), then scatters to each
+   rank only its writes, or the error that every rank then raises before anything is touched;
+   the first rank clears the target directory (only an incomplete one, or a complete one with
    ``overwrite=True``) and everyone passes a barrier.
 2. **stage** (async only, training thread): copy this rank's write pieces to host memory
    (pinned for CUDA tensors) and pickle its objects. After this the caller may modify the state.
@@ -55,7 +56,9 @@ from shardwork.dist_checkpoint.comm import (
     all_gather_object,
     barrier,
     broadcast_object,
+    gather_object,
     resolve_group,
+    scatter_object,
 )
 from shardwork.dist_checkpoint.faults import fault_point
 from shardwork.dist_checkpoint.inflight import (
@@ -67,8 +70,8 @@ from shardwork.dist_checkpoint.inflight import (
 from shardwork.dist_checkpoint.layout import describe_layout, group_ranks
 from shardwork.dist_checkpoint.plan import (
     COMMON_KEY,
-    GlobalPlan,
-    build_global_plan,
+    RankAssignment,
+    build_rank_plans,
     collect_local,
     summarize,
 )
@@ -109,7 +112,7 @@ class _Job:
     path: Path
     g: GroupInfo
     write_g: GroupInfo
-    plan: GlobalPlan
+    plan: RankAssignment
     items: list[WriteItem]
     data: dict[tuple[str, Any], Any]
     thread_count: int
@@ -171,7 +174,7 @@ def _clear_target(path: Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
 
 
-def _write_items(local: Any, plan: GlobalPlan, rank: int) -> tuple[list, dict]:
+def _write_items(local: Any, plan: RankAssignment, rank: int) -> tuple[list, dict]:
     """This rank's DCP write items and the data behind each."""
     items: list[WriteItem] = []
     data: dict[tuple[str, Any], Any] = {}
@@ -252,6 +255,7 @@ def _finalize(job: _Job, agree_g: GroupInfo) -> SaveResult:
     mine = {
         "error": job.error,
         "files": job.checksums,
+        "bytes": job.plan.nbytes,
         "timings": {k: job.timings.get(k, 0.0) for k in ("plan", "stage", "write")},
     }
     everyone = all_gather_object(mine, agree_g)
@@ -286,12 +290,44 @@ def _finalize(job: _Job, agree_g: GroupInfo) -> SaveResult:
     if outcome is not None:
         raise CheckpointSaveError(f"commit of {str(job.path)!r} failed on rank 0: {outcome}")
     job.timings["finalize"] = time.perf_counter() - start
-    return SaveResult(
-        job.path,
-        dict(job.timings),
-        job.plan.bytes_per_rank[job.g.rank],
-        list(job.plan.bytes_per_rank),
-    )
+    # Each rank knows only its own bytes from planning; the agreement brings everyone's.
+    return SaveResult(job.path, dict(job.timings), job.plan.nbytes, [m["bytes"] for m in everyone])
+
+
+def _plan_on_first_rank(
+    summary: dict[str, Any], path: Path, overwrite: bool, g: GroupInfo
+) -> tuple[RankAssignment, dict[str, Any]]:
+    """Gather the summaries on the first rank, plan there, scatter each rank its writes.
+
+    The first rank checks the target directory and the summaries; its verdict (an error text
+    or each rank's `RankAssignment`) is scattered, so every rank raises the same ValueError
+    before anything is touched. Returns this rank's writes and, on the first rank only, the
+    plan's part of ``shardwork.json`` (catalogue, plain paths, bytes per rank; {} elsewhere).
+    """
+    summaries = gather_object(summary, g)
+    outgoing: list[Any] | None = None
+    record: dict[str, Any] = {}
+    if summaries is not None:
+        error = _inspect_target(path, overwrite)
+        if error is None:
+            try:
+                plan, shares = build_rank_plans(summaries)
+            except ValueError as exc:
+                error = str(exc)
+        if error is not None:
+            outgoing = [error] * g.size
+        else:
+            outgoing = shares
+            record = {
+                "keys": plan.catalogue,
+                "plain_paths": plan.plain_paths,
+                "bytes_per_rank": plan.bytes_per_rank,
+            }
+        del summaries
+    mine = scatter_object(outgoing, g)
+    if isinstance(mine, str):
+        raise ValueError(mine)
+    return mine, record
 
 
 def _stage_on_every_rank(
@@ -457,19 +493,12 @@ def save(
     timings: dict[str, float] = {"stage": 0.0}
 
     local = collect_local(state)
-    summary = summarize(local)
-    # Only the first rank inspects the directory; its verdict rides in the all-gather, so every rank
-    # raises the same error before anything is touched.
-    summary["target_error"] = _inspect_target(path, overwrite) if g.rank == 0 else None
-    summaries = all_gather_object(summary, g)
-    if summaries[0]["target_error"]:
-        raise ValueError(summaries[0]["target_error"])
-    plan = build_global_plan(summaries, g.rank)
+    share, record = _plan_on_first_rank(summarize(local), path, overwrite, g)
     if g.rank == 0:
         _clear_target(path)
     # No rank may write into the directory before the first rank has cleared it.
     barrier(g)
-    items, data = _write_items(local, plan, g.rank)
+    items, data = _write_items(local, share, g.rank)
     timings["plan"] = time.perf_counter() - blocking_start
 
     info = {
@@ -479,11 +508,9 @@ def save(
         "world_size": g.size,
         "group_ranks": group_ranks(g),
         "thread_count": thread_count,
-        "keys": plan.catalogue,
-        "plain_paths": plan.plain_paths,
-        "bytes_per_rank": plan.bytes_per_rank,
+        **record,
     }
-    job = _Job(path, g, g, plan, items, data, thread_count, sync_files, info, timings)
+    job = _Job(path, g, g, share, items, data, thread_count, sync_files, info, timings)
     job.staging_buffers = staging_buffers if async_save else None
     if not async_save:
         _run_write(job)
