@@ -1,9 +1,11 @@
 """Checkpoint planning on the first rank at 1,024-8,192 simulated ranks (issue 20).
 
-`save` all-gathers each rank's summary (`plan.summarize`), every rank runs
-`plan.build_global_plan`, and the first rank builds DCP's metadata from every rank's write
-items (`PlannedSavePlanner.create_global_plan`) and the ``shardwork.json`` record (catalogue,
-bytes per rank, group ranks). This times those three on one process for simulated worlds.
+`save` gathers each rank's summary (`plan.summarize`) on the first rank, which runs
+`plan.build_rank_plans` once for all ranks and scatters each rank its assignment, and builds
+DCP's metadata from every rank's write items (`PlannedSavePlanner.create_global_plan`) and the
+``shardwork.json`` record (catalogue, bytes per rank, group ranks). This times those three on
+one process for simulated worlds, and counts the bytes each rank receives for planning under
+this scheme against the all-gather it replaced (every rank receiving every summary).
 
 The state is a Llama-like 70B model (80 layers, hidden 8192, ffn 28672, 64 heads, 8 kv heads,
 vocab 128256) at TP8 x PP8, with DP = W / 64 data-parallel replicas:
@@ -61,7 +63,7 @@ from torch.distributed.checkpoint.planner import (
 from shardwork.dist_checkpoint import ShardedTensor
 from shardwork.dist_checkpoint.plan import (
     COMMON_KEY,
-    build_global_plan,
+    build_rank_plans,
     collect_local,
     summarize,
 )
@@ -238,7 +240,7 @@ def rank0_steps(summaries: list[dict], plans: list[SavePlan]) -> dict:
     the wall time also counts the time other processes hold the cores; both are recorded.
     """
     clocks = [(time.process_time(), time.perf_counter())]
-    plan = build_global_plan(summaries, 0)
+    plan, shares = build_rank_plans(summaries)
     clocks.append((time.process_time(), time.perf_counter()))
     _, metadata = PlannedSavePlanner([], {}).create_global_plan(plans)
     clocks.append((time.process_time(), time.perf_counter()))
@@ -258,6 +260,7 @@ def rank0_steps(summaries: list[dict], plans: list[SavePlan]) -> dict:
         "info_json_s": cpu[2],
         "wall_s": clocks[-1][1] - clocks[0][1],
         "plan": plan,
+        "shares": shares,
         "metadata": metadata,
         "info_text": text,
     }
@@ -282,6 +285,7 @@ def measure(world: int, optimizer: bool, repeats: int) -> dict:
         for k in ("plan_s", "dcp_metadata_s", "info_json_s")
     }
     wall_s = statistics.median(r["wall_s"] for r in runs)
+    received = planning_bytes(summaries, last["shares"])
     return {
         "world": world,
         "scenario": "model+optim" if optimizer else "model",
@@ -294,10 +298,32 @@ def measure(world: int, optimizer: bool, repeats: int) -> dict:
         "rank0_total_s": sum(med.values()),
         "rank0_wall_s": wall_s,
         "summaries_pickled_bytes": len(pickle.dumps(summaries)),
+        **received,
         "dcp_metadata_pickled_bytes": len(pickle.dumps(last["metadata"])),
         "shardwork_json_bytes": len(last["info_text"].encode()),
         "peak_mib": peak / 2**20,
         "build_states_s": build_s,
+    }
+
+
+def planning_bytes(summaries: list[dict], shares: list) -> dict:
+    """Pickled bytes each rank receives for planning, old scheme against new.
+
+    Every collective pickles each rank's object on its own, so a rank's summary counts once
+    per receiver. Old: the all-gather hands every rank every summary. New: the gather hands
+    the first rank every summary; the scatter hands each other rank its `RankAssignment`
+    (gloo's scatter pads each message to the largest, so the wire carries ``max`` per rank).
+    """
+    gathered = sum(len(pickle.dumps(s)) for s in summaries)
+    assignments = [len(pickle.dumps(share)) for share in shares[1:]]
+    world = len(summaries)
+    return {
+        "old_received_per_rank_bytes": gathered,
+        "old_received_job_bytes": gathered * world,
+        "new_rank0_received_bytes": gathered,
+        "new_other_received_max_bytes": max(assignments),
+        "new_other_received_mean_bytes": statistics.fmean(assignments),
+        "new_received_job_bytes": gathered + sum(assignments),
     }
 
 
@@ -353,6 +379,16 @@ def markdown(record: dict) -> str:
         ".metadata (MiB) | shardwork.json (MiB) | peak (MiB) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    bytes_lines = [
+        "",
+        "Bytes received for planning (pickled, each rank's object on its own as the "
+        "collectives send it). Old: all-gather, every rank receives every summary. New: "
+        "rank 0 gathers every summary, each other rank receives its assignment (scatter).",
+        "",
+        "| scenario | ranks | old, per rank (MiB) | old, whole job (GiB) | new, rank 0 (MiB) | "
+        "new, other rank max (KiB) | new, other rank mean (KiB) | new, whole job (MiB) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     mib = 2**20
     for r in record["rows"]:
         lines.append(
@@ -363,6 +399,15 @@ def markdown(record: dict) -> str:
             f"{r['dcp_metadata_pickled_bytes'] / mib:.2f} | "
             f"{r['shardwork_json_bytes'] / mib:.2f} | {r['peak_mib']:.1f} |"
         )
+        bytes_lines.append(
+            f"| {r['scenario']} | {r['world']:,} | {r['old_received_per_rank_bytes'] / mib:.2f} | "
+            f"{r['old_received_job_bytes'] / 2**30:.1f} | "
+            f"{r['new_rank0_received_bytes'] / mib:.2f} | "
+            f"{r['new_other_received_max_bytes'] / 2**10:.1f} | "
+            f"{r['new_other_received_mean_bytes'] / 2**10:.1f} | "
+            f"{r['new_received_job_bytes'] / mib:.1f} |"
+        )
+    lines += bytes_lines
     lines += ["", "Log-log exponents (1 = linear, 2 = quadratic):", ""]
     for scenario, f in record["fits"].items():
         parts = [f"{k} {v:.2f}" for k, v in f.items() if v is not None]
