@@ -125,3 +125,33 @@ def test_non_first_ranks_receive_only_their_writes(tmp_path):
 
 if __name__ == "__main__":
     print(json.dumps(digest(sys.argv[1]), indent=1))
+
+
+def _save_with_broken_planner(path):
+    """Save while the first rank's planner fails with a non-user error; what each rank raised."""
+    save_module = importlib.import_module("shardwork.dist_checkpoint.save")
+    rank, world = _rank_world()
+    real = save_module.build_rank_plans
+
+    def broken(summaries):
+        raise RuntimeError(f"planner broke on {len(summaries)} summaries")
+
+    save_module.build_rank_plans = broken
+    try:
+        save(_row_state(rank, world), path)
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    finally:
+        save_module.build_rank_plans = real
+    return None
+
+
+@pytest.mark.multirank
+def test_first_rank_planning_failure_reaches_every_rank(tmp_path):
+    path = tmp_path / "ckpt"
+    raised = run_on_ranks(_save_with_broken_planner, 3, args=(str(path),))
+    assert raised[0] == ("RuntimeError", "planner broke on 3 summaries")
+    for name, text in raised[1:]:
+        assert name == "CheckpointSaveError"
+        assert "RuntimeError: planner broke on 3 summaries" in text
+    assert not path.exists()

@@ -299,34 +299,47 @@ def _plan_on_first_rank(
 ) -> tuple[RankAssignment, dict[str, Any]]:
     """Gather the summaries on the first rank, plan there, scatter each rank its writes.
 
-    The first rank checks the target directory and the summaries; its verdict (an error text
-    or each rank's `RankAssignment`) is scattered, so every rank raises the same ValueError
-    before anything is touched. Returns this rank's writes and, on the first rank only, the
+    The first rank checks the target directory and the summaries; its verdict (each rank's
+    `RankAssignment`, or an error text) is scattered, so every rank raises the same ValueError
+    before anything is touched (an unexpected failure there: `CheckpointSaveError` on the
+    others, the original exception on the first rank). Returns this rank's writes and, on the first rank only, the
     plan's part of ``shardwork.json`` (catalogue, plain paths, bytes per rank; {} elsewhere).
     """
     summaries = gather_object(summary, g)
     outgoing: list[Any] | None = None
     record: dict[str, Any] = {}
+    crash: Exception | None = None
     if summaries is not None:
-        error = _inspect_target(path, overwrite)
-        if error is None:
-            try:
+        error = None
+        try:
+            error = _inspect_target(path, overwrite)
+            if error is None:
                 plan, shares = build_rank_plans(summaries)
-            except ValueError as exc:
-                error = str(exc)
-        if error is not None:
-            outgoing = [error] * g.size
+        except ValueError as exc:
+            error = str(exc)
+        except Exception as exc:
+            # Not a user error, but the others must not wait in the scatter for a plan.
+            crash = exc
+        if crash is not None:
+            text = f"planning on the first rank failed: {type(crash).__name__}: {crash}"
+            outgoing = [("failed", text)] * g.size
+        elif error is not None:
+            outgoing = [("invalid", error)] * g.size
         else:
-            outgoing = shares
+            outgoing = [("ok", share) for share in shares]
             record = {
                 "keys": plan.catalogue,
                 "plain_paths": plan.plain_paths,
                 "bytes_per_rank": plan.bytes_per_rank,
             }
         del summaries
-    mine = scatter_object(outgoing, g)
-    if isinstance(mine, str):
+    verdict, mine = scatter_object(outgoing, g)
+    if crash is not None:
+        raise crash
+    if verdict == "invalid":
         raise ValueError(mine)
+    if verdict == "failed":
+        raise CheckpointSaveError(f"save to {str(path)!r}: {mine}; nothing was written")
     return mine, record
 
 
