@@ -12,7 +12,7 @@ from typing import Any
 
 from shardwork.models.config import GPTConfig
 from shardwork.models.hf.adapter import HFAdapter
-from shardwork.models.hf.rope_map import rope_from_hf, rope_scaling_to_hf
+from shardwork.models.hf.shared_fields import shared_fields_from_hf, shared_fields_to_hf
 
 __all__ = ["DENSE_ADAPTERS", "LLAMA", "QWEN2", "QWEN3"]
 
@@ -26,45 +26,21 @@ def _dense_fields(hf: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("mlp_bias=True is not supported; valid: False")
     if hf.get("use_sliding_window"):
         raise ValueError("use_sliding_window=True is not supported; valid: False")
-    theta, scaling = rope_from_hf(hf)
-    heads = int(hf["num_attention_heads"])
-    return dict(
-        num_layers=int(hf["num_hidden_layers"]),
-        hidden_size=int(hf["hidden_size"]),
-        num_attention_heads=heads,
-        num_query_groups=int(hf.get("num_key_value_heads") or heads),
+    shared = shared_fields_from_hf(hf)
+    return shared | dict(
+        num_query_groups=int(hf.get("num_key_value_heads") or shared["num_attention_heads"]),
         head_dim=hf.get("head_dim") or None,
         ffn_hidden_size=int(hf["intermediate_size"]),
-        vocab_size=int(hf["vocab_size"]),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
         qk_layernorm=False,
         add_qkv_bias=False,
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        init_method_std=float(hf.get("initializer_range", 0.02)),
     )
 
 
 def _dense_to_hf(config: GPTConfig) -> dict[str, Any]:
-    return {
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
+    return shared_fields_to_hf(config) | {
         "intermediate_size": config.ffn_hidden_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.kv_heads,
         "head_dim": config.kv_channels,
-        "hidden_act": "silu",
-        "max_position_embeddings": config.max_position_embeddings,
-        "rms_norm_eps": config.norm_epsilon,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": rope_scaling_to_hf(config.rope_scaling),
-        "tie_word_embeddings": config.tie_word_embeddings,
         "attention_bias": False,
-        "attention_dropout": config.attention_dropout,
-        "initializer_range": config.init_method_std,
     }
 
 

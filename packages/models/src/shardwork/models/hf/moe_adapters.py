@@ -34,7 +34,7 @@ from shardwork.models.hf.moe_fields import (
     qwen_moe_fields,
     qwen_moe_to_hf,
 )
-from shardwork.models.hf.rope_map import rope_from_hf, rope_scaling_to_hf
+from shardwork.models.hf.shared_fields import shared_fields_from_hf, shared_fields_to_hf
 
 __all__ = ["DEEPSEEK_V3", "MIXTRAL", "MOE_ADAPTERS", "MOE_MODEL_TYPES", "QWEN2_MOE", "QWEN3_MOE"]
 
@@ -45,38 +45,11 @@ def _moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"hidden_act={hf.get('hidden_act')!r} is not supported; valid: 'silu'")
     if hf.get("use_sliding_window"):
         raise ValueError("sliding_window is not supported; valid: None")
-    theta, scaling = rope_from_hf(hf)
-    return dict(
-        num_layers=int(hf["num_hidden_layers"]),
-        hidden_size=int(hf["hidden_size"]),
-        num_attention_heads=int(hf["num_attention_heads"]),
-        vocab_size=int(hf["vocab_size"]),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        init_method_std=float(hf.get("initializer_range", 0.02)),
-    )
+    return shared_fields_from_hf(hf)
 
 
 def _moe_to_hf(config: GPTConfig) -> dict[str, Any]:
-    return {
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.kv_heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": config.max_position_embeddings,
-        "rms_norm_eps": config.norm_epsilon,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": rope_scaling_to_hf(config.rope_scaling),
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "initializer_range": config.init_method_std,
-        "attention_dropout": config.attention_dropout,
-        "num_experts_per_tok": config.moe.top_k,
-    }
+    return shared_fields_to_hf(config) | {"num_experts_per_tok": config.moe.top_k}
 
 
 def _mixtral_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
