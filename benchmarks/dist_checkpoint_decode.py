@@ -25,7 +25,6 @@ import io
 import json
 import os
 import pickle
-import platform
 import statistics
 import tempfile
 import time
@@ -33,7 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from machine import cpu_model
+from machine import cpu_model, machine_record
 
 from shardwork.dist_checkpoint import (
     ShardedObject,
@@ -159,13 +158,7 @@ def main() -> None:
         save(build_state(args.keys, args.objects, fill=True), path)
         rows = measure(path, args)
     result = {
-        "machine": {
-            "cpu": cpu_model(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "load_avg": os.getloadavg(),
-        },
+        "machine": machine_record() | {"torch": torch.__version__},
         "keys": args.keys,
         "objects": args.objects,
         "rounds": args.rounds,

@@ -38,16 +38,14 @@ import argparse
 import itertools
 import json
 import math
-import os
 import pickle
-import platform
 import statistics
 import time
 import tracemalloc
 from pathlib import Path
 
 import torch
-from machine import cpu_model
+from machine import machine_record
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
@@ -431,12 +429,7 @@ def main() -> None:
             r = rows[-1]
             print(f"{r['scenario']} {world:,}: rank-0 {r['rank0_total_s']:.3f} s", flush=True)
     record = {
-        "machine": {
-            "cpu": cpu_model(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "load_avg": os.getloadavg(),
-        },
+        "machine": machine_record(),
         "torch": torch.__version__,
         "model": LLAMA_70B,
         "tp": TP,

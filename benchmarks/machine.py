@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 from pathlib import Path
 
@@ -15,3 +16,14 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def machine_record() -> dict:
+    """The ``machine`` entry of a benchmark's JSON: CPU model and count, Python, load average
+    (1, 5, 15 min) when it is called (a loaded shared machine slows every timing)."""
+    return {
+        "cpu": cpu_model(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "load_avg": os.getloadavg(),
+    }

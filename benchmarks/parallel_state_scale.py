@@ -23,14 +23,13 @@ import argparse
 import itertools
 import json
 import os
-import platform
 import statistics
 import time
 import tracemalloc
 from pathlib import Path
 
 import torch.distributed as dist
-from machine import cpu_model
+from machine import cpu_model, machine_record
 
 from shardwork.parallel_state import ParallelConfig, init_process_groups
 from shardwork.parallel_state.layout import DENSE_GROUPS, EXPERT_GROUPS, RankLayout
@@ -163,12 +162,7 @@ def main() -> None:
             }
         )
     record = {
-        "machine": {
-            "cpu": cpu_model(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "load_avg": os.getloadavg(),
-        },
+        "machine": machine_record(),
         "layout": "tp8 pp16 cp2 ep64 etp1",
         "repeats": args.repeats,
         "rows": rows,

@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -60,7 +59,7 @@ import torch.multiprocessing as mp
 
 # torch registers its "fake" backend only when this module is imported (no public path)
 import torch.testing._internal.distributed.fake_pg
-from machine import cpu_model
+from machine import machine_record
 
 from shardwork.parallel_state import ParallelConfig, init_process_groups
 from shardwork.parallel_state.layout import GROUP_NAMES, RankLayout
@@ -441,12 +440,7 @@ def main() -> None:
         rows.append(row)
         print(f"world {world:,} done", flush=True)
     record = {
-        "machine": {
-            "cpu": cpu_model(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "load_avg": os.getloadavg(),
-        },
+        "machine": machine_record(),
         "torch": torch.__version__,
         "layout": "tp8 pp16 cp2 ep64 etp1",
         "gloo_calibration": calibration,
