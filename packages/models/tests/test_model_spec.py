@@ -23,6 +23,7 @@ from shardwork.models import (
     preset,
     register_mixer,
     register_mlp,
+    register_norm,
     spec_for,
 )
 from shardwork.models.families import DENSE_FAMILIES, FAMILIES, MOE_FAMILIES
@@ -84,20 +85,39 @@ def _build_mlp(ctx, layer_number):
     return SquaredReLUMLP(ctx.config, ctx.groups, ctx.device)
 
 
+class CenteredNorm(ShardedModule):
+    """LayerNorm without a bias, ``(x - mean) / sqrt(var + eps) * w``: a norm kind."""
+
+    def __init__(self, size, config, groups, device) -> None:
+        super().__init__(groups)
+        self.eps = config.norm_epsilon
+        param = torch.nn.Parameter(torch.empty(size, dtype=config.params_dtype, device=device))
+        self.weight = describe_param(param, ParamMeta(), init="ones")
+
+    def forward(self, hidden):
+        centred = hidden - hidden.mean(-1, keepdim=True)
+        return (
+            centred * torch.rsqrt(centred.square().mean(-1, keepdim=True) + self.eps) * self.weight
+        )
+
+
 register_mixer("causal_mean", _build_mixer)
 register_mlp("relu2", _build_mlp)
+register_norm("centered", lambda ctx, size: CenteredNorm(size, ctx.config, ctx.groups, ctx.device))
 
 
 def toy_config():
     return preset("tiny-llama2-7b", num_layers=3, params_dtype=torch.float64, init_method_std=0.2)
 
 
-def toy_spec(config) -> DecoderSpec:
-    """Mean-mixer layers; the middle layer's MLP is the squared-ReLU one."""
+def toy_spec(config, norms=("rmsnorm",) * 4) -> DecoderSpec:
+    """Mean-mixer layers; the middle layer's MLP is the squared-ReLU one. ``norms``: the kinds
+    of the three layers' norms and of the final norm."""
     mlps = ["dense", "relu2", "dense"]
     return DecoderSpec(
-        layers=tuple(LayerSpec(mixer="causal_mean", mlp=m) for m in mlps),
+        layers=tuple(LayerSpec(mixer="causal_mean", mlp=m, norm=n) for m, n in zip(mlps, norms)),
         rotary=RotarySpec(config.kv_channels),
+        final_norm=norms[3],
     )
 
 
@@ -108,15 +128,19 @@ def _rms(x, w, eps):
     return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * w
 
 
-def _reference_logits(p: dict[str, torch.Tensor], ids, cfg) -> torch.Tensor:
+def _centered(x, w, eps):
+    return F.layer_norm(x, x.shape[-1:], eps=eps) * w
+
+
+def _reference_logits(p: dict[str, torch.Tensor], ids, cfg, norms=(_rms,) * 4) -> torch.Tensor:
     eps, f = cfg.norm_epsilon, cfg.ffn_hidden_size
     x = F.embedding(ids.t(), p["embedding.weight"])  # [s, b, h]
     steps = torch.arange(1, x.shape[0] + 1, dtype=x.dtype)[:, None, None]
     for i, kind in enumerate(["dense", "relu2", "dense"]):
-        pre = f"decoder.layers.{i}."
-        n = _rms(x, p[pre + "input_layernorm.weight"], eps)
+        pre, norm = f"decoder.layers.{i}.", norms[i]
+        n = norm(x, p[pre + "input_layernorm.weight"], eps)
         x = x + (n.cumsum(0) / steps) @ p[pre + "self_attention.weight"].t()
-        n = _rms(x, p[pre + "pre_mlp_layernorm.weight"], eps)
+        n = norm(x, p[pre + "pre_mlp_layernorm.weight"], eps)
         if kind == "dense":
             gate_up = n @ p[pre + "mlp.fc1.weight"].t()
             mid = F.silu(gate_up[..., :f]) * gate_up[..., f:]
@@ -124,7 +148,7 @@ def _reference_logits(p: dict[str, torch.Tensor], ids, cfg) -> torch.Tensor:
         else:
             mid = F.relu(n @ p[pre + "mlp.w_in"].t()).square()
             x = x + mid @ p[pre + "mlp.w_out"].t()
-    x = _rms(x, p["decoder.final_norm.weight"], eps)
+    x = norms[3](x, p["decoder.final_norm.weight"], eps)
     return x @ p["output_layer.linear.weight"].t()  # [s, b, V_pad]
 
 
@@ -165,6 +189,30 @@ def test_toy_family_trains_through_gpt_model_like_plain_torch():
             atol=1e-13,
             msg=lambda m, name=name: f"{name}: {m}",
         )
+
+
+def test_a_registered_norm_kind_builds_the_chosen_layers_and_final_norm():
+    """Layer 1 and the final norm of the toy family take the ``centered`` kind; the forward
+    equals plain torch with F.layer_norm there and RMSNorm elsewhere."""
+    cfg = toy_config()
+    model = GPTModel(cfg, spec=toy_spec(cfg, ("rmsnorm", "centered", "rmsnorm", "centered")))
+    assert isinstance(model.decoder.layers[1].input_layernorm, CenteredNorm)
+    assert isinstance(model.decoder.final_norm, CenteredNorm)
+    assert not isinstance(model.decoder.layers[0].pre_mlp_layernorm, CenteredNorm)
+    params = {n: q.detach() for n, q in model.named_parameters()}
+    # the norms' weights start at ones: give them random values so a swapped norm shows
+    gen = torch.Generator().manual_seed(5)
+    for name, value in params.items():
+        if "norm" in name:
+            value.copy_(1 + 0.3 * torch.randn(value.shape, generator=gen, dtype=value.dtype))
+    ids, _ = random_batch(cfg.vocab_size, seq=12, seed=4)
+    ref = _reference_logits(params, ids, cfg, (_rms, _centered, _rms, _centered))
+    v = cfg.vocab_size
+    # float64; the same bound as the toy family's test above
+    torch.testing.assert_close(model(ids)[..., :v], ref[..., :v], rtol=1e-12, atol=1e-12)
+    # a planted swap (RMSNorm where the spec says centered) is far outside that bound
+    swapped = _reference_logits(params, ids, cfg, (_rms, _rms, _rms, _centered))
+    assert (swapped[..., :v] - ref[..., :v]).abs().max() > 1e-3
 
 
 def test_toy_family_state_dict_uses_the_usual_layer_keys():

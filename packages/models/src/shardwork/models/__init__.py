@@ -9,7 +9,7 @@ pipeline and expert parallelism.
   :class:`VocabParallelEmbedding`, :class:`LMHead`, :class:`Attention`, :class:`SwiGLUMLP`,
   :class:`RMSNorm`, :class:`TransformerLayer`, :class:`TransformerBlock`.
 - Composition: :class:`DecoderSpec` / :class:`LayerSpec` and :func:`spec_for` (which parts
-  each layer has), :func:`register_mixer` / :func:`register_mlp` (new part kinds).
+  each layer has), :func:`register_mixer` / :func:`register_mlp` / :func:`register_norm` (new part kinds).
 - :class:`RNGTracker` and recompute :func:`checkpoint`; losses as (sum, count) with
   :func:`loss_for_backward` / :func:`reduce_loss`; context-parallel helpers.
 - Mixture of experts (:class:`MoEConfig`, :class:`MoELayer`, :func:`moe_finalize_kwargs`,
@@ -45,7 +45,7 @@ from shardwork.models.context_parallel import (
 )
 from shardwork.models.embedding import EMBEDDING_KEY, LMHead, VocabParallelEmbedding
 from shardwork.models.gpt_model import GPTModel
-from shardwork.models.layer_kinds import BuildContext, register_mixer, register_mlp
+from shardwork.models.layer_kinds import BuildContext, register_mixer, register_mlp, register_norm
 from shardwork.models.logits import gather_logits
 from shardwork.models.loss import loss_for_backward, reduce_loss, token_loss
 from shardwork.models.mla import MLAttention
@@ -123,6 +123,7 @@ __all__ = [
     "reduce_mtp_losses",
     "register_mixer",
     "register_mlp",
+    "register_norm",
     "slice_for_context_parallel",
     "spec_for",
     "token_loss",

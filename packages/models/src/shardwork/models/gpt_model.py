@@ -110,12 +110,11 @@ class GPTModel(ShardedModule):
             config,
             groups,
             layer_range=(start, stop),
-            final_norm=self.post_process,
+            final_norm=spec.final_norm if self.post_process else None,
             rng=self.rng_tracker,
             specs=spec.layers,
             ctx=ctx,
             replay=self.recompute_replay,
-            device=device,
         )
         if self.post_process:
             # Tied and on the embedding's stage: the head reads the embedding's weight. Otherwise it

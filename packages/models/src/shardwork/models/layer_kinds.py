@@ -1,15 +1,19 @@
-"""Registries of a layer's parts: the token mixer and the MLP, by kind name.
+"""Registries of a layer's parts: the token mixer, the MLP and the norms, by kind name.
 
 A :class:`~shardwork.models.spec.LayerSpec` names its parts by kind (``mixer="attention"``,
-``mlp="moe"``); this module maps each kind to the function that builds the module. Built in:
+``mlp="moe"``, ``norm="rmsnorm"``); this module maps each kind to the function that builds the
+module. Built in:
 
 - mixers ``"attention"`` (:class:`~shardwork.models.attention.Attention`: MHA/GQA, QKV bias,
   QK-norm) and ``"mla"`` (:class:`~shardwork.models.mla.MLAttention`, DeepSeek);
 - MLPs ``"dense"`` (:class:`~shardwork.models.mlp.SwiGLUMLP`) and ``"moe"``
-  (:class:`~shardwork.models.moe.layer.MoELayer`).
+  (:class:`~shardwork.models.moe.layer.MoELayer`);
+- norms ``"rmsnorm"`` (:class:`~shardwork.models.norm.RMSNorm`), for a layer's two pre-norms
+  and the decoder's final norm (a norm builder takes the context and the normalised size).
 
-A new kind (Mamba-2, DeltaNet, a toy mixer in a test) is registered from its own file with
-:func:`register_mixer` / :func:`register_mlp`; nothing in ``GPTModel`` changes. A builder
+A new kind (Mamba-2, DeltaNet, a zero-centred RMSNorm, a toy mixer in a test) is registered
+from its own file with :func:`register_mixer` / :func:`register_mlp` / :func:`register_norm`;
+nothing in ``GPTModel`` changes. A builder
 takes a :class:`BuildContext` (config, explicit process groups, RNG tracker, device and the
 owning model) and the layer's global index, and returns a :class:`ShardedModule` mapping
 ``[s(/tp), b, h]`` to the same shape (a mixer also takes the
@@ -36,19 +40,23 @@ from shardwork.models.mla import MLAttention
 from shardwork.models.mlp import SwiGLUMLP
 from shardwork.models.moe.layer import MoELayer
 from shardwork.models.moe.state import attach_moe
+from shardwork.models.norm import RMSNorm
 from shardwork.models.rng import RNGTracker
 from shardwork.parallel_state import ProcessGroups
 
 __all__ = [
     "MIXERS",
     "MLPS",
+    "NORMS",
     "BuildContext",
     "MLPKind",
     "attach_model_state",
     "build_mixer",
     "build_mlp",
+    "build_norm",
     "register_mixer",
     "register_mlp",
+    "register_norm",
 ]
 
 
@@ -67,6 +75,8 @@ class BuildContext:
 
 
 Builder = Callable[[BuildContext, int], torch.nn.Module]
+NormBuilder = Callable[[BuildContext, int], torch.nn.Module]
+"""``build(ctx, size)``: a norm over the last dimension, of size ``size``."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +91,8 @@ MIXERS: dict[str, Builder] = {}
 """Mixer kind -> builder."""
 MLPS: dict[str, MLPKind] = {}
 """MLP kind -> :class:`MLPKind`."""
+NORMS: dict[str, NormBuilder] = {}
+"""Norm kind -> builder."""
 
 
 def register_mixer(kind: str, build: Builder) -> None:
@@ -96,6 +108,14 @@ def register_mlp(kind: str, build: Builder, *, attach=None) -> None:
     if kind in MLPS and MLPS[kind] != entry:
         raise ValueError(f"MLP kind {kind!r} is already registered")
     MLPS[kind] = entry
+
+
+def register_norm(kind: str, build: NormBuilder) -> None:
+    """Make ``LayerSpec(norm=kind)`` / ``DecoderSpec(final_norm=kind)`` build with
+    ``build(ctx, size)``."""
+    if kind in NORMS and NORMS[kind] is not build:
+        raise ValueError(f"norm kind {kind!r} is already registered")
+    NORMS[kind] = build
 
 
 def _lookup(table: dict, field: str, kind: str):
@@ -114,6 +134,11 @@ def build_mixer(kind: str, ctx: BuildContext, layer_number: int) -> torch.nn.Mod
 def build_mlp(kind: str, ctx: BuildContext, layer_number: int) -> torch.nn.Module:
     """The MLP of kind ``kind`` for global layer ``layer_number``."""
     return _lookup(MLPS, "mlp", kind).build(ctx, layer_number)
+
+
+def build_norm(kind: str, ctx: BuildContext, size: int) -> torch.nn.Module:
+    """The norm of kind ``kind`` over a last dimension of ``size``."""
+    return _lookup(NORMS, "norm", kind)(ctx, size)
 
 
 def attach_model_state(owner: torch.nn.Module, config: GPTConfig, device: torch.device) -> None:
@@ -139,3 +164,20 @@ register_mixer("attention", lambda c, i: Attention(c.config, c.groups, rng=c.rng
 register_mixer("mla", lambda c, i: MLAttention(c.config, c.groups, rng=c.rng, device=c.device))
 register_mlp("dense", lambda c, i: SwiGLUMLP(c.config, c.groups, device=c.device))
 register_mlp("moe", _moe, attach=attach_moe)
+
+
+def _rmsnorm(ctx: BuildContext, size: int) -> RMSNorm:
+    return RMSNorm(
+        size,
+        groups=ctx.groups,
+        eps=ctx.config.norm_epsilon,
+        backend=ctx.config.kernel_backend,
+        # Under SP the norm sees only this rank's tokens: its weight gradient is all-reduced over
+        # TP.
+        partial_grad=ctx.config.sequence_parallel,
+        params_dtype=ctx.config.params_dtype,
+        device=ctx.device,
+    )
+
+
+register_norm("rmsnorm", _rmsnorm)

@@ -30,6 +30,8 @@ class LayerSpec:
     """Token mixer kind: ``"attention"``, ``"mla"`` or a registered one."""
     mlp: str = "dense"
     """Channel MLP kind: ``"dense"``, ``"moe"`` or a registered one."""
+    norm: str = "rmsnorm"
+    """Kind of the layer's two pre-norms (before the mixer and before the MLP)."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,8 @@ class DecoderSpec:
     layers: tuple[LayerSpec, ...]
     rotary: RotarySpec
     mtp: tuple[LayerSpec, ...] = ()
+    final_norm: str = "rmsnorm"
+    """Kind of the norm after the last layer (on the last pipeline stage)."""
 
     def check(self, config: GPTConfig) -> None:
         """Raise when the spec's layer counts disagree with ``config``."""

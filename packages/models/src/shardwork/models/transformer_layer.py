@@ -9,11 +9,12 @@
   split save into one layout-free namespace. ``recompute="full"`` checkpoints whole layers
   (``replay``: the model's :class:`~shardwork.models.recompute.RecomputeReplay`, so MoE
   routers count once per real forward).
-- The layer is generic: its mixer and MLP are built from a
+- The layer is generic: its mixer, MLP and norms are built from a
   :class:`~shardwork.models.spec.LayerSpec` by :func:`build_layer` through the registries of
   :mod:`shardwork.models.layer_kinds`; the block builds its range of the global
   :class:`~shardwork.models.spec.DecoderSpec` layers. Submodule names (``self_attention``,
-  ``mlp``) are the checkpoint keys whatever the kind, so state-dict keys do not depend on it.
+  ``mlp``, ``input_layernorm``, ``pre_mlp_layernorm``, ``final_norm``) are the checkpoint keys
+  whatever the kind, so state-dict keys do not depend on it.
 """
 
 from __future__ import annotations
@@ -25,29 +26,14 @@ import torch.nn.functional as F
 
 from shardwork.models.attention import AttentionInputs
 from shardwork.models.config import GPTConfig
-from shardwork.models.layer_kinds import BuildContext, build_mixer, build_mlp
+from shardwork.models.layer_kinds import BuildContext, build_mixer, build_mlp, build_norm
 from shardwork.models.module import ShardedModule
-from shardwork.models.norm import RMSNorm
 from shardwork.models.recompute import RecomputeReplay, checkpoint
 from shardwork.models.rng import REPLICATED, TENSOR_PARALLEL, RNGTracker
 from shardwork.models.spec import LayerSpec
 from shardwork.parallel_state import ProcessGroups
 
 __all__ = ["TransformerBlock", "TransformerLayer", "build_layer"]
-
-
-def _norm(config: GPTConfig, groups: ProcessGroups, device) -> RMSNorm:
-    return RMSNorm(
-        config.hidden_size,
-        groups=groups,
-        eps=config.norm_epsilon,
-        backend=config.kernel_backend,
-        # Under SP the norm sees only this rank's tokens: its weight gradient is all-reduced over
-        # TP.
-        partial_grad=config.sequence_parallel,
-        params_dtype=config.params_dtype,
-        device=device,
-    )
 
 
 def hidden_dropout(x: torch.Tensor, p: float, *, training: bool, rng: RNGTracker, sp: bool):
@@ -72,16 +58,19 @@ class TransformerLayer(ShardedModule):
         rng: RNGTracker,
         mixer: torch.nn.Module,
         mlp: torch.nn.Module,
-        device: str | torch.device | None = None,
+        norms: tuple[torch.nn.Module, torch.nn.Module],
     ) -> None:
+        """``norms``: the pre-mixer and pre-MLP norms."""
         super().__init__(groups)
         self.layer_number = layer_number
         self.rng = rng
         self.dropout = config.hidden_dropout
         self.sp = config.sequence_parallel
-        self.input_layernorm = _norm(config, groups, device)
+        # Registration order (norm, mixer, norm, MLP) fixes the parameter order, which the
+        # gradient buffers and the norm reductions follow.
+        self.input_layernorm = norms[0]
         self.self_attention = mixer
-        self.pre_mlp_layernorm = _norm(config, groups, device)
+        self.pre_mlp_layernorm = norms[1]
         self.mlp = mlp
 
     def forward(self, hidden: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
@@ -96,6 +85,7 @@ def build_layer(spec: LayerSpec, ctx: BuildContext, layer_number: int) -> Transf
     """The layer ``spec`` describes, as global layer ``layer_number``."""
     mlp = build_mlp(spec.mlp, ctx, layer_number)
     mixer = build_mixer(spec.mixer, ctx, layer_number)
+    h = ctx.config.hidden_size
     return TransformerLayer(
         ctx.config,
         ctx.groups,
@@ -103,7 +93,7 @@ def build_layer(spec: LayerSpec, ctx: BuildContext, layer_number: int) -> Transf
         rng=ctx.rng,
         mixer=mixer,
         mlp=mlp,
-        device=ctx.device,
+        norms=(build_norm(spec.norm, ctx, h), build_norm(spec.norm, ctx, h)),
     )
 
 
@@ -116,14 +106,14 @@ class TransformerBlock(ShardedModule):
         groups: ProcessGroups,
         *,
         layer_range: tuple[int, int],
-        final_norm: bool,
+        final_norm: str | None,
         rng: RNGTracker,
         specs: Sequence[LayerSpec],
         ctx: BuildContext,
         replay: RecomputeReplay | None = None,
-        device: str | torch.device | None = None,
     ) -> None:
-        """``specs``: the global stack's layer specs (this block builds ``specs[start:stop]``)."""
+        """``specs``: the global stack's layer specs (this block builds ``specs[start:stop]``);
+        ``final_norm``: the kind of the norm after the last layer, None on earlier stages."""
         super().__init__(groups)
         start, stop = layer_range
         self.replay = replay
@@ -131,7 +121,9 @@ class TransformerBlock(ShardedModule):
         self.rng = rng
         self.full_recompute = config.recompute == "full"
         self.layers = torch.nn.ModuleList(build_layer(specs[i], ctx, i) for i in range(start, stop))
-        self.final_norm = _norm(config, groups, device) if final_norm else None
+        self.final_norm = (
+            None if final_norm is None else build_norm(final_norm, ctx, config.hidden_size)
+        )
 
     def _child_prefix(self, name: str, index: int | None = None) -> str:
         if name == "layers" and index is not None:
