@@ -77,12 +77,14 @@ MODELS = {
     "moe-aux": {
         "preset": "tiny-mixtral-8x7b",
         "num_layers": 2,
-        "overrides": {
-            "moe.load_balancing_type": ["aux_loss", "seq_aux_loss"],
-            "moe.aux_loss_coeff": [1e-2, 1e-2],
-            "moe.z_loss_coeff": 1e-3,
-            "moe.capacity_factor": 1.0,
-            "moe.token_drop_policy": "position",
+        "moe": {
+            "router": {
+                "load_balancing_type": ["aux_loss", "seq_aux_loss"],
+                "aux_loss_coeff": [1e-2, 1e-2],
+                "z_loss_coeff": 1e-3,
+                "capacity_factor": 1.0,
+                "token_drop_policy": "position",
+            }
         },
     },
     # the global load-balancing loss (token counts over the data-parallel ranks and the
@@ -90,12 +92,14 @@ MODELS = {
     "moe-gaux": {
         "preset": "tiny-mixtral-8x7b",
         "num_layers": 2,
-        "overrides": {
-            "moe.load_balancing_type": "global_aux_loss",
-            "moe.aux_loss_coeff": 1e-2,
-            "moe.z_loss_coeff": 1e-3,
-            "moe.capacity_factor": 1.0,
-            "moe.token_drop_policy": "position",
+        "moe": {
+            "router": {
+                "load_balancing_type": "global_aux_loss",
+                "aux_loss_coeff": 1e-2,
+                "z_loss_coeff": 1e-3,
+                "capacity_factor": 1.0,
+                "token_drop_policy": "position",
+            }
         },
     },
 }
@@ -192,11 +196,13 @@ def _sections(
     micro-batch holds ``groups.batch_shards`` ranks' micro-batches."""
     steps = STEPS if dtype == "fp64" else FP32_STEPS
     mbs = MICRO_BATCH * groups.batch_shards
-    model = {**MODELS[kind], "overrides": dict(MODELS[kind].get("overrides", {}))}
-    if "moe.z_loss_coeff" in model["overrides"]:
+    model = dict(MODELS[kind])
+    if "moe" in model:
+        router = dict(model["moe"]["router"])
         # the z-loss is a mean over each rank's micro-batch, and the ranks' means add up:
         # batch_shards of them equal batch_shards × the mean over their union
-        model["overrides"]["moe.z_loss_coeff"] *= groups.batch_shards
+        router["z_loss_coeff"] *= groups.batch_shards
+        model["moe"] = {"router": router}
     return {
         "model": model,
         "parallel": parallel,

@@ -6,15 +6,20 @@ import pytest
 
 from shardwork.trainer.config.cli import parse_train_args
 from shardwork.trainer.config.load import ConfigError, config_from_dict, config_to_toml, load_config
-from shardwork.trainer.config.sections import TrainConfig
+from shardwork.trainer.config.sections import ModelSection, TrainConfig
 from shardwork.trainer.config.validate import validate_config
+from shardwork.trainer.model_factory import gpt_config
 
 
 def _with(**sections):
     """TrainConfig with fields replaced: _with(optimizer={"lr": 0})."""
     config = TrainConfig()
     for name, values in sections.items():
-        if isinstance(values, dict):
+        if name == "model":  # the [model] table: a preset and GPTConfig settings
+            settings = {k: v for k, v in values.items() if k != "preset"}
+            model = ModelSection(preset=values.get("preset"), settings=settings)
+            config = dataclasses.replace(config, model=model)
+        elif isinstance(values, dict):
             config = dataclasses.replace(
                 config, **{name: dataclasses.replace(getattr(config, name), **values)}
             )
@@ -26,7 +31,9 @@ def _with(**sections):
 def test_defaults_are_valid_and_resolved(tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDWORK_CACHE", str(tmp_path))
     resolved = validate_config(TrainConfig(), world_size=1)
-    assert resolved.model.num_layers == 4 and resolved.model.vocab_size == 257
+    assert (
+        resolved.model.settings["num_layers"] == 4 and resolved.model.settings["vocab_size"] == 257
+    )
     assert resolved.logging.run_dir == "runs/demo"
     assert resolved.checkpoint.dir == "runs/demo/checkpoints"
 
@@ -35,7 +42,7 @@ def test_toml_roundtrip(tmp_path):
     config = _with(
         optimizer={"lr": 3e-4, "weight_decay_end": None},
         schedule={"batch_size_ramp": [(0, 4), (10, 16)], "lr_schedule": "wsd"},
-        model={"overrides": {"rope_theta": 500000.0, "qk_layernorm": True, "moe.top_k": 4}},
+        model={"rope_theta": 500000.0, "qk_layernorm": True, "moe": {"router": {"top_k": 4}}},
         eval={"interval": None},
     )
     path = tmp_path / "c.toml"
@@ -53,6 +60,38 @@ def test_cli_overrides_win_over_toml(tmp_path):
     assert config.schedule.train_steps == 7 and config.eval.at_end is False and not show
     _, show = parse_train_args(["--print-config"])
     assert show
+
+
+def test_model_flags_set_nested_fields_over_the_file(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text(
+        '[model]\npreset = "tiny-mixtral-8x7b"\n'
+        "[model.moe.router]\naux_loss_coeff = 0.1\nz_loss_coeff = 0.002\n"
+    )
+    flags = ["--model.moe.router.aux_loss_coeff", "0.01", "--model.num_layers=3"]
+    flags += ["--model.moe.layer_freq", "[1, 0, 1]", "--model.hidden_size", "32"]
+    config, _ = parse_train_args(["--config", str(path), *flags])
+    assert config.model.settings == {
+        "moe": {"router": {"aux_loss_coeff": 0.01, "z_loss_coeff": 0.002}, "layer_freq": [1, 0, 1]},
+        "num_layers": 3,
+        "hidden_size": 32,
+    }
+    model = gpt_config(validate_config(config, world_size=1))
+    router = model.moe.router
+    assert (router.aux_loss_coeff, router.z_loss_coeff, router.top_k) == (0.01, 0.002, 2)
+    assert model.num_layers == 3 and model.moe.layer_freq == (1, 0, 1)
+    # the router reads the hidden states: a new model width reaches it
+    assert model.hidden_size == router.hidden_size == 32
+
+
+def test_a_moe_table_on_a_dense_model_builds_the_moe_config():
+    table = {
+        "model": {"num_layers": 2, "moe": {"ffn_hidden_size": 32, "router": {"num_experts": 4}}}
+    }
+    model = gpt_config(validate_config(config_from_dict(table), world_size=1))
+    assert model.moe.router.num_experts == 4 and model.moe.ffn_hidden_size == 32
+    # what the table leaves out of the new router comes from the model
+    assert (model.moe.router.hidden_size, model.moe.router.init_std) == (128, model.init_method_std)
 
 
 @pytest.mark.parametrize(
@@ -125,14 +164,30 @@ CASES = [
     ),
     ({"model": {"preset": "gpt-17"}}, 1, "model.preset='gpt-17': unknown preset"),
     (
-        {"model": {"overrides": {"moe.aux_loss_coeff": 0.01}}},
+        {"model": {"moe": {"router": {"aux_loss_coeff": 0.01}}}},
         1,
-        "model.overrides['moe.aux_loss_coeff']: the model has no 'moe' section to override",
+        "[model.moe]: the base model has no moe config, so this table builds a new MoEConfig "
+        "and must set",
     ),
     (
-        {"model": {"preset": "tiny-mixtral-8x7b", "overrides": {"moe.aux_los": 0.01}}},
+        {"model": {"preset": "tiny-mixtral-8x7b", "moe": {"router": {"aux_los": 0.01}}}},
         1,
-        "model.overrides['moe.aux_los']: MoEConfig has no field 'aux_los'; valid: [",
+        "model.moe.router.aux_los: unknown key; valid keys in [model.moe.router] (RouterConfig): ",
+    ),
+    (
+        {"model": {"params_dtype": "bf16"}},
+        1,
+        "model.params_dtype: not set in [model]; it is precision.dtype",
+    ),
+    (
+        {"model": {"preset": "tiny-mixtral-8x7b", "moe": {"router": {"hidden_size": 8}}}},
+        1,
+        "model.moe.router.hidden_size: not set in [model.moe.router]; it is model.hidden_size",
+    ),
+    (
+        {"model": {"preset": "tiny-mixtral-8x7b", "moe": {"router": {"top_k": "two"}}}},
+        1,
+        "model.moe.router.top_k='two': invalid type; valid: int",
     ),
     ({"data": {"split": "90,10"}}, 1, "data.split='90,10': must be three non-negative numbers"),
     ({"data": {"split": "100,0,0"}}, 1, "has no validation part but evaluation is on"),

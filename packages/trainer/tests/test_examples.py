@@ -38,7 +38,7 @@ def test_example_validates_at_its_world_size(path, tmp_path, monkeypatch):
         config = dataclasses.replace(config, data=data)
         monkeypatch.chdir(EXAMPLES.parent)
     resolved = validate_config(config, world_size=int(match.group(1)))
-    assert resolved.model.num_layers >= 1
+    assert resolved.model.settings["num_layers"] >= 1
 
 
 @pytest.mark.slow

@@ -72,7 +72,8 @@ def test_finetune_from_and_export_to_a_hugging_face_folder(tmp_path, source):
         checkpoint={"hf_init": folder, "hf_export": str(out), "save_at_end": True},
     )
     # the architecture came from the folder
-    assert (config.model.num_layers, config.model.hidden_size, config.model.vocab_size) == (
+    settings = config.model.settings
+    assert (settings["num_layers"], settings["hidden_size"], settings["vocab_size"]) == (
         2,
         32,
         VOCAB,
@@ -169,10 +170,12 @@ def test_hf_options_are_validated_before_any_work(tmp_path, source, case):
         model = dataclasses.replace(model, preset="tiny-llama3-8b")
         config, want = dataclasses.replace(base, model=model), "model.preset='tiny-llama3-8b'"
     elif case == "dimension":
-        config = dataclasses.replace(base, model=dataclasses.replace(model, num_layers=3))
+        config = dataclasses.replace(
+            base, model=dataclasses.replace(model, settings={**model.settings, "num_layers": 3})
+        )
         want = "model.num_layers=3 differs from checkpoint.hf_init"
     elif case == "shape-override":
-        model = dataclasses.replace(model, overrides={"qk_layernorm": True})
+        model = dataclasses.replace(model, settings={**model.settings, "qk_layernorm": True})
         config = dataclasses.replace(base, model=model)
         want = "q_layernorm.weight only here"
     elif case == "vocabulary":

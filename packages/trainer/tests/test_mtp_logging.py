@@ -122,10 +122,10 @@ def _valid_reference(checkpoint, config):
 def test_mtp_and_aux_losses_logged_separately_and_exactly(tmp_path):
     config = tiny_config(
         tmp_path,
-        # aux and z losses on (nested overrides of the preset's MoEConfig)
+        # aux and z losses on (changes to the preset's router config)
         model={
             "preset": "tiny-deepseek-v3",
-            "overrides": {"moe.aux_loss_coeff": 0.01, "moe.z_loss_coeff": 0.001},
+            "moe": {"router": {"aux_loss_coeff": 0.01, "z_loss_coeff": 0.001}},
         },
         schedule={"train_steps": STEPS, "warmup_steps": 1},
         eval={"interval": STEPS, "steps": 1},

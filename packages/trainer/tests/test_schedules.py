@@ -4,10 +4,10 @@ import math
 
 import pytest
 
-from shardwork.trainer.config.sections import OptimizerConfig, ScheduleConfig
+from shardwork.trainer.config.sections import OptimizerSection, ScheduleConfig
 from shardwork.trainer.schedules import batch_size, consumed_samples, learning_rate, weight_decay
 
-OPT = OptimizerConfig(lr=1.0, min_lr=0.1)
+OPT = OptimizerSection(lr=1.0, min_lr=0.1)
 
 
 def lr(step, **kw):
@@ -70,14 +70,14 @@ def test_wsd_default_decay_is_20_percent():
 
 
 def test_weight_decay_schedules():
-    lin = OptimizerConfig(weight_decay=0.0, weight_decay_end=0.2, weight_decay_schedule="linear")
-    cos = OptimizerConfig(weight_decay=0.0, weight_decay_end=0.2, weight_decay_schedule="cosine")
+    lin = OptimizerSection(weight_decay=0.0, weight_decay_end=0.2, weight_decay_schedule="linear")
+    cos = OptimizerSection(weight_decay=0.0, weight_decay_end=0.2, weight_decay_schedule="cosine")
     assert weight_decay(25, lin, train_steps=100) == pytest.approx(0.05)
     assert weight_decay(50, cos, train_steps=100) == pytest.approx(0.1)
     assert weight_decay(25, cos, train_steps=100) == pytest.approx(
         0.1 * (1 - math.cos(math.pi / 4))
     )
-    assert weight_decay(7, OptimizerConfig(weight_decay=0.3), train_steps=100) == 0.3
+    assert weight_decay(7, OptimizerSection(weight_decay=0.3), train_steps=100) == 0.3
 
 
 def test_batch_size_ramp_and_consumed_samples():

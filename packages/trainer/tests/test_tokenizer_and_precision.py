@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shardwork.trainer.config.load import ConfigError
-from shardwork.trainer.config.sections import TrainConfig
+from shardwork.trainer.config.sections import ModelSection, TrainConfig
 from shardwork.trainer.config.validate import validate_config
 from shardwork.trainer.data.dataset_meta import read_dataset_meta
 from shardwork.trainer.data.preprocess import write_documents
@@ -20,6 +20,9 @@ DOCS = ["the cat sat on the mat.", "the dog sat on the log.", "a cat and a dog."
 def _with(**sections):
     config = TrainConfig()
     for name, values in sections.items():
+        if name == "model":  # the [model] table: GPTConfig settings
+            config = dataclasses.replace(config, model=ModelSection(settings=values))
+            continue
         config = dataclasses.replace(
             config, **{name: dataclasses.replace(getattr(config, name), **values)}
         )
@@ -53,7 +56,7 @@ def test_vocab_smaller_than_tokenizer_is_rejected(tmp_path, monkeypatch):
     assert problem.startswith("model.vocab_size=100 is smaller than the vocabulary of ")
     assert "data.tokenizer='byte' (257 ids)" in problem and "valid: >= 257" in problem
     resolved = validate_config(_with(model={"vocab_size": 257}), world_size=1)
-    assert resolved.model.vocab_size == 257
+    assert resolved.model.settings["vocab_size"] == 257
 
 
 def test_unreadable_tokenizer_json_is_a_config_error(tmp_path, monkeypatch):
@@ -103,7 +106,7 @@ def test_dataset_built_with_another_tokenizer_is_rejected(tmp_path, monkeypatch,
         _with(data={"prefixes": prefixes[1:], "tokenizer": str(hf_tokenizer_path)}),
         world_size=1,
     )
-    assert resolved.model.vocab_size == hf.vocab_size
+    assert resolved.model.settings["vocab_size"] == hf.vocab_size
 
 
 def test_fp64_run_keeps_float64_and_tracks_fp32(tmp_path, monkeypatch):

@@ -17,6 +17,7 @@ import torch
 from shardwork.dist_checkpoint import CheckpointManager, read_info
 from shardwork.parallel_state import ProcessGroups
 from shardwork.trainer.config.load import config_from_dict
+from shardwork.trainer.config.validate import check_model_settings
 from shardwork.trainer.data.tokenizer import load_tokenizer
 from shardwork.trainer.errors import CheckpointError
 from shardwork.trainer.model_factory import build_model_chunks, gpt_config
@@ -36,7 +37,12 @@ def load_for_inference(checkpoint: str | Path):
         raise CheckpointError(
             f"{manager.step_path(step)} was not written by shardwork-train (no config)"
         )
-    config = config_from_dict(tomllib.loads(text))
+    problems: list[str] = []
+    config = check_model_settings(config_from_dict(tomllib.loads(text)), problems)
+    if problems:
+        raise CheckpointError(
+            f"{manager.step_path(step)}: its stored config: {'; '.join(problems)}"
+        )
     hf = (info.get("user_metadata") or {}).get("hf_config")  # runs started from a HF folder
     groups = ProcessGroups.single()
     (model,) = build_model_chunks(gpt_config(config, hf=hf), groups, device=torch.device("cpu"))

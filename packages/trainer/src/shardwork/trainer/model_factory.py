@@ -2,9 +2,9 @@
 
 - :func:`gpt_config` builds the :class:`shardwork.models.GPTConfig`: a preset, the
   config.json of ``checkpoint.hf_init`` (translated by shardwork.models.hf) or the demo
-  dimensions, then the explicit fields, the tokenizer's vocabulary, precision and seeds,
-  then ``model.overrides`` (``"field"`` for a GPTConfig field, ``"section.field"`` for a
-  field of a nested config such as ``moe`` or ``mtp``).
+  dimensions, then the ``[model]`` settings (GPTConfig fields and nested tables, applied by
+  :func:`~shardwork.trainer.config.model_table.apply_model_settings`), then precision,
+  sequence parallelism and seeds from their own sections.
 - :func:`build_model_chunks` builds this rank's model chunks through
   ``shardwork.models.pipeline.build_model_chunks`` (one per virtual stage).
 """
@@ -20,6 +20,7 @@ from shardwork.models.config import GPTConfig
 from shardwork.models.hf import gpt_config_from_hf, read_hf_config
 from shardwork.models.pipeline import build_model_chunks as build_pipeline_chunks
 from shardwork.models.presets import preset
+from shardwork.trainer.config.model_settings import apply_model_settings
 from shardwork.trainer.config.sections import DEMO_MODEL, TrainConfig
 
 _DTYPES = {
@@ -49,69 +50,36 @@ def hf_gpt_config(hf: dict[str, Any]):
 def gpt_config(config: TrainConfig, *, hf: dict[str, Any] | None = None):
     """The GPTConfig this run trains (config must be resolved: vocab_size set).
 
-    With ``checkpoint.hf_init`` the architecture is the folder's config.json, read from disk
-    unless ``hf`` (its contents, as a checkpoint stores them) is given.
+    The base is ``checkpoint.hf_init``'s config.json (read from disk unless ``hf``, its
+    contents as a checkpoint stores them, is given), else ``model.preset``, else the demo
+    dimensions; the ``[model]`` settings apply on top, then what other sections decide
+    (precision, sequence parallelism, seeds).
     """
     m = config.model
-    if config.checkpoint.hf_init is not None:
-        base = hf_gpt_config(hf if hf is not None else hf_config(config.checkpoint.hf_init))
-        explicit = {name: getattr(m, name) for name in DEMO_MODEL if getattr(m, name) is not None}
-        explicit.update(
-            vocab_size=m.vocab_size or base.vocab_size,
-            params_dtype=_DTYPES[config.precision.dtype],
-            sequence_parallel=config.parallel.sequence_parallel,
-            init_seed=config.seed,
-            dropout_seed=config.seed,
-        )
-        flat = {k: v for k, v in m.overrides.items() if "." not in k}
-        return _nested_overrides(base.replace(**explicit, **flat), m.overrides)
-    explicit = {name: getattr(m, name) for name in DEMO_MODEL if getattr(m, name) is not None}
-    explicit["vocab_size"] = m.vocab_size
-    if m.make_vocab_size_divisible_by is not None:
-        explicit["make_vocab_size_divisible_by"] = m.make_vocab_size_divisible_by
-    explicit.update(
+    settings = dict(m.settings)
+    decided: dict[str, Any] = dict(
         params_dtype=_DTYPES[config.precision.dtype],
         sequence_parallel=config.parallel.sequence_parallel,
         init_seed=config.seed,
         dropout_seed=config.seed,
     )
-    flat = {k: v for k, v in m.overrides.items() if "." not in k}
-    if m.preset is not None:
+    if config.checkpoint.hf_init is not None:
+        base = hf_gpt_config(hf if hf is not None else hf_config(config.checkpoint.hf_init))
+    elif m.preset is not None:
         base = preset(m.preset)
-        explicit.setdefault(
-            "max_position_embeddings", max(base.max_position_embeddings, config.data.seq_length)
+        decided["max_position_embeddings"] = max(
+            base.max_position_embeddings, config.data.seq_length
         )
-        return _nested_overrides(base.replace(**explicit, **flat), m.overrides)
-    dims = {**DEMO_MODEL, **explicit}
-    dims.setdefault("max_position_embeddings", config.data.seq_length)
-    return _nested_overrides(GPTConfig(**dims, **flat), m.overrides)
-
-
-def _nested_overrides(model_config, overrides: dict[str, Any]):
-    """Apply ``"section.field"`` overrides to a nested config of the GPTConfig (e.g.
-    ``{"moe.aux_loss_coeff": 0.01, "mtp.loss_coeff": 0.3}``); ValueError naming the key."""
-    nested: dict[str, dict[str, Any]] = {}
-    for key, value in overrides.items():
-        if "." in key:
-            section, name = key.split(".", 1)
-            nested.setdefault(section, {})[name] = value
-    for section, changes in nested.items():
-        sub = getattr(model_config, section, None)
-        if sub is None or not dataclasses.is_dataclass(sub):
-            raise ValueError(
-                f"model.overrides[{section + '.' + next(iter(changes))!r}]: "
-                f"the model has no {section!r} section to override (valid: a nested config the "
-                f"model has, e.g. 'moe.' for MoE models, 'mtp.' for models with MTP)"
-            )
-        known = {f.name for f in dataclasses.fields(sub)}
-        for name in changes:
-            if name not in known:
-                raise ValueError(
-                    f"model.overrides[{section + '.' + name!r}]: {type(sub).__name__} has no field "
-                    f"{name!r}; valid: {sorted(known)}"
-                )
-        model_config = model_config.replace(**{section: dataclasses.replace(sub, **changes)})
-    return model_config
+    else:
+        dims = {k: settings.pop(k, v) for k, v in DEMO_MODEL.items()}
+        base = GPTConfig(
+            **dims,
+            vocab_size=settings.pop("vocab_size"),
+            max_position_embeddings=settings.pop("max_position_embeddings", config.data.seq_length),
+        )
+    # A max_position_embeddings the run sets wins over the one derived from the sequence length.
+    decided = {k: v for k, v in decided.items() if k not in settings}
+    return apply_model_settings(base.replace(**decided), settings)
 
 
 def build_model_chunks(

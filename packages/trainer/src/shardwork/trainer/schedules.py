@@ -26,10 +26,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from shardwork.trainer.config.sections import OptimizerConfig, ScheduleConfig
+from shardwork.trainer.config.sections import OptimizerSection, ScheduleConfig
 
 
-def learning_rate(step: int, schedule: ScheduleConfig, optimizer: OptimizerConfig) -> float:
+def learning_rate(step: int, schedule: ScheduleConfig, optimizer: OptimizerSection) -> float:
     """Learning rate of optimizer step ``step``."""
     peak, low = optimizer.lr, optimizer.min_lr
     warmup = schedule.warmup_steps
@@ -82,7 +82,7 @@ def learning_rate(step: int, schedule: ScheduleConfig, optimizer: OptimizerConfi
     )
 
 
-def weight_decay(step: int, optimizer: OptimizerConfig, *, train_steps: int) -> float:
+def weight_decay(step: int, optimizer: OptimizerSection, *, train_steps: int) -> float:
     """Weight decay of optimizer step ``step``."""
     start = optimizer.weight_decay
     if optimizer.weight_decay_schedule == "constant" or optimizer.weight_decay_end is None:

@@ -17,7 +17,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from shardwork.trainer.config.sections import TrainConfig
+from shardwork.trainer.config.sections import ModelSection, TrainConfig
 from shardwork.trainer.config.validate import validate_config
 from shardwork.trainer.data.builder import micro_batch, split_components
 from shardwork.trainer.run.trainer import build_train_set
@@ -62,9 +62,12 @@ def tiny_config(run_dir: str | Path, *, world_size: int = 1, **sections: Any) ->
         else:
             config = dataclasses.replace(config, **{name: values})
     for name, values in merged.items():
-        config = dataclasses.replace(
-            config, **{name: dataclasses.replace(getattr(config, name), **values)}
-        )
+        if name == "model":  # the [model] table: a preset and GPTConfig settings
+            settings = {k: v for k, v in values.items() if k != "preset"}
+            section = ModelSection(preset=values.get("preset"), settings=settings)
+        else:
+            section = dataclasses.replace(getattr(config, name), **values)
+        config = dataclasses.replace(config, **{name: section})
     return validate_config(config, world_size=world_size)
 
 

@@ -2,25 +2,26 @@
 
 - Unknown sections or keys are errors that list the valid ones (a typo never
   passes silently).
-- Values are checked against the field's type (int, float, bool, str,
-  Literal choices, lists, (step, size) pairs, dicts); ints are accepted for
-  floats. TOML has no null: ``"none"`` sets an optional field to None, and
-  :func:`config_to_toml` writes None that way, so printed configs load back.
-- All problems are reported together in one :class:`ConfigError`.
+- Values are checked against the field's type (:mod:`.values`); ``[model]`` keys against
+  GPTConfig's own fields when the config is validated (:mod:`.model_settings`; reading stays
+  torch-free). TOML has no null: ``"none"`` sets an optional
+  field to None, and :func:`config_to_toml` writes None that way, so printed configs load back.
+- All problems are reported together in one :class:`ConfigError`. A file in an older format
+  that can be read unambiguously is converted, and each conversion is a notice on stderr.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
+import sys
 import tomllib
-import types
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from shardwork.trainer.config.sections import TrainConfig
+from shardwork.trainer.config.model_table import convert_overrides
+from shardwork.trainer.config.sections import ModelSection, TrainConfig
+from shardwork.trainer.config.values import coerce_value, describe_type, dump_toml
 from shardwork.trainer.errors import UserError
 
 
@@ -32,77 +33,20 @@ class ConfigError(UserError, ValueError):
         super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in self.problems))
 
 
-def _describe(annotation: Any) -> str:
-    origin = typing.get_origin(annotation)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(annotation))
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in typing.get_args(annotation))
-    if annotation is type(None):
-        return '"none"'
-    if origin is list:
-        return f"a list of {_describe(typing.get_args(annotation)[0])}"
-    if origin is tuple:
-        return "a pair [" + ", ".join(_describe(a) for a in typing.get_args(annotation)) + "]"
-    if origin is dict:
-        return "a table"
-    return getattr(annotation, "__name__", str(annotation))
+def read_model_section(table: dict[str, Any], problems: list[str], notices: list[str]):
+    """The ``[model]`` table as a :class:`ModelSection`; its GPTConfig keys are checked by
+    ``validate_config`` (that needs shardwork.models, which loads torch)."""
+    table = convert_overrides(table, notices, problems)
+    preset = table.get("preset")
+    try:
+        preset = None if preset is None else coerce_value(preset, str | None)
+    except TypeError:
+        problems.append(f'model.preset={preset!r}: invalid type; valid: a preset name or "none"')
+        preset = None
+    return ModelSection(preset=preset, settings={k: v for k, v in table.items() if k != "preset"})
 
 
-def _coerce(value: Any, annotation: Any) -> Any:
-    """``value`` converted to ``annotation``, or raise TypeError."""
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(annotation)
-        if type(None) in args and isinstance(value, str) and value.lower() == "none":
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg)
-            except TypeError:
-                continue
-        raise TypeError
-    if origin is Literal:
-        if value in typing.get_args(annotation):
-            return value
-        raise TypeError
-    if origin is list:
-        if not isinstance(value, list):
-            raise TypeError
-        (item,) = typing.get_args(annotation)
-        return [_coerce(v, item) for v in value]
-    if origin is tuple:
-        items = typing.get_args(annotation)
-        if not isinstance(value, list | tuple) or len(value) != len(items):
-            raise TypeError
-        return tuple(_coerce(v, t) for v, t in zip(value, items))
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise TypeError
-        _, item = typing.get_args(annotation)
-        return {str(k): _coerce(v, item) for k, v in value.items()}
-    if annotation is bool:
-        if isinstance(value, bool):
-            return value
-        raise TypeError
-    if annotation is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise TypeError
-    if annotation is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        raise TypeError
-    if annotation is str:
-        if isinstance(value, str):
-            return value
-        raise TypeError
-    raise TypeError
-
-
-def _build(cls: type, table: dict[str, Any], path: str, problems: list[str]) -> Any:
+def _build(cls: type, table: dict[str, Any], path: str, problems: list[str], notices) -> Any:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
@@ -115,30 +59,34 @@ def _build(cls: type, table: dict[str, Any], path: str, problems: list[str]) -> 
             )
             continue
         annotation = hints[key]
-        if dataclasses.is_dataclass(annotation):
-            if not isinstance(value, dict):
-                problems.append(f"{where}={value!r}: must be a table [{where}]")
-                continue
-            kwargs[key] = _build(annotation, value, f"{where}.", problems)
-            continue
-        try:
-            kwargs[key] = _coerce(value, annotation)
-        except TypeError:
-            problems.append(f"{where}={value!r}: invalid type; valid: {_describe(annotation)}")
+        if dataclasses.is_dataclass(annotation) and not isinstance(value, dict):
+            problems.append(f"{where}={value!r}: must be a table [{where}]")
+        elif annotation is ModelSection:
+            kwargs[key] = read_model_section(value, problems, notices)
+        elif dataclasses.is_dataclass(annotation):
+            kwargs[key] = _build(annotation, value, f"{where}.", problems, notices)
+        else:
+            try:
+                kwargs[key] = coerce_value(value, annotation)
+            except TypeError:
+                problems.append(
+                    f"{where}={value!r}: invalid type; valid: {describe_type(annotation)}"
+                )
     return cls(**kwargs)
 
 
-def config_from_dict(table: dict[str, Any]) -> TrainConfig:
-    """Build a :class:`TrainConfig` from nested dicts (a parsed TOML file); raise ConfigError."""
+def config_from_dict(table: dict[str, Any], notices: list[str] | None = None) -> TrainConfig:
+    """Build a :class:`TrainConfig` from nested dicts (a parsed TOML file); raise ConfigError.
+    Conversions of an older format are appended to ``notices`` (dropped when None)."""
     problems: list[str] = []
-    config = _build(TrainConfig, table, "", problems)
+    config = _build(TrainConfig, table, "", problems, [] if notices is None else notices)
     if problems:
         raise ConfigError(problems)
     return config
 
 
 def load_config(path: str | Path) -> TrainConfig:
-    """Read a TOML config file."""
+    """Read a TOML config file; each conversion from an older format is a notice on stderr."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError([f"--config={str(path)!r}: no such file"])
@@ -149,43 +97,27 @@ def load_config(path: str | Path) -> TrainConfig:
         raise ConfigError([f"--config={str(path)!r}: not valid TOML ({exc})"]) from exc
     except OSError as exc:
         raise ConfigError([f"--config={str(path)!r}: cannot read it ({exc.strerror})"]) from exc
-    return config_from_dict(table)
+    notices: list[str] = []
+    config = config_from_dict(table, notices)
+    for notice in notices:
+        print(f"shardwork-train: notice: {path}: {notice}", file=sys.stderr)
+    return config
 
 
-def _toml_key(key: str) -> str:
-    """A bare TOML key when possible, else quoted ('moe.aux_loss_coeff' must stay one key)."""
-    if re.fullmatch(r"[A-Za-z0-9_-]+", key):
-        return key
-    return json.dumps(key)
-
-
-def _toml_value(value: Any) -> str:
-    if value is None:
-        return '"none"'
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
-    raise TypeError(f"cannot write {value!r} as TOML")
+def config_table(config: Any) -> dict[str, Any]:
+    """The config as nested dicts, in the shape of its TOML file."""
+    table: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, ModelSection):
+            table[f.name] = {"preset": value.preset, **value.settings}
+        elif dataclasses.is_dataclass(value):
+            table[f.name] = config_table(value)
+        else:
+            table[f.name] = value
+    return table
 
 
 def config_to_toml(config: Any) -> str:
     """The config as TOML text that :func:`load_config` reads back to an equal config."""
-    top: list[str] = []
-    sections: list[str] = []
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if dataclasses.is_dataclass(value):
-            lines = [f"[{f.name}]"]
-            for sub in dataclasses.fields(value):
-                lines.append(f"{sub.name} = {_toml_value(getattr(value, sub.name))}")
-            sections.append("\n".join(lines))
-        else:
-            top.append(f"{f.name} = {_toml_value(value)}")
-    return "\n".join(top) + "\n\n" + "\n\n".join(sections) + "\n"
+    return dump_toml(config_table(config))

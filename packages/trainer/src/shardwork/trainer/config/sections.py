@@ -6,16 +6,19 @@
   shows it next to the ``--section.field`` flag.
 - The defaults ARE the no-argument demo: a small byte-level GPT trained on
   the standard library's ``pydoc_data`` topics on one CPU process.
-- Model fields left at ``None`` come from the preset (``model.preset``) or,
-  without one, from :data:`DEMO_MODEL`; :func:`resolve_config` fills them.
+- Names: a section that configures a package's own object is a ``*Section`` (``model`` →
+  ``shardwork.models.GPTConfig``, ``parallel`` → ``shardwork.parallel_state.ParallelConfig``,
+  ``optimizer`` → the ``shardwork.dist_optimizer`` optimizers); the trainer's own concerns are
+  ``*Config``. No two classes share a name across the packages.
+- ``[model]`` holds a preset and changes to its GPTConfig (:class:`ModelSection`); the
+  dimensions the run leaves unset come from the preset or :data:`DEMO_MODEL`, and
+  ``resolve_config`` writes them in.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
-
-ScalarValue = int | float | bool | str
+from typing import Any, Literal
 
 DEMO_MODEL = {
     "num_layers": 4,
@@ -29,28 +32,21 @@ DEMO_MODEL = {
 
 
 @dataclass(kw_only=True)
-class ModelConfig:
-    """Which GPT to train (see shardwork.models.GPTConfig for the meaning of each field)."""
+class ModelSection:
+    """Which model to train: a base architecture and changes to it (the ``[model]`` table).
+
+    The base is ``preset`` (a shardwork.models preset), else the folder of
+    ``checkpoint.hf_init``, else :data:`DEMO_MODEL`. Every other key of ``[model]`` is a field
+    of :class:`shardwork.models.GPTConfig`, and nested configs are nested tables
+    (``[model.moe]``, ``[model.moe.router]``, ``[model.mla]``, ``[model.mtp]``), checked against
+    those dataclasses when the file is read (:mod:`.model_table`).
+    """
 
     preset: str | None = None
     """A shardwork.models preset name (e.g. 'llama3-8b'); None: the small demo GPT."""
-    num_layers: int | None = None
-    """Transformer layers; None: the preset's (or the demo's) value."""
-    hidden_size: int | None = None
-    """Model width; None: the preset's (or the demo's) value."""
-    num_attention_heads: int | None = None
-    """Attention heads; None: the preset's (or the demo's) value."""
-    num_query_groups: int | None = None
-    """Key/value heads (grouped-query attention); None: the preset's (or the demo's) value."""
-    ffn_hidden_size: int | None = None
-    """MLP inner width; None: the preset's (or the demo's) value."""
-    vocab_size: int | None = None
-    """Real vocabulary size; None: the tokenizer's."""
-    make_vocab_size_divisible_by: int | None = None
-    """Embedding/head rows are padded to a multiple of this; None: the preset's (or the demo's: 64)."""
-    overrides: dict[str, ScalarValue] = field(default_factory=dict)
-    """Any other GPTConfig field by name, e.g. {'rope_theta': 500000}, or a field of a nested
-    config as 'section.field', e.g. {'moe.aux_loss_coeff': 0.01, 'moe.z_loss_coeff': 0.001}."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """The GPTConfig fields this run changes, nested like the configs, e.g. ``{"num_layers": 2,
+    "moe": {"router": {"aux_loss_coeff": 0.01}}}``; written as keys and tables of ``[model]``."""
 
 
 @dataclass(kw_only=True)
@@ -103,7 +99,7 @@ class PrecisionConfig:
 
 
 @dataclass(kw_only=True)
-class OptimizerConfig:
+class OptimizerSection:
     """Optimizer (shardwork.dist_optimizer: AdamW over ZeRO-1 shards of fp32 master weights and
     state, or Muon with whole parameters on owner ranks) and its weight-decay schedule."""
 
@@ -230,7 +226,7 @@ class CheckpointConfig:
     hf_init: str | None = None
     """A Hugging Face checkpoint folder (config.json + safetensors; Llama, Qwen 2/3, Mixtral,
     Qwen-MoE, DeepSeek-V3) to fine-tune: the architecture comes from its config.json (leave
-    model.preset and the model dimensions unset, or equal to it; model.overrides may change
+    model.preset and the model dimensions unset, or equal to it; other [model] keys may change
     fields that keep every tensor's shape, e.g. dropout) and its weights are imported at this
     run's layout before step 0. A run that resumes a shardwork checkpoint loads that instead."""
     hf_export: str | None = None
@@ -292,10 +288,10 @@ class TrainConfig:
 
     seed: int = 1234
     """Seed of parameter init, data order and dropout (per-rank streams are derived from it)."""
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -23,6 +23,7 @@ from shardwork.models import GPTConfig
 from shardwork.models.pipeline import layers_per_rank
 from shardwork.parallel_state import ORDER_TOKENS, ParallelConfig
 from shardwork.trainer.config.load import ConfigError
+from shardwork.trainer.config.model_settings import read_settings
 from shardwork.trainer.config.sections import DEMO_MODEL, TrainConfig
 from shardwork.trainer.config.validate_data import check_data, check_tokenizer
 from shardwork.trainer.config.validate_hf import (
@@ -45,8 +46,17 @@ def _preset_dims(name: str) -> dict:
     return preset_fields(name)
 
 
+def check_model_settings(config: TrainConfig, problems: list[str]) -> TrainConfig:
+    """``config`` with its ``[model]`` settings checked against GPTConfig's fields and converted
+    to their types (a TOML list becomes a tuple where the field is one)."""
+    settings = read_settings(GPTConfig, config.model.settings, "model", problems)
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, settings=settings))
+
+
 def resolve_config(config: TrainConfig) -> TrainConfig:
-    """A copy with model dimensions, vocabulary and directories filled in."""
+    """A copy with model dimensions, vocabulary and directories filled in (the dimensions the
+    ``[model]`` table leaves unset are written in from the base, so ``--print-config`` and the
+    checkpoint's stored config show them)."""
     model = config.model
     if config.checkpoint.hf_init is not None:
         base = hf_dimensions(hf_config(config.checkpoint.hf_init))
@@ -54,20 +64,20 @@ def resolve_config(config: TrainConfig) -> TrainConfig:
         base = _preset_dims(model.preset)
     else:
         base = dict(DEMO_MODEL)
-    updates = {}
+    settings = dict(model.settings)
     for name in DEMO_MODEL:
-        if getattr(model, name) is None and base.get(name) is not None:
-            updates[name] = base[name]
-    if model.vocab_size is None and config.checkpoint.hf_init is not None:
-        updates["vocab_size"] = base["vocab_size"]
-    elif model.vocab_size is None:
+        if settings.get(name) is None and base.get(name) is not None:
+            settings[name] = base[name]
+    if settings.get("vocab_size") is None and config.checkpoint.hf_init is not None:
+        settings["vocab_size"] = base["vocab_size"]
+    elif settings.get("vocab_size") is None:
         tokenizer = load_tokenizer(config.data.tokenizer, eod_token=config.data.eod_token)
-        updates["vocab_size"] = tokenizer.vocab_size
+        settings["vocab_size"] = tokenizer.vocab_size
     run_dir = config.logging.run_dir or str(Path("runs") / config.logging.name)
     checkpoint_dir = config.checkpoint.dir or str(Path(run_dir) / "checkpoints")
     return dataclasses.replace(
         config,
-        model=dataclasses.replace(model, **updates),
+        model=dataclasses.replace(model, settings=settings),
         logging=dataclasses.replace(config.logging, run_dir=run_dir),
         checkpoint=dataclasses.replace(config.checkpoint, dir=checkpoint_dir),
     )
@@ -131,14 +141,6 @@ def _check_parallel(config: TrainConfig, world_size: int, problems: list[str]) -
 def _check_model(config: TrainConfig, problems: list[str]):
     """Build the GPTConfig and check it against the layout (shardwork.models does the
     checking); returns the GPTConfig, or None when it could not be built."""
-    fields = {f.name for f in dataclasses.fields(GPTConfig)}
-    unknown = [k for k in config.model.overrides if "." not in k and k not in fields]
-    if unknown:
-        problems.append(
-            f"model.overrides: {', '.join(map(repr, unknown))} is not a GPTConfig field; valid: "
-            + ", ".join(sorted(fields))
-        )
-        return None
     try:
         model = gpt_config(config)
     except (ValueError, TypeError) as exc:
@@ -284,6 +286,8 @@ def validate_config(config: TrainConfig, *, world_size: int) -> TrainConfig:
     Raises :class:`ConfigError` listing every problem. Creates no process group.
     """
     problems: list[str] = []
+    config = check_model_settings(config, problems)
+    settings_ok = not problems
     check_data(config, problems)
     tokenizer_ok = not any(p.startswith("data.tokenizer") for p in problems)
     if tokenizer_ok:
@@ -296,7 +300,7 @@ def validate_config(config: TrainConfig, *, world_size: int) -> TrainConfig:
             problems.append(f"model.preset={config.model.preset!r}: {exc}")
             preset_ok = False
     hf_ok = check_hf_init(config, problems)
-    model_ok = tokenizer_ok and preset_ok and hf_ok
+    model_ok = settings_ok and tokenizer_ok and preset_ok and hf_ok
     resolved = resolve_config(config) if model_ok else config
     dp = _check_parallel(resolved, world_size, problems)
     model = _check_model(resolved, problems) if model_ok else None

@@ -96,7 +96,7 @@ def check_tokenizer(config: TrainConfig, problems: list[str]) -> bool:
             "written by the `tokenizers` library"
         )
         return False
-    vocab = config.model.vocab_size
+    vocab = config.model.settings.get("vocab_size")
     if vocab is not None and vocab < tokenizer.vocab_size:
         problems.append(
             f"model.vocab_size={vocab} is smaller than the vocabulary of data.tokenizer="

@@ -8,7 +8,7 @@ The rule for fine-tuning from a Hugging Face folder: its config.json *is* the ar
   (``model.num_layers`` ...) and ``model.vocab_size`` may be left unset (they are taken from
   the folder and shown by ``--print-config``) or must equal the folder's.
 - The tokenizer's vocabulary must fit the checkpoint's embedding.
-- ``model.overrides`` may change anything that keeps every tensor's shape (dropout,
+- Other ``[model]`` settings may change anything that keeps every tensor's shape (dropout,
   recomputation, ``rope_theta`` for a longer context, ...): the tensors the run's model holds
   are compared with those of the folder's model, built on the meta device (no memory).
 
@@ -23,6 +23,7 @@ from typing import Any
 
 from shardwork.models import GPTModel
 from shardwork.models.hf import hf_config_from_gpt
+from shardwork.trainer.config.model_table import flatten_settings
 from shardwork.trainer.config.sections import DEMO_MODEL, TrainConfig
 from shardwork.trainer.data.tokenizer import load_tokenizer
 from shardwork.trainer.model_factory import hf_config, hf_gpt_config
@@ -68,7 +69,7 @@ def check_hf_init(config: TrainConfig, problems: list[str]) -> bool:
         )
         ok = False
     for name, value in dims.items():
-        mine = getattr(m, name)
+        mine = m.settings.get(name)
         if mine is not None and mine != value:
             problems.append(
                 f"model.{name}={mine!r} differs from {where} ({value!r} in its config.json); "
@@ -111,9 +112,9 @@ def check_hf_shapes(config: TrainConfig, model_config, problems: list[str]) -> N
     details += [f"{k} only here" for k in sorted(mine.keys() - theirs.keys())[:3]]
     details += [f"{k} only there" for k in sorted(theirs.keys() - mine.keys())[:3]]
     problems.append(
-        f"model.overrides={config.model.overrides!r} change the tensors of checkpoint.hf_init="
-        f"{config.checkpoint.hf_init!r} ({'; '.join(details)}); valid: overrides that keep "
-        "every tensor's shape"
+        f"the [model] settings {flatten_settings(config.model.settings)!r} change the tensors of "
+        f"checkpoint.hf_init={config.checkpoint.hf_init!r} ({'; '.join(details)}); valid: "
+        "settings that keep every tensor's shape"
     )
 
 

@@ -53,7 +53,7 @@ def preflight(config: TrainConfig) -> list[str]:
         raise ConfigError(problems)
     warnings = [w for w in [free_space_warning(config)] if w is not None]
     for field, prefix in dataset_prefixes(config):
-        check_dataset(field, prefix, vocab_size=config.model.vocab_size)
+        check_dataset(field, prefix, vocab_size=config.model.settings["vocab_size"])
     check_eval_steps(config)
     return warnings
 

@@ -16,15 +16,19 @@ import tomllib
 from typing import Any
 
 from shardwork.dist_checkpoint import CheckpointCorruptError, CheckpointMismatchError
+from shardwork.trainer.config.model_table import convert_overrides, flatten_settings
 
 #: differing model settings named in a message; the rest are counted
 _SHOWN = 3
 
 
 def _model_table(toml_text: str | None) -> dict[str, Any]:
+    """The ``[model]`` settings of a stored config as ``{"moe.router.top_k": 4, ...}``; a
+    config in the format before composed configs is converted first, so both compare alike."""
     if not toml_text:
         return {}
-    return tomllib.loads(toml_text).get("model", {})
+    table = tomllib.loads(toml_text).get("model", {})
+    return flatten_settings(convert_overrides(table, notices=[], problems=[]))
 
 
 def model_differences(saved_toml: str | None, run_toml: str) -> list[tuple[str, Any, Any]]:
@@ -47,7 +51,7 @@ def _cli_value(value: Any) -> str:
 def mismatch_message(exc: CheckpointMismatchError, *, saved_toml: str | None, run_toml: str) -> str:
     """One paragraph: the load's findings, summarised, and the options that resume it."""
     lines = [exc.summary("this run")]
-    diffs = [d for d in model_differences(saved_toml, run_toml) if d[0] != "overrides"]
+    diffs = model_differences(saved_toml, run_toml)
     if diffs:
         shown = ", ".join(f"model.{n}={s!r} (this run: {o!r})" for n, s, o in diffs[:_SHOWN])
         more = f" and {len(diffs) - _SHOWN} more" if len(diffs) > _SHOWN else ""
