@@ -69,7 +69,7 @@ def test_pp2_stage_without_moe_layers_joins_reduction():
     kwargs = {
         "pp": 2,
         "num_layers": 4,
-        "moe": {"layer_freq": (0, 0, 1, 1), "aux_loss_coeff": 1e-2},
+        "moe": {"layer_freq": (0, 0, 1, 1), "router": {"aux_loss_coeff": 1e-2}},
     }
     losses = run_on_ranks(_compare, 2, args=("tiny-mixtral-8x7b", kwargs))
     assert len(set(losses)) == 1
