@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from shardwork.models import GPTModel, preset
+from shardwork.models import GPTConfig, GPTModel, preset
 from shardwork.models.families.twins import tiny_moe
 from shardwork.models.moe import MoEConfig, MoELayer
 from shardwork.moe_router import RouterConfig
@@ -50,11 +50,24 @@ def test_replace_with_a_moe_takes_it_as_given():
     assert cfg.replace(init_method_std=0.1, moe=given).moe.router.init_std == 0.3
 
 
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"hidden_size": 0}, r"^GPTConfig\.hidden_size=0 is invalid"),
+        ({"hidden_size": "64"}, r"^GPTConfig\.hidden_size='64' is invalid"),
+        ({"init_method_std": -1.0}, r"^GPTConfig\.init_method_std=-1\.0 must be > 0"),
+    ],
+)
+def test_replace_with_a_bad_value_names_the_models_field(change, match):
+    with pytest.raises(ValueError, match=match):
+        preset("tiny-mixtral-8x7b").replace(**change)
+
+
 def test_router_of_another_hidden_size_is_refused_on_construction():
     fields = vars(preset("tiny-qwen3-30b-a3b"))
     moe = fields["moe"].replace(router=dataclasses.replace(fields["moe"].router, hidden_size=48))
     with pytest.raises(ValueError, match=r"GPTConfig\.moe\.router\.hidden_size=48 differs .*64"):
-        type(preset("tiny-qwen3-30b-a3b"))(**(fields | {"moe": moe}))
+        GPTConfig(**(fields | {"moe": moe}))
 
 
 def test_router_must_be_a_router_config():

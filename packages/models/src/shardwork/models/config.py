@@ -207,8 +207,14 @@ class GPTConfig:
             std = changes.get("init_method_std", self.init_method_std)
             if std != self.init_method_std and router.init_std == self.init_method_std:
                 follow["init_std"] = std
-            if follow:
-                changes["moe"] = self.moe.replace(router=dataclasses.replace(router, **follow))
+            try:
+                followed = dataclasses.replace(router, **follow) if follow else None
+            except ValueError:
+                # An invalid new value: the router keeps its own, and GPTConfig's validation
+                # below names the field the caller gave (not the router's copy of it).
+                followed = None
+            if followed is not None:
+                changes["moe"] = self.moe.replace(router=followed)
         return dataclasses.replace(self, **changes)
 
     # ---- layout checks -------------------------------------------------------------------
