@@ -557,13 +557,12 @@ def test_matrix_models_are_deterministic(tmp_path, corpus_cache, monkeypatch):
         if kind == "dense":
             assert model.moe is None
             continue
-        moe = model.moe
-        assert moe.input_jitter_eps is None, kind  # no router jitter
-        assert moe.router_dtype in (None, "fp64"), kind  # the router follows float64
+        router = model.moe.router
+        assert router.input_jitter_eps is None, kind  # no router jitter
+        assert router.router_dtype in (None, "fp64"), kind  # the router follows float64
         if kind == "moe":
-            assert moe.capacity_factor is None  # dropless: no token is dropped per rank
-            assert moe.aux_loss_coeff == 0.0 and moe.z_loss_coeff is None
+            assert router.capacity_factor is None  # dropless: no token is dropped per rank
+            assert router.aux_loss_coeff == 0.0 and router.z_loss_coeff is None
         else:  # the per-rank statistics are on (compared over the ranks' token groups)
-            assert moe.capacity_factor == 1.0 and moe.z_loss_coeff > 0, kind
-            router = moe.router_config(hidden_size=model.hidden_size)
+            assert router.capacity_factor == 1.0 and router.z_loss_coeff > 0, kind
             assert router.aux_loss_enabled, kind

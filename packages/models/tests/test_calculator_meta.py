@@ -114,7 +114,7 @@ def test_flops_match_torch_flop_counter(name, recompute):
     """
     config = preset(name, recompute=recompute)
     if config.moe is not None:
-        assert config.moe.capacity_factor is None  # dropless: expert rows are deterministic
+        assert config.moe.router.capacity_factor is None  # dropless: expert rows are deterministic
     model = GPTModel(config)
     seq = 16
     ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))

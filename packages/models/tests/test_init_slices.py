@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from shardwork.models import GPTModel, layout_groups, preset
-from shardwork.models.moe import MoEConfig
+from shardwork.models.families.twins import tiny_moe
 from shardwork.models.sharding import INIT_BLOCK, normal_slice
 from shardwork.parallel_state import ParallelConfig
 
@@ -88,7 +88,7 @@ def _params(model):
 
 
 _DENSE = dict(hidden_size=256, num_query_groups=4, ffn_hidden_size=512, vocab_size=1000)
-_MOE = dict(num_layers=1, moe=MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=256))
+_MOE = dict(num_layers=1, moe=tiny_moe(ffn_hidden_size=256))
 
 
 @pytest.mark.parametrize(

@@ -8,22 +8,26 @@ per-rank token groups (``shardwork.models.moe.testing.compare_moe_layout``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from shardwork.models.moe.testing import compare_moe_layout
 from shardwork.parallel_state.testing import run_on_ranks
 
 pytestmark = pytest.mark.multirank
-AUX = {"load_balancing_type": "aux_loss", "aux_loss_coeff": 1e-2, "z_loss_coeff": 1e-3}
+AUX = {"router": {"load_balancing_type": "aux_loss", "aux_loss_coeff": 1e-2, "z_loss_coeff": 1e-3}}
 
 
 def _compare(name, kwargs):
     kwargs = dict(kwargs)
-    moe = kwargs.pop("moe", None)
+    moe = dict(kwargs.pop("moe", {}))
     if moe:
         from shardwork.models import preset
 
-        kwargs["moe"] = preset(name).moe.replace(**moe)
+        base = preset(name).moe
+        router = dataclasses.replace(base.router, **moe.pop("router", {}))
+        kwargs["moe"] = base.replace(router=router, **moe)
     return compare_moe_layout(name, **kwargs)
 
 
@@ -38,7 +42,11 @@ def _compare(name, kwargs):
         (
             "tiny-mixtral-8x7b",
             2,
-            {"ep": 2, "etp": 1, "moe": {"capacity_factor": 1.0, "aux_loss_coeff": 1e-2}},
+            {
+                "ep": 2,
+                "etp": 1,
+                "moe": {"router": {"capacity_factor": 1.0, "aux_loss_coeff": 1e-2}},
+            },
         ),
     ],
     ids=[
@@ -61,7 +69,7 @@ def test_pp2_stage_without_moe_layers_joins_reduction():
     kwargs = {
         "pp": 2,
         "num_layers": 4,
-        "moe": {"layer_freq": (0, 0, 1, 1), "aux_loss_coeff": 1e-2},
+        "moe": {"layer_freq": (0, 0, 1, 1), "router": {"aux_loss_coeff": 1e-2}},
     }
     losses = run_on_ranks(_compare, 2, args=("tiny-mixtral-8x7b", kwargs))
     assert len(set(losses)) == 1

@@ -9,6 +9,8 @@ when a second micro-batch's forward runs before the first one's backward (1F1B o
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -19,13 +21,15 @@ from shardwork.parallel_state import ProcessGroups
 
 def _config(recompute: str, balancing):
     base = preset("tiny-mixtral-8x7b", params_dtype=torch.float64)
-    moe = base.moe.replace(
+    router = dataclasses.replace(
+        base.moe.router,
         load_balancing_type=balancing,
         aux_loss_coeff=tuple(0.01 * (i + 1) for i in range(len(balancing))),
         z_loss_coeff=1e-3,
         score_function="sigmoid",
         enable_expert_bias=True,
     )
+    moe = base.moe.replace(router=router)
     return base.replace(moe=moe, recompute=recompute, num_layers=3)
 
 

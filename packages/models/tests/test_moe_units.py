@@ -13,6 +13,7 @@ from shardwork.models.calculator import flops_per_token, num_parameters
 from shardwork.models.calculator_moe import moe_param_counts
 from shardwork.models.moe import MoEConfig, MoELayer, grouped_linear
 from shardwork.models.presets_moe import MOE_PRESETS, PUBLISHED_MOE_PARAMS
+from shardwork.moe_router import RouterConfig
 from shardwork.moe_router.testing import dense_moe_reference
 from shardwork.parallel_state import ParallelConfig
 
@@ -78,9 +79,10 @@ def test_moe_layer_matches_dense_reference():
 
 
 def test_layer_patterns():
-    m = MoEConfig(num_experts=4, ffn_hidden_size=8, first_k_dense_replace=2, layer_freq=2)
+    router = RouterConfig(num_experts=4, hidden_size=16)
+    m = MoEConfig(router=router, ffn_hidden_size=8, first_k_dense_replace=2, layer_freq=2)
     assert m.moe_layers(8) == [2, 4, 6]
-    p = MoEConfig(num_experts=4, ffn_hidden_size=8, layer_freq=(0, 1, 1, 0))
+    p = MoEConfig(router=router, ffn_hidden_size=8, layer_freq=(0, 1, 1, 0))
     assert p.moe_layers(4) == [1, 2]
     cfg = preset("tiny-deepseek-v3")
     model = GPTModel(cfg, device="meta")
@@ -124,21 +126,22 @@ def test_flops_count_active_experts_only():
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("routing", "kwargs", "match"),
     [
-        ({"num_experts": 0, "ffn_hidden_size": 8}, "num_experts"),
-        ({"num_experts": 4, "ffn_hidden_size": 8, "top_k": 5}, "top_k"),
+        ({"num_experts": 0}, {"ffn_hidden_size": 8}, "num_experts"),
+        ({"num_experts": 4, "top_k": 5}, {"ffn_hidden_size": 8}, "top_k"),
         (
-            {"num_experts": 4, "ffn_hidden_size": 8, "shared_expert_gate": True},
+            {"num_experts": 4},
+            {"ffn_hidden_size": 8, "shared_expert_gate": True},
             "shared_expert_gate",
         ),
-        ({"num_experts": 4, "ffn_hidden_size": 8, "layer_freq": (0, 2)}, "layer_freq"),
-        ({"num_experts": 4, "ffn_hidden_size": 8, "dispatcher": "magic"}, "dispatcher"),
+        ({"num_experts": 4}, {"ffn_hidden_size": 8, "layer_freq": (0, 2)}, "layer_freq"),
+        ({"num_experts": 4}, {"ffn_hidden_size": 8, "dispatcher": "magic"}, "dispatcher"),
     ],
 )
-def test_bad_moe_config(kwargs, match):
+def test_bad_moe_config(routing, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        MoEConfig(**kwargs)
+        MoEConfig(router=RouterConfig(hidden_size=16, **routing), **kwargs)
 
 
 def test_bad_layouts_name_the_field():

@@ -81,7 +81,7 @@ def test_dense_enumeration_equals_brute_force():
 
 def test_moe_enumeration_equals_brute_force():
     model = preset("tiny-mixtral-8x7b", num_layers=4)
-    experts = model.moe.num_experts
+    experts = model.moe.router.num_experts
 
     def ep_choices(tp, cp, dp):
         for ep in range(1, experts + 1):

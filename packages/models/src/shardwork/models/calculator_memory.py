@@ -101,11 +101,11 @@ def _mlp_params(c: GPTConfig, layer: int, *, tp: int, ep: int, etp: int) -> tupl
     h, m = c.hidden_size, c.moe
     if m is None or (layer < c.num_layers and not m.is_moe_layer(layer)):
         return 3 * h * (c.ffn_hidden_size // tp), 0
-    dense = m.num_experts * h  # router, replicated
+    dense = m.router.num_experts * h  # router, replicated
     if m.shared_expert_ffn_hidden_size is not None:
         dense += 3 * h * (m.shared_expert_ffn_hidden_size // tp)
         dense += h if m.shared_expert_gate else 0
-    expert = m.num_experts // ep * 3 * h * (m.ffn_hidden_size // etp)
+    expert = m.router.num_experts // ep * 3 * h * (m.ffn_hidden_size // etp)
     return dense, expert
 
 
@@ -234,13 +234,14 @@ def _mlp_bytes(cfg: GPTConfig, layer: int, t, tn, tp, etp, c, e) -> float:
     if m is None or (layer < cfg.num_layers and not m.is_moe_layer(layer)):
         f = cfg.ffn_hidden_size // tp
         return t * (3 * f * c + f * e)
-    k, experts = m.top_k, m.num_experts
+    r = m.router
+    k, experts = r.top_k, r.num_experts
     router_tokens = tn if cfg.sequence_parallel else t
     router = k * (8 + c)  # top-k indices and probabilities
-    if m.score_function != "softmax" or m.pre_softmax:
+    if r.score_function != "softmax" or r.pre_softmax:
         router += experts * c + c  # dense scores (and the renormalisation)
-    if m.num_groups is not None:  # group scores, kept groups, indices
-        g, gk = m.num_groups, m.group_top_k
+    if r.num_groups is not None:  # group scores, kept groups, indices
+        g, gk = r.num_groups, r.group_top_k
         router += experts * c + g * (8 + c) + gk * 8 + gk * experts // g * c + k * 8
     router *= router_tokens
     sent = t / tp * k  # (token, expert) pairs this rank dispatches

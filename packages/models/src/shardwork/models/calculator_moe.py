@@ -97,14 +97,14 @@ def _attention(c: GPTConfig) -> int:
 def _moe_mlp(c: GPTConfig) -> tuple[int, int, int]:
     """(total, active, router) of one MoE MLP."""
     m, h = c.moe, c.hidden_size
-    router = m.num_experts * h
+    router = m.router.num_experts * h
     shared = 0
     if m.shared_expert_ffn_hidden_size is not None:
         shared = 3 * h * m.shared_expert_ffn_hidden_size + (h if m.shared_expert_gate else 0)
     per_expert = 3 * h * m.ffn_hidden_size
     return (
-        router + m.num_experts * per_expert + shared,
-        router + m.top_k * per_expert + shared,
+        router + m.router.num_experts * per_expert + shared,
+        router + m.router.top_k * per_expert + shared,
         router,
     )
 

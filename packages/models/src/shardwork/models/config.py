@@ -190,7 +190,31 @@ class GPTConfig:
         return self.compute_dtype or self.params_dtype
 
     def replace(self, **changes: Any) -> GPTConfig:
-        """A copy with ``changes`` applied (validated again)."""
+        """A copy with ``changes`` applied (validated again).
+
+        The router of an inherited ``moe`` (one not passed in ``changes``) follows the model,
+        as it reads the model's hidden states and was initialised like it: a changed
+        ``hidden_size`` becomes ``moe.router.hidden_size``, and a changed ``init_method_std``
+        becomes ``moe.router.init_std`` when that equalled the old ``init_method_std``. A
+        ``moe`` passed in ``changes`` is taken as given (a router whose ``hidden_size`` differs
+        from the model's is refused by validation).
+        """
+        if self.moe is not None and "moe" not in changes:
+            router = self.moe.router
+            follow: dict[str, Any] = {}
+            if changes.get("hidden_size", self.hidden_size) != self.hidden_size:
+                follow["hidden_size"] = changes["hidden_size"]
+            std = changes.get("init_method_std", self.init_method_std)
+            if std != self.init_method_std and router.init_std == self.init_method_std:
+                follow["init_std"] = std
+            try:
+                followed = dataclasses.replace(router, **follow) if follow else None
+            except ValueError:
+                # An invalid new value: the router keeps its own, and GPTConfig's validation
+                # below names the field the caller gave (not the router's copy of it).
+                followed = None
+            if followed is not None:
+                changes["moe"] = self.moe.replace(router=followed)
         return dataclasses.replace(self, **changes)
 
     # ---- layout checks -------------------------------------------------------------------

@@ -1,10 +1,11 @@
 """How each local parameter maps onto its global tensor(s): checkpoint description and init.
 
-- A parameter created by this package carries, besides its :class:`ParamMeta`, three small
+- A parameter created by this package carries, besides its :class:`ParamMeta`, small
   attributes set by :func:`describe_param`: the names of its fused blocks (``("q", "k", "v")``,
   ``("gate", "up")``), the number of real rows (padded vocabulary: padding rows are neither
-  saved nor initialised randomly) and its init rule (``"normal"``, ``"scaled_normal"``,
-  ``"ones"``, ``"zeros"``).
+  saved nor initialised randomly), its init rule (``"normal"``, ``"scaled_normal"``,
+  ``"ones"``, ``"zeros"``) and, rarely, a std of its own (the MoE router's
+  ``RouterConfig.init_std``) instead of the model's ``init_method_std``.
 - :func:`param_shards` turns one local parameter into the ShardedTensors that say where it sits
   in global coordinates: one per fused block (keys ``<name>.q`` ...), each a view of the
   parameter, so a checkpoint load fills the parameter in place.
@@ -45,6 +46,7 @@ Part of the initial values' definition: changing it changes every model's initia
 _BLOCKS = "_shardwork_blocks"
 _ROWS = "_shardwork_real_rows"
 _INIT = "_shardwork_init"
+_STD = "_shardwork_init_std"
 _CUSTOM = "_shardwork_custom_shards"
 """Optional object with ``param_shards(param, key, *, replica_offset, source)`` and
 ``init_param(param, key, *, init_seed, std, num_layers)`` overriding the TP description
@@ -75,8 +77,12 @@ def describe_param(
     init: str,
     blocks: tuple[str, ...] | None = None,
     real_rows: int | None = None,
+    std: float | None = None,
 ) -> torch.nn.Parameter:
-    """Attach ``meta`` and the checkpoint/init description to ``param``; returns it."""
+    """Attach ``meta`` and the checkpoint/init description to ``param``; returns it.
+
+    ``std``: the normal draw's standard deviation when the parameter has its own (None: the
+    model's, given to :func:`init_from_shards`)."""
     assert init in INIT_RULES, init
     if blocks is not None:
         assert meta.tp_partition_sizes is not None and len(blocks) == len(meta.tp_partition_sizes)
@@ -84,6 +90,7 @@ def describe_param(
     setattr(param, _INIT, init)
     setattr(param, _BLOCKS, blocks)
     setattr(param, _ROWS, real_rows)
+    setattr(param, _STD, std)
     return param
 
 
@@ -231,6 +238,8 @@ def init_from_shards(
     param.zero_()
     if rule == "zeros":
         return
+    own = getattr(param, _STD, None)
+    std = std if own is None else own
     # Output projections: std / sqrt(2·num_layers), Megatron's scaled_init_method_normal (GPT-2's
     # scaling of residual-branch weights, two residual branches per layer).
     scale = std / math.sqrt(2.0 * num_layers) if rule == "scaled_normal" else std

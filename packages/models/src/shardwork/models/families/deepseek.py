@@ -20,6 +20,7 @@ from shardwork.models.mla_config import MLAConfig
 from shardwork.models.moe.config import MoEConfig
 from shardwork.models.mtp_config import MTPConfig
 from shardwork.models.preset_table import table_preset
+from shardwork.moe_router import RouterConfig
 
 __all__ = ["HF_MODEL_TYPES", "PRESETS", "PUBLISHED_PARAMS", "TINY_PRESETS"]
 
@@ -61,17 +62,20 @@ _SHAPES: dict[str, dict[str, Any]] = {
             v_head_dim=128,
         ),
         moe=MoEConfig(
-            num_experts=256,
-            top_k=8,
+            router=RouterConfig(
+                num_experts=256,
+                hidden_size=7168,
+                top_k=8,
+                score_function="sigmoid",
+                top_k_scaling_factor=2.5,
+                num_groups=8,
+                group_top_k=4,
+                enable_expert_bias=True,
+                load_balancing_type="seq_aux_loss",
+                aux_loss_coeff=1e-4,
+                router_dtype="fp32",
+            ),
             ffn_hidden_size=2048,
-            score_function="sigmoid",
-            top_k_scaling_factor=2.5,
-            num_groups=8,
-            group_top_k=4,
-            enable_expert_bias=True,
-            load_balancing_type="seq_aux_loss",
-            aux_loss_coeff=1e-4,
-            router_dtype="fp32",
             shared_expert_ffn_hidden_size=2048,
             first_k_dense_replace=3,
         ),
@@ -87,10 +91,8 @@ _SHAPES: dict[str, dict[str, Any]] = {
         rope_scaling=_deepseek_yarn(0.707),
         mla=MLAConfig(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
         moe=MoEConfig(
-            num_experts=64,
-            top_k=6,
+            router=RouterConfig(num_experts=64, hidden_size=2048, top_k=6, pre_softmax=True),
             ffn_hidden_size=1408,
-            pre_softmax=True,
             shared_expert_ffn_hidden_size=2816,
             first_k_dense_replace=1,
         ),
@@ -120,12 +122,14 @@ _TINY_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
                 v_head_dim=16,
             ),
             moe=tiny_moe(
-                top_k=4,
-                score_function="sigmoid",
-                top_k_scaling_factor=2.5,
-                num_groups=4,
-                group_top_k=2,
-                enable_expert_bias=True,
+                router=dict(
+                    top_k=4,
+                    score_function="sigmoid",
+                    top_k_scaling_factor=2.5,
+                    num_groups=4,
+                    group_top_k=2,
+                    enable_expert_bias=True,
+                ),
                 shared_expert_ffn_hidden_size=32,
                 first_k_dense_replace=1,
             ),
@@ -141,7 +145,9 @@ _TINY_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
             norm_epsilon=1e-6,
             mla=MLAConfig(kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
             moe=tiny_moe(
-                top_k=2, pre_softmax=True, shared_expert_ffn_hidden_size=64, first_k_dense_replace=1
+                router=dict(top_k=2, pre_softmax=True),
+                shared_expert_ffn_hidden_size=64,
+                first_k_dense_replace=1,
             ),
         ),
     ),

@@ -11,6 +11,7 @@ from __future__ import annotations
 from shardwork.models.families.twins import MOE_TINY, tiny_moe
 from shardwork.models.moe.config import MoEConfig
 from shardwork.models.preset_table import table_preset
+from shardwork.moe_router import RouterConfig
 
 __all__ = ["HF_MODEL_TYPES", "PRESETS", "PUBLISHED_PARAMS", "TINY_PRESETS"]
 
@@ -29,7 +30,10 @@ PRESETS = {
             max_position_embeddings=32768,
             rope_theta=1e6,
             norm_epsilon=1e-5,
-            moe=MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=14336),
+            moe=MoEConfig(
+                router=RouterConfig(num_experts=8, hidden_size=4096, top_k=2),
+                ffn_hidden_size=14336,
+            ),
         ),
     )
 }

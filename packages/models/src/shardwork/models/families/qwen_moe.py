@@ -16,6 +16,7 @@ from typing import Any
 from shardwork.models.families.twins import MOE_TINY, tiny_moe
 from shardwork.models.moe.config import MoEConfig
 from shardwork.models.preset_table import table_preset
+from shardwork.moe_router import RouterConfig
 
 __all__ = ["HF_MODEL_TYPES", "PRESETS", "PUBLISHED_PARAMS", "TINY_PRESETS"]
 
@@ -36,7 +37,10 @@ _SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=151936,
         qk_layernorm=True,
         max_position_embeddings=40960,
-        moe=MoEConfig(num_experts=128, top_k=8, ffn_hidden_size=768),
+        moe=MoEConfig(
+            router=RouterConfig(num_experts=128, hidden_size=2048, top_k=8),
+            ffn_hidden_size=768,
+        ),
     ),
     "qwen2-57b-a14b": _QWEN
     | dict(
@@ -48,10 +52,8 @@ _SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=151936,
         add_qkv_bias=True,
         moe=MoEConfig(
-            num_experts=64,
-            top_k=8,
+            router=RouterConfig(num_experts=64, hidden_size=3584, top_k=8, pre_softmax=True),
             ffn_hidden_size=2560,
-            pre_softmax=True,
             shared_expert_ffn_hidden_size=20480,
             shared_expert_gate=True,
         ),
@@ -68,7 +70,7 @@ _TINY_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
             qk_layernorm=True,
             rope_theta=1e6,
             norm_epsilon=1e-6,
-            moe=tiny_moe(top_k=4),
+            moe=tiny_moe(router=dict(top_k=4)),
         ),
     ),
     "qwen2-57b-a14b": (
@@ -79,8 +81,7 @@ _TINY_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
             rope_theta=1e6,
             norm_epsilon=1e-6,
             moe=tiny_moe(
-                top_k=4,
-                pre_softmax=True,
+                router=dict(top_k=4, pre_softmax=True),
                 shared_expert_ffn_hidden_size=48,
                 shared_expert_gate=True,
             ),

@@ -17,6 +17,7 @@ from typing import Any
 from shardwork.fused_kernels import Llama3RopeScaling
 from shardwork.models.config import GPTConfig
 from shardwork.models.moe.config import MoEConfig
+from shardwork.moe_router import RouterConfig
 
 __all__ = ["DENSE_TINY", "MOE_TINY", "dense_twin", "tiny_moe"]
 
@@ -60,6 +61,20 @@ def dense_twin(big: Callable[..., GPTConfig], **extra: Any) -> Callable[..., GPT
     return make
 
 
-def tiny_moe(**moe: Any) -> MoEConfig:
-    """A twin's ``MoEConfig``: 8 experts of width 32, top-2, with ``moe`` overrides."""
-    return MoEConfig(**(dict(num_experts=8, top_k=2, ffn_hidden_size=32) | moe))
+def tiny_moe(*, router: dict[str, Any] | None = None, **moe: Any) -> MoEConfig:
+    """A twin's ``MoEConfig``: 8 experts of width 32, top-2, with ``router`` overrides of its
+    :class:`RouterConfig` and ``moe`` overrides of the other fields.
+
+    The router reads :data:`MOE_TINY`'s hidden size and starts like the twin's other weights
+    (``init_std`` = its ``init_method_std``); pass ``router=dict(hidden_size=...)`` with a
+    twin of another width.
+    """
+    base = dict(
+        num_experts=8,
+        hidden_size=MOE_TINY["hidden_size"],
+        top_k=2,
+        init_std=MOE_TINY["init_method_std"],
+    )
+    return MoEConfig(
+        router=RouterConfig(**(base | (router or {}))), **(dict(ffn_hidden_size=32) | moe)
+    )

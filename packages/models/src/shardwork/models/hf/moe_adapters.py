@@ -49,7 +49,7 @@ def _moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def _moe_to_hf(config: GPTConfig) -> dict[str, Any]:
-    return shared_fields_to_hf(config) | {"num_experts_per_tok": config.moe.top_k}
+    return shared_fields_to_hf(config) | {"num_experts_per_tok": config.moe.router.top_k}
 
 
 def _mixtral_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
@@ -62,7 +62,9 @@ def _mixtral_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 def _qwen_moe_claim(config: GPTConfig) -> bool:
     """Qwen2-MoE: an MoE model with QKV bias, a shared expert or full-softmax weights."""
     m = config.moe
-    return config.add_qkv_bias or m.shared_expert_ffn_hidden_size is not None or m.pre_softmax
+    return (
+        config.add_qkv_bias or m.shared_expert_ffn_hidden_size is not None or m.router.pre_softmax
+    )
 
 
 def _plain_moe(config: GPTConfig) -> bool:

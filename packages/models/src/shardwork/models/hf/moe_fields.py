@@ -11,6 +11,7 @@ from typing import Any
 from shardwork.models.config import GPTConfig
 from shardwork.models.mla_config import MLAConfig
 from shardwork.models.moe.config import MoEConfig
+from shardwork.moe_router import RouterConfig
 
 __all__ = [
     "deepseek_fields",
@@ -28,6 +29,16 @@ def _qwen_pattern(hf: dict[str, Any], num_layers: int) -> tuple[int, ...]:
     return tuple(int(i not in dense and (i + 1) % step == 0) for i in range(num_layers))
 
 
+def _router(hf: dict[str, Any], **routing: Any) -> RouterConfig:
+    """The family's routing options on the model's hidden size, the gating weight initialised
+    like the model's (``initializer_range``, as ``shared_fields`` reads it)."""
+    return RouterConfig(
+        hidden_size=int(hf["hidden_size"]),
+        init_std=float(hf.get("initializer_range", 0.02)),
+        **routing,
+    )
+
+
 def mixtral_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """Mixtral's attention and MoE fields (top-k softmax renormalised, no shared expert)."""
     heads = int(hf["num_attention_heads"])
@@ -36,8 +47,11 @@ def mixtral_fields(hf: dict[str, Any]) -> dict[str, Any]:
         head_dim=hf.get("head_dim") or None,
         ffn_hidden_size=int(hf["intermediate_size"]),
         moe=MoEConfig(
-            num_experts=int(hf["num_local_experts"]),
-            top_k=int(hf["num_experts_per_tok"]),
+            router=_router(
+                hf,
+                num_experts=int(hf["num_local_experts"]),
+                top_k=int(hf["num_experts_per_tok"]),
+            ),
             ffn_hidden_size=int(hf["intermediate_size"]),
         ),
     )
@@ -55,10 +69,13 @@ def qwen_moe_fields(hf: dict[str, Any], *, qwen2: bool) -> dict[str, Any]:
         qk_layernorm=not qwen2,
         add_qkv_bias=bool(hf.get("qkv_bias", True)) if qwen2 else False,
         moe=MoEConfig(
-            num_experts=int(hf.get("num_experts") or hf["num_local_experts"]),
-            top_k=int(hf["num_experts_per_tok"]),
+            router=_router(
+                hf,
+                num_experts=int(hf.get("num_experts") or hf["num_local_experts"]),
+                top_k=int(hf["num_experts_per_tok"]),
+                pre_softmax=not hf.get("norm_topk_prob", False),
+            ),
             ffn_hidden_size=int(hf["moe_intermediate_size"]),
-            pre_softmax=not hf.get("norm_topk_prob", False),
             shared_expert_ffn_hidden_size=int(shared) if shared else None,
             shared_expert_gate=bool(shared),
             layer_freq=_qwen_pattern(hf, layers),
@@ -93,14 +110,17 @@ def deepseek_fields(hf: dict[str, Any]) -> dict[str, Any]:
             v_head_dim=int(hf["v_head_dim"]),
         ),
         moe=MoEConfig(
-            num_experts=int(hf["n_routed_experts"]),
-            top_k=int(hf["num_experts_per_tok"]),
+            router=_router(
+                hf,
+                num_experts=int(hf["n_routed_experts"]),
+                top_k=int(hf["num_experts_per_tok"]),
+                score_function="sigmoid",
+                top_k_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                num_groups=int(n_group) if grouped else None,
+                group_top_k=int(topk_group) if grouped else None,
+                enable_expert_bias=True,
+            ),
             ffn_hidden_size=int(hf["moe_intermediate_size"]),
-            score_function="sigmoid",
-            top_k_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-            num_groups=int(n_group) if grouped else None,
-            group_top_k=int(topk_group) if grouped else None,
-            enable_expert_bias=True,
             shared_expert_ffn_hidden_size=int(shared) * int(hf["moe_intermediate_size"])
             if shared
             else None,
@@ -113,7 +133,7 @@ def deepseek_fields(hf: dict[str, Any]) -> dict[str, Any]:
 def mixtral_to_hf(config: GPTConfig) -> dict[str, Any]:
     """Mixtral's expert fields of ``config.json``."""
     return {
-        "num_local_experts": config.moe.num_experts,
+        "num_local_experts": config.moe.router.num_experts,
         "intermediate_size": config.moe.ffn_hidden_size,
         "head_dim": config.kv_channels,
         "sliding_window": None,
@@ -123,12 +143,13 @@ def mixtral_to_hf(config: GPTConfig) -> dict[str, Any]:
 def qwen_moe_to_hf(config: GPTConfig, *, qwen2: bool) -> dict[str, Any]:
     """Qwen2-MoE (``qwen2``) / Qwen3-MoE expert and layer-placement fields of ``config.json``."""
     m = config.moe
+    r = m.router
     pattern = [int(m.is_moe_layer(i)) for i in range(config.num_layers)]
     out = {
-        "num_experts": m.num_experts,
+        "num_experts": r.num_experts,
         "moe_intermediate_size": m.ffn_hidden_size,
         "intermediate_size": config.ffn_hidden_size,
-        "norm_topk_prob": not m.pre_softmax,
+        "norm_topk_prob": not r.pre_softmax,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [i for i, v in enumerate(pattern) if not v],
         "head_dim": config.kv_channels,
@@ -143,6 +164,7 @@ def qwen_moe_to_hf(config: GPTConfig, *, qwen2: bool) -> dict[str, Any]:
 def deepseek_to_hf(config: GPTConfig) -> dict[str, Any]:
     """DeepSeek-V3's MLA, routing and MTP fields of ``config.json``."""
     m, mla = config.moe, config.mla
+    r = m.router
     shared = m.shared_expert_ffn_hidden_size or 0
     if shared % m.ffn_hidden_size:
         raise ValueError(
@@ -150,13 +172,13 @@ def deepseek_to_hf(config: GPTConfig) -> dict[str, Any]:
             f"{m.ffn_hidden_size}: DeepSeek-V3 counts shared experts (n_shared_experts)"
         )
     return {
-        "n_routed_experts": m.num_experts,
+        "n_routed_experts": r.num_experts,
         "moe_intermediate_size": m.ffn_hidden_size,
         "intermediate_size": config.ffn_hidden_size,
         "n_shared_experts": shared // m.ffn_hidden_size,
-        "routed_scaling_factor": m.top_k_scaling_factor or 1.0,
-        "n_group": m.num_groups or 1,
-        "topk_group": m.group_top_k or 1,
+        "routed_scaling_factor": r.top_k_scaling_factor or 1.0,
+        "n_group": r.num_groups or 1,
+        "topk_group": r.group_top_k or 1,
         "norm_topk_prob": True,
         "first_k_dense_replace": m.first_k_dense_replace,
         "q_lora_rank": mla.q_lora_rank,

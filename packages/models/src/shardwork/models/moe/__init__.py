@@ -1,7 +1,8 @@
 """shardwork.models.moe: mixture-of-experts layers for GPTModel (Mixtral, Qwen-MoE, DeepSeek-V3).
 
-- :class:`MoEConfig` (``GPTConfig.moe``): experts, routing (moe-router's options), shared
-  experts, dense-first layers and layer patterns, dispatcher and GEMM choice.
+- :class:`MoEConfig` (``GPTConfig.moe``): experts, routing (``router``: moe-router's
+  ``RouterConfig``), shared experts, dense-first layers and layer patterns, dispatcher and
+  GEMM choice.
 - :class:`MoELayer`: router (:class:`MoERouter`, moe-router's ``TopKRouter``) → dispatcher
   (moe-router's all-to-all / all-gather over ep × etp) → :class:`GroupedExperts` (grouped
   GEMM SwiGLU) → combine, plus shared experts with an optional sigmoid gate.

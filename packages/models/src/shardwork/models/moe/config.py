@@ -1,15 +1,15 @@
 """``MoEConfig``: the mixture-of-experts part of a ``GPTConfig`` (``GPTConfig.moe``).
 
-- One frozen keyword-only dataclass; routing fields mirror
-  :class:`shardwork.moe_router.RouterConfig` (same names and meanings) and
-  :meth:`MoEConfig.router_config` builds that config, so the router is moe-router's, unchanged.
+- One frozen keyword-only dataclass holding the expert layout; every routing option lives in
+  ``MoEConfig.router``, a :class:`shardwork.moe_router.RouterConfig` that the MoE layer hands
+  to moe-router unchanged (one name per concept, validated by moe-router itself).
 - Which layers are MoE: ``first_k_dense_replace`` (DeepSeek: the first k layers keep a dense
   MLP of ``GPTConfig.ffn_hidden_size``) and ``layer_freq`` (an int ``n``: every n-th layer
   counting from 0, or a tuple of 0/1 per layer, Megatron's ``moe_layer_freq``).
 - Experts are SwiGLU MLPs of width ``ffn_hidden_size``; shared experts (DeepSeek, Qwen2-MoE)
   form one dense SwiGLU of width ``shared_expert_ffn_hidden_size`` (the sum over shared
   experts), optionally scaled by ``sigmoid(x · w_gate)`` (Qwen2-MoE ``shared_expert_gate``).
-- Layout checks (``num_experts % ep``, ``ffn_hidden_size % etp``) run in
+- Layout checks (``router.num_experts % ep``, ``ffn_hidden_size % etp``) run in
   :meth:`MoEConfig.check_layout`, called from ``GPTConfig.check_layout`` before any group exists.
 """
 
@@ -36,43 +36,12 @@ def _positive(name: str, value: Any) -> None:
 class MoEConfig:
     """Routed experts (and optional shared experts) replacing the dense MLP of chosen layers."""
 
-    num_experts: int
-    """Routed experts E."""
+    router: RouterConfig
+    """Every routing and load-balancing option: moe-router's own config, used as given (its
+    ``hidden_size`` must equal ``GPTConfig.hidden_size``; its ``init_std`` initialises the
+    gating weight)."""
     ffn_hidden_size: int
     """SwiGLU width of each routed expert (HF ``moe_intermediate_size``)."""
-    top_k: int = 2
-    """Experts per token."""
-    score_function: str = "softmax"
-    """``softmax``, ``sigmoid`` (DeepSeek-V3) or ``sqrtsoftplus``."""
-    pre_softmax: bool = False
-    """Softmax over all experts before top-k without renormalising (Qwen2-MoE
-    ``norm_topk_prob=False``); False = softmax over the k selected logits (Mixtral, Qwen3-MoE)."""
-    top_k_scaling_factor: float | None = None
-    """Multiply the selected probabilities (DeepSeek-V3 ``routed_scaling_factor`` 2.5)."""
-    num_groups: int | None = None
-    """Group-limited routing: expert groups (DeepSeek ``n_group``)."""
-    group_top_k: int | None = None
-    """Groups kept per token (DeepSeek ``topk_group``)."""
-    load_balancing_type: str | tuple[str, ...] = "aux_loss"
-    """As ``RouterConfig.load_balancing_type``."""
-    aux_loss_coeff: float | tuple[float, ...] = 0.0
-    """As ``RouterConfig.aux_loss_coeff`` (0 disables)."""
-    z_loss_coeff: float | None = None
-    """Router z-loss coefficient (None disables)."""
-    capacity_factor: float | None = None
-    """Token dropping at ``ceil(T·k/E·factor)`` tokens per expert; None is dropless."""
-    token_drop_policy: str = "probs"
-    """``probs`` or ``position``."""
-    pad_to_capacity: bool = False
-    """Pad every expert to its capacity (static shapes)."""
-    enable_expert_bias: bool = False
-    """Aux-loss-free balancing bias (DeepSeek-V3 ``e_score_correction_bias``)."""
-    expert_bias_update_rate: float = 1e-3
-    """Step of the expert-bias update."""
-    router_dtype: str | None = None
-    """None (activation dtype), ``fp32`` or ``fp64``."""
-    input_jitter_eps: float | None = None
-    """Router input jitter (training only; off in equivalence tests)."""
     shared_expert_ffn_hidden_size: int | None = None
     """Total width of the shared experts (DeepSeek ``n_shared_experts · moe_intermediate_size``,
     Qwen2-MoE ``shared_expert_intermediate_size``); None: no shared experts."""
@@ -90,7 +59,12 @@ class MoEConfig:
     ``auto`` (grouped_mm when the dtype and strides allow it)."""
 
     def __post_init__(self) -> None:
-        _positive("num_experts", self.num_experts)
+        if not isinstance(self.router, RouterConfig):
+            raise ValueError(
+                f"MoEConfig.router={self.router!r} is invalid: it must be a "
+                "shardwork.moe_router.RouterConfig, e.g. RouterConfig(num_experts=8, "
+                "hidden_size=<GPTConfig.hidden_size>, top_k=2)"
+            )
         _positive("ffn_hidden_size", self.ffn_hidden_size)
         if self.shared_expert_ffn_hidden_size is not None:
             _positive("shared_expert_ffn_hidden_size", self.shared_expert_ffn_hidden_size)
@@ -126,34 +100,6 @@ class MoEConfig:
             raise ValueError(
                 f"MoEConfig.grouped_gemm={self.grouped_gemm!r} is invalid: valid are {GROUPED_GEMM}"
             )
-        try:  # router options are validated by moe-router itself (hidden size is a placeholder)
-            self.router_config(hidden_size=1)
-        except ValueError as err:
-            raise ValueError(f"MoEConfig: {err}".replace("RouterConfig.", "")) from err
-
-    def router_config(self, *, hidden_size: int, init_std: float = 0.02) -> RouterConfig:
-        """The moe-router :class:`RouterConfig` of these options."""
-        return RouterConfig(
-            num_experts=self.num_experts,
-            hidden_size=hidden_size,
-            top_k=self.top_k,
-            score_function=self.score_function,
-            pre_softmax=self.pre_softmax,
-            top_k_scaling_factor=self.top_k_scaling_factor,
-            num_groups=self.num_groups,
-            group_top_k=self.group_top_k,
-            load_balancing_type=self.load_balancing_type,
-            aux_loss_coeff=self.aux_loss_coeff,
-            z_loss_coeff=self.z_loss_coeff,
-            capacity_factor=self.capacity_factor,
-            token_drop_policy=self.token_drop_policy,
-            pad_to_capacity=self.pad_to_capacity,
-            router_dtype=self.router_dtype,
-            input_jitter_eps=self.input_jitter_eps,
-            enable_expert_bias=self.enable_expert_bias,
-            expert_bias_update_rate=self.expert_bias_update_rate,
-            init_std=init_std,
-        )
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether global layer ``layer`` (0-based) has routed experts."""
@@ -168,7 +114,13 @@ class MoEConfig:
         return [i for i in range(num_layers) if self.is_moe_layer(i)]
 
     def validate(self, config: Any) -> None:
-        """Checks against the enclosing ``GPTConfig`` (layer counts)."""
+        """Checks against the enclosing ``GPTConfig`` (hidden size, layer counts)."""
+        if self.router.hidden_size != config.hidden_size:
+            raise ValueError(
+                f"GPTConfig.moe.router.hidden_size={self.router.hidden_size} differs from "
+                f"GPTConfig.hidden_size={config.hidden_size}: the router reads the model's hidden "
+                f"states; valid: {config.hidden_size}"
+            )
         n = config.num_layers
         if isinstance(self.layer_freq, tuple) and len(self.layer_freq) != n:
             raise ValueError(
@@ -184,9 +136,9 @@ class MoEConfig:
     def check_layout(self, parallel: Any) -> None:
         """ValueError unless experts split over ``parallel.ep`` and their width over ``etp``."""
         ep, etp = parallel.ep, parallel.expert_tp
-        if self.num_experts % ep != 0:
+        if self.router.num_experts % ep != 0:
             raise ValueError(
-                f"MoEConfig.num_experts={self.num_experts} is not divisible by ep={ep}: every "
+                f"MoEConfig.router.num_experts={self.router.num_experts} is not divisible by ep={ep}: every "
                 "expert-parallel rank holds the same number of experts"
             )
         if self.ffn_hidden_size % etp != 0:

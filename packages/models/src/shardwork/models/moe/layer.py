@@ -88,7 +88,7 @@ class MoELayer(ShardedModule):
         sp = config.sequence_parallel and tp > 1
         self.layer_number = layer_number
         self.router = MoERouter(
-            moe.router_config(hidden_size=config.hidden_size, init_std=config.init_method_std),
+            moe.router,
             groups,
             sequence_parallel=sp,
             tp_cp_group=groups.group("tp_cp") if sp else groups.group("cp"),
@@ -101,7 +101,7 @@ class MoELayer(ShardedModule):
             device=device,
         )
         self.dispatcher = _DISPATCHERS[moe.dispatcher](
-            moe.num_experts,
+            moe.router.num_experts,
             ep_group=groups.group("ep"),
             etp_group=groups.group("etp"),
             # Without SP every TP rank holds all tokens: each dispatches 1/tp of them and the
@@ -109,7 +109,7 @@ class MoELayer(ShardedModule):
             tp_group=groups.tp if tp > 1 and not sp else None,
         )
         self.experts = GroupedExperts(
-            num_experts=moe.num_experts,
+            num_experts=moe.router.num_experts,
             hidden_size=config.hidden_size,
             ffn_hidden_size=moe.ffn_hidden_size,
             groups=groups,

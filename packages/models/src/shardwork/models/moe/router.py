@@ -1,10 +1,11 @@
 """``MoERouter``: moe-router's :class:`TopKRouter` inside a ShardedModule.
 
 - The gating weight ``[E, H]`` is a parameter of this module (checkpoint key
-  ``...mlp.router.weight``, layout-independent init, ``ParamMeta.sequence_parallel`` under
-  sequence parallelism since each TP rank routes only its own tokens). Logits are computed here
-  in the router dtype and handed to ``TopKRouter.route`` — top-k, group limits, capacity,
-  aux losses, z-loss, expert-bias counting and the tracker are moe-router's, unchanged.
+  ``...mlp.router.weight``, layout-independent normal init at ``RouterConfig.init_std``,
+  ``ParamMeta.sequence_parallel`` under sequence parallelism since each TP rank routes only
+  its own tokens). Logits are computed here in the router dtype and handed to
+  ``TopKRouter.route`` — top-k, group limits, capacity, aux losses, z-loss, expert-bias
+  counting and the tracker are moe-router's, unchanged.
 - The inner router keeps its buffers (``expert_bias`` for aux-loss-free balancing, saved as
   ``...mlp.router.expert_bias``); it holds no parameter of its own.
 - Under full-layer recompute the router runs again inside backward. Through the model's
@@ -74,6 +75,7 @@ class MoERouter(ShardedModule):
             ),
             ParamMeta(sequence_parallel=sequence_parallel),
             init="normal",
+            std=config.init_std,
         )
 
     @property

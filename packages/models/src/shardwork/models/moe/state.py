@@ -43,7 +43,7 @@ def attach_moe(model: nn.Module, config, device) -> None:
         # One row per global layer on every stage (MTP layers after the decoder's): stages without
         # MoE layers join the same reductions with zero rows, so all ranks' tensors have one shape.
         num_layers=config.num_layers + mtp_depths,
-        num_experts=moe.num_experts,
+        num_experts=moe.router.num_experts,
         device=tracker_device,
     )
     model.aux_loss_scale = AuxLossScale(1.0)
@@ -100,7 +100,7 @@ def moe_finalize_kwargs(
     bias_group = groups.group("tp_dp_cp") if sp else groups.group("dp_cp")
     routers = moe_routers(models)
     hooks = []
-    if config.moe.enable_expert_bias:
+    if config.moe.router.enable_expert_bias:
         hooks.append(lambda: update_expert_bias(routers, group=bias_group))
     tracker = _Trackers(trackers, groups.group("tp_cp") if sp else groups.group("cp"))
     return {"moe_tracker": tracker, "moe_hooks": hooks}

@@ -125,7 +125,7 @@ def parallel_layouts(
     model: GPTConfig, *, num_gpus: int, gpus_per_node: int, global_batch: int, seq_length: int
 ) -> Iterator[Layout]:
     """Every (tp, cp, pp, vpp, dp, ep, etp) the trainer accepts, micro-batch 1, no recompute."""
-    experts = model.moe.num_experts if model.moe is not None else 1
+    experts = model.moe.router.num_experts if model.moe is not None else 1
     for tp in (t for t in _divisors(num_gpus) if t <= gpus_per_node):
         for cp in _divisors(num_gpus // tp):
             if cp > 1 and seq_length // cp < MIN_CP_TOKENS:

@@ -191,7 +191,7 @@ def step_time(
     t_cp = layers * cp_bytes / _link(cluster, lay.tp * lay.cp)
     t_ep = 0.0
     if model.moe is not None and lay.ep > 1:
-        sent = (lay.ep - 1) / lay.ep * tokens / lay.tp * model.moe.top_k * h * BYTES
+        sent = (lay.ep - 1) / lay.ep * tokens / lay.tp * model.moe.router.top_k * h * BYTES
         t_ep = layers * moe * 2 * passes * sent / _link(cluster, lay.etp * lay.ep)
     t_pp = 0.0
     if lay.pp > 1:
