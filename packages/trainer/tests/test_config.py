@@ -166,8 +166,8 @@ CASES = [
     (
         {"model": {"moe": {"router": {"aux_loss_coeff": 0.01}}}},
         1,
-        "[model.moe]: the base model has no moe config, so this table builds a new MoEConfig "
-        "and must set",
+        "[model.moe]: builds a new MoEConfig (the base model has none) and must set "
+        "ffn_hidden_size",
     ),
     (
         {"model": {"preset": "tiny-mixtral-8x7b", "moe": {"router": {"aux_los": 0.01}}}},

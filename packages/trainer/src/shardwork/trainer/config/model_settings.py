@@ -103,6 +103,20 @@ def read_settings(cls: type, table: dict[str, Any], where: str, problems: list[s
 def _build_nested(cls: type, settings: dict[str, Any], model: GPTConfig, where: str) -> Any:
     """A new ``cls`` from ``settings``: a nested config the base model does not have yet (a
     dense preset given ``[model.moe]``), so the table must hold its required fields."""
+    taken = set(settings) | {name for owner, name in FROM_MODEL if owner is cls}
+    missing = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.init
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+        and f.name not in taken
+    ]
+    if missing:
+        raise ValueError(
+            f"[{where}]: builds a new {cls.__name__} (the base model has none) and must set "
+            + ", ".join(missing)
+        )
     kwargs = {}
     for name, value in settings.items():
         if isinstance(value, dict):
@@ -113,19 +127,6 @@ def _build_nested(cls: type, settings: dict[str, Any], model: GPTConfig, where: 
     for (owner, name), model_field in FROM_MODEL.items():
         if owner is cls and name not in kwargs:
             kwargs[name] = getattr(model, model_field)
-    missing = [
-        f.name
-        for f in dataclasses.fields(cls)
-        if f.init
-        and f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING
-        and f.name not in kwargs
-    ]
-    if missing:
-        raise ValueError(
-            f"[{where}]: the base model has no {where.rsplit('.', 1)[-1]} config, so this table "
-            f"builds a new {cls.__name__} and must set {', '.join(missing)}"
-        )
     return cls(**kwargs)
 
 
