@@ -203,7 +203,7 @@ def test_checkpoint_reloads_the_trained_model_for_generation(tmp_path):
         tiny_config(tmp_path, schedule={"train_steps": 4}, checkpoint={"save_at_end": True})
     )
     model, config, tokenizer = load_for_inference(result.checkpoint)
-    assert config.model.hidden_size == 32
+    assert config.model.settings["hidden_size"] == 32
     # the reloaded model reproduces the run's final validation loss on the same samples
     valid = build_eval_set(split_components(config.data)["valid"], seq_length=32, num_samples=8)
     total = count = 0.0
