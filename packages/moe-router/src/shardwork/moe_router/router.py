@@ -263,6 +263,7 @@ class TopKRouter(torch.nn.Module):
             pre_softmax=cfg.pre_softmax,
             num_groups=cfg.num_groups,
             group_top_k=cfg.group_top_k,
+            group_score_top_n=cfg.group_score_top_n,
             scaling_factor=cfg.top_k_scaling_factor,
             expert_bias=self.expert_bias,
         )

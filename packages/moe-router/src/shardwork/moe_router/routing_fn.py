@@ -213,6 +213,7 @@ def route_topk(
     pre_softmax: bool = False,
     num_groups: int | None = None,
     group_top_k: int | None = None,
+    group_score_top_n: int | None = None,
     scaling_factor: float | None = None,
     expert_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -245,16 +246,20 @@ def route_topk(
         if score_function == "softmax":
             if pre_softmax:
                 scores_TE = torch.softmax(logits_TE, dim=-1, dtype=dtype)
-                top_TK = select_topk(scores_TE, top_k, num_groups, group_top_k)[1]
+                top_TK = select_topk(scores_TE, top_k, num_groups, group_top_k, group_score_top_n)[
+                    1
+                ]
             else:
-                top_logits_TK, top_TK = select_topk(logits_TE, top_k, num_groups, group_top_k)
+                top_logits_TK, top_TK = select_topk(
+                    logits_TE, top_k, num_groups, group_top_k, group_score_top_n
+                )
             mode = "softmax_pre" if pre_softmax else "softmax_post"
         else:
             scores_TE = activate(logits_TE, score_function)
             # The bias (aux-loss-free balancing, DeepSeek-V3 section 2.1.2) only changes which
             # experts are picked; the probs come from the unbiased scores.
             ranked = scores_TE if expert_bias is None else scores_TE + expert_bias.to(dtype)
-            top_TK = select_topk(ranked, top_k, num_groups, group_top_k)[1]
+            top_TK = select_topk(ranked, top_k, num_groups, group_top_k, group_score_top_n)[1]
             mode = score_function
     probs_TE = TopKProbs.apply(logits_TE, scores_TE, top_TK, mode, scaling_factor, top_logits_TK)
     routing_map_TE = torch.zeros(
