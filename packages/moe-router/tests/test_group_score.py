@@ -190,6 +190,13 @@ def test_matches_transformers_deepseek_v2_group_maximum():
         ({"model_type": "kimi_k2", "n_group": 1, "topk_group": 1}, None),
         ({"model_type": "glm4_moe", "n_group": 1, "topk_group": 1}, None),
         ({"model_type": "mixtral"}, None),
+        (
+            {
+                "model_type": "kimi_k25",
+                "text_config": {"model_type": "kimi_k2", "n_group": 4, "topk_group": 2},
+            },
+            2,
+        ),
         ({"model_type": "deepseek_v2", "n_group": 8, "topk_group": 3}, None),
         (
             {

@@ -5,8 +5,10 @@ the sources disagree on n: Megatron-Core uses ``top_k // group_top_k``, transfor
 DeepSeek-V3 family always 2, DeepSeek-V2's ``group_limited_greedy`` the group maximum (1).
 When ``top_k // group_top_k`` differs from the source's n, a router configured without
 ``RouterConfig.group_score_top_n`` picks other experts than the checkpoint was trained with.
-The table below was read off transformers' modeling code (v5.x); ``kimi_k2`` (remote code
-declared as the DeepSeek-V3 architecture) is listed with DeepSeek-V3.
+The table below was read off transformers' modeling code (v5.x); ``kimi_k2`` (Kimi-K2's
+``config.json``: remote code reusing the DeepSeek-V3 architecture) is listed with DeepSeek-V3.
+Multimodal configs (Kimi-K2.5, GLM-4.5V) keep the language model's fields under
+``text_config``, which is read when the top level has no ``n_group``.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ def group_score_top_n_for_hf(hf_config: Mapping) -> int | None:
     (:data:`TOP2_MODEL_TYPES`), 1 for DeepSeek-V2's ``group_limited_greedy``. Raises
     ValueError for a group-limited ``model_type`` it does not know, rather than guess.
     """
+    text_config = hf_config.get("text_config")
+    if "n_group" not in hf_config and isinstance(text_config, Mapping):
+        return group_score_top_n_for_hf(text_config)
     model_type = hf_config.get("model_type")
     if model_type == "deepseek_v2":
         method = hf_config.get("topk_method", "greedy")
