@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.utils.checkpoint
 
 from shardwork.moe_router import RouterConfig, RouterReplay, TopKRouter
 
@@ -170,3 +171,37 @@ def test_replay_misuse_raises_clear_errors():
     fused = RouterConfig(hidden_size=H, num_experts=8, fused_backend="torch")
     with pytest.raises(ValueError, match="fused_backend='torch'"):
         TopKRouter(fused, replay=replay, layer_index=0)
+
+
+def test_seek_replays_under_activation_checkpointing():
+    """Recomputation in backward re-runs the forward; ``seek`` inside the checkpointed
+    function gives it the same record, so gradients equal those of a plain replayed run."""
+    replay = RouterReplay()
+    _, (router,) = make_layers(CASES["sigmoid-groups"], replay, n=1)
+    gen = torch.Generator().manual_seed(6)
+    micro = [torch.randn(16, 1, H, generator=gen) for _ in range(3)]
+    replay.record()
+    maps = [router(x)[1] for x in micro]
+    with torch.no_grad():
+        router.weight.add_(torch.randn(router.weight.shape, generator=gen))
+    upstream = torch.randn(16, 16, generator=gen)
+    replay.replay()
+    grads = []
+    for checkpointed in (False, True):
+        router.weight.grad = None
+        for i in (2, 0, 1):  # out of order: seek picks the record
+
+            def run(x, i=i):
+                replay.seek(i)
+                return router(x)[0]
+
+            if checkpointed:
+                probs = torch.utils.checkpoint.checkpoint(run, micro[i], use_reentrant=False)
+            else:
+                probs = run(micro[i])
+            assert torch.equal(probs.detach() != 0, maps[i])
+            (probs * upstream).sum().backward()  # recomputes run() when checkpointed
+        grads.append(router.weight.grad.clone())
+    assert torch.equal(grads[0], grads[1])
+    with pytest.raises(ValueError, match="entry=-1"):
+        replay.seek(-1)

@@ -15,7 +15,9 @@ debugging (freeze routing while something else changes). The idea follows Megatr
   gating weight. Capacity dropping, losses and token counts then run as usual.
 - ``stop()``: routers select normally again; the records stay for ``indices`` / ``load``.
 - ``indices(layer)`` / ``load({layer: [idx_TK, ...]})``: hand records between processes
-  (a rollout engine's choices replayed by the trainer); ``rewind()`` replays them again.
+  (a rollout engine's choices replayed by the trainer); ``rewind()`` replays them again;
+  ``seek(i)`` makes micro-batch i's record the next one (activation recomputation, pipeline
+  schedules that run micro-batches out of order).
 
 Indices are per token row in the router's [S, B] row-major order, so a replay needs the
 same token layout as the recording.
@@ -76,6 +78,17 @@ class RouterReplay:
     def rewind(self) -> None:
         """Start each layer's replay again from its first record."""
         self._cursor = dict.fromkeys(self._records, 0)
+
+    def seek(self, entry: int) -> None:
+        """Replay record ``entry`` (0-based forward / micro-batch number) next, in every layer.
+
+        Call it where a micro-batch is run again or out of order: inside a function under
+        activation checkpointing (``seek(i); return block(x)``), the recomputation in
+        backward re-seeks and gets the same experts as the first pass.
+        """
+        if not isinstance(entry, int) or isinstance(entry, bool) or entry < 0:
+            raise ValueError(f"entry={entry!r} is invalid: pass a record number >= 0")
+        self._cursor = dict.fromkeys(self._records, entry)
 
     def indices(self, layer: int) -> list[torch.Tensor]:
         """The recorded [T, K] indices of ``layer``, one tensor per forward, in order."""
