@@ -20,6 +20,14 @@ BAD = [
     ({"num_groups": 4, "group_top_k": 5, "top_k": 5}, "group_top_k=5"),
     ({"num_groups": 4}, "num_groups=4"),
     ({"num_groups": 4, "group_top_k": 4, "top_k": 2}, "group_top_k=4"),
+    ({"group_score_top_n": 2}, "group_score_top_n=2"),
+    ({"num_groups": 2, "group_top_k": 1, "group_score_top_n": 0}, "group_score_top_n=0"),
+    ({"num_groups": 2, "group_top_k": 1, "group_score_top_n": 5}, "group_score_top_n=5"),
+    ({"num_groups": 2, "group_top_k": 1, "group_score_top_n": True}, "group_score_top_n=True"),
+    (
+        {"num_groups": 2, "group_top_k": 1, "group_score_top_n": 1, "fused_backend": "torch"},
+        "group_score_top_n=1",
+    ),
     ({"score_function": "relu"}, "score_function='relu'"),
     ({"enable_expert_bias": True}, "enable_expert_bias=True"),
     ({"pre_softmax": True, "score_function": "sigmoid"}, "pre_softmax=True"),
@@ -68,6 +76,9 @@ def test_good_configs_and_coefficients():
     assert c.aux_loss_enabled
     assert not RouterConfig(**BASE, load_balancing_type="none").aux_loss_enabled
     assert RouterConfig(**BASE, top_k=1, load_balancing_type="sinkhorn").top_k == 1
+    groups = {"num_groups": 2, "group_top_k": 1, "fused_backend": "torch"}
+    # the fused router's own rule (top_k // group_top_k = 2) is accepted
+    assert RouterConfig(**BASE, **groups, group_score_top_n=2).group_score_top_n == 2
     d = dataclasses.replace(c, top_k=4)
     assert d.top_k == 4 and d.aux_loss_coeff_for("aux_loss") == 0.1
     with pytest.raises(dataclasses.FrozenInstanceError):

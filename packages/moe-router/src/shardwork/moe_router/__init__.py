@@ -2,7 +2,9 @@
 
 - :class:`RouterConfig` / :class:`TopKRouter`: Megatron-Core 0.19 ``TopKRouter`` semantics,
   option for option (softmax / sigmoid / sqrtsoftplus, group-limited top-k, capacity, every
-  load-balancing loss, z-loss, aux-loss-free expert bias, random routing).
+  load-balancing loss, z-loss, aux-loss-free expert bias, random routing);
+  :func:`group_score_top_n_for_hf` says which group-scoring rule a Hugging Face config implies;
+  :class:`RouterReplay` records routing decisions and replays them in a later forward.
 - :class:`AuxLossScale`, :func:`attach_aux_loss`, :class:`AuxLossTracker`: aux losses reach
   backward without changing outputs; per-layer logging; caller-owned objects.
 - :func:`permute` / :func:`unpermute`, :class:`AllGatherDispatcher`,
@@ -20,7 +22,9 @@ from shardwork.moe_router.dispatcher import (
     DispatchHandle,
 )
 from shardwork.moe_router.experts import GroupedMLP
+from shardwork.moe_router.hf_config import group_score_top_n_for_hf
 from shardwork.moe_router.permute import pad_routing_map, permute, unpermute
+from shardwork.moe_router.replay import RouterReplay
 from shardwork.moe_router.router import TopKRouter, update_expert_bias
 from shardwork.moe_router.scoring import (
     aux_loss_scores,
@@ -43,12 +47,14 @@ __all__ = [
     "GroupedMLP",
     "MoEBlock",
     "RouterConfig",
+    "RouterReplay",
     "TopKRouter",
     "attach_aux_loss",
     "aux_loss_scores",
     "drop_to_capacity",
     "expert_capacity",
     "group_limited_topk",
+    "group_score_top_n_for_hf",
     "pad_routing_map",
     "permute",
     "sinkhorn",

@@ -52,8 +52,13 @@ class RouterConfig:
     """Group-limited routing: experts split into this many equal groups, e.g. one per EP rank
     or node (``moe_router_num_groups``); needs ``group_top_k``."""
     group_top_k: int | None = None
-    """Group-limited routing: groups kept per token, ranked by the sum of their top
-    ``top_k // group_top_k`` scores (``moe_router_group_topk``)."""
+    """Group-limited routing: groups kept per token, ranked by their group score (see
+    ``group_score_top_n``); ``moe_router_group_topk``."""
+    group_score_top_n: int | None = None
+    """Group-limited routing: a group's score is the sum of its n best selection scores. None:
+    n = ``top_k // group_top_k`` (Megatron-Core's rule); 2: transformers' DeepSeek-V3 / Kimi-K2 /
+    GLM-4.5 rule; 1: DeepSeek-V2's group maximum. :func:`group_score_top_n_for_hf` reads it off
+    a Hugging Face ``config.json``. Must be between 1 and the experts per group."""
     load_balancing_type: str | tuple[str, ...] = "aux_loss"
     """``aux_loss`` (Switch/GShard over the micro-batch), ``seq_aux_loss`` (per sequence),
     ``global_aux_loss`` (token counts over data-parallel ranks and micro-batches),
@@ -162,6 +167,30 @@ class RouterConfig:
                     f"top_k must be a multiple of group_top_k and top_k/group_top_k <= experts per "
                     f"group ({per_group})"
                 )
+        self._check_group_score()
+
+    def _check_group_score(self) -> None:
+        n = self.group_score_top_n
+        if n is None:
+            return
+        if self.num_groups is None:
+            raise ValueError(
+                f"RouterConfig.group_score_top_n={n!r} is invalid without group-limited routing: "
+                "set num_groups and group_top_k, or leave it None"
+            )
+        per_group = self.num_experts // self.num_groups
+        if not _is_int(n) or not 1 <= n <= per_group:
+            raise ValueError(
+                f"RouterConfig.group_score_top_n={n!r} is invalid: it must be None or an integer "
+                f"from 1 to the experts per group ({per_group})"
+            )
+        if self.fused_backend is not None and n != self.top_k // self.group_top_k:
+            raise ValueError(
+                f"RouterConfig.group_score_top_n={n} is invalid with fused_backend="
+                f"{self.fused_backend!r}: the fused router scores a group by its top "
+                f"top_k // group_top_k = {self.top_k // self.group_top_k}; use that value, None, "
+                "or fused_backend=None"
+            )
 
     def _check_choices(self) -> None:
         if self.score_function not in SCORE_FUNCTIONS:

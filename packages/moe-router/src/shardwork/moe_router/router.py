@@ -30,6 +30,7 @@ from shardwork.moe_router.comm import group_size
 from shardwork.moe_router.config import RouterConfig
 from shardwork.moe_router.counts import routed_token_counts
 from shardwork.moe_router.gating import GatingLinear, StraightThroughRandom
+from shardwork.moe_router.replay import RouterReplay, check_replay_supported, indices_from_map
 from shardwork.moe_router.router_losses import LossSite, apply_load_balancing, apply_z_loss
 from shardwork.moe_router.routing_fn import route_topk
 from shardwork.moe_router.scoring import drop_to_capacity, sinkhorn_routing
@@ -56,6 +57,9 @@ class TopKRouter(torch.nn.Module):
         loss_scale: optional :class:`AuxLossScale`; aux-loss gradients are multiplied by it.
         layer_index: this router's row in ``tracker`` (0-based); needed with a tracker.
         generator: torch.Generator for jitter and random routing (default RNG when None).
+        replay: optional :class:`RouterReplay` recording or replaying this router's top-k
+            choices under the key ``layer_index`` (needs it); not with sinkhorn or the fused
+            path. An attribute: callers may set or swap it between forwards.
     """
 
     def __init__(
@@ -69,10 +73,13 @@ class TopKRouter(torch.nn.Module):
         layer_index: int | None = None,
         generator: torch.Generator | None = None,
         device: torch.device | str | None = None,
+        replay: RouterReplay | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(config, RouterConfig):
             raise ValueError(f"config={config!r} is invalid: pass a RouterConfig")
+        if replay is not None:
+            check_replay_supported(config, layer_index)
         if tracker is not None:
             if layer_index is None or not 0 <= layer_index < tracker.num_layers:
                 raise ValueError(
@@ -91,6 +98,7 @@ class TopKRouter(torch.nn.Module):
         self.loss_scale = loss_scale
         self.layer_index = layer_index
         self.generator = generator
+        self.replay = replay
         E, H = config.num_experts, config.hidden_size
         self.weight = torch.nn.Parameter(torch.empty(E, H, device=device))
         self.bias = torch.nn.Parameter(torch.empty(E, device=device)) if config.add_bias else None
@@ -238,6 +246,11 @@ class TopKRouter(torch.nn.Module):
         score (no groups, no expert bias) that the aux losses can reuse, else None.
         """
         cfg = self.config
+        replay_mode = None if self.replay is None else self.replay.mode
+        if replay_mode is not None:  # the attribute may have been set after construction
+            check_replay_supported(cfg, self.layer_index)
+        if replay_mode == "replay":
+            return self._select_replayed(logits_TE)
         if cfg.load_balancing_type == "sinkhorn":
             probs_TE, map_TE = sinkhorn_routing(logits_TE, cfg.top_k, training=self.training)
             return probs_TE, map_TE, None, None, None
@@ -263,15 +276,36 @@ class TopKRouter(torch.nn.Module):
             pre_softmax=cfg.pre_softmax,
             num_groups=cfg.num_groups,
             group_top_k=cfg.group_top_k,
+            group_score_top_n=cfg.group_score_top_n,
             scaling_factor=cfg.top_k_scaling_factor,
             expert_bias=self.expert_bias,
         )
+        if replay_mode == "record":
+            recorded = top_TK if top_TK is not None else indices_from_map(map_TE, cfg.top_k)
+            self.replay.put(self.layer_index, recorded)
         plain_top_TK = None
         if cfg.group_top_k is None and self.expert_bias is None:
             # a plain top-K of a monotone score: reusable by the aux losses
             # (few experts: the bool map, counted in one dense sum; else the K indices)
             plain_top_TK = top_TK if top_TK is not None and cfg.num_experts > 32 else map_TE
         return probs_TE, map_TE, top_TK, scores_TE, plain_top_TK
+
+    def _select_replayed(self, logits_TE: torch.Tensor) -> tuple:
+        """``_select`` with the experts taken from ``self.replay`` (probs from these logits)."""
+        cfg = self.config
+        forced_TK = self.replay.take(
+            self.layer_index, logits_TE.shape[0], cfg.top_k, cfg.num_experts
+        ).to(logits_TE.device)
+        probs_TE, map_TE, top_TK, scores_TE = route_topk(
+            logits_TE,
+            cfg.top_k,
+            score_function=cfg.score_function,
+            pre_softmax=cfg.pre_softmax,
+            scaling_factor=cfg.top_k_scaling_factor,
+            expert_bias=self.expert_bias,
+            replay_top_TK=forced_TK,
+        )
+        return probs_TE, map_TE, top_TK, scores_TE, None
 
     def _loss_site(self) -> LossSite:
         """Where this call's losses go, read from the attributes now (callers may swap the

@@ -213,8 +213,10 @@ def route_topk(
     pre_softmax: bool = False,
     num_groups: int | None = None,
     group_top_k: int | None = None,
+    group_score_top_n: int | None = None,
     scaling_factor: float | None = None,
     expert_bias: torch.Tensor | None = None,
+    replay_top_TK: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Same contract and results as :func:`scoring.topk_routing` (its plain-autograd twin).
 
@@ -222,9 +224,18 @@ def route_topk(
     pre-softmax, the activation for sigmoid/sqrtsoftplus, None for post-softmax) are computed
     once without autograd and can be handed to :class:`AuxLossGradient`. Few experts and K <= 2
     on CPU (not post-softmax) take the dense path (``routing_dense``): ``top_TK = None``.
+
+    ``replay_top_TK`` (router replay): use these K experts per token instead of selecting;
+    the probs are computed from the current logits at those experts, as after a selection.
     """
     dtype = score_dtype(logits_TE)
-    if use_dense(
+
+    def select(ranked_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if replay_top_TK is not None:
+            return ranked_TE.gather(1, replay_top_TK), replay_top_TK
+        return select_topk(ranked_TE, top_k, num_groups, group_top_k, group_score_top_n)
+
+    if replay_top_TK is None and use_dense(
         logits_TE, top_k, group_top_k, post_softmax=score_function == "softmax" and not pre_softmax
     ):
         dense = dense_route(
@@ -245,16 +256,16 @@ def route_topk(
         if score_function == "softmax":
             if pre_softmax:
                 scores_TE = torch.softmax(logits_TE, dim=-1, dtype=dtype)
-                top_TK = select_topk(scores_TE, top_k, num_groups, group_top_k)[1]
+                top_TK = select(scores_TE)[1]
             else:
-                top_logits_TK, top_TK = select_topk(logits_TE, top_k, num_groups, group_top_k)
+                top_logits_TK, top_TK = select(logits_TE)
             mode = "softmax_pre" if pre_softmax else "softmax_post"
         else:
             scores_TE = activate(logits_TE, score_function)
             # The bias (aux-loss-free balancing, DeepSeek-V3 section 2.1.2) only changes which
             # experts are picked; the probs come from the unbiased scores.
             ranked = scores_TE if expert_bias is None else scores_TE + expert_bias.to(dtype)
-            top_TK = select_topk(ranked, top_k, num_groups, group_top_k)[1]
+            top_TK = select(ranked)[1]
             mode = score_function
     probs_TE = TopKProbs.apply(logits_TE, scores_TE, top_TK, mode, scaling_factor, top_logits_TK)
     routing_map_TE = torch.zeros(

@@ -109,20 +109,27 @@ def _top_sum(grouped_TGe: torch.Tensor, r: int) -> torch.Tensor:
 
 
 def group_limited_topk(
-    scores_TE: torch.Tensor, top_k: int, *, num_groups: int, group_top_k: int
+    scores_TE: torch.Tensor,
+    top_k: int,
+    *,
+    num_groups: int,
+    group_top_k: int,
+    group_score_top_n: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k restricted to the ``group_top_k`` best of ``num_groups`` equal expert groups.
 
-    A group's rank is the sum of its best ``top_k // group_top_k`` scores (DeepSeek-V2/V3
-    device- and node-limited routing). The final top-k runs on the kept groups only
-    (gathered, not masked), which selects the same experts as masking the others to -inf.
+    A group's rank is the sum of its best ``group_score_top_n`` scores; None means
+    ``top_k // group_top_k`` (Megatron-Core's device- and node-limited routing), while
+    transformers' DeepSeek-V3 always sums the top 2. The final top-k runs on the kept groups
+    only (gathered, not masked), which selects the same experts as masking the others to -inf.
     Returns (values_TK, indices_TK).
     """
     num_tokens, num_experts = scores_TE.shape
     per_group = num_experts // num_groups
     # [T, E] -> [T, G, E/G]: experts of one group are contiguous.
     grouped_TGe = scores_TE.view(num_tokens, num_groups, per_group)
-    group_scores_TG = _top_sum(grouped_TGe, top_k // group_top_k)
+    n = top_k // group_top_k if group_score_top_n is None else group_score_top_n
+    group_scores_TG = _top_sum(grouped_TGe, n)
     group_idx = torch.topk(group_scores_TG, k=group_top_k, dim=-1, sorted=False)[1]
     kept = torch.gather(grouped_TGe, 1, group_idx.unsqueeze(-1).expand(-1, -1, per_group))
     values, local = torch.topk(kept.reshape(num_tokens, group_top_k * per_group), k=top_k, dim=-1)
@@ -132,12 +139,22 @@ def group_limited_topk(
 
 
 def select_topk(
-    scores_TE: torch.Tensor, top_k: int, num_groups: int | None, group_top_k: int | None
+    scores_TE: torch.Tensor,
+    top_k: int,
+    num_groups: int | None,
+    group_top_k: int | None,
+    group_score_top_n: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, indices) of each row's ``top_k`` largest scores, group-limited when
     ``group_top_k`` is set; the one selection the reference and the fast path share."""
     if group_top_k:
-        return group_limited_topk(scores_TE, top_k, num_groups=num_groups, group_top_k=group_top_k)
+        return group_limited_topk(
+            scores_TE,
+            top_k,
+            num_groups=num_groups,
+            group_top_k=group_top_k,
+            group_score_top_n=group_score_top_n,
+        )
     return torch.topk(scores_TE, k=top_k, dim=1)
 
 
@@ -149,6 +166,7 @@ def topk_routing(
     pre_softmax: bool = False,
     num_groups: int | None = None,
     group_top_k: int | None = None,
+    group_score_top_n: int | None = None,
     scaling_factor: float | None = None,
     expert_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -171,20 +189,26 @@ def topk_routing(
     if score_function == "softmax":
         if pre_softmax:
             scores_TE = torch.softmax(logits_TE, dim=-1, dtype=dtype)
-            probs_TK, top_TK = select_topk(scores_TE, top_k, num_groups, group_top_k)
+            probs_TK, top_TK = select_topk(
+                scores_TE, top_k, num_groups, group_top_k, group_score_top_n
+            )
         else:
-            top_logits_TK, top_TK = select_topk(logits_TE, top_k, num_groups, group_top_k)
+            top_logits_TK, top_TK = select_topk(
+                logits_TE, top_k, num_groups, group_top_k, group_score_top_n
+            )
             probs_TK = torch.softmax(top_logits_TK, dim=-1, dtype=dtype)
     else:
         scores_TE = activate(logits_TE, score_function)
         if expert_bias is not None:
             # The bias only steers selection; the weights are gathered from the unbiased scores.
             _, top_TK = select_topk(
-                scores_TE + expert_bias.to(dtype), top_k, num_groups, group_top_k
+                scores_TE + expert_bias.to(dtype), top_k, num_groups, group_top_k, group_score_top_n
             )
             probs_TK = torch.gather(scores_TE, 1, top_TK)
         else:
-            probs_TK, top_TK = select_topk(scores_TE, top_k, num_groups, group_top_k)
+            probs_TK, top_TK = select_topk(
+                scores_TE, top_k, num_groups, group_top_k, group_score_top_n
+            )
         if top_k > 1:
             # +1e-20 as Megatron-Core (NORM_EPS): no 0/0 when every selected score underflows.
             probs_TK = probs_TK / (probs_TK.sum(dim=-1, keepdim=True) + 1e-20)
