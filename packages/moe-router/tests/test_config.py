@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import pytest
 import torch
@@ -10,6 +11,17 @@ import torch
 from shardwork.moe_router import RouterConfig, TopKRouter
 
 BASE = {"num_experts": 8, "hidden_size": 16}
+
+NEEDS_FUSED = pytest.mark.skipif(
+    importlib.util.find_spec("shardwork.fused_kernels") is None,
+    reason="fused_backend needs shardwork-fused-kernels (the [fused] extra)",
+)
+
+
+def _case_id(case) -> str:
+    """The fragment a bad case must name (a ``pytest.param`` keeps it in ``values``)."""
+    return case.values[1] if hasattr(case, "values") else case[1]
+
 
 BAD = [
     ({"top_k": 9}, "top_k=9"),
@@ -24,9 +36,10 @@ BAD = [
     ({"num_groups": 2, "group_top_k": 1, "group_score_top_n": 0}, "group_score_top_n=0"),
     ({"num_groups": 2, "group_top_k": 1, "group_score_top_n": 5}, "group_score_top_n=5"),
     ({"num_groups": 2, "group_top_k": 1, "group_score_top_n": True}, "group_score_top_n=True"),
-    (
+    pytest.param(
         {"num_groups": 2, "group_top_k": 1, "group_score_top_n": 1, "fused_backend": "torch"},
         "group_score_top_n=1",
+        marks=NEEDS_FUSED,
     ),
     ({"score_function": "relu"}, "score_function='relu'"),
     ({"enable_expert_bias": True}, "enable_expert_bias=True"),
@@ -57,7 +70,7 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("kwargs,fragment", BAD, ids=[f for _, f in BAD])
+@pytest.mark.parametrize("kwargs,fragment", BAD, ids=[_case_id(case) for case in BAD])
 def test_bad_values_name_the_option(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
         RouterConfig(**{**BASE, **kwargs})
@@ -76,15 +89,19 @@ def test_good_configs_and_coefficients():
     assert c.aux_loss_enabled
     assert not RouterConfig(**BASE, load_balancing_type="none").aux_loss_enabled
     assert RouterConfig(**BASE, top_k=1, load_balancing_type="sinkhorn").top_k == 1
-    groups = {"num_groups": 2, "group_top_k": 1, "fused_backend": "torch"}
-    # the fused router's own rule (top_k // group_top_k = 2) is accepted
-    assert RouterConfig(**BASE, **groups, group_score_top_n=2).group_score_top_n == 2
     d = dataclasses.replace(c, top_k=4)
     assert d.top_k == 4 and d.aux_loss_coeff_for("aux_loss") == 0.1
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.top_k = 3  # type: ignore[misc]
     with pytest.raises(TypeError):
         RouterConfig(8, 16)  # type: ignore[misc]  # keyword-only
+
+
+@NEEDS_FUSED
+def test_fused_backend_accepts_the_fused_group_score_rule():
+    groups = {"num_groups": 2, "group_top_k": 1, "fused_backend": "torch"}
+    # the fused router's own rule (top_k // group_top_k = 2) is accepted
+    assert RouterConfig(**BASE, **groups, group_score_top_n=2).group_score_top_n == 2
 
 
 def test_every_field_is_documented():

@@ -8,6 +8,8 @@ maps differ. Also: records move between objects, misuse raises ValueError.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 import torch.utils.checkpoint
@@ -168,9 +170,16 @@ def test_replay_misuse_raises_clear_errors():
     late.replay = replay  # set after construction: refused at the forward
     with pytest.raises(ValueError, match="load_balancing_type='sinkhorn'"):
         late(x)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("shardwork.fused_kernels") is None,
+    reason="fused_backend needs shardwork-fused-kernels (the [fused] extra)",
+)
+def test_replay_refuses_the_fused_path():
     fused = RouterConfig(hidden_size=H, num_experts=8, fused_backend="torch")
     with pytest.raises(ValueError, match="fused_backend='torch'"):
-        TopKRouter(fused, replay=replay, layer_index=0)
+        TopKRouter(fused, replay=RouterReplay(), layer_index=0)
 
 
 def test_seek_replays_under_activation_checkpointing():
