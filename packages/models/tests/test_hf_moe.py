@@ -6,13 +6,20 @@ transformers with the same logits."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
 from shardwork.models import GPTModel, gather_logits  # noqa: E402
-from shardwork.models.hf import from_pretrained, gpt_config_from_hf, save_pretrained  # noqa: E402
+from shardwork.models.hf import (  # noqa: E402
+    from_pretrained,
+    gpt_config_from_hf,
+    hf_config_from_gpt,
+    save_pretrained,
+)
 from shardwork.models.hf.moe_weights import load_hf_moe_state_dict, moe_hf_state_dict  # noqa: E402
 from shardwork.models.moe import MoELayer  # noqa: E402
 from shardwork.parallel_state.testing import run_on_ranks  # noqa: E402
@@ -89,9 +96,11 @@ CONFIGS = {
 }
 
 
-def hf_model(model_type: str, seed: int = 0):
-    """A tiny random-weight transformers model (norms and expert bias non-default)."""
-    cfg = transformers.AutoConfig.for_model(model_type, **(_COMMON | CONFIGS[model_type]))
+def hf_model(model_type: str, seed: int = 0, **changes):
+    """A tiny random-weight transformers model (norms and expert bias non-default); ``changes``
+    replace fields of its config."""
+    fields = _COMMON | CONFIGS[model_type] | changes
+    cfg = transformers.AutoConfig.for_model(model_type, **fields)
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
@@ -163,6 +172,38 @@ def test_import_per_expert_and_fused_match_hf(model_type, tmp_path):
     with torch.no_grad():
         logits2 = gather_logits(fused.eval()(ids), tp_group=None, vocab_size=250)
     torch.testing.assert_close(logits2, ref_logits, rtol=1e-4, atol=1e-4)
+
+
+# top_k // topk_group = 3: transformers still ranks groups by their top-2 experts' scores
+_TOP3 = dict(n_routed_experts=16, num_experts_per_tok=6, n_group=4, topk_group=2)
+
+
+def test_deepseek_import_keeps_transformers_group_scores_when_k_per_group_is_not_2(tmp_path):
+    ref = hf_model("deepseek_v3", **_TOP3)
+    ids = _ids()
+    ref_logits, ref_chosen = hf_forward(ref, ids)
+    config = gpt_config_from_hf(ref.config.to_dict())
+    assert config.moe.router.group_score_top_n == 2
+    ours = GPTModel(config)
+    load_hf_moe_state_dict(ours, ref.state_dict())
+    with torch.no_grad():
+        logits = gather_logits(ours.eval()(ids), tp_group=None, vocab_size=250)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    for a, b in zip(our_chosen(ours, 2, 12), ref_chosen, strict=True):
+        assert torch.equal(a, b)
+    # the default rule (top 3 per group) routes differently on these inputs
+    router = config.moe.router
+    default_rule = config.replace(
+        moe=config.moe.replace(router=dataclasses.replace(router, group_score_top_n=None))
+    )
+    other = GPTModel(default_rule)
+    load_hf_moe_state_dict(other, ref.state_dict())
+    with torch.no_grad():
+        other.eval()(ids)
+    assert any(not torch.equal(a, b) for a, b in zip(our_chosen(other, 2, 12), ref_chosen))
+    # and a router transformers cannot express is not exported as deepseek_v3
+    with pytest.raises(ValueError, match="scores a group by its top 3 experts"):
+        hf_config_from_gpt(default_rule)
 
 
 @pytest.mark.parametrize("model_type", sorted(CONFIGS))

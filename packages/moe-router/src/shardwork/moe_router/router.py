@@ -249,12 +249,15 @@ class TopKRouter(torch.nn.Module):
         replay_mode = None if self.replay is None else self.replay.mode
         if replay_mode is not None:  # the attribute may have been set after construction
             check_replay_supported(cfg, self.layer_index)
-        if replay_mode == "replay":
-            return self._select_replayed(logits_TE)
-        if cfg.load_balancing_type == "sinkhorn":
+        forced_TK = None
+        if replay_mode == "replay":  # the recorded experts; probs from these logits
+            forced_TK = self.replay.take(
+                self.layer_index, logits_TE.shape[0], cfg.top_k, cfg.num_experts
+            ).to(logits_TE.device)
+        elif cfg.load_balancing_type == "sinkhorn":
             probs_TE, map_TE = sinkhorn_routing(logits_TE, cfg.top_k, training=self.training)
             return probs_TE, map_TE, None, None, None
-        if cfg.fused_backend is not None:
+        elif cfg.fused_backend is not None:
             from shardwork.fused_kernels import router_topk  # the [fused] extra
 
             fused = router_topk(
@@ -279,7 +282,10 @@ class TopKRouter(torch.nn.Module):
             group_score_top_n=cfg.group_score_top_n,
             scaling_factor=cfg.top_k_scaling_factor,
             expert_bias=self.expert_bias,
+            replay_top_TK=forced_TK,
         )
+        if forced_TK is not None:
+            return probs_TE, map_TE, top_TK, scores_TE, None
         if replay_mode == "record":
             recorded = top_TK if top_TK is not None else indices_from_map(map_TE, cfg.top_k)
             self.replay.put(self.layer_index, recorded)
@@ -289,23 +295,6 @@ class TopKRouter(torch.nn.Module):
             # (few experts: the bool map, counted in one dense sum; else the K indices)
             plain_top_TK = top_TK if top_TK is not None and cfg.num_experts > 32 else map_TE
         return probs_TE, map_TE, top_TK, scores_TE, plain_top_TK
-
-    def _select_replayed(self, logits_TE: torch.Tensor) -> tuple:
-        """``_select`` with the experts taken from ``self.replay`` (probs from these logits)."""
-        cfg = self.config
-        forced_TK = self.replay.take(
-            self.layer_index, logits_TE.shape[0], cfg.top_k, cfg.num_experts
-        ).to(logits_TE.device)
-        probs_TE, map_TE, top_TK, scores_TE = route_topk(
-            logits_TE,
-            cfg.top_k,
-            score_function=cfg.score_function,
-            pre_softmax=cfg.pre_softmax,
-            scaling_factor=cfg.top_k_scaling_factor,
-            expert_bias=self.expert_bias,
-            replay_top_TK=forced_TK,
-        )
-        return probs_TE, map_TE, top_TK, scores_TE, None
 
     def _loss_site(self) -> LossSite:
         """Where this call's losses go, read from the attributes now (callers may swap the

@@ -11,7 +11,7 @@ from typing import Any
 from shardwork.models.config import GPTConfig
 from shardwork.models.mla_config import MLAConfig
 from shardwork.models.moe.config import MoEConfig
-from shardwork.moe_router import RouterConfig
+from shardwork.moe_router import RouterConfig, group_score_top_n_for_hf
 
 __all__ = [
     "deepseek_fields",
@@ -37,6 +37,15 @@ def _router(hf: dict[str, Any], **routing: Any) -> RouterConfig:
         init_std=float(hf.get("initializer_range", 0.02)),
         **routing,
     )
+
+
+def _group_score_top_n(hf: dict[str, Any]) -> int | None:
+    """The group-score rule of a group-limited HF config (transformers' DeepSeek-V3 scores a
+    group by its top-2 experts), as ``RouterConfig.group_score_top_n``: None where it equals
+    the default ``top_k // group_top_k`` (so such configs compare equal to the presets)."""
+    rule = group_score_top_n_for_hf(hf)
+    default = int(hf["num_experts_per_tok"]) // int(hf["topk_group"])
+    return None if rule is None or rule == default else rule
 
 
 def mixtral_fields(hf: dict[str, Any]) -> dict[str, Any]:
@@ -118,6 +127,7 @@ def deepseek_fields(hf: dict[str, Any]) -> dict[str, Any]:
                 top_k_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
                 num_groups=int(n_group) if grouped else None,
                 group_top_k=int(topk_group) if grouped else None,
+                group_score_top_n=_group_score_top_n(hf) if grouped else None,
                 enable_expert_bias=True,
             ),
             ffn_hidden_size=int(hf["moe_intermediate_size"]),
@@ -166,6 +176,15 @@ def deepseek_to_hf(config: GPTConfig) -> dict[str, Any]:
     m, mla = config.moe, config.mla
     r = m.router
     shared = m.shared_expert_ffn_hidden_size or 0
+    if r.num_groups is not None and r.num_groups > 1:
+        rule = r.group_score_top_n or r.top_k // r.group_top_k
+        if rule != 2:
+            raise ValueError(
+                f"group-limited routing scores a group by its top {rule} experts (top_k="
+                f"{r.top_k}, group_top_k={r.group_top_k}, group_score_top_n="
+                f"{r.group_score_top_n}); DeepSeek-V3 in transformers scores it by its top 2: "
+                "valid: group_score_top_n=2 (or top_k // group_top_k = 2)"
+            )
     if shared % m.ffn_hidden_size:
         raise ValueError(
             f"shared_expert_ffn_hidden_size={shared} is not a multiple of the expert width "

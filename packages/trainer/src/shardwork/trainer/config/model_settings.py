@@ -144,21 +144,19 @@ def _takes(current: Any, settings: dict[str, Any]) -> bool:
     return set(settings) <= set(config_fields(type(current)))
 
 
-def _apply_nested(current: Any, settings: dict[str, Any], model: GPTConfig, where: str) -> Any:
-    """``current`` (a nested config of the base model) with ``settings`` applied."""
-    changes = {}
-    for name, value in settings.items():
-        if isinstance(value, dict):
-            sub = getattr(current, name)
-            if sub is None or not _takes(sub, value):
-                classes = nested_classes(config_fields(type(current))[name])
-                changes[name] = _build_nested(
-                    _pick(classes, value), value, model, f"{where}.{name}"
-                )
-            else:
-                changes[name] = _apply_nested(sub, value, model, f"{where}.{name}")
-        else:
-            changes[name] = value
+def _nested_after(owner: Any, name: str, table: dict[str, Any], model: GPTConfig, where: str):
+    """The nested config ``owner.name`` with ``table`` applied: the owner's own one changed, or
+    a new one built when it has none (or one of another class, see :func:`_takes`)."""
+    current = getattr(owner, name)
+    if current is None or not _takes(current, table):
+        classes = nested_classes(config_fields(type(owner))[name])
+        return _build_nested(_pick(classes, table), table, model, where)
+    changes = {
+        key: _nested_after(current, key, value, model, f"{where}.{key}")
+        if isinstance(value, dict)
+        else value
+        for key, value in table.items()
+    }
     return dataclasses.replace(current, **changes)
 
 
@@ -170,13 +168,8 @@ def apply_model_settings(base: GPTConfig, settings: dict[str, Any]) -> GPTConfig
     scalars = {k: v for k, v in settings.items() if not isinstance(v, dict)}
     model = base.replace(**scalars)
     for name, table in settings.items():
-        if not isinstance(table, dict):
-            continue
-        current = getattr(model, name)
-        if current is None or not _takes(current, table):
-            classes = nested_classes(config_fields(GPTConfig)[name])
-            value = _build_nested(_pick(classes, table), table, model, f"model.{name}")
-        else:
-            value = _apply_nested(current, table, model, f"model.{name}")
-        model = model.replace(**{name: value})
+        if isinstance(table, dict):
+            model = model.replace(
+                **{name: _nested_after(model, name, table, model, f"model.{name}")}
+            )
     return model
