@@ -17,8 +17,15 @@ import torch
 
 from shardwork.models import GPTModel, layout_groups, preset
 from shardwork.models.families.twins import tiny_moe
-from shardwork.models.sharding import INIT_BLOCK, normal_slice
-from shardwork.parallel_state import ParallelConfig
+from shardwork.models.sharding import (
+    INIT_BLOCK,
+    ShardContext,
+    UniformInit,
+    describe_param,
+    init_from_shards,
+    normal_slice,
+)
+from shardwork.parallel_state import ParallelConfig, ParamMeta
 
 
 class _CountDraws:
@@ -117,3 +124,26 @@ def test_every_rank_holds_world1_values_and_draws_only_its_share(name, overrides
             assert torch.equal(st.data, ref[key][index]), (rank, key)
             keys_seen.add(key)
     assert keys_seen == set(ref)
+
+
+def test_uniform_init_is_layout_free_and_follows_its_formula():
+    """A ``UniformInit`` parameter split over tp=2 holds the halves of the world-1 values, which
+    are ``transform(low + (high - low)·u)`` of the same per-key uniform draws."""
+    gshape = (2 * INIT_BLOCK + 6,)
+    rule = UniformInit(1.0, 16.0, torch.log)
+
+    def init_at(tp_rank, tp_size):
+        param = torch.nn.Parameter(torch.empty(gshape[0] // tp_size, dtype=torch.float64))
+        meta = ParamMeta(tp_axis=0) if tp_size > 1 else ParamMeta()
+        describe_param(param, meta, init=rule)
+        ctx = ShardContext(tp_rank=tp_rank, tp_size=tp_size)
+        init_from_shards(param, "A_log", ctx, init_seed=3, std=0.02, num_layers=2)
+        return param.detach()
+
+    whole = init_at(0, 1)
+    unit = normal_slice(3, "A_log", gshape, (0,), gshape, draw=torch.rand)
+    torch.testing.assert_close(whole, torch.log(1.0 + 15.0 * unit).double(), rtol=0, atol=0)
+    assert bool((whole >= 0).all() and (whole <= torch.log(torch.tensor(16.0))).all())
+    assert whole.unique().numel() == whole.numel()  # real draws, not a constant
+    halves = torch.cat([init_at(r, 2) for r in range(2)])
+    assert torch.equal(halves, whole)

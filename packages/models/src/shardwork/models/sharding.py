@@ -4,8 +4,9 @@
   attributes set by :func:`describe_param`: the names of its fused blocks (``("q", "k", "v")``,
   ``("gate", "up")``), the number of real rows (padded vocabulary: padding rows are neither
   saved nor initialised randomly), its init rule (``"normal"``, ``"scaled_normal"``,
-  ``"ones"``, ``"zeros"``) and, rarely, a std of its own (the MoE router's
-  ``RouterConfig.init_std``) instead of the model's ``init_method_std``.
+  ``"ones"``, ``"zeros"``, or a :class:`UniformInit` for the per-head vectors of state-space
+  mixers) and, rarely, a std of its own (the MoE router's ``RouterConfig.init_std``) instead of
+  the model's ``init_method_std``.
 - :func:`param_shards` turns one local parameter into the ShardedTensors that say where it sits
   in global coordinates: one per fused block (keys ``<name>.q`` ...), each a view of the
   parameter, so a checkpoint load fills the parameter in place.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +34,7 @@ __all__ = [
     "INIT_BLOCK",
     "INIT_RULES",
     "ShardContext",
+    "UniformInit",
     "describe_param",
     "init_from_shards",
     "key_seed",
@@ -51,6 +54,20 @@ _CUSTOM = "_shardwork_custom_shards"
 """Optional object with ``param_shards(param, key, *, replica_offset, source)`` and
 ``init_param(param, key, *, init_seed, std, num_layers)`` overriding the TP description
 (stacked MoE experts, split over ep and etp: ``shardwork.models.moe.ExpertShards``)."""
+
+
+@dataclass(frozen=True)
+class UniformInit:
+    """Init rule: ``transform(U(low, high))`` per element, drawn layout-independently.
+
+    The uniform draws follow :func:`normal_slice`'s blocks and seeds (``torch.rand`` instead of
+    ``torch.randn``), so the values depend only on the key. ``transform`` maps the float32
+    draws to the parameter's values (e.g. ``torch.log`` for a Mamba ``A_log``); None keeps them.
+    """
+
+    low: float
+    high: float
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -74,7 +91,7 @@ def describe_param(
     param: torch.nn.Parameter,
     meta: ParamMeta,
     *,
-    init: str,
+    init: str | UniformInit,
     blocks: tuple[str, ...] | None = None,
     real_rows: int | None = None,
     std: float | None = None,
@@ -83,7 +100,7 @@ def describe_param(
 
     ``std``: the normal draw's standard deviation when the parameter has its own (None: the
     model's, given to :func:`init_from_shards`)."""
-    assert init in INIT_RULES, init
+    assert isinstance(init, UniformInit) or init in INIT_RULES, init
     if blocks is not None:
         assert meta.tp_partition_sizes is not None and len(blocks) == len(meta.tp_partition_sizes)
     set_param_meta(param, meta)
@@ -185,8 +202,10 @@ def normal_slice(
     shape: tuple[int, ...],
     *,
     axis: int = 0,
+    draw: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """The ``shape`` slice at ``global_offset`` of key ``key``'s layout-free N(0, 1) tensor.
+    """The ``shape`` slice at ``global_offset`` of key ``key``'s layout-free N(0, 1) tensor
+    (U(0, 1) with ``draw=torch.rand``; None means ``torch.randn``, looked up at call time).
 
     ``axis`` is the axis any layout splits the key along (its TP or ETP axis; 0 if none). It
     must not depend on the layout. The tensor is cut along it into blocks of
@@ -195,9 +214,10 @@ def normal_slice(
     ``key_seed(init_seed, f"{key}#{b}")``. Only the blocks the slice overlaps are drawn, so the
     cost is the slice plus at most two partial blocks.
     """
+    draw = torch.randn if draw is None else draw
     if not global_shape:  # a scalar parameter: one block
         gen = torch.Generator(device="cpu").manual_seed(key_seed(init_seed, f"{key}#0"))
-        return torch.randn((), generator=gen, dtype=torch.float32)
+        return draw((), generator=gen, dtype=torch.float32)
     for a, (g, o, n) in enumerate(zip(global_shape, global_offset, shape)):
         if a != axis and (o, n) != (0, g):
             raise ValueError(
@@ -213,7 +233,7 @@ def normal_slice(
         block_shape = list(global_shape)
         block_shape[axis] = min(INIT_BLOCK, lines - block * INIT_BLOCK)
         gen = torch.Generator(device="cpu").manual_seed(key_seed(init_seed, f"{key}#{block}"))
-        parts.append(torch.randn(block_shape, generator=gen, dtype=torch.float32))
+        parts.append(draw(block_shape, generator=gen, dtype=torch.float32))
     drawn = parts[0] if len(parts) == 1 else torch.cat(parts, dim=axis)
     return drawn.narrow(axis, start - first * INIT_BLOCK, stop - start)
 
@@ -238,6 +258,9 @@ def init_from_shards(
     param.zero_()
     if rule == "zeros":
         return
+    if isinstance(rule, UniformInit):
+        _init_uniform(param, key, ctx, rule, init_seed)
+        return
     own = getattr(param, _STD, None)
     std = std if own is None else own
     # Output projections: std / sqrt(2·num_layers), Megatron's scaled_init_method_normal (GPT-2's
@@ -253,3 +276,16 @@ def init_from_shards(
         view, gshape, goff = clipped
         local = normal_slice(init_seed, key + suffix, gshape, goff, tuple(view.shape), axis=axis)
         view.copy_((local * scale).to(view.dtype))
+
+
+def _init_uniform(param: torch.Tensor, key: str, ctx: ShardContext, rule: UniformInit, seed: int):
+    tp_axis = get_param_meta(param).tp_axis
+    axis = 0 if tp_axis is None else tp_axis
+    for suffix, view, gshape, goff, _split in _tp_blocks(param, ctx):
+        unit = normal_slice(
+            seed, key + suffix, gshape, goff, tuple(view.shape), axis=axis, draw=torch.rand
+        )
+        values = rule.low + (rule.high - rule.low) * unit
+        if rule.transform is not None:
+            values = rule.transform(values)
+        view.copy_(values.to(view.dtype))
