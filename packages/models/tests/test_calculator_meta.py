@@ -7,7 +7,15 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from shardwork.models import PRESETS, PUBLISHED_PARAMS, GPTModel, layout_groups, preset
+from shardwork.models import (
+    PRESETS,
+    PUBLISHED_PARAMS,
+    GPTModel,
+    MTPConfig,
+    layout_groups,
+    preset,
+    spec_for,
+)
 from shardwork.models.calculator import flops_per_token, memory_estimate, num_parameters
 from shardwork.parallel_state import ParallelConfig
 
@@ -66,7 +74,9 @@ def _flash_recomputed_scores(config, seq: int) -> int:
     widths differ, so it runs the math SDPA (plain bmms, no recompute)."""
     if config.mla is not None:
         return 0
-    return config.num_layers * 2 * seq * seq * config.num_attention_heads * config.kv_channels
+    spec = spec_for(config)
+    attention = sum(layer.mixer == "attention" for layer in spec.layers + spec.mtp)
+    return attention * 2 * seq * seq * config.num_attention_heads * config.kv_channels
 
 
 def _replay_skipped(config, seq: int) -> int:
@@ -76,20 +86,37 @@ def _replay_skipped(config, seq: int) -> int:
     backward has been regenerated. The output of a trailing ``fc2`` is saved by nothing after
     it, so that matmul is skipped. This applies to a dense MLP's ``fc2`` and to an ungated
     shared expert's ``fc2``. A routed expert's ``fc2`` output is saved by the probability-
-    weighted unpermute, so it is replayed.
+    weighted unpermute, so it is replayed. A layer with attention only ends in ``linear_proj``, whose output nothing saves either.
     """
     h, moe, skipped = config.hidden_size, config.moe, 0
-    for layer in range(config.num_layers):
-        if moe is None or not moe.is_moe_layer(layer):
+    for layer in spec_for(config).layers:
+        if layer.mlp == "dense":
             skipped += 2 * seq * config.ffn_hidden_size * h
+        elif layer.mlp is None:
+            skipped += 2 * seq * config.num_attention_heads * config.kv_channels * h
         elif moe.shared_expert_ffn_hidden_size is not None and not moe.shared_expert_gate:
             skipped += 2 * seq * moe.shared_expert_ffn_hidden_size * h
     return skipped
 
 
+HYBRID_CASES = {
+    # single-part layers in any order, MoE with a gated shared expert, an attention+MoE MTP depth
+    "tiny-qwen2-57b-a14b": dict(num_layers=5, hybrid_layer_pattern="*-E*E/*E"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HYBRID_CASES))
+def test_hybrid_pattern_param_count_matches_meta_model(name):
+    config = preset(name, mtp=MTPConfig(), **HYBRID_CASES[name])
+    model = GPTModel(config, device="meta")
+    assert num_parameters(config) == sum(_real_params(model).values())
+
+
 @pytest.mark.parametrize(
     ("name", "recompute"),
     [
+        ("hybrid:tiny-qwen2-57b-a14b", "none"),
+        ("hybrid:tiny-qwen2-57b-a14b", "full"),
         ("tiny-llama3-8b", "none"),
         ("tiny-llama3-8b", "full"),
         ("tiny-qwen2.5-7b", "none"),
@@ -112,7 +139,11 @@ def test_flops_match_torch_flop_counter(name, recompute):
     counter, not by the calculator), and the replay's early stop (counted by the
     calculator, not run by torch).
     """
-    config = preset(name, recompute=recompute)
+    if name.startswith("hybrid:"):
+        name = name.removeprefix("hybrid:")
+        config = preset(name, recompute=recompute, mtp=MTPConfig(), **HYBRID_CASES[name])
+    else:
+        config = preset(name, recompute=recompute)
     if config.moe is not None:
         assert config.moe.router.capacity_factor is None  # dropless: expert rows are deterministic
     model = GPTModel(config)

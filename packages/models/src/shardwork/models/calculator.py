@@ -40,9 +40,15 @@ def _layer_params(c: GPTConfig) -> int:
     return n
 
 
+def _not_plain_dense(c: GPTConfig) -> bool:
+    """Whether the config needs the layer-by-layer counts of calculator_moe.py."""
+    parts = (c.moe, c.mla, c.mtp, c.hybrid_layer_pattern)
+    return any(part is not None for part in parts)
+
+
 def num_parameters(config: GPTConfig) -> int:
     """Exact number of (real, unpadded) parameters of the whole model."""
-    if config.moe is not None or config.mla is not None or config.mtp is not None:
+    if _not_plain_dense(config):
         return moe_param_counts(config).total  # MoE / MLA / MTP: see calculator_moe.py
     n = config.num_layers * _layer_params(config) + config.hidden_size
     n += config.vocab_size * config.hidden_size
@@ -55,7 +61,7 @@ def flops_per_token(
     config: GPTConfig, seq_length: int, *, causal: bool = True, full_recompute: bool = False
 ) -> float:
     """Training FLOPs per token (forward + backward [+ recomputed forward])."""
-    if config.moe is not None or config.mla is not None or config.mtp is not None:
+    if _not_plain_dense(config):
         return moe_flops_per_token(config, seq_length, causal=causal, full_recompute=full_recompute)
     c = config
     d, a, g, h = c.kv_channels, c.num_attention_heads, c.kv_heads, c.hidden_size

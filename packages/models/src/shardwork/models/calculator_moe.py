@@ -1,4 +1,8 @@
-"""Parameter and FLOPs counts for MoE / MLA / MTP configs: total vs. active parameters.
+"""Parameter and FLOPs counts layer by layer from the model's spec: total vs. active parameters.
+
+Each layer part kind (mixer or MLP) has a :class:`PartCost`; the counts walk
+:func:`~shardwork.models.spec.spec_for`'s layers and MTP depths, so a hybrid stack or a new
+kind (registered with :func:`register_part_cost`) is counted like the built-in ones.
 
 Notation as in :mod:`shardwork.models.calculator`, plus ``E`` experts, ``k`` top-k, ``F`` expert
 width, ``S`` shared-expert width, ``n`` heads, ``dn``/``dr``/``dv`` MLA head dims, ``rq``/``rkv``
@@ -8,7 +12,7 @@ Per layer (exact, as the model builds them):
   attention (GQA)  ``h·(a+2g)·d + a·d·h [+ (a+2g)·d bias] [+ 2d qk-norm]``
   attention (MLA)  ``[h·rq + rq + rq·n·(dn+dr) | h·n·(dn+dr)] + h·(rkv+dr) + rkv
                    + rkv·n·(dn+dv) + n·dv·h``
-  norms            ``2h``
+  norms            ``h`` per part (``2h`` for an attention + MLP layer)
   dense MLP        ``3·h·f``
   MoE MLP          total ``E·h (router) + E·3·h·F + 3·h·S [+ h gate]``;
                    active ``E·h + k·3·h·F + 3·h·S [+ h]``
@@ -32,11 +36,20 @@ through) + attention scores``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shardwork.models.config import GPTConfig
+from shardwork.models.spec import LayerSpec, spec_for
 
-__all__ = ["ParamCounts", "moe_flops_per_token", "moe_param_counts"]
+__all__ = [
+    "PART_COSTS",
+    "ParamCounts",
+    "PartCost",
+    "moe_flops_per_token",
+    "moe_param_counts",
+    "register_part_cost",
+]
 
 
 @dataclass(frozen=True)
@@ -109,58 +122,81 @@ def _moe_mlp(c: GPTConfig) -> tuple[int, int, int]:
     )
 
 
-def moe_param_counts(config: GPTConfig) -> ParamCounts:
-    """Total and active parameters (see module docstring); works for dense configs too."""
-    c, h = config, config.hidden_size
-    base = _attention(c) + 2 * h
+@dataclass(frozen=True)
+class PartCost:
+    """How a registered layer-part kind counts: its parameters and forward FLOPs per token.
+
+    ``params(config) -> (total, active, router)`` (a dense part: all three ints, router 0);
+    ``forward(config, seq_length, causal) -> float``: forward FLOPs per token, 2 per
+    multiply-add of the matmuls a token passes through plus sequence terms (attention scores,
+    a scan's state updates).
+    """
+
+    params: Callable[[GPTConfig], tuple[int, int, int]]
+    forward: Callable[[GPTConfig, int, bool], float]
+
+
+PART_COSTS: dict[str, PartCost] = {}
+"""Layer-part kind (a mixer or MLP kind of :mod:`shardwork.models.layer_kinds`) -> its cost."""
+
+
+def register_part_cost(kind: str, cost: PartCost) -> None:
+    """Make the calculator count ``kind`` parts with ``cost``."""
+    PART_COSTS[kind] = cost
+
+
+def _cost(kind: str) -> PartCost:
+    if kind not in PART_COSTS:
+        raise ValueError(
+            f"the calculator has no cost for layer part {kind!r}: register one with "
+            f"register_part_cost (known: {sorted(PART_COSTS)})"
+        )
+    return PART_COSTS[kind]
+
+
+def _layer_params(c: GPTConfig, spec: LayerSpec) -> tuple[int, int, int]:
+    """(total, active, router) of one layer: its parts and one norm per part."""
     total = active = router = 0
-    for layer in range(c.num_layers):
-        if c.moe is not None and c.moe.is_moe_layer(layer):
-            t, a, r = _moe_mlp(c)
-        else:
-            t = a = 3 * h * c.ffn_hidden_size
-            r = 0
-        total += base + t
-        active += base + a
-        router += r
+    for kind in (spec.mixer, spec.mlp):
+        if kind is not None:
+            t, a, r = _cost(kind).params(c)
+            total, active, router = (
+                total + t + c.hidden_size,
+                active + a + c.hidden_size,
+                router + r,
+            )
+    return total, active, router
+
+
+def moe_param_counts(config: GPTConfig) -> ParamCounts:
+    """Total and active parameters (see module docstring), layer by layer from the model's
+    spec; works for dense and hybrid configs too."""
+    c, h = config, config.hidden_size
+    spec = spec_for(c)
+    total = active = router = 0
+    for layer in spec.layers:
+        t, a, r = _layer_params(c, layer)
+        total, active, router = total + t, active + a, router + r
     emb = c.vocab_size * h * (1 if c.tie_word_embeddings else 2) + h
-    total += emb
-    active += emb
     mtp = mtp_active = 0
-    if c.mtp is not None:
-        if c.moe is not None:
-            t, a, r = _moe_mlp(c)
-        else:
-            t = a = 3 * h * c.ffn_hidden_size
-            r = 0
-        # eh_proj [h, 2h], enorm + hnorm + final norm, and the depth's attention + layer norms.
-        extra = 2 * h * h + 3 * h + base
-        mtp = c.mtp.num_layers * (extra + t)
-        mtp_active = c.mtp.num_layers * (extra + a)
-        router += c.mtp.num_layers * r
+    for layer in spec.mtp:
+        t, a, r = _layer_params(c, layer)
+        # eh_proj [h, 2h] and enorm + hnorm + final norm around the depth's layer.
+        extra = 2 * h * h + 3 * h
+        mtp, mtp_active, router = mtp + extra + t, mtp_active + extra + a, router + r
     return ParamCounts(
-        total=total + mtp,
-        active=active + mtp_active,
+        total=total + emb + mtp,
+        active=active + emb + mtp_active,
         mtp=mtp,
         router=router,
         mtp_active=mtp_active,
     )
 
 
-def _mlp_matmul(c: GPTConfig, moe_layer: bool) -> int:
-    """Matmul weights one token passes through in an MLP (router and k experts if MoE)."""
-    if not moe_layer:
-        return 3 * c.hidden_size * c.ffn_hidden_size
-    return _moe_mlp(c)[1]  # active: router + k experts + shared (+ gate); all matmuls
-
-
-def _layer_forward(c: GPTConfig, seq_length: int, moe_layer: bool, causal: bool) -> float:
-    """Forward FLOPs per token of one transformer layer (matmuls and attention scores)."""
-    n = c.num_attention_heads
-    dq, dv = (c.kv_channels,) * 2 if c.mla is None else (c.mla.qk_head_dim, c.mla.v_head_dim)
-    # QKᵀ over dq and AV over dv, 2 FLOPs per multiply-add, for s keys per query per head.
-    scores = 2 * seq_length * n * (dq + dv) * (0.5 if causal else 1.0)
-    return 2 * (_attention_matmul(c) + _mlp_matmul(c, moe_layer)) + scores
+def _layer_forward(c: GPTConfig, spec: LayerSpec, seq_length: int, causal: bool) -> float:
+    """Forward FLOPs per token of one layer (its parts' matmuls and sequence terms)."""
+    kinds = [k for k in (spec.mixer, spec.mlp) if k is not None]
+    return sum(_cost(kind).forward(c, seq_length, causal) for kind in kinds)
 
 
 def moe_flops_per_token(
@@ -168,13 +204,36 @@ def moe_flops_per_token(
 ) -> float:
     """Training FLOPs per token (forward + backward [+ recomputed layers]; module docstring)."""
     c, h = config, config.hidden_size
-    moe = c.moe
-    layers = sum(
-        _layer_forward(c, seq_length, moe is not None and moe.is_moe_layer(i), causal)
-        for i in range(c.num_layers)
-    )
-    depths = c.mtp.num_layers if c.mtp is not None else 0
-    mtp = depths * (2 * 2 * h * h + _layer_forward(c, seq_length, moe is not None, causal))
+    spec = spec_for(c)
+    layers = sum(_layer_forward(c, layer, seq_length, causal) for layer in spec.layers)
+    mtp = sum(2 * 2 * h * h + _layer_forward(c, layer, seq_length, causal) for layer in spec.mtp)
     # The padded vocabulary: the head computes those columns too (real work, unlike parameters).
-    heads = (1 + depths) * 2 * c.padded_vocab_size * h
+    heads = (1 + len(spec.mtp)) * 2 * c.padded_vocab_size * h
     return 3 * (layers + mtp + heads) + (layers if full_recompute else 0.0)
+
+
+def _attention_forward(c: GPTConfig, seq_length: int, causal: bool) -> float:
+    n = c.num_attention_heads
+    dq, dv = (c.kv_channels,) * 2 if c.mla is None else (c.mla.qk_head_dim, c.mla.v_head_dim)
+    # QKᵀ over dq and AV over dv, 2 FLOPs per multiply-add, for s keys per query per head.
+    scores = 2 * seq_length * n * (dq + dv) * (0.5 if causal else 1.0)
+    return 2 * _attention_matmul(c) + scores
+
+
+def _attention_params(c: GPTConfig) -> tuple[int, int, int]:
+    p = _attention(c)
+    return p, p, 0
+
+
+def _dense_params(c: GPTConfig) -> tuple[int, int, int]:
+    p = 3 * c.hidden_size * c.ffn_hidden_size
+    return p, p, 0
+
+
+# Every MoE MLP weight is a matmul weight; ``active`` is what one token passes through (router,
+# k experts, shared expert and gate).
+_ATTENTION = PartCost(_attention_params, _attention_forward)
+register_part_cost("attention", _ATTENTION)
+register_part_cost("mla", _ATTENTION)
+register_part_cost("dense", PartCost(_dense_params, lambda c, s, causal: 2 * _dense_params(c)[0]))
+register_part_cost("moe", PartCost(_moe_mlp, lambda c, s, causal: 2 * _moe_mlp(c)[1]))

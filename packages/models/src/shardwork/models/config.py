@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardwork.fused_kernels import Llama3RopeScaling, YarnRopeScaling
+from shardwork.models.hybrid_pattern import parse_hybrid_pattern
 
 if TYPE_CHECKING:
     from shardwork.models.mla_config import MLAConfig
@@ -100,6 +101,10 @@ class GPTConfig:
     grouped-query attention."""
     mtp: MTPConfig | None = None
     """Multi-token prediction (``shardwork.models.mtp.MTPConfig``); None: no MTP depths."""
+    hybrid_layer_pattern: str | None = None
+    """Megatron-style hybrid stack, one character per layer (``M`` Mamba-2, ``G`` Gated
+    DeltaNet, ``*`` attention, ``-`` dense MLP, ``E`` MoE; ``/`` before each MTP depth), e.g.
+    ``"M-M*-"`` (:mod:`shardwork.models.hybrid_pattern`). None: every layer is attention + MLP."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size"):
@@ -161,6 +166,8 @@ class GPTConfig:
             raise ValueError(
                 f"GPTConfig.kernel_backend={self.kernel_backend!r} is invalid: valid are {_BACKENDS}"
             )
+        if self.hybrid_layer_pattern is not None:
+            check_hybrid_pattern(self)
         for name in ("moe", "mla", "mtp"):  # MoE / DeepSeek parts validate themselves
             part = getattr(self, name)
             if part is not None:
@@ -257,6 +264,39 @@ class GPTConfig:
                 part.check_layout(parallel)
         if seq_length is not None:
             check_sequence_length(self, seq_length, tp=tp, cp=cp)
+
+
+def check_hybrid_pattern(config: GPTConfig) -> None:
+    """ValueError unless the pattern parses, fits ``num_layers`` and ``mtp``, and every symbol
+    it uses has the config part that shapes it."""
+    pattern = parse_hybrid_pattern(config.hybrid_layer_pattern)
+    field = f"GPTConfig.hybrid_layer_pattern={config.hybrid_layer_pattern!r}"
+    if len(pattern.decoder) != config.num_layers:
+        raise ValueError(
+            f"{field} has {len(pattern.decoder)} decoder layers but num_layers="
+            f"{config.num_layers}: give one symbol per layer"
+        )
+    depths = config.mtp.num_layers if config.mtp is not None else 0
+    if len(pattern.mtp) != depths:
+        raise ValueError(
+            f"{field} has {len(pattern.mtp)} MTP depths but mtp.num_layers={depths}: give one "
+            "'/<layer>' per depth, and set mtp=MTPConfig(num_layers=...) to match"
+        )
+    needs = {
+        "E": ("moe", "MoEConfig"),
+        "M": ("mamba", "MambaConfig"),
+        "G": ("linear_attention", "GatedDeltaNetConfig"),
+    }
+    for symbol, (name, cls) in needs.items():
+        if symbol in pattern.symbols and getattr(config, name, None) is None:
+            raise ValueError(f"{field} uses {symbol!r}, which needs GPTConfig.{name}={cls}(...)")
+    moe = config.moe
+    if moe is not None and (moe.first_k_dense_replace != 0 or moe.layer_freq != 1):
+        raise ValueError(
+            f"{field} places the MoE layers ('E'), so moe.first_k_dense_replace="
+            f"{moe.first_k_dense_replace!r} and moe.layer_freq={moe.layer_freq!r} must keep "
+            "their defaults (0 and 1)"
+        )
 
 
 def check_sequence_length(config: GPTConfig, seq_length: int, *, tp: int, cp: int) -> None:

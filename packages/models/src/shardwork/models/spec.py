@@ -1,14 +1,16 @@
 """Declarative model specs: which parts each layer has, derived from a config in one place.
 
 - :class:`LayerSpec`: one decoder layer, ``norm -> mixer -> residual, norm -> mlp -> residual``,
-  its parts named by kind (built through :mod:`shardwork.models.layer_kinds`).
+  its parts named by kind (built through :mod:`shardwork.models.layer_kinds`). A hybrid
+  stack's layer may hold only a mixer or only an MLP (``mlp=None`` / ``mixer=None``).
 - :class:`DecoderSpec`: the whole stack, global and layout-free: every decoder layer's spec
   (``layers[i]`` is global layer ``i``; a pipeline stage builds its range of them), the
   multi-token-prediction depths (``mtp``, global layer numbers ``num_layers + k``), and the
   rotary position table every mixer shares (:class:`RotarySpec`).
 - :func:`spec_for` derives the spec of a :class:`~shardwork.models.config.GPTConfig`. It is
   the one place that reads the config's family switches (``mla``, ``moe``'s dense-first layers
-  and layer frequency, ``mtp``): ``GPTModel`` builds whatever spec it is given, with no
+  and layer frequency, ``mtp``, ``hybrid_layer_pattern``): ``GPTModel`` builds whatever spec
+  it is given, with no
   branch on a family. A family whose layers differ in other ways passes its own spec
   (``GPTModel(config, groups, spec=...)``).
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardwork.models.config import GPTConfig
+from shardwork.models.hybrid_pattern import HYBRID_SYMBOLS, parse_hybrid_pattern, split_depth
 
 __all__ = ["DecoderSpec", "LayerSpec", "RotarySpec", "spec_for"]
 
@@ -26,12 +29,16 @@ __all__ = ["DecoderSpec", "LayerSpec", "RotarySpec", "spec_for"]
 class LayerSpec:
     """One pre-norm layer's parts, by registered kind."""
 
-    mixer: str = "attention"
-    """Token mixer kind: ``"attention"``, ``"mla"`` or a registered one."""
-    mlp: str = "dense"
-    """Channel MLP kind: ``"dense"``, ``"moe"`` or a registered one."""
+    mixer: str | None = "attention"
+    """Token mixer kind: ``"attention"``, ``"mla"`` or a registered one; None: no mixer."""
+    mlp: str | None = "dense"
+    """Channel MLP kind: ``"dense"``, ``"moe"`` or a registered one; None: no MLP."""
     norm: str = "rmsnorm"
-    """Kind of the layer's two pre-norms (before the mixer and before the MLP)."""
+    """Kind of the layer's pre-norms (one before each part it holds)."""
+
+    def __post_init__(self) -> None:
+        if self.mixer is None and self.mlp is None:
+            raise ValueError("LayerSpec(mixer=None, mlp=None) is invalid: a layer needs a part")
 
 
 @dataclass(frozen=True)
@@ -69,18 +76,36 @@ class DecoderSpec:
             )
 
 
+def _pattern_layer(config: GPTConfig, chars: str) -> LayerSpec:
+    """The layer of one pattern part (one symbol, or a mixer symbol then an MLP symbol)."""
+    mixer, mlp = split_depth(chars)
+    kinds = [None if c is None else HYBRID_SYMBOLS[c] for c in (mixer, mlp)]
+    if kinds[0] == "attention" and config.mla is not None:
+        kinds[0] = "mla"
+    return LayerSpec(kinds[0], kinds[1])
+
+
 def spec_for(config: GPTConfig) -> DecoderSpec:
-    """The spec of ``config``: MLA or attention everywhere; MoE where ``config.moe`` says
-    (``first_k_dense_replace`` dense layers first, then every ``layer_freq``-th layer, or the
-    0/1 pattern); MTP depths use the mixer of the decoder and MoE when the model has MoE."""
+    """The spec of ``config``.
+
+    With ``hybrid_layer_pattern``: one single-part layer per decoder character and the MTP
+    depths' parts (:mod:`shardwork.models.hybrid_pattern`). Otherwise: MLA or attention
+    everywhere; MoE where ``config.moe`` says (``first_k_dense_replace`` dense layers first,
+    then every ``layer_freq``-th layer, or the 0/1 pattern); MTP depths use the decoder's
+    mixer, and MoE when the model has MoE."""
     mixer = "mla" if config.mla is not None else "attention"
     moe = config.moe
-    layers = tuple(
-        LayerSpec(mixer, "moe" if moe is not None and moe.is_moe_layer(i) else "dense")
-        for i in range(config.num_layers)
-    )
-    depths = config.mtp.num_layers if config.mtp is not None else 0
-    mtp = (LayerSpec(mixer, "dense" if moe is None else "moe"),) * depths
+    if config.hybrid_layer_pattern is not None:
+        pattern = parse_hybrid_pattern(config.hybrid_layer_pattern)
+        layers = tuple(_pattern_layer(config, c) for c in pattern.decoder)
+        mtp = tuple(_pattern_layer(config, depth) for depth in pattern.mtp)
+    else:
+        layers = tuple(
+            LayerSpec(mixer, "moe" if moe is not None and moe.is_moe_layer(i) else "dense")
+            for i in range(config.num_layers)
+        )
+        depths = config.mtp.num_layers if config.mtp is not None else 0
+        mtp = (LayerSpec(mixer, "dense" if moe is None else "moe"),) * depths
     if config.mla is not None:
         rotary = RotarySpec(config.mla.qk_rope_head_dim, interleaved=True)
     else:

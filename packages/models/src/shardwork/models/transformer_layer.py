@@ -1,6 +1,7 @@
 """Pre-norm transformer layer and the block of a pipeline stage's layers.
 
-- ``TransformerLayer``: ``x + drop(attn(norm(x)))`` then ``x + drop(mlp(norm(x)))``; hidden
+- ``TransformerLayer``: ``x + drop(attn(norm(x)))`` then ``x + drop(mlp(norm(x)))`` (a hybrid
+  stack's layer holds only one of the two, each with its own norm and residual); hidden
   dropout draws from the replicated RNG stream (activations whole on every TP rank) or, under
   sequence parallelism, the TP-distinct stream (activations are sequence shards).
 - ``TransformerBlock``: the layers ``layer_range = (start, stop)`` of the global stack (a
@@ -47,7 +48,8 @@ def hidden_dropout(x: torch.Tensor, p: float, *, training: bool, rng: RNGTracker
 
 
 class TransformerLayer(ShardedModule):
-    """One pre-norm mixer + MLP layer; ``layer_number`` is its global index."""
+    """One pre-norm mixer + MLP layer (or just one of them); ``layer_number`` is its global
+    index."""
 
     def __init__(
         self,
@@ -56,11 +58,11 @@ class TransformerLayer(ShardedModule):
         *,
         layer_number: int,
         rng: RNGTracker,
-        mixer: torch.nn.Module,
-        mlp: torch.nn.Module,
-        norms: tuple[torch.nn.Module, torch.nn.Module],
+        mixer: torch.nn.Module | None,
+        mlp: torch.nn.Module | None,
+        norms: tuple[torch.nn.Module | None, torch.nn.Module | None],
     ) -> None:
-        """``norms``: the pre-mixer and pre-MLP norms."""
+        """``norms``: the pre-mixer and pre-MLP norms (None with an absent part)."""
         super().__init__(groups)
         self.layer_number = layer_number
         self.rng = rng
@@ -75,17 +77,21 @@ class TransformerLayer(ShardedModule):
 
     def forward(self, hidden: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         drop = dict(training=self.training, rng=self.rng, sp=self.sp)
-        attn = self.self_attention(self.input_layernorm(hidden), inputs)
-        hidden = hidden + hidden_dropout(attn, self.dropout, **drop)
-        mlp = self.mlp(self.pre_mlp_layernorm(hidden))
-        return hidden + hidden_dropout(mlp, self.dropout, **drop)
+        if self.self_attention is not None:
+            attn = self.self_attention(self.input_layernorm(hidden), inputs)
+            hidden = hidden + hidden_dropout(attn, self.dropout, **drop)
+        if self.mlp is not None:
+            mlp = self.mlp(self.pre_mlp_layernorm(hidden))
+            hidden = hidden + hidden_dropout(mlp, self.dropout, **drop)
+        return hidden
 
 
 def build_layer(spec: LayerSpec, ctx: BuildContext, layer_number: int) -> TransformerLayer:
     """The layer ``spec`` describes, as global layer ``layer_number``."""
-    mlp = build_mlp(spec.mlp, ctx, layer_number)
-    mixer = build_mixer(spec.mixer, ctx, layer_number)
+    mlp = None if spec.mlp is None else build_mlp(spec.mlp, ctx, layer_number)
+    mixer = None if spec.mixer is None else build_mixer(spec.mixer, ctx, layer_number)
     h = ctx.config.hidden_size
+    norms = tuple(None if part is None else build_norm(spec.norm, ctx, h) for part in (mixer, mlp))
     return TransformerLayer(
         ctx.config,
         ctx.groups,
@@ -93,7 +99,7 @@ def build_layer(spec: LayerSpec, ctx: BuildContext, layer_number: int) -> Transf
         rng=ctx.rng,
         mixer=mixer,
         mlp=mlp,
-        norms=(build_norm(spec.norm, ctx, h), build_norm(spec.norm, ctx, h)),
+        norms=norms,
     )
 
 
