@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwork.models import GPTModel, layout_groups, preset
+from shardwork.models import GPTModel, MTPConfig, layout_groups, preset
 from shardwork.models.calculator import memory_estimate
 from shardwork.models.calculator_memory import (
     kv_cache_bytes_per_token,
@@ -20,6 +20,9 @@ from shardwork.models.calculator_moe import moe_param_counts
 from shardwork.models.pipeline import build_stage
 from shardwork.models.presets_moe import PUBLISHED_MOE_PARAMS
 from shardwork.parallel_state import ParallelConfig, get_param_meta
+
+HYBRID = dict(num_layers=6, hybrid_layer_pattern="*-E*E-/*E", mtp=MTPConfig())
+"""Single-part layers in any order and an attention + MoE MTP depth."""
 
 # (preset, overrides, tp, pp, vpp, ep, etp, cp, world)
 LAYOUTS = [
@@ -33,6 +36,7 @@ LAYOUTS = [
     ("tiny-qwen3-30b-a3b", {}, 1, 2, None, 4, 1, 1, 8),
     ("tiny-llama3-8b", dict(num_layers=4), 2, 2, None, 1, 1, 2, 8),
     ("tiny-qwen3-8b", dict(tie_word_embeddings=True), 2, 2, None, 1, 1, 1, 4),
+    ("tiny-qwen2-57b-a14b", dict(HYBRID), 2, 2, None, 2, 1, 1, 8),
 ]
 
 
@@ -160,6 +164,14 @@ def test_activation_estimate_matches_saved_tensors(name, dtype, recompute):
     assert estimate == pytest.approx(measured, rel=0.05)
     est = memory_estimate(cfg, seq_length=seq, micro_batch_size=batch)
     assert est.activations == estimate
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_hybrid_pattern_activation_estimate_matches_saved_tensors(recompute):
+    cfg = preset("tiny-qwen2-57b-a14b", recompute=recompute, **HYBRID)
+    measured = _saved_bytes(cfg, seq=32, batch=2)
+    estimate = stage_activation_bytes(cfg, seq_length=32, micro_batch_size=2)
+    assert estimate == pytest.approx(measured, rel=0.05)
 
 
 def test_activation_ordering_and_pipeline_in_flight():

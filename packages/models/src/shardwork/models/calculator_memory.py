@@ -37,19 +37,24 @@ masks, the transient recompute of one layer in backward, fused kernels' smaller 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from shardwork.models.config import GPTConfig
 from shardwork.models.pipeline.split import layer_split
+from shardwork.models.spec import LayerSpec, spec_for
 from shardwork.parallel_state import ParallelConfig
 
 __all__ = [
+    "MIXER_MEMORY",
     "LocalParams",
+    "MixerMemory",
     "kv_cache_bytes_per_token",
     "layer_activation_bytes",
     "local_parameters",
+    "register_mixer_memory",
     "stage_activation_bytes",
 ]
 
@@ -96,16 +101,27 @@ def _attention_params(c: GPTConfig, tp: int) -> int:
     return q + kv + n * m.v_head_dim // tp * h
 
 
-def _mlp_params(c: GPTConfig, layer: int, *, tp: int, ep: int, etp: int) -> tuple[int, int]:
-    """(dense, expert) local elements of global layer ``layer``'s MLP (MTP layers: >= L)."""
+def _mlp_params(c: GPTConfig, *, tp: int, ep: int, etp: int, moe: bool) -> tuple[int, int]:
+    """(dense, expert) local elements of a dense (``moe`` False) or MoE MLP."""
     h, m = c.hidden_size, c.moe
-    if m is None or (layer < c.num_layers and not m.is_moe_layer(layer)):
+    if not moe:
         return 3 * h * (c.ffn_hidden_size // tp), 0
     dense = m.router.num_experts * h  # router, replicated
     if m.shared_expert_ffn_hidden_size is not None:
         dense += 3 * h * (m.shared_expert_ffn_hidden_size // tp)
         dense += h if m.shared_expert_gate else 0
     expert = m.router.num_experts // ep * 3 * h * (m.ffn_hidden_size // etp)
+    return dense, expert
+
+
+def _layer_params(c: GPTConfig, spec: LayerSpec, *, tp: int, ep: int, etp: int):
+    """(dense, expert) local elements of one layer: its parts and a norm per part."""
+    dense = expert = 0
+    if spec.mixer is not None:
+        dense += _part(MIXER_MEMORY, spec.mixer).params(c, tp) + c.hidden_size
+    if spec.mlp is not None:
+        d, e = _mlp_params(c, tp=tp, ep=ep, etp=etp, moe=_part(MLP_KINDS, spec.mlp))
+        dense, expert = dense + d + c.hidden_size, expert + e
     return dense, expert
 
 
@@ -154,11 +170,11 @@ def local_parameters(
     c, h = config, config.hidden_size
     layers, pre, post = _stage_layout(c, pp, pp_rank, vpp, first_stage_layers, last_stage_layers)
     vocab = c.padded_vocab_size // tp * h
-    attn = _attention_params(c, tp) + 2 * h
+    spec = spec_for(c)
     dense = expert = 0
     for layer in layers:
-        d, e = _mlp_params(c, layer, tp=tp, ep=ep, etp=etp)
-        dense, expert = dense + attn + d, expert + e
+        d, e = _layer_params(c, spec.layers[layer], tp=tp, ep=ep, etp=etp)
+        dense, expert = dense + d, expert + e
     if pre:
         dense += vocab
     if post:
@@ -166,9 +182,9 @@ def local_parameters(
         if not c.tie_word_embeddings or not pre:
             dense += vocab  # untied head, or the tied head's copy on the last stage
         if c.mtp is not None:
-            for k in range(c.mtp.num_layers):
-                d, e = _mlp_params(c, c.num_layers + k, tp=tp, ep=ep, etp=etp)
-                dense += 3 * h + 2 * h * h // tp + attn + d
+            for layer in spec.mtp:
+                d, e = _layer_params(c, layer, tp=tp, ep=ep, etp=etp)
+                dense += 3 * h + 2 * h * h // tp + d
                 expert += e
             if not pre and not c.tie_word_embeddings:
                 dense += vocab  # MTP's copy of the input embedding
@@ -189,7 +205,41 @@ def kv_cache_bytes_per_token(config: GPTConfig, *, tp: int = 1) -> int:
         if c.mla is None
         else c.mla.kv_lora_rank + c.mla.qk_rope_head_dim
     )
-    return c.num_layers * per_layer * c.activation_dtype.itemsize
+    # Only attention layers cache keys and values (a hybrid stack's other mixers keep a state).
+    attention = sum(layer.mixer in ("attention", "mla") for layer in spec_for(c).layers)
+    return attention * per_layer * c.activation_dtype.itemsize
+
+
+@dataclass(frozen=True)
+class MixerMemory:
+    """How the memory estimate counts a mixer kind on one rank.
+
+    ``params(config, tp)``: local parameter elements; ``activations(config, t, tp, cp, seq,
+    recompute, c, e)``: bytes saved for backward for ``t`` local tokens (``c``: the norm /
+    fp32-arithmetic bytes, ``e``: activation bytes; see the module docstring).
+    """
+
+    params: Callable[[GPTConfig, int], int]
+    activations: Callable[..., float]
+
+
+MIXER_MEMORY: dict[str, MixerMemory] = {}
+"""Mixer kind -> its memory formulas (attention and MLA built in; hybrid mixers register)."""
+MLP_KINDS = {"dense": False, "moe": True}
+"""MLP kind -> whether it is a mixture of experts (the formulas above)."""
+
+
+def register_mixer_memory(kind: str, memory: MixerMemory) -> None:
+    """Make the memory estimate count ``kind`` mixers with ``memory``."""
+    MIXER_MEMORY[kind] = memory
+
+
+def _part(table: dict, kind: str):
+    if kind not in table:
+        raise ValueError(
+            f"the memory estimate has no formula for layer part {kind!r} (known: {sorted(table)})"
+        )
+    return table[kind]
 
 
 def _norm(tn: float, t: float, width: int, c: int, e: int) -> float:
@@ -229,9 +279,9 @@ def _attention_bytes(cfg: GPTConfig, t, tp, cp, seq, recompute, c, e) -> float:
     return proj + core
 
 
-def _mlp_bytes(cfg: GPTConfig, layer: int, t, tn, tp, etp, c, e) -> float:
+def _mlp_bytes(cfg: GPTConfig, moe: bool, t, tn, tp, etp, c, e) -> float:
     h, m = cfg.hidden_size, cfg.moe
-    if m is None or (layer < cfg.num_layers and not m.is_moe_layer(layer)):
+    if not moe:
         f = cfg.ffn_hidden_size // tp
         return t * (3 * f * c + f * e)
     r = m.router
@@ -281,9 +331,18 @@ def layer_activation_bytes(
     h = cfg.hidden_size
     if recompute == "full" and layer < cfg.num_layers:
         return tn * h * e
-    out = 2 * _norm(tn, t, h, c, e)
-    out += _attention_bytes(cfg, t, tp, cp, seq_length, recompute, c, e)
-    return out + _mlp_bytes(cfg, layer, t, tn, tp, etp, c, e)
+    spec = spec_for(cfg)
+    part = spec.layers[layer] if layer < cfg.num_layers else spec.mtp[layer - cfg.num_layers]
+    out = 0.0
+    if part.mixer is not None:
+        mixer = _part(MIXER_MEMORY, part.mixer)
+        out += _norm(tn, t, h, c, e) + mixer.activations(
+            cfg, t, tp, cp, seq_length, recompute, c, e
+        )
+    if part.mlp is not None:
+        moe = _part(MLP_KINDS, part.mlp)
+        out += _norm(tn, t, h, c, e) + _mlp_bytes(cfg, moe, t, tn, tp, etp, c, e)
+    return out
 
 
 def stage_activation_bytes(
@@ -329,3 +388,8 @@ def stage_activation_bytes(
             for k in range(cfg.mtp.num_layers):
                 total += depth + layer_activation_bytes(cfg, cfg.num_layers + k, **kw)
     return total
+
+
+_ATTENTION = MixerMemory(_attention_params, _attention_bytes)
+register_mixer_memory("attention", _ATTENTION)
+register_mixer_memory("mla", _ATTENTION)

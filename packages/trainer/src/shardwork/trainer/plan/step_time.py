@@ -43,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from shardwork.models import GPTConfig
+from shardwork.models import GPTConfig, spec_for
 from shardwork.models.calculator import flops_per_token
 from shardwork.models.calculator_memory import local_parameters
 from shardwork.models.pipeline import layers_per_rank
@@ -121,7 +121,7 @@ def _kv_width(model: GPTConfig, tp: int) -> float:
 def _moe_fraction(model: GPTConfig) -> float:
     if model.moe is None:
         return 0.0
-    return sum(model.moe.is_moe_layer(i) for i in range(model.num_layers)) / model.num_layers
+    return sum(layer.mlp == "moe" for layer in spec_for(model).layers) / model.num_layers
 
 
 def _stage_flops(model: GPTConfig, flops: ModelFlops, layout: Layout) -> float:
