@@ -89,7 +89,12 @@ def _pipeline_step(stage, opt, batches, groups):
         model=stage,
         num_microbatches=MICROBATCHES,
         pp_group=groups.group("pp"),
-        tensor_shape=(SEQ, BATCH, stage.config.hidden_size),
+        # Under sequence parallelism the activations between stages hold s/tp tokens.
+        tensor_shape=(
+            SEQ // groups.size("tp") if stage.config.sequence_parallel else SEQ,
+            BATCH,
+            stage.config.hidden_size,
+        ),
         dtype=torch.float64,
     )
     total = finalize_model_grads(
@@ -108,9 +113,9 @@ def _pipeline_step(stage, opt, batches, groups):
     return float(loss_sum / total), mtp
 
 
-def _train(pp, name, overrides, ckpt_path=None, plant=False):
-    """Worker: STEPS steps at pp (standalone MTP) and at world 1; returns what to compare."""
-    groups = init_process_groups(ParallelConfig(pp=pp))
+def _train(pp, name, overrides, ckpt_path=None, plant=False, tp=1):
+    """Worker: STEPS steps at pp × tp (standalone MTP) and at world 1; returns what to compare."""
+    groups = init_process_groups(ParallelConfig(pp=pp, tp=tp))
     cfg = _config(name, overrides)
     # One row per step (global_batches' rows are meant for dp ranks; here dp = 1).
     batches = global_batches(
@@ -118,7 +123,7 @@ def _train(pp, name, overrides, ckpt_path=None, plant=False):
     )
     stage = build_stage(cfg, groups, mtp_standalone=True)
     stage.train()
-    ref = GPTModel(cfg, ProcessGroups.single())
+    ref = GPTModel(cfg.replace(sequence_parallel=False), ProcessGroups.single())
     ref.train()
     opt = torch.optim.SGD(stage.parameters(), lr=LR)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
@@ -166,7 +171,7 @@ def _checkpoint(stage, cfg, path, solo, groups):
 # same weights and inputs as world 1, so its losses agree exactly (checked with rtol=0). Its
 # update differs only in the summation order of the shared embedding's gradient halves (fp64
 # rounding); from step 2 on that perturbation reaches the float32 statistics. Measured over the
-# five cases (3 steps): losses rel <= 6.1e-10, MTP losses rel <= 1.3e-10, parameters abs
+# six cases (3 steps): losses rel <= 6.1e-10, MTP losses rel <= 1.3e-10, parameters abs
 # <= 1.1e-8 at weight scale <= 0.26. Tolerances: 1e-8 (losses), 1e-7 (parameters), a factor
 # >= 9 above that; the planted missing sync moves losses by >= 1.5e-4 and weights by >= 2e-3.
 LOSS_RTOL, PARAM_TOL = 1e-8, 1e-7
@@ -222,6 +227,16 @@ def test_standalone_mtp_trains_like_world1(case, tmp_path):
 def test_standalone_mtp_trains_like_world1_more_layouts(case):
     pp, name, overrides = CASES[case]
     for result in run_on_ranks(_train, pp, args=(pp, name, overrides)):
+        _assert_equal_to_world1(result)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_standalone_mtp_tp2_sequence_parallel_trains_like_world1():
+    """pp=2 × tp=2 with sequence parallelism: the s/tp activation crosses to the MTP stage."""
+    overrides = {"mtp": MTPConfig(num_layers=2, loss_coeff=0.3), "sequence_parallel": True}
+    results = run_on_ranks(_train, 4, args=(2, "tiny-llama3-8b", overrides, None, False, 2))
+    for result in results:
         _assert_equal_to_world1(result)
 
 
