@@ -144,9 +144,21 @@ def _train(pp, name, overrides, ckpt_path=None, plant=False, tp=1):
     params = full_state_dict(stage)
     ref_params = full_state_dict(ref, group=solo)
     out = dict(layout=layout, steps=steps, ref_steps=ref_steps, params=params, ref=ref_params)
+    out["embedding_copy"] = _embedding_copy(stage)
     if ckpt_path is not None:
         out |= _checkpoint(stage, cfg, ckpt_path, solo, groups)
     return out
+
+
+def _embedding_copy(stage):
+    """This rank's local copy of the input embedding (first stage: the embedding; MTP stage:
+    the tied head's copy, or MTP's own copy when untied; None elsewhere)."""
+    if stage.embedding is not None:
+        return stage.embedding.weight.detach().clone()
+    if stage.mtp is None:
+        return None
+    own = stage.mtp.embedding_weight
+    return (own if own is not None else stage.output_layer.linear.weight).detach().clone()
 
 
 def _checkpoint(stage, cfg, path, solo, groups):
@@ -212,6 +224,9 @@ def test_standalone_mtp_trains_like_world1(case, tmp_path):
     assert [lay["final_norm"] for lay in layouts] == [False] * (pp - 2) + [True, False]
     assert layouts[-1]["layers"] == []
     assert [i for lay in layouts for i in lay["layers"]] == list(range(num_layers))
+    # The MTP stage's embedding copy stayed bit-identical to the first stage's embedding.
+    first, last = results[0]["embedding_copy"], results[-1]["embedding_copy"]
+    assert first is not None and torch.equal(first, last)
     for result in results:
         _assert_equal_to_world1(result)
         assert result["saved_keys"] == result["world1_keys"]
@@ -252,6 +267,7 @@ def test_standalone_mtp_moe_trains_like_world1():
 def test_planted_missing_embedding_sync_is_caught(case):
     pp, name, overrides = CASES[case]
     results = run_on_ranks(_train, pp, args=(pp, name, overrides, None, True))
+    assert not torch.equal(results[0]["embedding_copy"], results[-1]["embedding_copy"])
     for result in results:
         with pytest.raises(AssertionError):
             _assert_equal_to_world1(result)
