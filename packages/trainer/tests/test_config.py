@@ -158,6 +158,33 @@ CASES = [
     ({"parallel": {"pp": 8}}, 8, "pipeline split of model.num_layers=4"),
     ({"parallel": {"pp": 2, "first_stage_layers": 5}}, 2, "pipeline split of model.num_layers=4"),
     (
+        {"parallel": {"pp": 2, "mtp_standalone": True}},
+        2,
+        "parallel.mtp_standalone=True needs a model with multi-token prediction",
+    ),
+    (
+        {"model": {"mtp": {"num_layers": 1}}, "parallel": {"mtp_standalone": True}},
+        1,
+        "parallel.mtp_standalone=True needs pp >= 2 (the MTP depths get the last pipeline "
+        "rank), got pp=1",
+    ),
+    (
+        {
+            "model": {"mtp": {"num_layers": 1}},
+            "parallel": {"pp": 2, "vpp": 2, "mtp_standalone": True},
+        },
+        2,
+        "parallel.mtp_standalone=True needs vpp=1 or None, got vpp=2",
+    ),
+    (
+        {
+            "model": {"mtp": {"num_layers": 1}},
+            "parallel": {"pp": 2, "last_stage_layers": 1, "mtp_standalone": True},
+        },
+        2,
+        "parallel.last_stage_layers=1 conflicts with mtp_standalone=True",
+    ),
+    (
         {"model": {"hidden_size": 102}},
         1,
         "hidden_size=102 is not divisible by num_attention_heads=4",

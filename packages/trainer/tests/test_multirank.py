@@ -42,6 +42,23 @@ def _train_mtp(run_dir, sections, cache):
     return result.train_losses, result.valid_losses, result.train_mtp_losses
 
 
+def _standalone_layout(run_dir):
+    """What the trainer builds on this rank for ``parallel.mtp_standalone`` at pp=2."""
+    from shardwork.trainer.run.setup import build_assembly, init_runtime
+    from shardwork.trainer.testing import tiny_config
+
+    parallel = {"pp": 2, "mtp_standalone": True}
+    config = tiny_config(
+        run_dir, world_size=2, model={"preset": "tiny-deepseek-v3"}, parallel=parallel
+    )
+    (module,) = build_assembly(config, init_runtime(config)).modules
+    return (
+        list(range(*module.decoder.layer_range)),
+        module.decoder.final_norm is not None,
+        module.mtp is not None,
+    )
+
+
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("corpus"))
@@ -300,6 +317,12 @@ def test_collective_timeout_names_phase_and_group():
     assert "'optimizer step'" in message and "dp_cp=[0, 1]" in message
 
 
+def test_mtp_standalone_setting_builds_the_mtp_stage(tmp_path):
+    """parallel.mtp_standalone reaches the stage builder: rank 1 has MTP and no layer."""
+    layouts = run_on_ranks(_standalone_layout, 2, args=(str(tmp_path),))
+    assert layouts == [([0, 1, 2], True, False), ([], False, True)]
+
+
 @pytest.mark.parametrize(
     ("preset", "parallel"),
     [
@@ -308,8 +331,10 @@ def test_collective_timeout_names_phase_and_group():
         ("tiny-mixtral-8x7b", {"ep": 2}),
         # MLA, MTP (needs input ids on the last stage), uneven stages: 1 + 2 layers
         ("tiny-deepseek-v3", {"pp": 2, "first_stage_layers": 1}),
+        # MTP alone on the last rank (no decoder layer there; the final norm on rank 0)
+        ("tiny-deepseek-v3", {"pp": 2, "mtp_standalone": True}),
     ],
-    ids=["mixtral-ep2", "deepseek-pp2"],
+    ids=["mixtral-ep2", "deepseek-pp2", "deepseek-pp2-mtp-standalone"],
 )
 def test_moe_models_match_single_process(tmp_path, cache, preset, parallel):
     sections = {

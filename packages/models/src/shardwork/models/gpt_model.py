@@ -3,8 +3,10 @@
 - ``GPTModel(config, groups, layer_range=, pre_process=, post_process=)`` builds one pipeline
   stage (or virtual chunk): the layers ``[start, stop)`` of the global stack; the embedding
   when ``pre_process`` (default: ``start == 0``); final norm and head when ``post_process``
-  (default: ``stop == num_layers``). A stage that is not ``pre_process`` takes
-  ``hidden_states [s(/tp under SP), b, h]`` from the previous stage instead of token ids.
+  (default: ``stop == num_layers``); ``final_norm=`` moves the final norm off the head's stage
+  (a standalone MTP stage, :mod:`~shardwork.models.pipeline.mtp_stage`). A stage that is not
+  ``pre_process`` takes ``hidden_states [s(/tp under SP), b, h]`` from the previous stage
+  instead of token ids.
 - Parameters are created on ``device``; on ``"meta"`` nothing is allocated (a 70B preset for a
   64-GPU layout builds in milliseconds) and :meth:`materialize` allocates and initialises the
   local shards later. Initialisation is layout-independent (see ``sharding.init_from_shards``).
@@ -63,9 +65,13 @@ class GPTModel(ShardedModule):
         layer_range: tuple[int, int] | None = None,
         pre_process: bool | None = None,
         post_process: bool | None = None,
+        final_norm: bool | None = None,
         device: str | torch.device | None = None,
         spec: DecoderSpec | None = None,
     ) -> None:
+        """``final_norm``: whether this stage applies the decoder's final norm after its layers
+        (default: ``post_process``; a standalone MTP stage's previous stage applies it, see
+        :mod:`shardwork.models.pipeline.mtp_stage`)."""
         groups = ProcessGroups.single() if groups is None else groups
         config.check_layout(groups.config)
         spec = spec_for(config) if spec is None else spec
@@ -87,6 +93,7 @@ class GPTModel(ShardedModule):
         self.config = config
         self.pre_process = start == 0 if pre_process is None else pre_process
         self.post_process = stop == config.num_layers if post_process is None else post_process
+        final_norm = self.post_process if final_norm is None else final_norm
         device = torch.device("cpu") if device is None else torch.device(device)
         # A meta build draws nothing: the tracker starts on the CPU and materialize() moves it
         # to the real device.
@@ -110,7 +117,7 @@ class GPTModel(ShardedModule):
             config,
             groups,
             layer_range=(start, stop),
-            final_norm=spec.final_norm if self.post_process else None,
+            final_norm=spec.final_norm if final_norm else None,
             rng=self.rng_tracker,
             specs=spec.layers,
             ctx=ctx,

@@ -89,10 +89,12 @@ def build_model_chunks(
     device: torch.device,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
+    mtp_standalone: bool = False,
 ) -> list:
     """This rank's model chunks: one per virtual pipeline stage (one at pp = 1).
 
-    shardwork.models.pipeline.build_model_chunks decides the layers of each chunk.
+    shardwork.models.pipeline.build_model_chunks decides the layers of each chunk
+    (``mtp_standalone``: the MTP depths alone on the last rank).
     """
     return build_pipeline_chunks(
         model_config,
@@ -100,4 +102,5 @@ def build_model_chunks(
         device=device,
         first_stage_layers=first_stage_layers,
         last_stage_layers=last_stage_layers,
+        mtp_standalone=mtp_standalone,
     )

@@ -7,13 +7,15 @@
 - :func:`finalize_model_grads`: DP sync (duck-typed), sequence-parallel and shared-embedding
   reductions, MoE tracker/hooks, and division by the global token count.
 - :func:`layer_split` / :func:`stage_layers` split a model's layers over pp × vpp stages;
-  :func:`build_stage` / :func:`build_model_chunks` build GPT chunks (:class:`GPTStage`).
+  :func:`build_stage` / :func:`build_model_chunks` build GPT chunks (:class:`GPTStage`);
+  ``mtp_standalone=True`` gives the MTP depths a rank of their own (``mtp_stage.py``).
 - Schedules are plans computed ahead of time (``plan.py``) and executed with batched
   point-to-point exchanges that cannot deadlock (``p2p.py``).
 """
 
 from shardwork.models.pipeline.finalize import all_reduce_coalesced, finalize_model_grads
 from shardwork.models.pipeline.losses import MicrobatchLoss, loss_totals, reduce_loss
+from shardwork.models.pipeline.mtp_stage import standalone_last_stage_layers
 from shardwork.models.pipeline.plan import Action, plan_ticks, schedule_orders
 from shardwork.models.pipeline.schedules import (
     forward_backward_1f1b,
@@ -43,4 +45,5 @@ __all__ = [
     "reduce_loss",
     "schedule_orders",
     "stage_layers",
+    "standalone_last_stage_layers",
 ]

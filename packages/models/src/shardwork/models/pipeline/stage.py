@@ -11,6 +11,8 @@
 - Uneven first/last stages: ``first_stage_layers`` / ``last_stage_layers`` arguments, or
   config fields ``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage``
   when a config has them.
+- ``mtp_standalone=True``: the MTP depths on a pipeline rank of their own
+  (:mod:`~shardwork.models.pipeline.mtp_stage`).
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import torch
 
 from shardwork.models.config import GPTConfig
 from shardwork.models.gpt_model import GPTModel
+from shardwork.models.pipeline.mtp_stage import standalone_last_stage_layers
 from shardwork.models.pipeline.split import stage_layers
-from shardwork.models.spec import DecoderSpec
+from shardwork.models.spec import DecoderSpec, spec_for
 from shardwork.parallel_state import ProcessGroups
 
 
@@ -52,11 +55,15 @@ def build_stage(
     *,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
+    mtp_standalone: bool = False,
     device: str | torch.device | None = None,
     spec: DecoderSpec | None = None,
 ) -> GPTStage:
     """The model chunk ``vp_chunk`` (default 0) of pipeline rank ``pp_rank`` (default: this
-    rank's), for ``groups``' pp size and vpp (``groups.config.vpp``)."""
+    rank's), for ``groups``' pp size and vpp (``groups.config.vpp``).
+
+    ``mtp_standalone``: the last rank holds only the MTP depths, head and losses, and the rank
+    before it the final norm (:mod:`~shardwork.models.pipeline.mtp_stage`)."""
     pp = groups.size("pp")
     vpp = groups.config.vpp or 1
     pp_rank = groups.rank("pp") if pp_rank is None else pp_rank
@@ -65,6 +72,14 @@ def build_stage(
         first_stage_layers = getattr(config, "num_layers_in_first_pipeline_stage", None)
     if last_stage_layers is None:
         last_stage_layers = getattr(config, "num_layers_in_last_pipeline_stage", None)
+    spec = spec_for(config) if spec is None else spec
+    last_stage_layers = standalone_last_stage_layers(
+        mtp_standalone,
+        has_mtp=bool(spec.mtp),
+        pp=pp,
+        vpp=groups.config.vpp,
+        last_stage_layers=last_stage_layers,
+    )
     layers = stage_layers(
         config.num_layers,
         pp,
@@ -82,6 +97,8 @@ def build_stage(
         # rank) holds the final norm and head.
         pre_process=(pp_rank == 0 and chunk == 0),
         post_process=(pp_rank == pp - 1 and chunk == vpp - 1),
+        # None: with the head (post_process); standalone MTP: on the rank before the MTP stage.
+        final_norm=(pp_rank == pp - 2) if mtp_standalone else None,
         device=device,
         spec=spec,
     )

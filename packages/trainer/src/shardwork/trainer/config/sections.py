@@ -72,6 +72,11 @@ class ParallelSection:
     None: an even split."""
     last_stage_layers: int | None = None
     """Layers on the last pipeline rank (e.g. fewer, to make room for the LM head and loss)."""
+    mtp_standalone: bool = False
+    """Put the model's MTP depths on a pipeline rank of their own (Megatron-Core's standalone MTP
+    stage): the last rank holds no decoder layer, only MTP, the LM head and the losses; the rank
+    before it applies the final norm. Needs [model.mtp], pp >= 2 and vpp unset or 1;
+    last_stage_layers must stay unset. False: MTP shares the last stage with its layers."""
     sequence_parallel: bool = False
     """Split activations outside attention/MLP along the sequence over the TP group (needs tp > 1)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"

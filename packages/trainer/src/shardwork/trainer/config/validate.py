@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from shardwork.models import GPTConfig
-from shardwork.models.pipeline import layers_per_rank
+from shardwork.models.pipeline import layers_per_rank, standalone_last_stage_layers
 from shardwork.parallel_state import ORDER_TOKENS, ParallelConfig
 from shardwork.trainer.config.load import ConfigError
 from shardwork.trainer.config.model_settings import read_settings
@@ -157,12 +157,23 @@ def _check_model(config: TrainConfig, problems: list[str]):
 
     p = config.parallel
     try:
+        last = standalone_last_stage_layers(
+            p.mtp_standalone,
+            has_mtp=model.mtp is not None,
+            pp=p.pp,
+            vpp=p.vpp,
+            last_stage_layers=p.last_stage_layers,
+        )
+    except ValueError as exc:
+        problems.append(f"parallel.{exc}")
+        return model
+    try:
         layers_per_rank(
             model.num_layers,
             p.pp,
             vpp=p.vpp,
             first_stage_layers=p.first_stage_layers,
-            last_stage_layers=p.last_stage_layers,
+            last_stage_layers=last,
         )
     except ValueError as exc:
         problems.append(f"parallel (pipeline split of model.num_layers={model.num_layers}): {exc}")

@@ -103,6 +103,7 @@ def build_assembly(
         device=runtime.device,
         first_stage_layers=config.parallel.first_stage_layers,
         last_stage_layers=config.parallel.last_stage_layers,
+        mtp_standalone=config.parallel.mtp_standalone,
     )
     if hf_init is not None:
         hf.import_hf_weights(modules, hf_init)  # looked up at call time: tests replace it
