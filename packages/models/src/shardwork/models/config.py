@@ -105,6 +105,11 @@ class GPTConfig:
     """Megatron-style hybrid stack, one character per layer (``M`` Mamba-2, ``G`` Gated
     DeltaNet, ``*`` attention, ``-`` dense MLP, ``E`` MoE; ``/`` before each MTP depth), e.g.
     ``"M-M*-"`` (:mod:`shardwork.models.hybrid_pattern`). None: every layer is attention + MLP."""
+    linear_attention_freq: int | tuple[int, ...] | None = None
+    """Which layers of an attention + MLP stack use a Gated DeltaNet mixer instead of attention
+    (Qwen3-Next; Megatron's ``linear_attention_freq``): an int ``n`` gives ``n - 1`` DeltaNet
+    layers then one attention layer, repeating; a tuple gives 1 (DeltaNet) or 0 (attention)
+    per layer. Needs ``linear_attention``. None: attention everywhere."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size"):
@@ -168,6 +173,8 @@ class GPTConfig:
             )
         if self.hybrid_layer_pattern is not None:
             check_hybrid_pattern(self)
+        if self.linear_attention_freq is not None:
+            check_linear_attention_freq(self)
         for name in ("moe", "mla", "mtp"):  # MoE / DeepSeek parts validate themselves
             part = getattr(self, name)
             if part is not None:
@@ -297,6 +304,38 @@ def check_hybrid_pattern(config: GPTConfig) -> None:
             f"{moe.first_k_dense_replace!r} and moe.layer_freq={moe.layer_freq!r} must keep "
             "their defaults (0 and 1)"
         )
+
+
+def check_linear_attention_freq(config: GPTConfig) -> None:
+    """ValueError unless ``linear_attention_freq`` is a valid int or 0/1 tuple of num_layers."""
+    freq, field = config.linear_attention_freq, "GPTConfig.linear_attention_freq"
+    if config.hybrid_layer_pattern is not None:
+        raise ValueError(
+            f"{field}={freq!r} and hybrid_layer_pattern are exclusive: the pattern places "
+            "DeltaNet layers with 'G'"
+        )
+    if getattr(config, "linear_attention", None) is None:
+        raise ValueError(
+            f"{field}={freq!r} needs GPTConfig.linear_attention=GatedDeltaNetConfig(...)"
+        )
+    if isinstance(freq, tuple):
+        if len(freq) != config.num_layers or any(v not in (0, 1) for v in freq):
+            raise ValueError(
+                f"{field}={freq!r} is invalid: a tuple needs one 0 or 1 per layer "
+                f"(num_layers={config.num_layers})"
+            )
+    elif isinstance(freq, bool) or not isinstance(freq, int) or freq < 1:
+        raise ValueError(f"{field}={freq!r} is invalid: an integer >= 1 or a tuple of 0/1")
+
+
+def is_linear_attention_layer(config: GPTConfig, layer: int) -> bool:
+    """Whether decoder layer ``layer`` of a non-pattern stack has a Gated DeltaNet mixer."""
+    freq = config.linear_attention_freq
+    if freq is None:
+        return False
+    if isinstance(freq, tuple):
+        return bool(freq[layer])
+    return (layer + 1) % freq != 0
 
 
 def check_sequence_length(config: GPTConfig, seq_length: int, *, tp: int, cp: int) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwork.models.config import GPTConfig
+from shardwork.models.config import GPTConfig, is_linear_attention_layer
 from shardwork.models.hybrid_pattern import HYBRID_SYMBOLS, parse_hybrid_pattern, split_depth
 
 __all__ = ["DecoderSpec", "LayerSpec", "RotarySpec", "spec_for"]
@@ -90,9 +90,10 @@ def spec_for(config: GPTConfig) -> DecoderSpec:
 
     With ``hybrid_layer_pattern``: one single-part layer per decoder character and the MTP
     depths' parts (:mod:`shardwork.models.hybrid_pattern`). Otherwise: MLA or attention
-    everywhere; MoE where ``config.moe`` says (``first_k_dense_replace`` dense layers first,
-    then every ``layer_freq``-th layer, or the 0/1 pattern); MTP depths use the decoder's
-    mixer, and MoE when the model has MoE."""
+    everywhere, except Gated DeltaNet where ``linear_attention_freq`` says; MoE where
+    ``config.moe`` says (``first_k_dense_replace`` dense layers first, then every
+    ``layer_freq``-th layer, or the 0/1 pattern); MTP depths use the decoder's attention (or
+    MLA) mixer, and MoE when the model has MoE."""
     mixer = "mla" if config.mla is not None else "attention"
     moe = config.moe
     if config.hybrid_layer_pattern is not None:
@@ -101,7 +102,10 @@ def spec_for(config: GPTConfig) -> DecoderSpec:
         mtp = tuple(_pattern_layer(config, depth) for depth in pattern.mtp)
     else:
         layers = tuple(
-            LayerSpec(mixer, "moe" if moe is not None and moe.is_moe_layer(i) else "dense")
+            LayerSpec(
+                "gated_deltanet" if is_linear_attention_layer(config, i) else mixer,
+                "moe" if moe is not None and moe.is_moe_layer(i) else "dense",
+            )
             for i in range(config.num_layers)
         )
         depths = config.mtp.num_layers if config.mtp is not None else 0

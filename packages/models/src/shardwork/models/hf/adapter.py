@@ -20,8 +20,14 @@ __all__ = ["LAYER_PREFIX", "WEIGHT_LAYOUTS", "HFAdapter"]
 #: Regex of the ``decoder.layers.<i>.`` prefix that ``layer_rules`` patterns are relative to.
 LAYER_PREFIX = r"decoder\.layers\.(\d+)\."
 #: ``dense``: one HF tensor per shardwork key. ``experts``: per-expert tensors on disk, also
-#: read from (and written as) the fused transformers-5 layout, plus MTP depths.
-WEIGHT_LAYOUTS = ("dense", "experts")
+#: read from (and written as) the fused transformers-5 layout, plus MTP depths. ``converted``:
+#: some HF tensors fuse several shardwork keys in a family-specific order (hybrid mixers, a
+#: gated ``q_proj``); the adapter's ``convert_from_hf`` / ``convert_to_hf`` translate those
+#: whole, the key rules the rest (:mod:`~shardwork.models.hf.converted`).
+WEIGHT_LAYOUTS = ("dense", "experts", "converted")
+
+Tensors = dict[str, Any]
+"""Tensors by name (HF names or shardwork keys)."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,12 @@ class HFAdapter:
       ``KEY_RULES``.
     - ``weight_layout``: one of :data:`WEIGHT_LAYOUTS`; ``mtp_copies``: export writes (and
       import checks) DeepSeek-style per-depth copies of the embedding and head.
+    - ``hf_layer_prefix``: where the HF layers live (``model.layers``; Nemotron-H:
+      ``backbone.layers``); ``global_rules``: the rules of the tensors outside layers
+      (embedding, final norm, head), None for the Llama names of ``KEY_RULES``.
+    - ``convert_from_hf(hf, config, layers)`` / ``convert_to_hf(state, config)`` (the
+      ``converted`` layout): the shardwork keys of the fused HF tensors of decoder layers
+      ``layers``, and the HF tensors of the shardwork keys it consumes (popped from ``state``).
     """
 
     model_type: str
@@ -49,6 +61,10 @@ class HFAdapter:
     layer_rules: tuple[tuple[str, str], ...] = ()
     weight_layout: str = "dense"
     mtp_copies: bool = False
+    hf_layer_prefix: str = "model.layers"
+    global_rules: tuple[tuple[str, str], ...] | None = None
+    convert_from_hf: Callable[[Tensors, GPTConfig, set[int]], Tensors] | None = None
+    convert_to_hf: Callable[[Tensors, GPTConfig], Tensors] | None = None
 
     def __post_init__(self) -> None:
         if self.weight_layout not in WEIGHT_LAYOUTS:
@@ -61,10 +77,10 @@ class HFAdapter:
         """Ordered (regex, template) rules from shardwork keys to this family's HF names."""
         # the prefix adds a group in front, so the suffix's groups shift by one
         shifted = [
-            (LAYER_PREFIX + pat, r"model.layers.\1." + _shift_groups(tpl))
+            (LAYER_PREFIX + pat, self.hf_layer_prefix + r".\1." + _shift_groups(tpl))
             for pat, tpl in self.layer_rules
         ]
-        return shifted + list(KEY_RULES)
+        return shifted + list(KEY_RULES if self.global_rules is None else self.global_rules)
 
 
 def _shift_groups(template: str) -> str:
