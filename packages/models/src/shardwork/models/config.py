@@ -256,12 +256,8 @@ class GPTConfig:
                 "GPTConfig.sequence_parallel=True needs tp > 1 (got tp=1): set "
                 "sequence_parallel=False or use tensor parallelism"
             )
-        for part in (
-            self.moe,
-            self.mla,
-            self.mtp,
-            self.mamba,
-        ):  # MoE (ep/etp), MTP (cp) layout checks
+        # MoE (ep/etp), MTP (cp), Mamba (tp, cp) layout checks
+        for part in (self.moe, self.mla, self.mtp, self.mamba):
             if part is not None:
                 part.check_layout(parallel)
         if seq_length is not None:
