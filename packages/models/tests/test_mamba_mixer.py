@@ -163,7 +163,7 @@ def test_packed_sequences_are_refused():
     mixer = _mixer(_config())
     mask = torch.ones(5, 5, dtype=torch.bool).tril()
     inputs = AttentionInputs(cos=torch.empty(0), sin=torch.empty(0), mask=mask)
-    with pytest.raises(ValueError, match="packed sequences .* are not supported"):
+    with pytest.raises(ValueError, match=r"packed sequences .* are not supported"):
         mixer(torch.randn(5, 1, 32, dtype=torch.float64), inputs)
 
 
