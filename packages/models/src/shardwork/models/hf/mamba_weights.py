@@ -34,10 +34,11 @@ _CONV_BLOCKS = ("x", "B", "C")
 
 
 def _widths(heads: int, conv_channels: int, proj_rows: int) -> tuple[int, int]:
-    """``(inner, bc)``: the x/z width and the B/C width, from the fused tensors' sizes."""
+    """``(inner, bc)``: the x/z width and the B/C width, from the fused tensors' sizes (x is
+    whole heads, B and C equally wide)."""
     inner = proj_rows - conv_channels - heads
     bc, odd = divmod(conv_channels - inner, 2)
-    if inner <= 0 or bc <= 0 or odd:
+    if inner <= 0 or bc <= 0 or odd or inner % heads:
         raise ValueError(
             f"in_proj has {proj_rows} rows and conv1d {conv_channels} channels with {heads} "
             "heads: not the [z | x | B | C | dt] / [x | B | C] layout of a Mamba-2 mixer"
