@@ -69,7 +69,7 @@ def test_tensor_blocks_and_round_trip(bias):
 def test_inconsistent_fused_sizes_are_refused():
     hf = _hf_tensors("", False)
     hf["conv1d.weight"] = hf["conv1d.weight"][:-1]
-    with pytest.raises(ValueError, match="not the .* layout of a Mamba-2 mixer"):
+    with pytest.raises(ValueError, match=r"not the .* layout of a Mamba-2 mixer"):
         mamba_from_hf(hf, "")
 
 
