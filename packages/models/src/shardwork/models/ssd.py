@@ -48,7 +48,9 @@ def _chunks(t: torch.Tensor, pad: int, chunk: int) -> torch.Tensor:
 def _chunk_states(cum, xdt, B, initial_state):
     """States entering each chunk ``[b, c, g, r, p, n]`` and the final state (steps 2 and 3)."""
     decay_to_end = torch.exp(cum[:, :, -1:] - cum)  # [b, c, L, g, r]
-    contrib = torch.einsum("bclgr,bclgrp,bclgn->bcgrpn", decay_to_end, xdt, B)
+    # Two operands, one batched matmul over the chunk's positions (a three-operand einsum's
+    # contraction order, and so its cost, would depend on whether opt_einsum is installed).
+    contrib = torch.einsum("bclgrp,bclgn->bcgrpn", xdt * decay_to_end[..., None], B)
     chunk_decay = torch.exp(cum[:, :, -1])  # [b, c, g, r]: decay across a whole chunk
     b, c, g, r, p, n = contrib.shape
     state = (
