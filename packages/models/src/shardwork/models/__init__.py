@@ -48,6 +48,8 @@ from shardwork.models.gpt_model import GPTModel
 from shardwork.models.layer_kinds import BuildContext, register_mixer, register_mlp, register_norm
 from shardwork.models.logits import gather_logits
 from shardwork.models.loss import loss_for_backward, reduce_loss, token_loss
+from shardwork.models.mamba import Mamba2Mixer, MambaState
+from shardwork.models.mamba_config import MambaConfig
 from shardwork.models.mla import MLAttention
 from shardwork.models.mla_config import MLAConfig
 from shardwork.models.mlp import SwiGLUMLP
@@ -88,6 +90,9 @@ __all__ = [
     "MLAConfig",
     "MLAttention",
     "MTPConfig",
+    "Mamba2Mixer",
+    "MambaConfig",
+    "MambaState",
     "MemoryEstimate",
     "MoEConfig",
     "MoELayer",

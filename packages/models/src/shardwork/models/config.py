@@ -24,6 +24,7 @@ from shardwork.fused_kernels import Llama3RopeScaling, YarnRopeScaling
 from shardwork.models.hybrid_pattern import parse_hybrid_pattern
 
 if TYPE_CHECKING:
+    from shardwork.models.mamba_config import MambaConfig
     from shardwork.models.mla_config import MLAConfig
     from shardwork.models.moe.config import MoEConfig
     from shardwork.models.mtp_config import MTPConfig
@@ -101,6 +102,9 @@ class GPTConfig:
     grouped-query attention."""
     mtp: MTPConfig | None = None
     """Multi-token prediction (``shardwork.models.mtp.MTPConfig``); None: no MTP depths."""
+    mamba: MambaConfig | None = None
+    """Mamba-2 mixers (``shardwork.models.MambaConfig``) for layers whose spec says
+    ``mixer="mamba"``; None: the model has none."""
     hybrid_layer_pattern: str | None = None
     """Megatron-style hybrid stack, one character per layer (``M`` Mamba-2, ``G`` Gated
     DeltaNet, ``*`` attention, ``-`` dense MLP, ``E`` MoE; ``/`` before each MTP depth), e.g.
@@ -175,7 +179,7 @@ class GPTConfig:
             check_hybrid_pattern(self)
         if self.linear_attention_freq is not None:
             check_linear_attention_freq(self)
-        for name in ("moe", "mla", "mtp"):  # MoE / DeepSeek parts validate themselves
+        for name in ("moe", "mla", "mtp", "mamba"):  # MoE / DeepSeek parts validate themselves
             part = getattr(self, name)
             if part is not None:
                 part.validate(self)
@@ -266,7 +270,8 @@ class GPTConfig:
                 "GPTConfig.sequence_parallel=True needs tp > 1 (got tp=1): set "
                 "sequence_parallel=False or use tensor parallelism"
             )
-        for part in (self.moe, self.mla, self.mtp):  # MoE (ep/etp), MTP (cp) layout checks
+        # MoE (ep/etp), MTP (cp), Mamba (tp, cp) layout checks
+        for part in (self.moe, self.mla, self.mtp, self.mamba):
             if part is not None:
                 part.check_layout(parallel)
         if seq_length is not None:
