@@ -23,6 +23,7 @@ import torch
 from shardwork.fused_kernels import Llama3RopeScaling, YarnRopeScaling
 
 if TYPE_CHECKING:
+    from shardwork.models.deltanet_config import GatedDeltaNetConfig
     from shardwork.models.mla_config import MLAConfig
     from shardwork.models.moe.config import MoEConfig
     from shardwork.models.mtp_config import MTPConfig
@@ -100,6 +101,9 @@ class GPTConfig:
     grouped-query attention."""
     mtp: MTPConfig | None = None
     """Multi-token prediction (``shardwork.models.mtp.MTPConfig``); None: no MTP depths."""
+    linear_attention: GatedDeltaNetConfig | None = None
+    """Gated DeltaNet mixers (``shardwork.models.GatedDeltaNetConfig``) for the layers whose
+    spec names ``mixer="gated_deltanet"``; None: no such layers."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size"):
@@ -161,7 +165,12 @@ class GPTConfig:
             raise ValueError(
                 f"GPTConfig.kernel_backend={self.kernel_backend!r} is invalid: valid are {_BACKENDS}"
             )
-        for name in ("moe", "mla", "mtp"):  # MoE / DeepSeek parts validate themselves
+        for name in (
+            "moe",
+            "mla",
+            "mtp",
+            "linear_attention",
+        ):  # MoE / DeepSeek parts validate themselves
             part = getattr(self, name)
             if part is not None:
                 part.validate(self)
@@ -252,7 +261,12 @@ class GPTConfig:
                 "GPTConfig.sequence_parallel=True needs tp > 1 (got tp=1): set "
                 "sequence_parallel=False or use tensor parallelism"
             )
-        for part in (self.moe, self.mla, self.mtp):  # MoE (ep/etp), MTP (cp) layout checks
+        for part in (
+            self.moe,
+            self.mla,
+            self.mtp,
+            self.linear_attention,
+        ):  # MoE (ep/etp), MTP (cp) layout checks
             if part is not None:
                 part.check_layout(parallel)
         if seq_length is not None:

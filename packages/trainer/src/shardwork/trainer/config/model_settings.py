@@ -16,7 +16,7 @@ import typing
 from typing import Any
 
 from shardwork.fused_kernels import Llama3RopeScaling, YarnRopeScaling
-from shardwork.models import GPTConfig, MLAConfig, MoEConfig, MTPConfig
+from shardwork.models import GatedDeltaNetConfig, GPTConfig, MLAConfig, MoEConfig, MTPConfig
 from shardwork.moe_router import RouterConfig
 from shardwork.trainer.config.values import coerce_value, describe_type
 
@@ -24,7 +24,15 @@ from shardwork.trainer.config.values import coerce_value, describe_type
 #: the nested configs only for type checking, so their names must be supplied.
 _TYPE_NAMES = {
     c.__name__: c
-    for c in (MoEConfig, MLAConfig, MTPConfig, RouterConfig, Llama3RopeScaling, YarnRopeScaling)
+    for c in (
+        MoEConfig,
+        MLAConfig,
+        MTPConfig,
+        RouterConfig,
+        Llama3RopeScaling,
+        YarnRopeScaling,
+        GatedDeltaNetConfig,
+    )
 }
 
 #: (class, field) that the model table may not set, and the setting that decides it.
