@@ -5,7 +5,8 @@ A :class:`~shardwork.models.spec.LayerSpec` names its parts by kind (``mixer="at
 module. Built in:
 
 - mixers ``"attention"`` (:class:`~shardwork.models.attention.Attention`: MHA/GQA, QKV bias,
-  QK-norm) and ``"mla"`` (:class:`~shardwork.models.mla.MLAttention`, DeepSeek);
+  QK-norm), ``"mla"`` (:class:`~shardwork.models.mla.MLAttention`, DeepSeek) and
+  ``"gated_deltanet"`` (:class:`~shardwork.models.deltanet.GatedDeltaNetMixer`, Qwen3-Next);
 - MLPs ``"dense"`` (:class:`~shardwork.models.mlp.SwiGLUMLP`) and ``"moe"``
   (:class:`~shardwork.models.moe.layer.MoELayer`);
 - norms ``"rmsnorm"`` (:class:`~shardwork.models.norm.RMSNorm`), for a layer's two pre-norms
@@ -36,6 +37,7 @@ import torch
 
 from shardwork.models.attention import Attention
 from shardwork.models.config import GPTConfig
+from shardwork.models.deltanet import build_gated_deltanet
 from shardwork.models.mla import MLAttention
 from shardwork.models.mlp import SwiGLUMLP
 from shardwork.models.moe.layer import MoELayer
@@ -181,3 +183,4 @@ def _rmsnorm(ctx: BuildContext, size: int) -> RMSNorm:
 
 
 register_norm("rmsnorm", _rmsnorm)
+register_mixer("gated_deltanet", build_gated_deltanet)
