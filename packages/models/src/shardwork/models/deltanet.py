@@ -185,15 +185,10 @@ class GatedDeltaNetMixer(ShardedModule):
         # [s, b, ·] -> [b, s, ·]: the rule and the convolution run batch-first.
         proj = self.in_proj(hidden).transpose(0, 1)
         qkv, z, b, a = self._split_projection(proj)
-        s = qkv.shape[1]
-        conv = F.conv1d(
-            qkv.transpose(1, 2),  # [b, C, s]
-            self.conv_weight.to(qkv.dtype).unsqueeze(1),
-            padding=self.kernel - 1,
-            groups=qkv.shape[-1],
-        )
-        # Padding K-1 on both sides: the first s outputs are the causal ones.
-        qkv = F.silu(conv[..., :s]).transpose(1, 2)
+        # Causal: K-1 zeros before the first token only, so output t sees inputs t-K+1 .. t.
+        padded = F.pad(qkv.transpose(1, 2), (self.kernel - 1, 0))  # [b, C, K-1+s]
+        conv = F.conv1d(padded, self.conv_weight.to(qkv.dtype).unsqueeze(1), groups=qkv.shape[-1])
+        qkv = F.silu(conv).transpose(1, 2)
         q, k, v, g, beta = self._rule_inputs(qkv, b, a)
         o, _ = gated_delta_rule_chunked(q, k, v, g, beta, self.chunk_size)
         out = self._output(o, z)  # [b, s, nv·dv]
