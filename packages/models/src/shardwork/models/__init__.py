@@ -43,6 +43,7 @@ from shardwork.models.context_parallel import (
     local_positions,
     slice_for_context_parallel,
 )
+from shardwork.models.deltanet_config import GatedDeltaNetConfig
 from shardwork.models.embedding import EMBEDDING_KEY, LMHead, VocabParallelEmbedding
 from shardwork.models.gpt_model import GPTModel
 from shardwork.models.layer_kinds import BuildContext, register_mixer, register_mlp, register_norm
@@ -84,6 +85,7 @@ __all__ = [
     "DecoderSpec",
     "GPTConfig",
     "GPTModel",
+    "GatedDeltaNetConfig",
     "LMHead",
     "LayerSpec",
     "LocalParams",

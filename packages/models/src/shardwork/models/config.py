@@ -24,6 +24,7 @@ from shardwork.fused_kernels import Llama3RopeScaling, YarnRopeScaling
 from shardwork.models.hybrid_pattern import parse_hybrid_pattern
 
 if TYPE_CHECKING:
+    from shardwork.models.deltanet_config import GatedDeltaNetConfig
     from shardwork.models.mamba_config import MambaConfig
     from shardwork.models.mla_config import MLAConfig
     from shardwork.models.moe.config import MoEConfig
@@ -105,6 +106,9 @@ class GPTConfig:
     mamba: MambaConfig | None = None
     """Mamba-2 mixers (``shardwork.models.MambaConfig``) for layers whose spec says
     ``mixer="mamba"``; None: the model has none."""
+    linear_attention: GatedDeltaNetConfig | None = None
+    """Gated DeltaNet mixers (``shardwork.models.GatedDeltaNetConfig``) for the layers whose
+    spec names ``mixer="gated_deltanet"``; None: no such layers."""
     hybrid_layer_pattern: str | None = None
     """Megatron-style hybrid stack, one character per layer (``M`` Mamba-2, ``G`` Gated
     DeltaNet, ``*`` attention, ``-`` dense MLP, ``E`` MoE; ``/`` before each MTP depth), e.g.
@@ -179,7 +183,8 @@ class GPTConfig:
             check_hybrid_pattern(self)
         if self.linear_attention_freq is not None:
             check_linear_attention_freq(self)
-        for name in ("moe", "mla", "mtp", "mamba"):  # MoE / DeepSeek parts validate themselves
+        # MoE / DeepSeek / hybrid-mixer parts validate themselves.
+        for name in ("moe", "mla", "mtp", "mamba", "linear_attention"):
             part = getattr(self, name)
             if part is not None:
                 part.validate(self)
@@ -270,8 +275,8 @@ class GPTConfig:
                 "GPTConfig.sequence_parallel=True needs tp > 1 (got tp=1): set "
                 "sequence_parallel=False or use tensor parallelism"
             )
-        # MoE (ep/etp), MTP (cp), Mamba (tp, cp) layout checks
-        for part in (self.moe, self.mla, self.mtp, self.mamba):
+        # MoE (ep/etp), MTP (cp), Mamba / DeltaNet (tp, cp) layout checks
+        for part in (self.moe, self.mla, self.mtp, self.mamba, self.linear_attention):
             if part is not None:
                 part.check_layout(parallel)
         if seq_length is not None:

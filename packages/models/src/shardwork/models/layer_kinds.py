@@ -5,8 +5,9 @@ A :class:`~shardwork.models.spec.LayerSpec` names its parts by kind (``mixer="at
 module. Built in:
 
 - mixers ``"attention"`` (:class:`~shardwork.models.attention.Attention`: MHA/GQA, QKV bias,
-  QK-norm), ``"mla"`` (:class:`~shardwork.models.mla.MLAttention`, DeepSeek) and ``"mamba"``
-  (:class:`~shardwork.models.mamba.Mamba2Mixer`, needs ``GPTConfig.mamba``);
+  QK-norm), ``"mla"`` (:class:`~shardwork.models.mla.MLAttention`, DeepSeek), ``"mamba"``
+  (:class:`~shardwork.models.mamba.Mamba2Mixer`, needs ``GPTConfig.mamba``) and
+  ``"gated_deltanet"`` (:class:`~shardwork.models.deltanet.GatedDeltaNetMixer`, Qwen3-Next);
 - MLPs ``"dense"`` (:class:`~shardwork.models.mlp.SwiGLUMLP`) and ``"moe"``
   (:class:`~shardwork.models.moe.layer.MoELayer`);
 - norms ``"rmsnorm"`` (:class:`~shardwork.models.norm.RMSNorm`), for a layer's two pre-norms
@@ -37,6 +38,7 @@ import torch
 
 from shardwork.models.attention import Attention
 from shardwork.models.config import GPTConfig
+from shardwork.models.deltanet import build_gated_deltanet
 from shardwork.models.mamba import Mamba2Mixer
 from shardwork.models.mla import MLAttention
 from shardwork.models.mlp import SwiGLUMLP
@@ -185,3 +187,4 @@ def _rmsnorm(ctx: BuildContext, size: int) -> RMSNorm:
 register_norm("rmsnorm", _rmsnorm)
 
 register_mixer("mamba", lambda c, i: Mamba2Mixer(c.config, c.groups, device=c.device))
+register_mixer("gated_deltanet", build_gated_deltanet)

@@ -16,7 +16,14 @@ import typing
 from typing import Any
 
 from shardwork.fused_kernels import Llama3RopeScaling, YarnRopeScaling
-from shardwork.models import GPTConfig, MambaConfig, MLAConfig, MoEConfig, MTPConfig
+from shardwork.models import (
+    GatedDeltaNetConfig,
+    GPTConfig,
+    MambaConfig,
+    MLAConfig,
+    MoEConfig,
+    MTPConfig,
+)
 from shardwork.moe_router import RouterConfig
 from shardwork.trainer.config.values import coerce_value, describe_type
 
@@ -32,6 +39,7 @@ _TYPE_NAMES = {
         RouterConfig,
         Llama3RopeScaling,
         YarnRopeScaling,
+        GatedDeltaNetConfig,
     )
 }
 
