@@ -29,7 +29,7 @@ class LayerSpec:
     mixer: str = "attention"
     """Token mixer kind: ``"attention"``, ``"mla"`` or a registered one."""
     mlp: str = "dense"
-    """Channel MLP kind: ``"dense"``, ``"moe"`` or a registered one."""
+    """Channel MLP kind: ``"dense"`` (SwiGLU), ``"relu2"``, ``"moe"`` or a registered one."""
     norm: str = "rmsnorm"
     """Kind of the layer's two pre-norms (before the mixer and before the MLP)."""
 
@@ -49,7 +49,9 @@ class DecoderSpec:
     """The layer specs of a whole model (all stages), its MTP depths and positions."""
 
     layers: tuple[LayerSpec, ...]
-    rotary: RotarySpec
+    rotary: RotarySpec | None
+    """The rotary table, or None for a model without one (``position_embedding_type="none"``, or
+    a stack without attention)."""
     mtp: tuple[LayerSpec, ...] = ()
     final_norm: str = "rmsnorm"
     """Kind of the norm after the last layer (on the last pipeline stage)."""
@@ -67,22 +69,35 @@ class DecoderSpec:
                 f"DecoderSpec.mtp has {len(self.mtp)} entries: it needs one per MTP depth, "
                 f"config.mtp.num_layers={depths}"
             )
+        if self.rotary is None and config.position_embedding_type == "rope":
+            mixers = {s.mixer for s in (*self.layers, *self.mtp)} & {"attention", "mla"}
+            if mixers:
+                raise ValueError(
+                    f"DecoderSpec.rotary=None but its {sorted(mixers)} mixers rotate with "
+                    "position_embedding_type='rope': give a RotarySpec or set "
+                    "position_embedding_type='none'"
+                )
 
 
 def spec_for(config: GPTConfig) -> DecoderSpec:
     """The spec of ``config``: MLA or attention everywhere; MoE where ``config.moe`` says
     (``first_k_dense_replace`` dense layers first, then every ``layer_freq``-th layer, or the
-    0/1 pattern); MTP depths use the mixer of the decoder and MoE when the model has MoE."""
+    0/1 pattern); MTP depths use the mixer of the decoder and MoE when the model has MoE.
+    Dense MLPs are ``"relu2"`` when ``config.mlp_activation`` says so; the rotary table rotates
+    ``config.rotary_dim`` channels (``rotary_percent`` of the head), none without RoPE."""
     mixer = "mla" if config.mla is not None else "attention"
+    dense = "relu2" if config.mlp_activation == "relu2" else "dense"
     moe = config.moe
     layers = tuple(
-        LayerSpec(mixer, "moe" if moe is not None and moe.is_moe_layer(i) else "dense")
+        LayerSpec(mixer, "moe" if moe is not None and moe.is_moe_layer(i) else dense)
         for i in range(config.num_layers)
     )
     depths = config.mtp.num_layers if config.mtp is not None else 0
-    mtp = (LayerSpec(mixer, "dense" if moe is None else "moe"),) * depths
+    mtp = (LayerSpec(mixer, dense if moe is None else "moe"),) * depths
     if config.mla is not None:
         rotary = RotarySpec(config.mla.qk_rope_head_dim, interleaved=True)
+    elif config.position_embedding_type == "none":
+        rotary = None
     else:
-        rotary = RotarySpec(config.kv_channels)
+        rotary = RotarySpec(config.rotary_dim)
     return DecoderSpec(layers=layers, rotary=rotary, mtp=mtp)
