@@ -61,12 +61,6 @@ def check_layer_options(config: Any) -> None:
             f"GPTConfig.position_embedding_type={config.position_embedding_type!r} is invalid: "
             f"valid are {POSITION_EMBEDDING_TYPES}"
         )
-    _check_rotary(config)
-    if config.mlp_activation not in MLP_ACTIVATIONS:
-        raise ValueError(
-            f"GPTConfig.mlp_activation={config.mlp_activation!r} is invalid: valid are "
-            f"{MLP_ACTIVATIONS}"
-        )
     if config.mla is not None:
         # MLA rotates its own qk_rope_head_dim channels and has no output gate.
         for name, default in (
@@ -79,6 +73,12 @@ def check_layer_options(config: Any) -> None:
                     f"GPTConfig.{name}={getattr(config, name)!r} is not supported with mla "
                     f"(multi-head latent attention): valid is {default!r}"
                 )
+    _check_rotary(config)
+    if config.mlp_activation not in MLP_ACTIVATIONS:
+        raise ValueError(
+            f"GPTConfig.mlp_activation={config.mlp_activation!r} is invalid: valid are "
+            f"{MLP_ACTIVATIONS}"
+        )
     if config.moe is not None and config.mlp_activation != "swiglu":
         raise ValueError(
             f"GPTConfig.mlp_activation={config.mlp_activation!r} is not supported with moe "
