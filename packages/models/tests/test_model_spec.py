@@ -102,7 +102,7 @@ class CenteredNorm(ShardedModule):
 
 
 register_mixer("causal_mean", _build_mixer)
-register_mlp("relu2", _build_mlp)
+register_mlp("toy_relu2", _build_mlp)
 register_norm("centered", lambda ctx, size: CenteredNorm(size, ctx.config, ctx.groups, ctx.device))
 
 
@@ -113,7 +113,7 @@ def toy_config():
 def toy_spec(config, norms=("rmsnorm",) * 4) -> DecoderSpec:
     """Mean-mixer layers; the middle layer's MLP is the squared-ReLU one. ``norms``: the kinds
     of the three layers' norms and of the final norm."""
-    mlps = ["dense", "relu2", "dense"]
+    mlps = ["dense", "toy_relu2", "dense"]
     return DecoderSpec(
         layers=tuple(LayerSpec(mixer="causal_mean", mlp=m, norm=n) for m, n in zip(mlps, norms)),
         rotary=RotarySpec(config.kv_channels),
@@ -136,7 +136,7 @@ def _reference_logits(p: dict[str, torch.Tensor], ids, cfg, norms=(_rms,) * 4) -
     eps, f = cfg.norm_epsilon, cfg.ffn_hidden_size
     x = F.embedding(ids.t(), p["embedding.weight"])  # [s, b, h]
     steps = torch.arange(1, x.shape[0] + 1, dtype=x.dtype)[:, None, None]
-    for i, kind in enumerate(["dense", "relu2", "dense"]):
+    for i, kind in enumerate(["dense", "toy_relu2", "dense"]):
         pre, norm = f"decoder.layers.{i}.", norms[i]
         n = norm(x, p[pre + "input_layernorm.weight"], eps)
         x = x + (n.cumsum(0) / steps) @ p[pre + "self_attention.weight"].t()

@@ -7,7 +7,7 @@ pipeline and expert parallelism.
   ``sharded_state_dict()`` in global coordinates.
 - Building blocks: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`,
   :class:`VocabParallelEmbedding`, :class:`LMHead`, :class:`Attention`, :class:`SwiGLUMLP`,
-  :class:`RMSNorm`, :class:`TransformerLayer`, :class:`TransformerBlock`.
+  :class:`SquaredReLUMLP`, :class:`RMSNorm`, :class:`TransformerLayer`, :class:`TransformerBlock`.
 - Composition: :class:`DecoderSpec` / :class:`LayerSpec` and :func:`spec_for` (which parts
   each layer has), :func:`register_mixer` / :func:`register_mlp` / :func:`register_norm` (new part kinds).
 - :class:`RNGTracker` and recompute :func:`checkpoint`; losses as (sum, count) with
@@ -65,6 +65,7 @@ from shardwork.models.presets_moe import MOE_PRESETS, PUBLISHED_MOE_PARAMS
 from shardwork.models.recompute import RecomputeReplay, checkpoint
 from shardwork.models.rng import REPLICATED, TENSOR_PARALLEL, RNGTracker
 from shardwork.models.spec import DecoderSpec, LayerSpec, RotarySpec, spec_for
+from shardwork.models.squared_relu_mlp import SquaredReLUMLP
 from shardwork.models.transformer_layer import TransformerBlock, TransformerLayer
 
 __version__ = "0.1.0"
@@ -106,6 +107,7 @@ __all__ = [
     "RotarySpec",
     "RowParallelLinear",
     "ShardedModule",
+    "SquaredReLUMLP",
     "SwiGLUMLP",
     "TransformerBlock",
     "TransformerLayer",

@@ -5,8 +5,15 @@ rank, ``d`` head dim.
 
 - ``linear_qkv`` is column-parallel with blocks [Q | K | V] (global sizes ``nq·d, nkv·d,
   nkv·d``); each TP rank holds whole heads of each block (checkpoint keys ``.q .k .v``).
+  With ``attention_output_gate`` (Qwen3-Next) a fourth block ``gate`` (``nq·d``, split by query
+  heads like Q) follows V: ``[Q | K | V | G]``, so Q/K/V keep the offsets and keys of the
+  ungated model. The core attention output of head j is multiplied by ``sigmoid(G_j)`` before
+  ``linear_proj``. (Hugging Face interleaves query and gate per head inside ``q_proj``:
+  :mod:`shardwork.models.hf.gated_attention_weights` converts.)
 - QK-norm (Qwen3) is an RMSNorm over ``d`` before RoPE; RoPE uses
-  ``shardwork.fused_kernels.apply_rotary`` with half-split pairing (the HF convention).
+  ``shardwork.fused_kernels.apply_rotary`` with half-split pairing (the HF convention) on the
+  first ``cos.shape[-1]`` channels of each head (``rotary_percent`` < 1 leaves the rest as
+  they are). With ``position_embedding_type="none"`` nothing is rotated.
 - Core attention is torch SDPA. The plain causal case uses ``is_causal``; packed sequences
   and context parallelism pass an explicit boolean mask built from global positions.
 - Context parallelism: K/V are all-gathered over the cp group with a differentiable gather
@@ -37,12 +44,13 @@ __all__ = ["Attention", "AttentionInputs"]
 class AttentionInputs:
     """Per-forward tensors shared by every layer: RoPE tables and the mask.
 
-    ``cos``/``sin``: ``[s_local, 1, d]`` for this rank's (global) query positions.
+    ``cos``/``sin``: ``[s_local, 1, d_rot]`` for this rank's (global) query positions, or None
+    when the model has no rotary table (``DecoderSpec.rotary`` None).
     ``mask``: boolean ``[s_local, s_keys]`` (True = attend), or None for plain causal.
     """
 
-    cos: torch.Tensor
-    sin: torch.Tensor
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
     mask: torch.Tensor | None
 
 
@@ -69,15 +77,20 @@ class Attention(ShardedModule):
         self.selective_recompute = config.recompute == "selective"
         self.backend = config.kernel_backend
         self.rng = rng
+        self.rotate = config.position_embedding_type == "rope"
+        self.gated = config.attention_output_gate
         q_size, kv_size = config.num_attention_heads * d, config.kv_heads * d
+        sizes, names = (q_size, kv_size, kv_size), ("q", "k", "v")
+        if self.gated:
+            sizes, names = (*sizes, q_size), (*names, "gate")
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size,
-            q_size + 2 * kv_size,
+            sum(sizes),
             groups=groups,
             bias=config.add_qkv_bias,
             sequence_parallel=config.sequence_parallel,
-            partition_sizes=(q_size, kv_size, kv_size),
-            block_names=("q", "k", "v"),
+            partition_sizes=sizes,
+            block_names=names,
             params_dtype=config.params_dtype,
             device=device,
         )
@@ -89,6 +102,7 @@ class Attention(ShardedModule):
                 # Each TP rank normalises only its own heads, so the norm weight's gradient is a
                 # partial sum over ranks: marked like an SP parameter, it is all-reduced over TP.
                 partial_grad=tp > 1,
+                zero_centered_gamma=config.layernorm_zero_centered_gamma,
                 params_dtype=config.params_dtype,
                 device=device,
             )
@@ -135,20 +149,21 @@ class Attention(ShardedModule):
         s, b = qkv.shape[0], qkv.shape[1]
         d = self.head_dim
         q_len, kv_len = self.num_heads * d, self.num_kv_heads * d
-        # The column-parallel shard is [Q | K | V] of this rank's heads (partition_sizes), not
-        # interleaved.
-        q, k, v = qkv.split((q_len, kv_len, kv_len), dim=-1)
+        # The column-parallel shard is [Q | K | V (| G)] of this rank's heads (partition_sizes),
+        # not interleaved.
+        gate = None
+        if self.gated:
+            q, k, v, gate = qkv.split((q_len, kv_len, kv_len, q_len), dim=-1)
+        else:
+            q, k, v = qkv.split((q_len, kv_len, kv_len), dim=-1)
         q = q.reshape(s, b, self.num_heads, d)
         k = k.reshape(s, b, self.num_kv_heads, d)
         v = v.reshape(s, b, self.num_kv_heads, d)
         if self.q_layernorm is not None:
             q = self.q_layernorm(q)
             k = self.k_layernorm(k)
-        # Tables are fp32 (fp64 in fp64 runs); cast to the activations' dtype so the rotation does
-        # not upcast q/k.
-        cos, sin = inputs.cos.to(q.dtype), inputs.sin.to(q.dtype)
-        q = apply_rotary(q, cos, sin, backend=self.backend)
-        k = apply_rotary(k, cos, sin, backend=self.backend)
+        if self.rotate:
+            q, k = self._rotary(q, k, inputs)
         if self.groups.size("cp") > 1:
             # After RoPE, so every key carries its own global position. Backward reduce-scatters:
             # every rank's queries contribute gradient to every key. All cp ranks issue k then v in
@@ -164,4 +179,21 @@ class Attention(ShardedModule):
             out = checkpoint(lambda q_, k_, v_: self._core(q_, k_, v_, mask), self.rng, q, k, v)
         else:
             out = self._core(q, k, v, mask)
+        if gate is not None:
+            # gate [s, b, nq·d] is in the same head-major order as the core output.
+            out = out * torch.sigmoid(gate)
         return self.linear_proj(out)
+
+    def _rotary(self, q, k, inputs: AttentionInputs):
+        if inputs.cos is None:
+            raise ValueError(
+                "Attention with position_embedding_type='rope' got no rotary table: the model's "
+                "DecoderSpec.rotary is None; give it a RotarySpec or set "
+                "position_embedding_type='none'"
+            )
+        # Tables are fp32 (fp64 in fp64 runs); cast to the activations' dtype so the rotation does
+        # not upcast q/k. Their width is the rotated one: apply_rotary leaves later channels as is.
+        cos, sin = inputs.cos.to(q.dtype), inputs.sin.to(q.dtype)
+        q = apply_rotary(q, cos, sin, backend=self.backend)
+        k = apply_rotary(k, cos, sin, backend=self.backend)
+        return q, k

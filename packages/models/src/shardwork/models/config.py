@@ -22,6 +22,7 @@ import torch
 
 from shardwork.fused_kernels import Llama3RopeScaling, YarnRopeScaling
 from shardwork.models.hybrid_pattern import parse_hybrid_pattern
+from shardwork.models.layer_options import check_layer_options
 
 if TYPE_CHECKING:
     from shardwork.models.deltanet_config import GatedDeltaNetConfig
@@ -73,6 +74,18 @@ class GPTConfig:
     """RMSNorm over each query/key head before RoPE (Qwen3)."""
     add_qkv_bias: bool = False
     """Bias on the fused QKV projection (Qwen2)."""
+    attention_output_gate: bool = False
+    """Gated attention (Qwen3-Next): the QKV projection also yields a per-head gate ``g`` and the
+    attention output is multiplied by ``sigmoid(g)`` before the output projection."""
+    position_embedding_type: str = "rope"
+    """Position encoding of attention: "rope" or "none" (no positional signal, Nemotron-H)."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's channels RoPE rotates (the first ``int(rotary_percent·head_dim)``;
+    the rest pass through): Qwen3-Next's ``partial_rotary_factor``."""
+    layernorm_zero_centered_gamma: bool = False
+    """Every RMSNorm computes ``x̂·(1 + w)`` with ``w`` initialised to zeros (Qwen3-Next)."""
+    mlp_activation: str = "swiglu"
+    """Dense MLP: "swiglu" (gated SiLU) or "relu2" (``down(relu(up(x))²)``, Nemotron-H)."""
     tie_word_embeddings: bool = False
     """LM head reuses the input embedding (kept in sync across pipeline stages)."""
     hidden_dropout: float = 0.0
@@ -141,10 +154,7 @@ class GPTConfig:
                 )
         else:
             _positive_int("head_dim", self.head_dim)
-        if self.kv_channels % 2 != 0:
-            raise ValueError(
-                f"GPTConfig.head_dim={self.kv_channels} is invalid: RoPE needs an even head_dim"
-            )
+        check_layer_options(self)
         if not self.rope_theta > 1:
             raise ValueError(f"GPTConfig.rope_theta={self.rope_theta} is invalid: it must be > 1")
         if self.rope_scaling is not None and not isinstance(
@@ -199,6 +209,13 @@ class GPTConfig:
     def kv_channels(self) -> int:
         """Per-head width."""
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each query/key head that RoPE rotates (0 without RoPE)."""
+        if self.position_embedding_type != "rope":
+            return 0
+        return int(self.kv_channels * self.rotary_percent)
 
     @property
     def padded_vocab_size(self) -> int:

@@ -207,6 +207,8 @@ class GPTModel(ShardedModule):
                 keys = gathered_positions(local_len, cp_size=cp, device=device)
                 mask = attention_mask(positions, keys)
         rotary = self.spec.rotary
+        if rotary is None:  # no positional table (position_embedding_type="none")
+            return AttentionInputs(cos=None, sin=None, mask=mask)
         inv_freq = rotary_inv_freq(rotary.dim, base=cfg.rope_theta, scaling=cfg.rope_scaling)
         # fp32 angles even for bf16 activations: position·inv_freq needs more mantissa than bf16's 8
         # bits at long positions.

@@ -8,10 +8,13 @@ module. Built in:
   QK-norm), ``"mla"`` (:class:`~shardwork.models.mla.MLAttention`, DeepSeek), ``"mamba"``
   (:class:`~shardwork.models.mamba.Mamba2Mixer`, needs ``GPTConfig.mamba``) and
   ``"gated_deltanet"`` (:class:`~shardwork.models.deltanet.GatedDeltaNetMixer`, Qwen3-Next);
-- MLPs ``"dense"`` (:class:`~shardwork.models.mlp.SwiGLUMLP`) and ``"moe"``
+- MLPs ``"dense"`` (:class:`~shardwork.models.mlp.SwiGLUMLP`), ``"relu2"``
+  (:class:`~shardwork.models.squared_relu_mlp.SquaredReLUMLP`, Nemotron-H) and ``"moe"``
   (:class:`~shardwork.models.moe.layer.MoELayer`);
 - norms ``"rmsnorm"`` (:class:`~shardwork.models.norm.RMSNorm`), for a layer's two pre-norms
-  and the decoder's final norm (a norm builder takes the context and the normalised size).
+  and the decoder's final norm (a norm builder takes the context and the normalised size);
+  zero-centred (``1 + w``) when ``config.layernorm_zero_centered_gamma``, like every RMSNorm
+  of the model (QK-norm, MLA and MTP norms too), so that the flag cannot disagree between them.
 
 A new kind (Mamba-2, DeltaNet, a zero-centred RMSNorm, a toy mixer in a test) is registered
 from its own file with :func:`register_mixer` / :func:`register_mlp` / :func:`register_norm`;
@@ -46,6 +49,7 @@ from shardwork.models.moe.layer import MoELayer
 from shardwork.models.moe.state import attach_moe
 from shardwork.models.norm import RMSNorm
 from shardwork.models.rng import RNGTracker
+from shardwork.models.squared_relu_mlp import SquaredReLUMLP
 from shardwork.parallel_state import ProcessGroups
 
 __all__ = [
@@ -167,6 +171,7 @@ def _moe(ctx: BuildContext, layer_number: int) -> MoELayer:
 register_mixer("attention", lambda c, i: Attention(c.config, c.groups, rng=c.rng, device=c.device))
 register_mixer("mla", lambda c, i: MLAttention(c.config, c.groups, rng=c.rng, device=c.device))
 register_mlp("dense", lambda c, i: SwiGLUMLP(c.config, c.groups, device=c.device))
+register_mlp("relu2", lambda c, i: SquaredReLUMLP(c.config, c.groups, device=c.device))
 register_mlp("moe", _moe, attach=attach_moe)
 
 
@@ -179,6 +184,7 @@ def _rmsnorm(ctx: BuildContext, size: int) -> RMSNorm:
         # Under SP the norm sees only this rank's tokens: its weight gradient is all-reduced over
         # TP.
         partial_grad=ctx.config.sequence_parallel,
+        zero_centered_gamma=ctx.config.layernorm_zero_centered_gamma,
         params_dtype=ctx.config.params_dtype,
         device=ctx.device,
     )

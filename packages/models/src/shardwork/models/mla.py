@@ -103,6 +103,7 @@ class MLAttention(ShardedModule):
             # Latent norms see the full latent on every TP rank (replicated), so their gradient is
             # complete.
             partial_grad=False,
+            zero_centered_gamma=config.layernorm_zero_centered_gamma,
             params_dtype=config.params_dtype,
             device=device,
         )

@@ -179,6 +179,7 @@ class MTPDepth(ShardedModule):
             eps=config.norm_epsilon,
             backend=config.kernel_backend,
             partial_grad=sp,
+            zero_centered_gamma=config.layernorm_zero_centered_gamma,
             params_dtype=config.params_dtype,
             device=device,
         )

@@ -32,7 +32,7 @@ class LayerSpec:
     mixer: str | None = "attention"
     """Token mixer kind: ``"attention"``, ``"mla"`` or a registered one; None: no mixer."""
     mlp: str | None = "dense"
-    """Channel MLP kind: ``"dense"``, ``"moe"`` or a registered one; None: no MLP."""
+    """Channel MLP kind: ``"dense"`` (SwiGLU), ``"relu2"``, ``"moe"`` or a registered one; None: no MLP."""
     norm: str = "rmsnorm"
     """Kind of the layer's pre-norms (one before each part it holds)."""
 
@@ -56,7 +56,9 @@ class DecoderSpec:
     """The layer specs of a whole model (all stages), its MTP depths and positions."""
 
     layers: tuple[LayerSpec, ...]
-    rotary: RotarySpec
+    rotary: RotarySpec | None
+    """The rotary table, or None for a model without one (``position_embedding_type="none"``, or
+    a stack without attention)."""
     mtp: tuple[LayerSpec, ...] = ()
     final_norm: str = "rmsnorm"
     """Kind of the norm after the last layer (on the last pipeline stage)."""
@@ -74,6 +76,14 @@ class DecoderSpec:
                 f"DecoderSpec.mtp has {len(self.mtp)} entries: it needs one per MTP depth, "
                 f"config.mtp.num_layers={depths}"
             )
+        if self.rotary is None and config.position_embedding_type == "rope":
+            mixers = {s.mixer for s in (*self.layers, *self.mtp)} & {"attention", "mla"}
+            if mixers:
+                raise ValueError(
+                    f"DecoderSpec.rotary=None but its {sorted(mixers)} mixers rotate with "
+                    "position_embedding_type='rope': give a RotarySpec or set "
+                    "position_embedding_type='none'"
+                )
 
 
 def _pattern_layer(config: GPTConfig, chars: str) -> LayerSpec:
@@ -82,6 +92,8 @@ def _pattern_layer(config: GPTConfig, chars: str) -> LayerSpec:
     kinds = [None if c is None else HYBRID_SYMBOLS[c] for c in (mixer, mlp)]
     if kinds[0] == "attention" and config.mla is not None:
         kinds[0] = "mla"
+    if kinds[1] == "dense" and config.mlp_activation == "relu2":
+        kinds[1] = "relu2"
     return LayerSpec(kinds[0], kinds[1])
 
 
@@ -93,8 +105,11 @@ def spec_for(config: GPTConfig) -> DecoderSpec:
     everywhere, except Gated DeltaNet where ``linear_attention_freq`` says; MoE where
     ``config.moe`` says (``first_k_dense_replace`` dense layers first, then every
     ``layer_freq``-th layer, or the 0/1 pattern); MTP depths use the decoder's attention (or
-    MLA) mixer, and MoE when the model has MoE."""
+    MLA) mixer, and MoE when the model has MoE. Dense MLPs are ``"relu2"`` when
+    ``config.mlp_activation`` says so; the rotary table rotates ``config.rotary_dim``
+    channels (``rotary_percent`` of the head), none without RoPE."""
     mixer = "mla" if config.mla is not None else "attention"
+    dense = "relu2" if config.mlp_activation == "relu2" else "dense"
     moe = config.moe
     if config.hybrid_layer_pattern is not None:
         pattern = parse_hybrid_pattern(config.hybrid_layer_pattern)
@@ -104,14 +119,16 @@ def spec_for(config: GPTConfig) -> DecoderSpec:
         layers = tuple(
             LayerSpec(
                 "gated_deltanet" if is_linear_attention_layer(config, i) else mixer,
-                "moe" if moe is not None and moe.is_moe_layer(i) else "dense",
+                "moe" if moe is not None and moe.is_moe_layer(i) else dense,
             )
             for i in range(config.num_layers)
         )
         depths = config.mtp.num_layers if config.mtp is not None else 0
-        mtp = (LayerSpec(mixer, "dense" if moe is None else "moe"),) * depths
+        mtp = (LayerSpec(mixer, dense if moe is None else "moe"),) * depths
     if config.mla is not None:
         rotary = RotarySpec(config.mla.qk_rope_head_dim, interleaved=True)
+    elif config.position_embedding_type == "none":
+        rotary = None
     else:
-        rotary = RotarySpec(config.kv_channels)
+        rotary = RotarySpec(config.rotary_dim)
     return DecoderSpec(layers=layers, rotary=rotary, mtp=mtp)

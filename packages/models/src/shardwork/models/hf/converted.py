@@ -28,7 +28,7 @@ from shardwork.models.hf.files import weight_files
 from shardwork.models.hf.keys import to_hf_key
 from shardwork.models.hf.registry import adapter_for_config
 
-__all__ = ["converted_hf_state_dict", "load_converted_weights", "load_converted_state_dict"]
+__all__ = ["converted_hf_state_dict", "load_converted_state_dict", "load_converted_weights"]
 
 _DECODER_LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
 

@@ -1,0 +1,86 @@
+"""Validation of the layer options of hybrid families (gated attention, partial or no RoPE,
+zero-centred RMSNorm, squared-ReLU MLP), called by ``GPTConfig.__post_init__``.
+
+The options are plain ``GPTConfig`` fields (Megatron's names where Megatron has them); this
+module checks their values and the combinations the model cannot build, so that a bad value
+raises before anything is built. It reads the config by attribute and imports nothing of the
+package (``config.py`` imports it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["MLP_ACTIVATIONS", "POSITION_EMBEDDING_TYPES", "check_layer_options"]
+
+POSITION_EMBEDDING_TYPES = ("rope", "none")
+MLP_ACTIVATIONS = ("swiglu", "relu2")
+
+
+def _bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"GPTConfig.{name}={value!r} is invalid: it must be True or False")
+
+
+def _check_rotary(config: Any) -> None:
+    pct = config.rotary_percent
+    if isinstance(pct, bool) or not isinstance(pct, (int, float)) or not 0 < pct <= 1:
+        raise ValueError(
+            f"GPTConfig.rotary_percent={pct!r} is invalid: it must be a number in (0, 1]"
+        )
+    if config.position_embedding_type != "rope":
+        if pct != 1:
+            raise ValueError(
+                f"GPTConfig.rotary_percent={pct} needs position_embedding_type='rope' (got "
+                f"{config.position_embedding_type!r}): leave rotary_percent at 1.0"
+            )
+        if config.rope_scaling is not None:
+            raise ValueError(
+                f"GPTConfig.rope_scaling={config.rope_scaling!r} needs "
+                f"position_embedding_type='rope' (got {config.position_embedding_type!r}): "
+                "set rope_scaling=None"
+            )
+        return
+    rot = config.rotary_dim
+    if pct == 1 and rot % 2 != 0:
+        raise ValueError(f"GPTConfig.head_dim={rot} is invalid: RoPE needs an even head_dim")
+    if rot < 2 or rot % 2 != 0:
+        raise ValueError(
+            f"GPTConfig.rotary_percent={pct} is invalid with head_dim={config.kv_channels}: it "
+            f"rotates int({pct}·{config.kv_channels})={rot} channels, RoPE needs an even "
+            "number >= 2"
+        )
+
+
+def check_layer_options(config: Any) -> None:
+    """Raise ``ValueError`` naming the field, the value and what is valid."""
+    _bool("attention_output_gate", config.attention_output_gate)
+    _bool("layernorm_zero_centered_gamma", config.layernorm_zero_centered_gamma)
+    if config.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+        raise ValueError(
+            f"GPTConfig.position_embedding_type={config.position_embedding_type!r} is invalid: "
+            f"valid are {POSITION_EMBEDDING_TYPES}"
+        )
+    if config.mla is not None:
+        # MLA rotates its own qk_rope_head_dim channels and has no output gate.
+        for name, default in (
+            ("rotary_percent", 1.0),
+            ("position_embedding_type", "rope"),
+            ("attention_output_gate", False),
+        ):
+            if getattr(config, name) != default:
+                raise ValueError(
+                    f"GPTConfig.{name}={getattr(config, name)!r} is not supported with mla "
+                    f"(multi-head latent attention): valid is {default!r}"
+                )
+    _check_rotary(config)
+    if config.mlp_activation not in MLP_ACTIVATIONS:
+        raise ValueError(
+            f"GPTConfig.mlp_activation={config.mlp_activation!r} is invalid: valid are "
+            f"{MLP_ACTIVATIONS}"
+        )
+    if config.moe is not None and config.mlp_activation != "swiglu":
+        raise ValueError(
+            f"GPTConfig.mlp_activation={config.mlp_activation!r} is not supported with moe "
+            "(the experts and shared experts are SwiGLU): valid is 'swiglu'"
+        )
