@@ -1,9 +1,9 @@
 """Standalone MTP stage: the pipeline plan that gives the MTP depths a rank of their own.
 
 Megatron-Core places MTP with a pipeline layout string (``m`` for an MTP layer, ``L`` for the
-loss, e.g. ``"Et*4|t*4|mL"``); when the MTP layers sit in a virtual stage of their own it sets
-``mtp_standalone`` and moves the decoder's final layernorm onto the stage of the last decoder
-layer. shardwork's equivalent is one switch, ``mtp_standalone``:
+loss, e.g. ``"E|t*3|(t|)*3tt|m|L"``); with the MTP layers on a rank before the last it sets
+``mtp_standalone``, and the decoder's final layernorm runs on the stage of the last decoder
+layer. shardwork's equivalent is one switch, ``mtp_standalone``, and keeps MTP with the head:
 
 - the last pipeline rank holds no decoder layer; it holds the MTP depths, the LM head and both
   losses (main and MTP, each computed once, combined as on any last stage);
