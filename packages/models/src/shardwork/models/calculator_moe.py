@@ -9,11 +9,16 @@ width, ``S`` shared-expert width, ``n`` heads, ``dn``/``dr``/``dv`` MLA head dim
 MLA latent ranks, ``D`` MTP depths.
 
 Per layer (exact, as the model builds them):
-  attention (GQA)  ``h·(a+2g)·d + a·d·h [+ (a+2g)·d bias] [+ 2d qk-norm]``
+  attention (GQA)  ``h·(a+2g)·d + a·d·h [+ a·d·h output gate] [+ (a+2g)·d bias]
+                   [+ 2d qk-norm]``
   attention (MLA)  ``[h·rq + rq + rq·n·(dn+dr) | h·n·(dn+dr)] + h·(rkv+dr) + rkv
                    + rkv·n·(dn+dv) + n·dv·h``
   norms            ``h`` per part (``2h`` for an attention + MLP layer)
-  dense MLP        ``3·h·f``
+  dense MLP        ``3·h·f`` (SwiGLU) or ``2·h·f`` (squared ReLU)
+  Mamba-2          ``h·(2I+2gN+nh) + I·h`` projections, ``(I+2gN)·k [+ bias]`` conv,
+                   ``3·nh + I`` (dt bias, A, D, gated norm); FLOPs in calculator_mamba.py
+  Gated DeltaNet   ``h·(2Kd+2Vd+2Nv) + Vd·h`` projections, ``(2Kd+Vd)·K`` conv,
+                   ``2·Nv + dv`` (A, dt bias, norm); FLOPs in calculator_deltanet.py
   MoE MLP          total ``E·h (router) + E·3·h·F + 3·h·S [+ h gate]``;
                    active ``E·h + k·3·h·F + 3·h·S [+ h]``
 Model: ``Σ layers + V·h (embedding) [+ V·h untied head] + h (final norm)``; each MTP depth adds
@@ -39,6 +44,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from shardwork.models.calculator_deltanet import deltanet_forward_flops
+from shardwork.models.calculator_mamba import mamba_forward_flops
 from shardwork.models.config import GPTConfig
 from shardwork.models.spec import LayerSpec, spec_for
 
@@ -82,7 +89,8 @@ def _attention_matmul(c: GPTConfig) -> int:
     h, n = c.hidden_size, c.num_attention_heads
     if c.mla is None:
         d, g = c.kv_channels, c.kv_heads
-        return h * (n + 2 * g) * d + n * d * h
+        gate = n * d * h if c.attention_output_gate else 0  # the per-head output gate block
+        return h * (n + 2 * g) * d + n * d * h + gate
     m = c.mla
     if m.q_lora_rank is None:
         q = h * n * m.qk_head_dim
@@ -237,3 +245,41 @@ register_part_cost("attention", _ATTENTION)
 register_part_cost("mla", _ATTENTION)
 register_part_cost("dense", PartCost(_dense_params, lambda c, s, causal: 2 * _dense_params(c)[0]))
 register_part_cost("moe", PartCost(_moe_mlp, lambda c, s, causal: 2 * _moe_mlp(c)[1]))
+
+
+def _relu2_params(c: GPTConfig) -> tuple[int, int, int]:
+    p = 2 * c.hidden_size * c.ffn_hidden_size  # up and down, no gate
+    return p, p, 0
+
+
+def _mamba_params(c: GPTConfig) -> tuple[int, int, int]:
+    m, h = c.mamba, c.hidden_size
+    inner, heads, channels = m.inner_size, m.num_heads, m.conv_channels
+    proj = h * (2 * inner + 2 * m.num_groups * m.state_size + heads) + inner * h
+    if m.proj_bias:
+        proj += 2 * inner + 2 * m.num_groups * m.state_size + heads + h
+    conv = channels * m.conv_kernel + (channels if m.conv_bias else 0)
+    p = proj + conv + 3 * heads + inner  # dt_bias, A_log, D; the gated norm
+    return p, p, 0
+
+
+def _deltanet_params(c: GPTConfig) -> tuple[int, int, int]:
+    g, h = c.linear_attention, c.hidden_size
+    kd, vd, nv = g.key_dim, g.value_dim, g.num_value_heads
+    proj = h * (2 * kd + 2 * vd + 2 * nv) + vd * h
+    p = proj + (2 * kd + vd) * g.conv_kernel + 2 * nv + g.value_head_dim  # A_log, dt_bias, norm
+    return p, p, 0
+
+
+register_part_cost("relu2", PartCost(_relu2_params, lambda c, s, causal: 2 * _relu2_params(c)[0]))
+register_part_cost(
+    "mamba",
+    PartCost(_mamba_params, lambda c, s, causal: mamba_forward_flops(c, 1, s).total / s),
+)
+register_part_cost(
+    "gated_deltanet",
+    PartCost(
+        _deltanet_params,
+        lambda c, s, causal: deltanet_forward_flops(c, batch=1, seq_length=s).total / s,
+    ),
+)

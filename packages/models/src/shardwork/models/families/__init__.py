@@ -12,10 +12,18 @@ and the bridge does not import families (no cycle); a test checks the two agree.
 :mod:`shardwork.models.presets` and :mod:`shardwork.models.presets_moe` gather their presets.
 """
 
-from shardwork.models.families import deepseek, llama, mixtral, qwen, qwen_moe
+from shardwork.models.families import (
+    deepseek,
+    llama,
+    mixtral,
+    nemotron_h,
+    qwen,
+    qwen3_next,
+    qwen_moe,
+)
 
 __all__ = ["DENSE_FAMILIES", "FAMILIES", "MOE_FAMILIES"]
 
-DENSE_FAMILIES = (llama, qwen)
-MOE_FAMILIES = (mixtral, qwen_moe, deepseek)
+DENSE_FAMILIES = (llama, qwen, nemotron_h)
+MOE_FAMILIES = (mixtral, qwen_moe, deepseek, qwen3_next)
 FAMILIES = DENSE_FAMILIES + MOE_FAMILIES

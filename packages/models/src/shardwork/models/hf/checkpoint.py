@@ -27,6 +27,7 @@ from safetensors import safe_open
 from shardwork.models.full_state import full_state_dict
 from shardwork.models.gpt_model import GPTModel
 from shardwork.models.hf.config_map import gpt_config_from_hf, hf_config_from_gpt, read_hf_config
+from shardwork.models.hf.converted import converted_hf_state_dict, load_converted_weights
 from shardwork.models.hf.files import weight_files, write_safetensors
 from shardwork.models.hf.keys import to_hf_key
 from shardwork.models.hf.moe_weights import load_hf_moe_weights, moe_hf_state_dict
@@ -42,6 +43,8 @@ def load_hf_weights(model: GPTModel, folder: str | Path) -> GPTModel:
     adapter = adapter_for_config(model.config)
     if adapter.weight_layout == "experts":
         return load_hf_moe_weights(model, folder)
+    if adapter.weight_layout == "converted":
+        return load_converted_weights(model, folder)
     return _load_dense(model, Path(folder), adapter.key_rules())
 
 
@@ -117,6 +120,8 @@ def save_pretrained(
     adapter = adapter_for_config(model.config)
     if adapter.weight_layout == "experts":
         tensors = moe_hf_state_dict(model, group=group, dtype=dtype)
+    elif adapter.weight_layout == "converted":
+        tensors = converted_hf_state_dict(model, group=group, dtype=dtype)
     else:
         full = full_state_dict(model, group=group, dtype=dtype)
         rules = adapter.key_rules()

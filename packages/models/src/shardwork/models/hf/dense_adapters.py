@@ -12,7 +12,11 @@ from typing import Any
 
 from shardwork.models.config import GPTConfig
 from shardwork.models.hf.adapter import HFAdapter
-from shardwork.models.hf.shared_fields import shared_fields_from_hf, shared_fields_to_hf
+from shardwork.models.hf.shared_fields import (
+    plain_transformer,
+    shared_fields_from_hf,
+    shared_fields_to_hf,
+)
 
 __all__ = ["DENSE_ADAPTERS", "LLAMA", "QWEN2", "QWEN3"]
 
@@ -45,7 +49,7 @@ def _dense_to_hf(config: GPTConfig) -> dict[str, Any]:
 
 
 def _is_dense(config: GPTConfig) -> bool:
-    return config.moe is None and config.mla is None
+    return config.moe is None and config.mla is None and plain_transformer(config)
 
 
 def _llama_from_hf(hf: dict[str, Any]) -> dict[str, Any]:

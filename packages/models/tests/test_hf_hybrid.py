@@ -1,0 +1,223 @@
+"""Hugging Face bridge of the hybrid families: tiny random-weight transformers models (no
+downloads) of Nemotron-H (Mamba-2, squared-ReLU MLP, attention without RoPE, one part per
+block) and Qwen3-Next (Gated DeltaNet and gated attention, zero-centred norms, partial RoPE,
+MoE with a gated shared expert) give transformers' logits after import, at world 1 and at
+TP=2 / PP=2 (EP=2 with MoE); exports reload in transformers with the same logits.
+
+transformers runs its own torch paths here: mamba-ssm, causal-conv1d and
+flash-linear-attention are not installed on this machine, and each test asserts so (a kernel
+would change the reference's numerics)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from shardwork.models import GPTModel, gather_logits  # noqa: E402
+from shardwork.models.hf import (  # noqa: E402
+    from_pretrained,
+    gpt_config_from_hf,
+    hf_config_from_gpt,
+    save_pretrained,
+)
+from shardwork.parallel_state.testing import run_on_ranks  # noqa: E402
+
+pytestmark = pytest.mark.golden
+
+_COMMON = dict(
+    vocab_size=250,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+CONFIGS = {
+    "nemotron_h": dict(
+        layers_block_type=[
+            "linear_attention",
+            "mlp",
+            "full_attention",
+            "mlp",
+            "linear_attention",
+            "mlp",
+        ],
+        num_hidden_layers=6,
+        intermediate_size=96,
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        ssm_state_size=8,
+        n_groups=2,
+        conv_kernel=4,
+        chunk_size=8,
+        layer_norm_epsilon=1e-5,
+    ),
+    "qwen3_next": dict(
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_experts=8,
+        num_experts_per_tok=2,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25},
+    ),
+}
+SEQ, BATCH = 20, 2  # SEQ > the scans' chunk (8 here, transformers' 64): state crosses chunks
+
+
+def _assert_torch_paths():
+    """transformers takes a kernel only from these packages (directly, or through the hub's
+    ``kernels`` loader); with none importable every mixer runs its torch fallback."""
+    for package in ("mamba_ssm", "causal_conv1d", "fla", "kernels"):
+        assert importlib.util.find_spec(package) is None, f"{package} is installed"
+
+
+def hf_model(model_type: str, seed: int = 0):
+    """A tiny transformers model with every weight random (norms around 1, zero-centred ones
+    around 0 so their scale 1 + w stays near 1)."""
+    _assert_torch_paths()
+    cfg = transformers.AutoConfig.for_model(model_type, **(_COMMON | CONFIGS[model_type]))
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    gen = torch.Generator().manual_seed(seed)
+    zero_centred = model_type == "qwen3_next"
+    with torch.no_grad():
+        for name, t in model.named_parameters():
+            noise = torch.randn(t.shape, generator=gen)
+            if name.endswith("norm.weight") or "layernorm" in name or "norm_f" in name:
+                base = 0.0 if zero_centred and "linear_attn.norm" not in name else 1.0
+                t.copy_(base + 0.2 * noise)
+            elif name.endswith(("A_log", "dt_bias")):
+                t.copy_(0.5 * noise)
+            elif ".gate.weight" in name:
+                t.copy_(0.3 * noise)
+            else:
+                t.copy_(0.05 * noise)
+    return model
+
+
+def _ids():
+    return torch.randint(0, 250, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return gather_logits(model.eval()(ids), tp_group=None, vocab_size=250)
+
+
+# fp32 end to end on both sides; measured largest |difference| on logits up to 1.7: import
+# 8.8e-7 (nemotron_h) and 1.4e-6 (qwen3_next), about 7 fp32 ulp at that scale (the scans
+# sum in other orders); export 1.8e-7. 1e-5 leaves ~7x headroom; a swapped query/gate head
+# or a shifted conv channel moves logits by 1e-2 or more.
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_import_matches_transformers(model_type, tmp_path):
+    ref = hf_model(model_type)
+    ids = _ids()
+    with torch.no_grad():
+        want = ref(ids).logits
+    ref.save_pretrained(tmp_path)
+    ours = from_pretrained(tmp_path)
+    assert ours.config.hybrid_layer_pattern == ("M-*-M-" if model_type == "nemotron_h" else None)
+    torch.testing.assert_close(_logits(ours, ids), want, **TOL)
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_export_reloads_in_transformers(model_type, tmp_path):
+    ref = hf_model(model_type)
+    ids = _ids()
+    config = gpt_config_from_hf(ref.config.to_dict())
+    ours = GPTModel(config)  # shardwork's own random init, not the reference's weights
+    save_pretrained(ours, tmp_path, max_shard_bytes=40_000)
+    assert len(list(tmp_path.glob("model-*-of-*.safetensors"))) > 1
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager"
+    ).eval()
+    assert type(back) is type(ref)
+    with torch.no_grad():
+        want = back(ids).logits
+    torch.testing.assert_close(_logits(ours, ids), want, **TOL)
+    # and the written config reads back into the same GPTConfig
+    assert gpt_config_from_hf(hf_config_from_gpt(config)) == config
+
+
+def _layout_logits(folder, parallel_kwargs, want):
+    """On each rank: build this rank's stage from the folder, reading only its layers, run
+    the pipeline forward and compare the last stage's gathered logits with transformers'."""
+    from shardwork.models.hf import load_hf_weights, read_hf_config
+    from shardwork.models.module import to_empty_keep_meta
+    from shardwork.models.pipeline import build_stage, get_schedule
+    from shardwork.parallel_state import ParallelConfig, init_process_groups
+
+    groups = init_process_groups(ParallelConfig(**parallel_kwargs))
+    stage = build_stage(gpt_config_from_hf(read_hf_config(folder)), groups, device="meta")
+    to_empty_keep_meta(stage, "cpu")
+    stage.rng_tracker.to("cpu")
+    load_hf_weights(stage, folder)
+    stage.eval()
+    captured = []
+
+    def forward_step(_it, chunk):
+        out = chunk(_ids())
+
+        def loss_fn(logits):
+            captured.append(gather_logits(logits, tp_group=groups.tp, vocab_size=250))
+            return logits.sum() * 0, torch.tensor(1), {}
+
+        return out, loss_fn
+
+    get_schedule(groups.size("pp"))(
+        forward_step_func=forward_step,
+        data_iterator=None,
+        model=stage,
+        num_microbatches=1,
+        pp_group=groups.group("pp"),
+        tensor_shape=(SEQ, BATCH, 64),
+        dtype=torch.float32,
+        forward_only=True,
+    )
+    if groups.is_last_pp_stage:
+        torch.testing.assert_close(captured[0], want, **TOL)
+    return True
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(
+    ("model_type", "kwargs", "world"),
+    [
+        ("nemotron_h", {"tp": 2}, 2),
+        ("qwen3_next", {"pp": 2}, 2),
+        pytest.param("nemotron_h", {"pp": 2}, 2, marks=pytest.mark.slow),
+        pytest.param("qwen3_next", {"tp": 2, "ep": 2, "etp": 1}, 2, marks=pytest.mark.slow),
+        pytest.param("nemotron_h", {"tp": 2, "pp": 2}, 4, marks=pytest.mark.slow),
+    ],
+    ids=[
+        "nemotronh-tp2",
+        "qwen3next-pp2",
+        "nemotronh-pp2",
+        "qwen3next-tp2-ep2",
+        "nemotronh-tp2-pp2",
+    ],
+)
+def test_import_at_layout_matches_transformers(model_type, kwargs, world, tmp_path):
+    ref = hf_model(model_type)
+    with torch.no_grad():
+        want = ref(_ids()).logits
+    ref.save_pretrained(tmp_path / "ckpt")
+    args = (tmp_path / "ckpt", kwargs, want)
+    assert all(run_on_ranks(_layout_logits, world, args=args, timeout=400))
