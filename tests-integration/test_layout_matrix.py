@@ -87,6 +87,14 @@ MODELS = {
             }
         },
     },
+    # hybrids: Mamba-2 + squared-ReLU MLP + RoPE-less attention, one part per layer, with an
+    # attention + MLP MTP depth from the pattern; and Gated DeltaNet / gated attention + MoE
+    "nemotron-h": {
+        "preset": "tiny-nemotron-h-8b",
+        "hybrid_layer_pattern": "M-*-/*-",
+        "mtp": {"num_layers": 1},
+    },
+    "qwen3-next": {"preset": "tiny-qwen3-next-80b-a3b"},
     # the global load-balancing loss (token counts over the data-parallel ranks and the
     # micro-batches so far), z-loss and token dropping
     "moe-gaux": {
@@ -127,6 +135,13 @@ CELLS = [
     ("ep2-etp2", 4, {"ep": 2, "etp": 2}, "moe", (SLOW,)),
     ("tp2-pp2-dp2", 8, {"tp": 2, "pp": 2}, "moe", (SLOW,)),
     ("tp2-ep2-pp2", 4, {"tp": 2, "ep": 2, "etp": 1, "pp": 2}, "moe", (SLOW,)),
+    ("tp2-sp", 2, {"tp": 2, "sequence_parallel": True}, "nemotron-h", ()),
+    ("pp2", 2, {"pp": 2}, "nemotron-h", ()),
+    ("tp2-pp2", 4, {"tp": 2, "pp": 2}, "nemotron-h", (SLOW,)),
+    ("tp2-sp", 2, {"tp": 2, "sequence_parallel": True}, "qwen3-next", (SLOW,)),
+    ("pp2", 2, {"pp": 2}, "qwen3-next", ()),
+    ("ep2", 2, {"ep": 2}, "qwen3-next", ()),
+    ("tp2-pp2", 4, {"tp": 2, "pp": 2}, "qwen3-next", (SLOW,)),
 ]
 
 FP32_CELL = ("tp2-ep2-pp2", 4, {"tp": 2, "ep": 2, "etp": 1, "pp": 2}, "moe")
@@ -554,13 +569,13 @@ def test_matrix_models_are_deterministic(tmp_path, corpus_cache, monkeypatch):
         model = gpt_config(tiny_config(tmp_path, **_sections(kind, {})))
         assert model.params_dtype == torch.float64, kind
         assert model.hidden_dropout == 0.0 and model.attention_dropout == 0.0, kind
-        if kind == "dense":
+        if kind in ("dense", "nemotron-h"):
             assert model.moe is None
             continue
         router = model.moe.router
         assert router.input_jitter_eps is None, kind  # no router jitter
         assert router.router_dtype in (None, "fp64"), kind  # the router follows float64
-        if kind == "moe":
+        if kind in ("moe", "qwen3-next"):
             assert router.capacity_factor is None  # dropless: no token is dropped per rank
             assert router.aux_loss_coeff == 0.0 and router.z_loss_coeff is None
         else:  # the per-rank statistics are on (compared over the ranks' token groups)

@@ -176,13 +176,36 @@ def _nested_after(owner: Any, name: str, table: dict[str, Any], model: GPTConfig
     return dataclasses.replace(current, **changes)
 
 
+class _WithChanges:
+    """``base`` read through ``changes`` (attribute lookups only; never validated itself)."""
+
+    def __init__(self, base: GPTConfig, changes: dict[str, Any]) -> None:
+        self._base, self._changes = base, changes
+
+    def __getattr__(self, name: str) -> Any:
+        return self._changes[name] if name in self._changes else getattr(self._base, name)
+
+
 def apply_model_settings(base: GPTConfig, settings: dict[str, Any]) -> GPTConfig:
     """``base`` with the checked ``settings`` applied: the model's own fields first (so a new
     ``hidden_size`` reaches the router, see ``GPTConfig.replace``), then each nested table,
     changing the base's nested config or building one it lacks. Raises ValueError (from the
     configs' own checks) naming the field."""
     scalars = {k: v for k, v in settings.items() if not isinstance(v, dict)}
-    model = base.replace(**scalars)
+    tables = {k: v for k, v in settings.items() if isinstance(v, dict)}
+    try:
+        model = base.replace(**scalars)
+    except ValueError:
+        if not tables:
+            raise
+        # A field that needs a table of the same settings (a hybrid pattern's MTP depths need
+        # [model.mtp]): everything in one replace, the tables built against base + scalars.
+        preview = _WithChanges(base, scalars)
+        nested = {
+            name: _nested_after(base, name, table, preview, f"model.{name}")
+            for name, table in tables.items()
+        }
+        return base.replace(**scalars, **nested)
     for name, table in settings.items():
         if isinstance(table, dict):
             model = model.replace(
