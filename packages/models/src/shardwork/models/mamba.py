@@ -159,11 +159,14 @@ class Mamba2Mixer(ShardedModule):
         return -torch.exp(self.A_log.to(torch.promote_types(dtype, torch.float32)))
 
     def _output(self, y, x, z):
-        """Skip, gated norm: ``y``/``x [..., nh, p]``, ``z [..., nh·p]`` -> ``[..., nh·p]``."""
-        y = y + self.D.to(y.dtype)[:, None] * x
-        return gated_group_rmsnorm(
+        """Skip, gated norm: ``y``/``x [..., nh, p]``, ``z [..., nh·p]`` -> ``[..., nh·p]``
+        in ``x``'s dtype; the skip is added in at least float32 like the scan."""
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        y = y.to(dtype) + self.D.to(dtype)[:, None] * x.to(dtype)
+        out = gated_group_rmsnorm(
             y.flatten(-2), z, self.norm.weight, groups=self.num_groups, eps=self.eps
         )
+        return out.to(x.dtype)
 
     # ---- whole sequences -----------------------------------------------------------------
     def forward(self, hidden: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
