@@ -37,7 +37,7 @@ import torch
 
 from shardwork.models.attention import Attention
 from shardwork.models.config import GPTConfig
-from shardwork.models.deltanet import build_gated_deltanet
+from shardwork.models.deltanet import GatedDeltaNetMixer
 from shardwork.models.mla import MLAttention
 from shardwork.models.mlp import SwiGLUMLP
 from shardwork.models.moe.layer import MoELayer
@@ -183,4 +183,6 @@ def _rmsnorm(ctx: BuildContext, size: int) -> RMSNorm:
 
 
 register_norm("rmsnorm", _rmsnorm)
-register_mixer("gated_deltanet", build_gated_deltanet)
+register_mixer(
+    "gated_deltanet", lambda c, i: GatedDeltaNetMixer(c.config, c.groups, device=c.device)
+)
