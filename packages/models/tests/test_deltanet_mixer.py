@@ -4,8 +4,8 @@ fallback path, asserted), its own recurrent ``step``, and the HF weight mapping.
 Precision: both modules hold fp64 weights and inputs, but transformers' torch delta rule
 computes in float32 whatever the input dtype (``torch_chunk_gated_delta_rule`` casts, and
 ``g`` is computed from ``a.float()``), so the comparison with it runs at float32 rounding:
-``ULPS_F32`` float32 ulps at the tensor's scale. Measured max error of outputs and input
-gradients: a few float32 ulps; of parameter gradients up to ~110 ulps (``A_log``, ``dt_bias``:
+``ULPS_F32`` float32 ulps at the tensor's scale. Measured max error: outputs 3.5, input
+gradients 7.7 float32 ulps; of parameter gradients up to ~110 ulps (``A_log``, ``dt_bias``:
 sums over all tokens of float32 terms through ``exp``/``softplus``), hence their budget of
 ``ULPS_F32 · b·s``. A wrong weight order or gate is off by O(1).
 """

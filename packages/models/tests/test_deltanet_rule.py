@@ -132,3 +132,5 @@ def test_bad_shapes_are_refused():
         gated_delta_rule_chunked(q, k, v, g[..., :1], beta, 4)
     with pytest.raises(ValueError, match="initial_state"):
         gated_delta_rule_chunked(q, k, v, g, beta, 4, initial_state=state[:, :1])
+    with pytest.raises(ValueError, match="chunk_size=0 is invalid"):
+        gated_delta_rule_chunked(q, k, v, g, beta, 0)

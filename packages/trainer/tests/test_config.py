@@ -94,6 +94,22 @@ def test_a_moe_table_on_a_dense_model_builds_the_moe_config():
     assert (model.moe.router.hidden_size, model.moe.router.init_std) == (128, model.init_method_std)
 
 
+def test_a_linear_attention_table_builds_the_gated_deltanet_config():
+    gdn = {"num_key_heads": 2, "num_value_heads": 4, "key_head_dim": 16, "value_head_dim": 8}
+    model = gpt_config(
+        validate_config(config_from_dict({"model": {"linear_attention": gdn}}), world_size=1)
+    )
+    assert dataclasses.asdict(model.linear_attention) == {
+        **gdn,
+        "conv_kernel": 4,
+        "chunk_size": 64,
+        "qk_l2norm_epsilon": 1e-6,
+    }
+    table = {"model": {"linear_attention": gdn}, "parallel": {"cp": 2}}
+    with pytest.raises(ConfigError, match=r"do not support context parallelism \(cp=2\)"):
+        validate_config(config_from_dict(table), world_size=2)
+
+
 @pytest.mark.parametrize(
     ("table", "message"),
     [

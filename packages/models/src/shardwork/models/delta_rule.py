@@ -79,6 +79,8 @@ def gated_delta_rule_chunked(
     ``initial_state [b, nh, dk, dv]`` or None (zeros). Returns ``o [b, s, nh, dv]`` and the
     final state ``[b, nh, dk, dv]``. Computes in the inputs' dtype (callers upcast bf16).
     """
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size!r} is invalid: it must be an integer >= 1")
     _check_shapes(q, k, v, g, beta, initial_state)
     b, s, nh, dk = q.shape
     dv = v.shape[-1]

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -43,10 +42,7 @@ from shardwork.models.parallel_linear import ColumnParallelLinear, RowParallelLi
 from shardwork.models.sharding import UniformInit, describe_param
 from shardwork.parallel_state import ParamMeta, ProcessGroups
 
-if TYPE_CHECKING:
-    from shardwork.models.layer_kinds import BuildContext
-
-__all__ = ["A_LOG_INIT", "DeltaNetState", "GatedDeltaNetMixer", "build_gated_deltanet"]
+__all__ = ["A_LOG_INIT", "DeltaNetState", "GatedDeltaNetMixer"]
 
 A_LOG_INIT = UniformInit(0.01, 16.0, torch.log)
 """``A_log = log U(0.01, 16)`` per value head, as transformers initialises Qwen3-Next (the
@@ -223,8 +219,3 @@ class GatedDeltaNetMixer(ShardedModule):
         o, recurrent = gated_delta_rule_step(state.recurrent, q, k, v, g, beta)
         out = self.out_proj(self._output(o, z).unsqueeze(0))[0]
         return out, DeltaNetState(conv=window[..., 1:].to(state.conv.dtype), recurrent=recurrent)
-
-
-def build_gated_deltanet(ctx: BuildContext, layer_number: int) -> GatedDeltaNetMixer:
-    """The ``"gated_deltanet"`` mixer kind's builder (registered in ``layer_kinds``)."""
-    return GatedDeltaNetMixer(ctx.config, ctx.groups, device=ctx.device)

@@ -65,7 +65,8 @@ class GatedDeltaNetConfig:
                 f"GatedDeltaNetConfig.num_value_heads={self.num_value_heads} is invalid: it must "
                 f"be a multiple of num_key_heads={self.num_key_heads}"
             )
-        if isinstance(self.qk_l2norm_epsilon, bool) or not self.qk_l2norm_epsilon > 0:
+        eps = self.qk_l2norm_epsilon
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
             raise ValueError(
                 f"GatedDeltaNetConfig.qk_l2norm_epsilon={self.qk_l2norm_epsilon!r} is invalid: "
                 "it must be a number > 0"

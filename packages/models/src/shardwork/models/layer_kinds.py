@@ -41,7 +41,7 @@ import torch
 
 from shardwork.models.attention import Attention
 from shardwork.models.config import GPTConfig
-from shardwork.models.deltanet import build_gated_deltanet
+from shardwork.models.deltanet import GatedDeltaNetMixer
 from shardwork.models.mamba import Mamba2Mixer
 from shardwork.models.mla import MLAttention
 from shardwork.models.mlp import SwiGLUMLP
@@ -193,4 +193,6 @@ def _rmsnorm(ctx: BuildContext, size: int) -> RMSNorm:
 register_norm("rmsnorm", _rmsnorm)
 
 register_mixer("mamba", lambda c, i: Mamba2Mixer(c.config, c.groups, device=c.device))
-register_mixer("gated_deltanet", build_gated_deltanet)
+register_mixer(
+    "gated_deltanet", lambda c, i: GatedDeltaNetMixer(c.config, c.groups, device=c.device)
+)
