@@ -39,7 +39,7 @@ from shardwork.models.context_parallel import (
     local_positions,
 )
 from shardwork.models.embedding import LMHead, VocabParallelEmbedding
-from shardwork.models.layer_kinds import BuildContext, attach_model_state
+from shardwork.models.layer_kinds import WHOLE_SEQUENCE_MIXERS, BuildContext, attach_model_state
 from shardwork.models.loss import token_loss
 from shardwork.models.module import ShardedModule, to_empty_keep_meta
 from shardwork.models.mtp import MultiTokenPrediction
@@ -187,6 +187,15 @@ class GPTModel(ShardedModule):
                 raise ValueError(
                     f"packed sequences (cu_seqlens) with cp={cp} are not supported: use cp=1 or "
                     "unpacked batches"
+                )
+            scans = sorted(
+                {x.mixer for x in self.spec.layers + self.spec.mtp} & WHOLE_SEQUENCE_MIXERS
+            )
+            if scans:
+                raise ValueError(
+                    f"packed sequences (cu_seqlens) are not supported by this model's {scans} "
+                    "layers: their scans run each row from a zero state and would carry state "
+                    "across documents; pass unpacked batches"
                 )
             cu = cu_seqlens.to(device)
             positions = packed_positions(cu)

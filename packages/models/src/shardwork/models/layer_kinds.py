@@ -56,6 +56,7 @@ __all__ = [
     "MIXERS",
     "MLPS",
     "NORMS",
+    "WHOLE_SEQUENCE_MIXERS",
     "BuildContext",
     "MLPKind",
     "attach_model_state",
@@ -95,6 +96,9 @@ class MLPKind:
     attach: Callable[[torch.nn.Module, GPTConfig, torch.device], None] | None = None
 
 
+WHOLE_SEQUENCE_MIXERS = frozenset({"mamba", "gated_deltanet"})
+"""Mixer kinds whose recurrent scans need whole, unpacked rows (a model refuses
+``cu_seqlens`` when its spec has one)."""
 MIXERS: dict[str, Builder] = {}
 """Mixer kind -> builder."""
 MLPS: dict[str, MLPKind] = {}
