@@ -5,11 +5,12 @@ width, ``S`` shared-expert width, ``n`` heads, ``dn``/``dr``/``dv`` MLA head dim
 MLA latent ranks, ``D`` MTP depths.
 
 Per layer (exact, as the model builds them):
-  attention (GQA)  ``h·(a+2g)·d + a·d·h [+ (a+2g)·d bias] [+ 2d qk-norm]``
+  attention (GQA)  ``h·(q·a+2g)·d + a·d·h [+ (q·a+2g)·d bias] [+ 2d qk-norm]`` (``q`` = 2
+                   with the attention output gate, else 1)
   attention (MLA)  ``[h·rq + rq + rq·n·(dn+dr) | h·n·(dn+dr)] + h·(rkv+dr) + rkv
                    + rkv·n·(dn+dv) + n·dv·h``
   norms            ``2h``
-  dense MLP        ``3·h·f``
+  dense MLP        ``m·h·f`` (``m`` = 3 SwiGLU, 2 squared ReLU)
   MoE MLP          total ``E·h (router) + E·3·h·F + 3·h·S [+ h gate]``;
                    active ``E·h + k·3·h·F + 3·h·S [+ h]``
 Model: ``Σ layers + V·h (embedding) [+ V·h untied head] + h (final norm)``; each MTP depth adds
@@ -19,7 +20,7 @@ Training FLOPs per token: ``3 × forward``, forward ``= 2·(matmul weights a tok
 through) + attention scores``.
 
 - Matmul weights per layer are the active weights without norms and biases. Attention is
-  ``h·(n+2g)·d + n·d·h`` (GQA) or the MLA projections. The MLP is ``3·h·f`` when dense. An MoE
+  ``h·(n+2g)·d + n·d·h`` (GQA) or the MLA projections. The MLP is ``m·h·f`` when dense. An MoE
   MLP is ``E·h`` (router) ``+ k·3·h·F`` (each token passes through exactly ``k`` experts; dropless
   routing) ``+ 3·h·S [+ h gate]``.
 - The attention scores are ``2·s·n·(dq + dv)·c`` per layer. ``dq`` is the query/key head width,
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardwork.models.calculator_layers import mlp_matrices, query_blocks
 from shardwork.models.config import GPTConfig
 
 __all__ = ["ParamCounts", "moe_flops_per_token", "moe_param_counts"]
@@ -69,7 +71,7 @@ def _attention_matmul(c: GPTConfig) -> int:
     h, n = c.hidden_size, c.num_attention_heads
     if c.mla is None:
         d, g = c.kv_channels, c.kv_heads
-        return h * (n + 2 * g) * d + n * d * h
+        return h * (query_blocks(c) * n + 2 * g) * d + n * d * h
     m = c.mla
     if m.q_lora_rank is None:
         q = h * n * m.qk_head_dim
@@ -88,7 +90,7 @@ def _attention(c: GPTConfig) -> int:
         return p + c.mla.kv_lora_rank + (c.mla.q_lora_rank or 0)
     d, g = c.kv_channels, c.kv_heads
     if c.add_qkv_bias:
-        p += (c.num_attention_heads + 2 * g) * d
+        p += (query_blocks(c) * c.num_attention_heads + 2 * g) * d
     if c.qk_layernorm:
         p += 2 * d
     return p
@@ -118,7 +120,7 @@ def moe_param_counts(config: GPTConfig) -> ParamCounts:
         if c.moe is not None and c.moe.is_moe_layer(layer):
             t, a, r = _moe_mlp(c)
         else:
-            t = a = 3 * h * c.ffn_hidden_size
+            t = a = mlp_matrices(c) * h * c.ffn_hidden_size
             r = 0
         total += base + t
         active += base + a
@@ -131,7 +133,7 @@ def moe_param_counts(config: GPTConfig) -> ParamCounts:
         if c.moe is not None:
             t, a, r = _moe_mlp(c)
         else:
-            t = a = 3 * h * c.ffn_hidden_size
+            t = a = mlp_matrices(c) * h * c.ffn_hidden_size
             r = 0
         # eh_proj [h, 2h], enorm + hnorm + final norm, and the depth's attention + layer norms.
         extra = 2 * h * h + 3 * h + base
@@ -150,7 +152,7 @@ def moe_param_counts(config: GPTConfig) -> ParamCounts:
 def _mlp_matmul(c: GPTConfig, moe_layer: bool) -> int:
     """Matmul weights one token passes through in an MLP (router and k experts if MoE)."""
     if not moe_layer:
-        return 3 * c.hidden_size * c.ffn_hidden_size
+        return mlp_matrices(c) * c.hidden_size * c.ffn_hidden_size
     return _moe_mlp(c)[1]  # active: router + k experts + shared (+ gate); all matmuls
 
 
