@@ -21,6 +21,7 @@ from shardwork.models.pipeline import build_stage
 from shardwork.models.presets_moe import PUBLISHED_MOE_PARAMS
 from shardwork.parallel_state import ParallelConfig, get_param_meta
 
+GATED_RELU2 = dict(attention_output_gate=True, mlp_activation="relu2")  # hybrid layer options
 # (preset, overrides, tp, pp, vpp, ep, etp, cp, world)
 LAYOUTS = [
     ("tiny-deepseek-v3", dict(num_layers=4), 1, 1, None, 2, 1, 1, 2),
@@ -33,17 +34,7 @@ LAYOUTS = [
     ("tiny-qwen3-30b-a3b", {}, 1, 2, None, 4, 1, 1, 8),
     ("tiny-llama3-8b", dict(num_layers=4), 2, 2, None, 1, 1, 2, 8),
     ("tiny-qwen3-8b", dict(tie_word_embeddings=True), 2, 2, None, 1, 1, 1, 4),
-    (
-        "tiny-qwen3-8b",
-        dict(attention_output_gate=True, mlp_activation="relu2"),
-        2,
-        2,
-        None,
-        1,
-        1,
-        1,
-        4,
-    ),
+    ("tiny-qwen3-8b", GATED_RELU2, 2, 2, None, 1, 1, 1, 4),
     ("tiny-qwen3-30b-a3b", dict(attention_output_gate=True), 2, 2, None, 2, 1, 1, 8),
 ]
 
