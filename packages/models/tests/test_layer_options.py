@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardwork.fused_kernels import YarnRopeScaling
 from shardwork.models import (
     DecoderSpec,
     GPTModel,
@@ -20,6 +21,7 @@ from shardwork.models import (
     spec_for,
 )
 from shardwork.models.full_state import full_state_dict
+from shardwork.models.hf import adapter_for_config
 from shardwork.models.hf.gated_attention_weights import merge_gated_q_proj, split_gated_q_proj
 from shardwork.models.testing import compare_with_single_rank, random_batch
 from shardwork.parallel_state.testing import run_on_ranks
@@ -54,8 +56,6 @@ def test_invalid_layer_options_name_field_value_and_valid_values(fields, expecte
 
 
 def test_rope_scaling_without_rope_is_refused():
-    from shardwork.fused_kernels import YarnRopeScaling
-
     scaling = YarnRopeScaling(factor=4.0, original_max_position_embeddings=64)
     with pytest.raises(ValueError, match=r"rope_scaling=.*position_embedding_type='rope'"):
         preset(QWEN3, position_embedding_type="none", rope_scaling=scaling)
@@ -220,3 +220,25 @@ def test_layer_options_tp2_and_sp_match_single_rank():
     """Loss and every parameter's full gradient at TP=2 (±SP) equal world size 1 (fp64)."""
     losses = run_on_ranks(_compare_cases, 2)
     assert losses[0] == losses[1]
+
+
+# ---- Hugging Face families without the options ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "over"),
+    [
+        (QWEN3, dict(attention_output_gate=True)),
+        ("tiny-llama3-8b", dict(mlp_activation="relu2")),
+        ("tiny-llama3-8b", dict(position_embedding_type="none")),
+        ("tiny-qwen2.5-7b", dict(rotary_percent=0.5)),
+        ("tiny-qwen3-30b-a3b", dict(layernorm_zero_centered_gamma=True)),
+        ("tiny-deepseek-v3", dict(layernorm_zero_centered_gamma=True)),
+    ],
+)
+def test_existing_hf_adapters_do_not_claim_layer_options(name, over):
+    """A Llama/Qwen/MoE/DeepSeek export of such a model would silently drop the option."""
+    assert adapter_for_config(preset(name)) is not None  # the plain model exports
+    ((field, value),) = over.items()
+    with pytest.raises(ValueError, match=rf"{field}={value!r}.*claimed by: none"):
+        adapter_for_config(preset(name, **over))

@@ -11,10 +11,34 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["MLP_ACTIVATIONS", "POSITION_EMBEDDING_TYPES", "check_layer_options"]
+__all__ = [
+    "LAYER_OPTION_DEFAULTS",
+    "MLP_ACTIVATIONS",
+    "POSITION_EMBEDDING_TYPES",
+    "check_layer_options",
+    "non_default_layer_options",
+]
 
 POSITION_EMBEDDING_TYPES = ("rope", "none")
 MLP_ACTIVATIONS = ("swiglu", "relu2")
+LAYER_OPTION_DEFAULTS = {
+    "attention_output_gate": False,
+    "position_embedding_type": "rope",
+    "rotary_percent": 1.0,
+    "layernorm_zero_centered_gamma": False,
+    "mlp_activation": "swiglu",
+}
+"""The options' values in a model without them (the Llama/Qwen/Mixtral/DeepSeek layers)."""
+
+
+def non_default_layer_options(config: Any) -> dict[str, Any]:
+    """The layer options ``config`` sets away from their defaults, by field name: a Hugging
+    Face adapter of a family without them must not claim such a config."""
+    return {
+        name: getattr(config, name)
+        for name, default in LAYER_OPTION_DEFAULTS.items()
+        if getattr(config, name) != default
+    }
 
 
 def _bool(name: str, value: Any) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 from shardwork.models.config import GPTConfig
 from shardwork.models.hf.adapter import HFAdapter
 from shardwork.models.hf.shared_fields import shared_fields_from_hf, shared_fields_to_hf
+from shardwork.models.layer_options import non_default_layer_options
 
 __all__ = ["DENSE_ADAPTERS", "LLAMA", "QWEN2", "QWEN3"]
 
@@ -45,7 +46,9 @@ def _dense_to_hf(config: GPTConfig) -> dict[str, Any]:
 
 
 def _is_dense(config: GPTConfig) -> bool:
-    return config.moe is None and config.mla is None
+    # Llama/Qwen layers have none of the hybrid families' options (gate, partial or no RoPE, ...)
+    plain = not non_default_layer_options(config)
+    return config.moe is None and config.mla is None and plain
 
 
 def _llama_from_hf(hf: dict[str, Any]) -> dict[str, Any]:

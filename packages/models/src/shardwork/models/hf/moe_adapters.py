@@ -35,6 +35,7 @@ from shardwork.models.hf.moe_fields import (
     qwen_moe_to_hf,
 )
 from shardwork.models.hf.shared_fields import shared_fields_from_hf, shared_fields_to_hf
+from shardwork.models.layer_options import non_default_layer_options
 
 __all__ = ["DEEPSEEK_V3", "MIXTRAL", "MOE_ADAPTERS", "MOE_MODEL_TYPES", "QWEN2_MOE", "QWEN3_MOE"]
 
@@ -67,8 +68,13 @@ def _qwen_moe_claim(config: GPTConfig) -> bool:
     )
 
 
+def _plain_layers(config: GPTConfig) -> bool:
+    """No hybrid-family layer option: these families' layers have none."""
+    return not non_default_layer_options(config)
+
+
 def _plain_moe(config: GPTConfig) -> bool:
-    return config.moe is not None and config.mla is None
+    return config.moe is not None and config.mla is None and _plain_layers(config)
 
 
 def _expert_rules(moe: str, names: tuple[str, str, str], shared: str) -> tuple:
@@ -128,7 +134,7 @@ DEEPSEEK_V3 = HFAdapter(
     architecture="DeepseekV3ForCausalLM",
     fields_from_hf=lambda hf: _moe_fields(hf) | deepseek_fields(hf),
     fields_to_hf=lambda c: _moe_to_hf(c) | deepseek_to_hf(c),
-    claims=lambda c: c.mla is not None,
+    claims=lambda c: c.mla is not None and _plain_layers(c),
     layer_rules=_expert_rules("mlp", _PROJ, "shared_experts") + _MLA_RULES,
     weight_layout="experts",
     mtp_copies=True,
