@@ -15,6 +15,7 @@ from shardwork.models import (
     DecoderSpec,
     GPTModel,
     LayerSpec,
+    MTPConfig,
     RMSNorm,
     SquaredReLUMLP,
     preset,
@@ -91,6 +92,8 @@ def test_spec_for_derives_rotary_width_mlp_kind_and_no_table():
     assert [s.mlp for s in spec_for(relu2).layers] == ["relu2"] * 3
     model = GPTModel(relu2, device="meta")
     assert all(isinstance(layer.mlp, SquaredReLUMLP) for layer in model.decoder.layers)
+    with_mtp = GPTModel(relu2.replace(mtp=MTPConfig(num_layers=1)), device="meta")
+    assert isinstance(with_mtp.mtp.layers[0].transformer_layer.mlp, SquaredReLUMLP)
 
 
 def test_spec_without_rotary_table_is_refused_for_rotating_attention():
@@ -212,12 +215,16 @@ _LAYOUT_CASES = [
 
 
 def _compare_cases():
-    return [compare_with_single_rank(QWEN3, tp=2, **case) for case in _LAYOUT_CASES]
+    losses = [compare_with_single_rank(QWEN3, tp=2, **case) for case in _LAYOUT_CASES]
+    # Context parallel: queries keep their own gate rows and rotate at their global positions.
+    gated = dict(attention_output_gate=True, rotary_percent=0.25)
+    return [*losses, compare_with_single_rank(QWEN3, cp=2, **gated)]
 
 
 @pytest.mark.multirank
 def test_layer_options_tp2_and_sp_match_single_rank():
-    """Loss and every parameter's full gradient at TP=2 (±SP) equal world size 1 (fp64)."""
+    """Loss and every parameter's full gradient at TP=2 (±SP) and CP=2 equal world size 1
+    (fp64)."""
     losses = run_on_ranks(_compare_cases, 2)
     assert losses[0] == losses[1]
 
