@@ -50,7 +50,7 @@ class GPTConfig:
     num_attention_heads: int
     """Query heads."""
     ffn_hidden_size: int
-    """SwiGLU intermediate size (each of gate and up)."""
+    """MLP intermediate size (each of SwiGLU's gate and up; the squared-ReLU MLP's up)."""
     vocab_size: int
     """Real vocabulary size (rows of the embedding that are saved and exported)."""
     num_query_groups: int | None = None
