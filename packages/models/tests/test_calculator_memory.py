@@ -21,7 +21,8 @@ from shardwork.models.pipeline import build_stage
 from shardwork.models.presets_moe import PUBLISHED_MOE_PARAMS
 from shardwork.parallel_state import ParallelConfig, get_param_meta
 
-GATED_RELU2 = dict(attention_output_gate=True, mlp_activation="relu2")  # hybrid layer options
+# hybrid layer options
+GATED_RELU2 = dict(attention_output_gate=True, mlp_activation="relu2", add_mlp_bias=True)
 # (preset, overrides, tp, pp, vpp, ep, etp, cp, world)
 LAYOUTS = [
     ("tiny-deepseek-v3", dict(num_layers=4), 1, 1, None, 2, 1, 1, 2),

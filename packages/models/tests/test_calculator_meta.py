@@ -143,6 +143,8 @@ LAYER_OPTIONS = [
     ("tiny-qwen2.5-7b", dict(attention_output_gate=True)),  # gated, with QKV bias
     ("tiny-llama3-8b", dict(position_embedding_type="none", mlp_activation="relu2")),
     ("tiny-qwen3-30b-a3b", dict(attention_output_gate=True)),  # gated attention with MoE
+    ("tiny-llama3-8b", dict(mlp_activation="relu2", add_mlp_bias=True)),
+    ("tiny-qwen3-8b", dict(add_mlp_bias=True)),
 ]
 
 
@@ -151,7 +153,8 @@ def test_param_count_of_layer_options_matches_meta_model(name, over):
     config = preset(name, **over)
     meta_count = sum(_real_params(GPTModel(config, device="meta")).values())
     assert num_parameters(config) == meta_count
-    # The options change the count by the gate block / the missing gate matrix of the MLP.
+    # The options change the count by the gate block / the missing gate matrix of the MLP / the
+    # MLP biases.
     base = preset(name)
     h, a, d, f = base.hidden_size, base.num_attention_heads, base.kv_channels, base.ffn_hidden_size
     delta = 0
@@ -159,6 +162,9 @@ def test_param_count_of_layer_options_matches_meta_model(name, over):
         delta += base.num_layers * a * d * (h + (1 if base.add_qkv_bias else 0))
     if config.mlp_activation == "relu2":
         delta -= base.num_layers * h * f
+    if config.add_mlp_bias:  # fc1's (2f SwiGLU, f relu2) and fc2's (h)
+        fc1 = f if config.mlp_activation == "relu2" else 2 * f
+        delta += base.num_layers * (fc1 + h)
     assert num_parameters(config) - num_parameters(base) == delta
 
 

@@ -49,6 +49,7 @@ QWEN3 = "tiny-qwen3-8b"  # 4 heads, 2 kv heads, head_dim 16, QK-norm
         ),
         (dict(attention_output_gate=1), r"attention_output_gate=1 .*True or False"),
         (dict(layernorm_zero_centered_gamma="yes"), r"layernorm_zero_centered_gamma='yes'"),
+        (dict(add_mlp_bias=None), r"add_mlp_bias=None .*True or False"),
     ],
 )
 def test_invalid_layer_options_name_field_value_and_valid_values(fields, expected):
@@ -75,9 +76,11 @@ def test_mla_refuses_options_it_does_not_implement(fields, expected):
         preset("tiny-deepseek-v3", **fields)
 
 
-def test_relu2_with_moe_is_refused():
+def test_relu2_and_mlp_bias_with_moe_are_refused():
     with pytest.raises(ValueError, match=r"mlp_activation='relu2' is not supported with moe"):
         preset("tiny-mixtral-8x7b", mlp_activation="relu2")
+    with pytest.raises(ValueError, match=r"add_mlp_bias=True is not supported with moe"):
+        preset("tiny-mixtral-8x7b", add_mlp_bias=True)
 
 
 # ---- spec_for ------------------------------------------------------------------------------
@@ -200,6 +203,7 @@ _LAYOUT_CASES = [
         attention_output_gate=True,
         rotary_percent=0.25,
         layernorm_zero_centered_gamma=True,
+        add_mlp_bias=True,
         sequence_parallel=True,
     ),
     dict(attention_output_gate=True, rotary_percent=0.5, recompute="selective"),
@@ -208,6 +212,7 @@ _LAYOUT_CASES = [
     dict(
         position_embedding_type="none",
         mlp_activation="relu2",
+        add_mlp_bias=True,
         qk_layernorm=False,
         sequence_parallel=True,
     ),
@@ -240,6 +245,7 @@ def test_layer_options_tp2_and_sp_match_single_rank():
         ("tiny-llama3-8b", dict(position_embedding_type="none")),
         ("tiny-qwen2.5-7b", dict(rotary_percent=0.5)),
         ("tiny-qwen3-30b-a3b", dict(layernorm_zero_centered_gamma=True)),
+        ("tiny-llama3.2-1b", dict(add_mlp_bias=True)),
         ("tiny-deepseek-v3", dict(layernorm_zero_centered_gamma=True)),
     ],
 )

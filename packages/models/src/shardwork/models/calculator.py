@@ -6,7 +6,8 @@ Notation: ``L`` layers, ``h`` hidden, ``a`` query heads, ``g`` kv heads, ``d`` h
 gate; else 1), ``m`` matrices of the dense MLP (3 SwiGLU, 2 ``mlp_activation="relu2"``).
 
 Parameters (exact, matches the model's real rows):
-  per layer  ``P_L = h·(q·a+2g)·d [+ (q·a+2g)·d bias] + a·d·h + m·h·f + 2·h [+ 2·d qk-norm]``
+  per layer  ``P_L = h·(q·a+2g)·d [+ (q·a+2g)·d bias] + a·d·h + m·h·f [+ (m−1)·f + h MLP bias]
+             + 2·h [+ 2·d qk-norm]``
   total      ``P = L·P_L + V·h (embedding) + V·h (head, if untied) + h (final norm)``
 
 Training FLOPs per token (matmuls only, forward + backward = 3 × forward):
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwork.models.calculator_layers import mlp_matrices, query_blocks
+from shardwork.models.calculator_layers import mlp_bias_params, mlp_matrices, query_blocks
 from shardwork.models.calculator_memory import local_parameters, stage_activation_bytes
 from shardwork.models.calculator_moe import moe_flops_per_token, moe_param_counts
 from shardwork.models.config import RECOMPUTE_MODES, GPTConfig
@@ -36,7 +37,7 @@ __all__ = ["MemoryEstimate", "flops_per_token", "memory_estimate", "num_paramete
 def _layer_params(c: GPTConfig) -> int:
     d, a, g, h = c.kv_channels, c.num_attention_heads, c.kv_heads, c.hidden_size
     qa, f = query_blocks(c) * a, c.ffn_hidden_size
-    n = h * (qa + 2 * g) * d + a * d * h + mlp_matrices(c) * h * f + 2 * h
+    n = h * (qa + 2 * g) * d + a * d * h + mlp_matrices(c) * h * f + 2 * h + mlp_bias_params(c)
     if c.add_qkv_bias:
         n += (qa + 2 * g) * d
     if c.qk_layernorm:

@@ -7,7 +7,8 @@ parallel ``edp = tp·cp·dp / (ep·etp)``, ``V_p`` the padded vocabulary.
 Parameters (exact local elements, the shapes the model allocates on that rank; padded vocab
 rows included, so the count is what occupies memory):
   dense   attention ``/tp`` along heads, the output gate's block too (MLA: its down
-          projections and latent norms are replicated), norms and routers replicated, dense MLP and shared experts ``/tp``,
+          projections and latent norms are replicated), norms and routers replicated, dense
+          MLP and shared experts ``/tp`` (with ``add_mlp_bias``, ``fc2``'s bias replicated),
           embedding / untied head / MTP embedding copy ``V_p·h/tp``, MTP ``eh_proj 2h·h/tp``
   expert  ``(E/ep) · 3·h·F/etp`` per MoE layer (``ParamMeta.is_expert``)
 Bytes: weights ``P·bytes(params_dtype)``; gradients ``P·4`` (fp32 ``main_grad``); optimizer
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardwork.models.calculator_layers import mlp_matrices, query_blocks
+from shardwork.models.calculator_layers import mlp_bias_params, mlp_matrices, query_blocks
 from shardwork.models.config import GPTConfig
 from shardwork.models.pipeline.split import layer_split
 from shardwork.parallel_state import ParallelConfig
@@ -104,7 +105,7 @@ def _mlp_params(c: GPTConfig, layer: int, *, tp: int, ep: int, etp: int) -> tupl
     """(dense, expert) local elements of global layer ``layer``'s MLP (MTP layers: >= L)."""
     h, m = c.hidden_size, c.moe
     if m is None or (layer < c.num_layers and not m.is_moe_layer(layer)):
-        return mlp_matrices(c) * h * (c.ffn_hidden_size // tp), 0
+        return mlp_matrices(c) * h * (c.ffn_hidden_size // tp) + mlp_bias_params(c, tp), 0
     dense = m.router.num_experts * h  # router, replicated
     if m.shared_expert_ffn_hidden_size is not None:
         dense += 3 * h * (m.shared_expert_ffn_hidden_size // tp)

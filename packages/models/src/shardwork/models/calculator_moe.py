@@ -10,7 +10,7 @@ Per layer (exact, as the model builds them):
   attention (MLA)  ``[h·rq + rq + rq·n·(dn+dr) | h·n·(dn+dr)] + h·(rkv+dr) + rkv
                    + rkv·n·(dn+dv) + n·dv·h``
   norms            ``2h``
-  dense MLP        ``m·h·f`` (``m`` = 3 SwiGLU, 2 squared ReLU)
+  dense MLP        ``m·h·f [+ (m−1)·f + h bias]`` (``m`` = 3 SwiGLU, 2 squared ReLU)
   MoE MLP          total ``E·h (router) + E·3·h·F + 3·h·S [+ h gate]``;
                    active ``E·h + k·3·h·F + 3·h·S [+ h]``
 Model: ``Σ layers + V·h (embedding) [+ V·h untied head] + h (final norm)``; each MTP depth adds
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwork.models.calculator_layers import mlp_matrices, query_blocks
+from shardwork.models.calculator_layers import mlp_bias_params, mlp_matrices, query_blocks
 from shardwork.models.config import GPTConfig
 
 __all__ = ["ParamCounts", "moe_flops_per_token", "moe_param_counts"]
@@ -120,7 +120,7 @@ def moe_param_counts(config: GPTConfig) -> ParamCounts:
         if c.moe is not None and c.moe.is_moe_layer(layer):
             t, a, r = _moe_mlp(c)
         else:
-            t = a = mlp_matrices(c) * h * c.ffn_hidden_size
+            t = a = mlp_matrices(c) * h * c.ffn_hidden_size + mlp_bias_params(c)
             r = 0
         total += base + t
         active += base + a
@@ -133,7 +133,7 @@ def moe_param_counts(config: GPTConfig) -> ParamCounts:
         if c.moe is not None:
             t, a, r = _moe_mlp(c)
         else:
-            t = a = mlp_matrices(c) * h * c.ffn_hidden_size
+            t = a = mlp_matrices(c) * h * c.ffn_hidden_size + mlp_bias_params(c)
             r = 0
         # eh_proj [h, 2h], enorm + hnorm + final norm, and the depth's attention + layer norms.
         extra = 2 * h * h + 3 * h + base

@@ -83,6 +83,8 @@ class GPTConfig:
     """Every RMSNorm computes ``x̂·(1 + w)`` with ``w`` initialised to zeros (Qwen3-Next)."""
     mlp_activation: str = "swiglu"
     """Dense MLP: "swiglu" (gated SiLU) or "relu2" (``down(relu(up(x))²)``, Nemotron-H)."""
+    add_mlp_bias: bool = False
+    """Biases on the dense MLP's two linears (Hugging Face's ``mlp_bias``); not with ``moe``."""
     tie_word_embeddings: bool = False
     """LM head reuses the input embedding (kept in sync across pipeline stages)."""
     hidden_dropout: float = 0.0
