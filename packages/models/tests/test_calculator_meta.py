@@ -166,6 +166,12 @@ def test_flops_match_torch_flop_counter(name, recompute):
         config = preset(name, recompute=recompute, mtp=MTPConfig(), **HYBRID_CASES[name])
     else:
         config = preset(name, recompute=recompute)
+    _assert_flops_match_counter(config)
+
+
+def _assert_flops_match_counter(config):
+    """``flops_per_token`` against FlopCounterMode on one forward and backward of ``config``."""
+    recompute = config.recompute
     if config.moe is not None:
         assert config.moe.router.capacity_factor is None  # dropless: expert rows are deterministic
     model = GPTModel(config)
@@ -186,6 +192,43 @@ def test_flops_match_torch_flop_counter(name, recompute):
     if full:
         expected -= _replay_skipped(config, seq)
     assert counter.get_total_flops() == pytest.approx(expected, rel=1e-12)
+
+
+# Qwen3-Next's attention options (gate, partial RoPE) and Nemotron-H's (no RoPE, squared ReLU).
+LAYER_OPTIONS = [
+    ("tiny-qwen3-8b", dict(attention_output_gate=True, rotary_percent=0.25)),
+    ("tiny-qwen2.5-7b", dict(attention_output_gate=True)),  # gated, with QKV bias
+    ("tiny-llama3-8b", dict(position_embedding_type="none", mlp_activation="relu2")),
+    ("tiny-qwen3-30b-a3b", dict(attention_output_gate=True)),  # gated attention with MoE
+    ("tiny-llama3-8b", dict(mlp_activation="relu2", add_mlp_bias=True)),
+    ("tiny-qwen3-8b", dict(add_mlp_bias=True)),
+]
+
+
+@pytest.mark.parametrize(("name", "over"), LAYER_OPTIONS)
+def test_param_count_of_layer_options_matches_meta_model(name, over):
+    config = preset(name, **over)
+    meta_count = sum(_real_params(GPTModel(config, device="meta")).values())
+    assert num_parameters(config) == meta_count
+    # The options change the count by the gate block / the missing gate matrix of the MLP / the
+    # MLP biases.
+    base = preset(name)
+    h, a, d, f = base.hidden_size, base.num_attention_heads, base.kv_channels, base.ffn_hidden_size
+    delta = 0
+    if config.attention_output_gate:
+        delta += base.num_layers * a * d * (h + (1 if base.add_qkv_bias else 0))
+    if config.mlp_activation == "relu2":
+        delta -= base.num_layers * h * f
+    if config.add_mlp_bias:  # fc1's (2f SwiGLU, f relu2) and fc2's (h)
+        fc1 = f if config.mlp_activation == "relu2" else 2 * f
+        delta += base.num_layers * (fc1 + h)
+    assert num_parameters(config) - num_parameters(base) == delta
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize(("name", "over"), LAYER_OPTIONS)
+def test_flops_of_layer_options_match_torch_flop_counter(name, over, recompute):
+    _assert_flops_match_counter(preset(name, recompute=recompute, **over))
 
 
 def test_memory_estimate_basics():

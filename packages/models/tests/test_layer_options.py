@@ -10,16 +10,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardwork.fused_kernels import YarnRopeScaling
 from shardwork.models import (
     DecoderSpec,
     GPTModel,
     LayerSpec,
+    MTPConfig,
     RMSNorm,
     SquaredReLUMLP,
     preset,
     spec_for,
 )
 from shardwork.models.full_state import full_state_dict
+from shardwork.models.hf import adapter_for_config
 from shardwork.models.hf.gated_attention_weights import merge_gated_q_proj, split_gated_q_proj
 from shardwork.models.testing import compare_with_single_rank, random_batch
 from shardwork.parallel_state.testing import run_on_ranks
@@ -46,6 +49,7 @@ QWEN3 = "tiny-qwen3-8b"  # 4 heads, 2 kv heads, head_dim 16, QK-norm
         ),
         (dict(attention_output_gate=1), r"attention_output_gate=1 .*True or False"),
         (dict(layernorm_zero_centered_gamma="yes"), r"layernorm_zero_centered_gamma='yes'"),
+        (dict(add_mlp_bias=None), r"add_mlp_bias=None .*True or False"),
     ],
 )
 def test_invalid_layer_options_name_field_value_and_valid_values(fields, expected):
@@ -54,8 +58,6 @@ def test_invalid_layer_options_name_field_value_and_valid_values(fields, expecte
 
 
 def test_rope_scaling_without_rope_is_refused():
-    from shardwork.fused_kernels import YarnRopeScaling
-
     scaling = YarnRopeScaling(factor=4.0, original_max_position_embeddings=64)
     with pytest.raises(ValueError, match=r"rope_scaling=.*position_embedding_type='rope'"):
         preset(QWEN3, position_embedding_type="none", rope_scaling=scaling)
@@ -74,9 +76,11 @@ def test_mla_refuses_options_it_does_not_implement(fields, expected):
         preset("tiny-deepseek-v3", **fields)
 
 
-def test_relu2_with_moe_is_refused():
+def test_relu2_and_mlp_bias_with_moe_are_refused():
     with pytest.raises(ValueError, match=r"mlp_activation='relu2' is not supported with moe"):
         preset("tiny-mixtral-8x7b", mlp_activation="relu2")
+    with pytest.raises(ValueError, match=r"add_mlp_bias=True is not supported with moe"):
+        preset("tiny-mixtral-8x7b", add_mlp_bias=True)
 
 
 # ---- spec_for ------------------------------------------------------------------------------
@@ -91,6 +95,8 @@ def test_spec_for_derives_rotary_width_mlp_kind_and_no_table():
     assert [s.mlp for s in spec_for(relu2).layers] == ["relu2"] * 3
     model = GPTModel(relu2, device="meta")
     assert all(isinstance(layer.mlp, SquaredReLUMLP) for layer in model.decoder.layers)
+    with_mtp = GPTModel(relu2.replace(mtp=MTPConfig(num_layers=1)), device="meta")
+    assert isinstance(with_mtp.mtp.layers[0].transformer_layer.mlp, SquaredReLUMLP)
 
 
 def test_spec_without_rotary_table_is_refused_for_rotating_attention():
@@ -197,6 +203,7 @@ _LAYOUT_CASES = [
         attention_output_gate=True,
         rotary_percent=0.25,
         layernorm_zero_centered_gamma=True,
+        add_mlp_bias=True,
         sequence_parallel=True,
     ),
     dict(attention_output_gate=True, rotary_percent=0.5, recompute="selective"),
@@ -205,6 +212,7 @@ _LAYOUT_CASES = [
     dict(
         position_embedding_type="none",
         mlp_activation="relu2",
+        add_mlp_bias=True,
         qk_layernorm=False,
         sequence_parallel=True,
     ),
@@ -212,11 +220,38 @@ _LAYOUT_CASES = [
 
 
 def _compare_cases():
-    return [compare_with_single_rank(QWEN3, tp=2, **case) for case in _LAYOUT_CASES]
+    losses = [compare_with_single_rank(QWEN3, tp=2, **case) for case in _LAYOUT_CASES]
+    # Context parallel: queries keep their own gate rows and rotate at their global positions.
+    gated = dict(attention_output_gate=True, rotary_percent=0.25)
+    return [*losses, compare_with_single_rank(QWEN3, cp=2, **gated)]
 
 
 @pytest.mark.multirank
 def test_layer_options_tp2_and_sp_match_single_rank():
-    """Loss and every parameter's full gradient at TP=2 (±SP) equal world size 1 (fp64)."""
+    """Loss and every parameter's full gradient at TP=2 (±SP) and CP=2 equal world size 1
+    (fp64)."""
     losses = run_on_ranks(_compare_cases, 2)
     assert losses[0] == losses[1]
+
+
+# ---- Hugging Face families without the options ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "over"),
+    [
+        (QWEN3, dict(attention_output_gate=True)),
+        ("tiny-llama3-8b", dict(mlp_activation="relu2")),
+        ("tiny-llama3-8b", dict(position_embedding_type="none")),
+        ("tiny-qwen2.5-7b", dict(rotary_percent=0.5)),
+        ("tiny-qwen3-30b-a3b", dict(layernorm_zero_centered_gamma=True)),
+        ("tiny-llama3.2-1b", dict(add_mlp_bias=True)),
+        ("tiny-deepseek-v3", dict(layernorm_zero_centered_gamma=True)),
+    ],
+)
+def test_existing_hf_adapters_do_not_claim_layer_options(name, over):
+    """A Llama/Qwen/MoE/DeepSeek export of such a model would silently drop the option."""
+    assert adapter_for_config(preset(name)) is not None  # the plain model exports
+    ((field, value),) = over.items()
+    with pytest.raises(ValueError, match=rf"{field}={value!r}.*claimed by: none"):
+        adapter_for_config(preset(name, **over))

@@ -189,23 +189,51 @@ def test_no_rope_attention_matches_nemotron_h():
     assert (rotated - ref).abs().max() > 1e-3
 
 
-def test_relu2_mlp_matches_nemotron_h():
-    cfg = _config(mlp_activation="relu2")
+@pytest.mark.parametrize("bias", [False, True])
+def test_relu2_mlp_matches_nemotron_h(bias):
+    cfg = _config(mlp_activation="relu2", add_mlp_bias=bias)
     mlp = GPTModel(cfg).decoder.layers[0].mlp
     _randomize(mlp, 3)
     hf_cfg = transformers.NemotronHConfig(
-        hidden_size=H, intermediate_size=96, mlp_hidden_act="relu2", mlp_bias=False
+        hidden_size=H, intermediate_size=96, mlp_hidden_act="relu2", mlp_bias=bias
     )
     hf = nemotron_h.NemotronHMLP(hf_cfg).double()
     assert type(hf.act_fn).__name__ == "ReLUSquaredActivation"
     with torch.no_grad():
-        hf.up_proj.weight.copy_(mlp.fc1.weight)
-        hf.down_proj.weight.copy_(mlp.fc2.weight)
+        for ours, theirs in ((mlp.fc1, hf.up_proj), (mlp.fc2, hf.down_proj)):
+            theirs.weight.copy_(ours.weight)
+            assert (ours.bias is None) == (theirs.bias is None) == (not bias)
+            if bias:
+                theirs.bias.copy_(ours.bias)
     x = _x(2)
     torch.testing.assert_close(mlp(x), hf(x), **TOL)
     # Planted bug: relu without the square is far off.
     unsquared = mlp.fc2(torch.relu(mlp.fc1(x)))
     assert (unsquared - hf(x)).abs().max() > 1e-2
+
+
+def test_swiglu_mlp_bias_matches_llama_mlp_bias():
+    cfg = _config(add_mlp_bias=True)
+    mlp = GPTModel(cfg).decoder.layers[0].mlp
+    _randomize(mlp, 11)
+    hf_cfg = transformers.LlamaConfig(
+        hidden_size=H, intermediate_size=96, hidden_act="silu", mlp_bias=True
+    )
+    hf = transformers.models.llama.modeling_llama.LlamaMLP(hf_cfg).double()
+    gate_w, up_w = mlp.fc1.weight.detach().split(96)
+    gate_b, up_b = mlp.fc1.bias.detach().split(96)
+    with torch.no_grad():
+        hf.gate_proj.weight.copy_(gate_w)
+        hf.gate_proj.bias.copy_(gate_b)
+        hf.up_proj.weight.copy_(up_w)
+        hf.up_proj.bias.copy_(up_b)
+        hf.down_proj.weight.copy_(mlp.fc2.weight)
+        hf.down_proj.bias.copy_(mlp.fc2.bias)
+    x = _x(12)
+    torch.testing.assert_close(mlp(x), hf(x), **TOL)
+    with torch.no_grad():
+        hf.down_proj.bias.zero_()  # planted bug: fc2's bias dropped
+    assert (mlp(x) - hf(x)).abs().max() > 1e-2
 
 
 def test_zero_centered_rmsnorm_matches_qwen3_next_with_gradient():

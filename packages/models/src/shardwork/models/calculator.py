@@ -1,14 +1,17 @@
 """Parameter, FLOPs and memory estimates for a ``GPTConfig`` at a layout (formulas below).
 
 Notation: ``L`` layers, ``h`` hidden, ``a`` query heads, ``g`` kv heads, ``d`` head dim,
-``f`` SwiGLU width, ``V`` vocab (real; padding excluded), ``s`` sequence, ``b`` micro-batch.
+``f`` MLP width, ``V`` vocab (real; padding excluded), ``s`` sequence, ``b`` micro-batch,
+``q`` query-sized blocks of the QKV projection (2 with ``attention_output_gate``: Q and the
+gate; else 1), ``m`` matrices of the dense MLP (3 SwiGLU, 2 ``mlp_activation="relu2"``).
 
 Parameters (exact, matches the model's real rows):
-  per layer  ``P_L = h·(a+2g)·d [+ (a+2g)·d bias] + a·d·h + 3·h·f + 2·h [+ 2·d qk-norm]``
+  per layer  ``P_L = h·(q·a+2g)·d [+ (q·a+2g)·d bias] + a·d·h + m·h·f [+ (m−1)·f + h MLP bias]
+             + 2·h [+ 2·d qk-norm]``
   total      ``P = L·P_L + V·h (embedding) + V·h (head, if untied) + h (final norm)``
 
 Training FLOPs per token (matmuls only, forward + backward = 3 × forward):
-  ``forward = 2·(L·(h·(a+2g)·d + a·d·h + 3·h·f) + V_pad·h) + L·4·s·a·d·c``
+  ``forward = 2·(L·(h·(q·a+2g)·d + a·d·h + m·h·f) + V_pad·h) + L·4·s·a·d·c``
   (``V_pad``: the padded vocabulary, the work actually done), where the last term is QKᵀ and AV with ``c = 1/2`` for causal attention (only the lower
   triangle is useful work; the convention of FlashAttention/MFU reports). Full recompute
   adds one more forward of the layers.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardwork.models.calculator_layers import mlp_bias_params, mlp_matrices, query_blocks
 from shardwork.models.calculator_memory import local_parameters, stage_activation_bytes
 from shardwork.models.calculator_moe import moe_flops_per_token, moe_param_counts
 from shardwork.models.config import RECOMPUTE_MODES, GPTConfig
@@ -32,9 +36,10 @@ __all__ = ["MemoryEstimate", "flops_per_token", "memory_estimate", "num_paramete
 
 def _layer_params(c: GPTConfig) -> int:
     d, a, g, h = c.kv_channels, c.num_attention_heads, c.kv_heads, c.hidden_size
-    n = h * (a + 2 * g) * d + a * d * h + 3 * h * c.ffn_hidden_size + 2 * h
+    qa, f = query_blocks(c) * a, c.ffn_hidden_size
+    n = h * (qa + 2 * g) * d + a * d * h + mlp_matrices(c) * h * f + 2 * h + mlp_bias_params(c)
     if c.add_qkv_bias:
-        n += (a + 2 * g) * d
+        n += (qa + 2 * g) * d
     if c.qk_layernorm:
         n += 2 * d
     return n
@@ -65,7 +70,8 @@ def flops_per_token(
         return moe_flops_per_token(config, seq_length, causal=causal, full_recompute=full_recompute)
     c = config
     d, a, g, h = c.kv_channels, c.num_attention_heads, c.kv_heads, c.hidden_size
-    matmul = c.num_layers * (h * (a + 2 * g) * d + a * d * h + 3 * h * c.ffn_hidden_size)
+    qa, mlp = query_blocks(c) * a, mlp_matrices(c) * h * c.ffn_hidden_size
+    matmul = c.num_layers * (h * (qa + 2 * g) * d + a * d * h + mlp)
     head = c.padded_vocab_size * h
     # QKᵀ and AV: each 2·s·d FLOPs per query per head (s keys, a multiply-add per element).
     attn = c.num_layers * 4 * seq_length * a * d * (0.5 if causal else 1.0)

@@ -6,8 +6,9 @@ parallel ``edp = tp·cp·dp / (ep·etp)``, ``V_p`` the padded vocabulary.
 
 Parameters (exact local elements, the shapes the model allocates on that rank; padded vocab
 rows included, so the count is what occupies memory):
-  dense   attention ``/tp`` along heads (MLA: its down projections and latent norms are
-          replicated), norms and routers replicated, dense MLP and shared experts ``/tp``,
+  dense   attention ``/tp`` along heads, the output gate's block too (MLA: its down
+          projections and latent norms are replicated), norms and routers replicated, dense
+          MLP and shared experts ``/tp`` (with ``add_mlp_bias``, ``fc2``'s bias replicated),
           embedding / untied head / MTP embedding copy ``V_p·h/tp``, MTP ``eh_proj 2h·h/tp``
   expert  ``(E/ep) · 3·h·F/etp`` per MoE layer (``ParamMeta.is_expert``)
 Bytes: weights ``P·bytes(params_dtype)``; gradients ``P·4`` (fp32 ``main_grad``); optimizer
@@ -22,10 +23,13 @@ arithmetic bytes (4, or 8 for float64). Per layer, recompute ``none``:
   norms      ``Tn·(2h+1)·c + T·h·e`` each (x, rstd, x·rstd; the next matmul's input)
   attention  flash-style SDPA (query and value head widths equal): ``T·(a/tp)·d·e·(2 + 2·cp)
              + T·(a/tp)·4`` (q, GQA-expanded k and v over the cp-gathered keys, output,
-             log-sum-exp); math SDPA (MLA, widths differ): ``q, k, v`` plus ``T·(n/tp)·s·e``
+             log-sum-exp), plus ``2·T·(a/tp)·d·e`` with the output gate (its sigmoid and the
+             gated output projection input); without RoPE and QK-norm q and k are views of the
+             fused QKV output, which SDPA's saves then keep whole; math SDPA (MLA, widths differ): ``q, k, v`` plus ``T·(n/tp)·s·e``
              probabilities and the output projection's input
   MLA        ``q_down → norm → q_up`` and ``kv_down → latent norm → kv_up`` intermediates
-  MLP        ``T·(3f/tp·c + f/tp·e)``; MoE: router scores and indices, and for ``R = T·k·etp/tp``
+  MLP        ``T·(3f/tp·c + f/tp·e)``; squared ReLU ``2·T·f/tp·e`` (the relu output, saved
+             by relu and square, and the square, fc2's input); MoE: router scores and indices, and for ``R = T·k·etp/tp``
              routed rows (expected, uniform load) ``R·(h·e + 3F/etp·c + F/etp·e)`` in the
              experts plus ``(T·k/tp)·(2h·e + e + 8)`` to unpermute, shared experts like an MLP
 ``selective`` keeps the core attention's inputs instead of its internals; ``full`` keeps only
@@ -42,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shardwork.models.calculator_layers import mlp_bias_params, mlp_matrices, query_blocks
 from shardwork.models.config import GPTConfig
 from shardwork.models.pipeline.split import layer_split
 from shardwork.models.spec import LayerSpec, spec_for
@@ -88,7 +93,7 @@ def _attention_params(c: GPTConfig, tp: int) -> int:
     h, n = c.hidden_size, c.num_attention_heads
     if c.mla is None:
         d, g = c.kv_channels, c.kv_heads
-        qkv = (n + 2 * g) * d // tp
+        qkv = (query_blocks(c) * n + 2 * g) * d // tp
         p = qkv * h + (qkv if c.add_qkv_bias else 0) + n * d // tp * h
         return p + (2 * d if c.qk_layernorm else 0)
     m = c.mla
@@ -105,7 +110,7 @@ def _mlp_params(c: GPTConfig, *, tp: int, ep: int, etp: int, moe: bool) -> tuple
     """(dense, expert) local elements of a dense (``moe`` False) or MoE MLP."""
     h, m = c.hidden_size, c.moe
     if not moe:
-        return 3 * h * (c.ffn_hidden_size // tp), 0
+        return mlp_matrices(c) * h * (c.ffn_hidden_size // tp) + mlp_bias_params(c, tp), 0
     dense = m.router.num_experts * h  # router, replicated
     if m.shared_expert_ffn_hidden_size is not None:
         dense += 3 * h * (m.shared_expert_ffn_hidden_size // tp)
@@ -225,7 +230,7 @@ class MixerMemory:
 
 MIXER_MEMORY: dict[str, MixerMemory] = {}
 """Mixer kind -> its memory formulas (attention and MLA built in; hybrid mixers register)."""
-MLP_KINDS = {"dense": False, "moe": True}
+MLP_KINDS = {"dense": False, "relu2": False, "moe": True}
 """MLP kind -> whether it is a mixture of experts (the formulas above)."""
 
 
@@ -252,16 +257,24 @@ def _attention_bytes(cfg: GPTConfig, t, tp, cp, seq, recompute, c, e) -> float:
     if cfg.mla is None:
         d, g = cfg.kv_channels, cfg.kv_heads // tp
         dq = dv = d
+        qn = query_blocks(cfg) * n  # query-sized blocks of the fused output (Q and the gate)
         kq, kk, kv_ = t * n * d, t * cp * n * d, t * cp * n * d  # q; k, v expanded over GQA
         # q/k-norm (float32 compute) and selective recompute's v (cp = 1) save views of the
         # fused qkv output, which then stays alive whole
+        # Neither rotated nor normed (no RoPE, no QK-norm), q and k stay views of it as well
+        views = cfg.position_embedding_type != "rope" and not cfg.qk_layernorm
         qkv_pinned = (cfg.qk_layernorm and c == e) or (recompute == "selective" and cp == 1)
-        extra = t * (n + 2 * g) * d * e if qkv_pinned else 0.0
+        extra = t * (qn + 2 * g) * d * e if qkv_pinned or views else 0.0
+        if cfg.attention_output_gate:  # sigmoid(gate) and the gated linear_proj input
+            extra += 2 * t * n * d * e
         if cfg.qk_layernorm:
             extra += t * (n + g) * (d * c + c) + (0 if c == e else t * (n + g) * d * c)
+        if views:
+            kq = 0  # q is inside the pinned qkv
         if recompute == "selective":  # checkpoint keeps q, k and v before GQA expansion
+            k_keep = 0 if views and cp == 1 else t * cp * g * d * e
             v_keep = 0 if cp == 1 else t * cp * g * d * e
-            return extra + (kq + t * cp * g * d) * e + v_keep + t * n * d * e
+            return extra + kq * e + k_keep + v_keep + t * n * d * e
         return extra + (kq + kk + kv_) * e + t * n * d * e + t * n * 4
     m = cfg.mla
     dq, dv = m.qk_head_dim, m.v_head_dim
@@ -283,6 +296,8 @@ def _mlp_bytes(cfg: GPTConfig, moe: bool, t, tn, tp, etp, c, e) -> float:
     h, m = cfg.hidden_size, cfg.moe
     if not moe:
         f = cfg.ffn_hidden_size // tp
+        if cfg.mlp_activation == "relu2":
+            return 2 * t * f * e
         return t * (3 * f * c + f * e)
     r = m.router
     k, experts = r.top_k, r.num_experts

@@ -9,12 +9,12 @@ width, ``S`` shared-expert width, ``n`` heads, ``dn``/``dr``/``dv`` MLA head dim
 MLA latent ranks, ``D`` MTP depths.
 
 Per layer (exact, as the model builds them):
-  attention (GQA)  ``h·(a+2g)·d + a·d·h [+ a·d·h output gate] [+ (a+2g)·d bias]
-                   [+ 2d qk-norm]``
+  attention (GQA)  ``h·(q·a+2g)·d + a·d·h [+ (q·a+2g)·d bias] [+ 2d qk-norm]`` (``q`` = 2
+                   with the attention output gate, else 1)
   attention (MLA)  ``[h·rq + rq + rq·n·(dn+dr) | h·n·(dn+dr)] + h·(rkv+dr) + rkv
                    + rkv·n·(dn+dv) + n·dv·h``
   norms            ``h`` per part (``2h`` for an attention + MLP layer)
-  dense MLP        ``3·h·f`` (SwiGLU) or ``2·h·f`` (squared ReLU)
+  dense MLP        ``m·h·f [+ (m−1)·f + h bias]`` (``m`` = 3 SwiGLU, 2 squared ReLU)
   Mamba-2          ``h·(2I+2gN+nh) + I·h`` projections, ``(I+2gN)·k [+ bias]`` conv,
                    ``3·nh + I`` (dt bias, A, D, gated norm); FLOPs in calculator_mamba.py
   Gated DeltaNet   ``h·(2Kd+2Vd+2Nv) + Vd·h`` projections, ``(2Kd+Vd)·K`` conv,
@@ -28,7 +28,7 @@ Training FLOPs per token: ``3 × forward``, forward ``= 2·(matmul weights a tok
 through) + attention scores``.
 
 - Matmul weights per layer are the active weights without norms and biases. Attention is
-  ``h·(n+2g)·d + n·d·h`` (GQA) or the MLA projections. The MLP is ``3·h·f`` when dense. An MoE
+  ``h·(n+2g)·d + n·d·h`` (GQA) or the MLA projections. The MLP is ``m·h·f`` when dense. An MoE
   MLP is ``E·h`` (router) ``+ k·3·h·F`` (each token passes through exactly ``k`` experts; dropless
   routing) ``+ 3·h·S [+ h gate]``.
 - The attention scores are ``2·s·n·(dq + dv)·c`` per layer. ``dq`` is the query/key head width,
@@ -45,6 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from shardwork.models.calculator_deltanet import deltanet_forward_flops
+from shardwork.models.calculator_layers import mlp_bias_params, mlp_matrices, query_blocks
 from shardwork.models.calculator_mamba import mamba_forward_flops
 from shardwork.models.config import GPTConfig
 from shardwork.models.spec import LayerSpec, spec_for
@@ -89,8 +90,7 @@ def _attention_matmul(c: GPTConfig) -> int:
     h, n = c.hidden_size, c.num_attention_heads
     if c.mla is None:
         d, g = c.kv_channels, c.kv_heads
-        gate = n * d * h if c.attention_output_gate else 0  # the per-head output gate block
-        return h * (n + 2 * g) * d + n * d * h + gate
+        return h * (query_blocks(c) * n + 2 * g) * d + n * d * h
     m = c.mla
     if m.q_lora_rank is None:
         q = h * n * m.qk_head_dim
@@ -109,7 +109,7 @@ def _attention(c: GPTConfig) -> int:
         return p + c.mla.kv_lora_rank + (c.mla.q_lora_rank or 0)
     d, g = c.kv_channels, c.kv_heads
     if c.add_qkv_bias:
-        p += (c.num_attention_heads + 2 * g) * d
+        p += (query_blocks(c) * c.num_attention_heads + 2 * g) * d
     if c.qk_layernorm:
         p += 2 * d
     return p
@@ -234,8 +234,13 @@ def _attention_params(c: GPTConfig) -> tuple[int, int, int]:
 
 
 def _dense_params(c: GPTConfig) -> tuple[int, int, int]:
-    p = 3 * c.hidden_size * c.ffn_hidden_size
+    """A dense MLP (SwiGLU or squared ReLU, whichever ``mlp_activation`` names), its biases."""
+    p = mlp_matrices(c) * c.hidden_size * c.ffn_hidden_size + mlp_bias_params(c)
     return p, p, 0
+
+
+def _dense_forward(c: GPTConfig, seq_length: int, causal: bool) -> float:
+    return 2 * mlp_matrices(c) * c.hidden_size * c.ffn_hidden_size  # matmuls only
 
 
 # Every MoE MLP weight is a matmul weight; ``active`` is what one token passes through (router,
@@ -243,13 +248,9 @@ def _dense_params(c: GPTConfig) -> tuple[int, int, int]:
 _ATTENTION = PartCost(_attention_params, _attention_forward)
 register_part_cost("attention", _ATTENTION)
 register_part_cost("mla", _ATTENTION)
-register_part_cost("dense", PartCost(_dense_params, lambda c, s, causal: 2 * _dense_params(c)[0]))
+register_part_cost("dense", PartCost(_dense_params, _dense_forward))
+register_part_cost("relu2", PartCost(_dense_params, _dense_forward))
 register_part_cost("moe", PartCost(_moe_mlp, lambda c, s, causal: 2 * _moe_mlp(c)[1]))
-
-
-def _relu2_params(c: GPTConfig) -> tuple[int, int, int]:
-    p = 2 * c.hidden_size * c.ffn_hidden_size  # up and down, no gate
-    return p, p, 0
 
 
 def _mamba_params(c: GPTConfig) -> tuple[int, int, int]:
@@ -271,7 +272,6 @@ def _deltanet_params(c: GPTConfig) -> tuple[int, int, int]:
     return p, p, 0
 
 
-register_part_cost("relu2", PartCost(_relu2_params, lambda c, s, causal: 2 * _relu2_params(c)[0]))
 register_part_cost(
     "mamba",
     PartCost(_mamba_params, lambda c, s, causal: mamba_forward_flops(c, 1, s).total / s),

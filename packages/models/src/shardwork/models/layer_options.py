@@ -1,5 +1,5 @@
 """Validation of the layer options of hybrid families (gated attention, partial or no RoPE,
-zero-centred RMSNorm, squared-ReLU MLP), called by ``GPTConfig.__post_init__``.
+zero-centred RMSNorm, squared-ReLU MLP, MLP biases), called by ``GPTConfig.__post_init__``.
 
 The options are plain ``GPTConfig`` fields (Megatron's names where Megatron has them); this
 module checks their values and the combinations the model cannot build, so that a bad value
@@ -11,10 +11,35 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["MLP_ACTIVATIONS", "POSITION_EMBEDDING_TYPES", "check_layer_options"]
+__all__ = [
+    "LAYER_OPTION_DEFAULTS",
+    "MLP_ACTIVATIONS",
+    "POSITION_EMBEDDING_TYPES",
+    "check_layer_options",
+    "non_default_layer_options",
+]
 
 POSITION_EMBEDDING_TYPES = ("rope", "none")
 MLP_ACTIVATIONS = ("swiglu", "relu2")
+LAYER_OPTION_DEFAULTS = {
+    "attention_output_gate": False,
+    "position_embedding_type": "rope",
+    "rotary_percent": 1.0,
+    "layernorm_zero_centered_gamma": False,
+    "mlp_activation": "swiglu",
+    "add_mlp_bias": False,
+}
+"""The options' values in a model without them (the Llama/Qwen/Mixtral/DeepSeek layers)."""
+
+
+def non_default_layer_options(config: Any) -> dict[str, Any]:
+    """The layer options ``config`` sets away from their defaults, by field name: a Hugging
+    Face adapter of a family without them must not claim such a config."""
+    return {
+        name: getattr(config, name)
+        for name, default in LAYER_OPTION_DEFAULTS.items()
+        if getattr(config, name) != default
+    }
 
 
 def _bool(name: str, value: Any) -> None:
@@ -56,6 +81,7 @@ def check_layer_options(config: Any) -> None:
     """Raise ``ValueError`` naming the field, the value and what is valid."""
     _bool("attention_output_gate", config.attention_output_gate)
     _bool("layernorm_zero_centered_gamma", config.layernorm_zero_centered_gamma)
+    _bool("add_mlp_bias", config.add_mlp_bias)
     if config.position_embedding_type not in POSITION_EMBEDDING_TYPES:
         raise ValueError(
             f"GPTConfig.position_embedding_type={config.position_embedding_type!r} is invalid: "
@@ -83,4 +109,9 @@ def check_layer_options(config: Any) -> None:
         raise ValueError(
             f"GPTConfig.mlp_activation={config.mlp_activation!r} is not supported with moe "
             "(the experts and shared experts are SwiGLU): valid is 'swiglu'"
+        )
+    if config.moe is not None and config.add_mlp_bias:
+        raise ValueError(
+            "GPTConfig.add_mlp_bias=True is not supported with moe (experts and shared experts "
+            "have no biases): valid is False"
         )

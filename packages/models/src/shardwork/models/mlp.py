@@ -2,6 +2,9 @@
 
 ``fc1`` has blocks ``gate`` and ``up`` (each ``ffn_hidden_size``); a TP rank holds its slice of
 each, laid out ``[gate_local | up_local]`` which is exactly the fused layout ``swiglu`` takes.
+With ``config.add_mlp_bias`` (dense models only: GPTConfig refuses it with ``moe``, whose shared
+experts are this class too) ``fc1`` has a bias with the same blocks and ``fc2`` a replicated
+one.
 """
 
 from __future__ import annotations
@@ -26,15 +29,18 @@ class SwiGLUMLP(ShardedModule):
         groups: ProcessGroups,
         *,
         ffn_hidden_size: int | None = None,
+        bias: bool | None = None,
         device: str | torch.device | None = None,
     ) -> None:
         super().__init__(groups)
         ffn = ffn_hidden_size or config.ffn_hidden_size
+        bias = config.add_mlp_bias if bias is None else bias
         self.backend = config.kernel_backend
         self.fc1 = ColumnParallelLinear(
             config.hidden_size,
             2 * ffn,
             groups=groups,
+            bias=bias,
             sequence_parallel=config.sequence_parallel,
             partition_sizes=(ffn, ffn),
             block_names=("gate", "up"),
@@ -45,6 +51,7 @@ class SwiGLUMLP(ShardedModule):
             ffn,
             config.hidden_size,
             groups=groups,
+            bias=bias,
             sequence_parallel=config.sequence_parallel,
             params_dtype=config.params_dtype,
             device=device,

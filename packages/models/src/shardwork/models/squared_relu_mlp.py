@@ -1,7 +1,8 @@
 """Squared-ReLU MLP (Nemotron-H ``mlp_hidden_act="relu2"``): ``fc2(relu(fc1(x))²)``, not gated.
 
 ``fc1`` is column-parallel (``ffn_hidden_size`` outputs, split over TP; key ``mlp.fc1.weight``),
-``fc2`` row-parallel with the scaled init of output layers (key ``mlp.fc2.weight``). The
+``fc2`` row-parallel with the scaled init of output layers (key ``mlp.fc2.weight``); both have
+biases with ``config.add_mlp_bias`` (Nemotron-H's ``mlp_bias``). The
 activation is elementwise, so each TP rank applies it to its own slice and the only
 communication is the one of the two linears (and of sequence parallelism around them).
 Registered as the MLP kind ``"relu2"``; ``spec_for`` picks it when
@@ -36,6 +37,7 @@ class SquaredReLUMLP(ShardedModule):
             config.hidden_size,
             ffn,
             groups=groups,
+            bias=config.add_mlp_bias,
             sequence_parallel=config.sequence_parallel,
             params_dtype=config.params_dtype,
             device=device,
@@ -44,6 +46,7 @@ class SquaredReLUMLP(ShardedModule):
             ffn,
             config.hidden_size,
             groups=groups,
+            bias=config.add_mlp_bias,
             sequence_parallel=config.sequence_parallel,
             params_dtype=config.params_dtype,
             device=device,

@@ -10,6 +10,8 @@ Qwen2-MoE, Qwen3-MoE and DeepSeek-V3.
 - :func:`save_pretrained`: export to a folder transformers loads.
 - :func:`gpt_config_from_hf` / :func:`hf_config_from_gpt`: config translation (transformers
   4.x and 5.x field names); :func:`to_hf_key` / ``KEY_RULES``: tensor names.
+- :mod:`~shardwork.models.hf.gated_attention_weights`: Qwen3-Next's per-head interleaved
+  ``q_proj`` to and from shardwork's ``q`` and ``gate`` blocks (gated attention).
 """
 
 from shardwork.models.hf.adapter import HFAdapter

@@ -19,6 +19,7 @@ from shardwork.models.hf.dense_adapters import DENSE_ADAPTERS
 from shardwork.models.hf.moe_adapters import MOE_ADAPTERS
 from shardwork.models.hf.nemotron_h import NEMOTRON_H
 from shardwork.models.hf.qwen3_next import QWEN3_NEXT
+from shardwork.models.layer_options import non_default_layer_options
 
 __all__ = [
     "ADAPTERS",
@@ -68,6 +69,8 @@ def adapter_for_config(config: GPTConfig) -> HFAdapter:
             f"mla={'yes' if config.mla is not None else 'no'}, "
             f"qk_layernorm={config.qk_layernorm}, add_qkv_bias={config.add_qkv_bias}"
         )
+        for name, value in non_default_layer_options(config).items():
+            features += f", {name}={value!r}"
         claimed = ", ".join(a.model_type for a in found) or "none"
         raise ValueError(
             f"a config with {features} has no single Hugging Face model_type (claimed by: "

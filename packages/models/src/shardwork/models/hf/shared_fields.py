@@ -11,6 +11,7 @@ from typing import Any
 
 from shardwork.models.config import GPTConfig
 from shardwork.models.hf.rope_map import rope_from_hf, rope_scaling_to_hf
+from shardwork.models.layer_options import non_default_layer_options
 
 __all__ = ["plain_transformer", "shared_fields_from_hf", "shared_fields_to_hf"]
 
@@ -53,15 +54,12 @@ def shared_fields_to_hf(config: GPTConfig) -> dict[str, Any]:
 
 def plain_transformer(config: GPTConfig) -> bool:
     """Whether ``config`` uses none of the hybrid families' options (Mamba / DeltaNet mixers,
-    a layer pattern, gated or RoPE-less or partially rotated attention, zero-centred norms,
-    squared-ReLU MLPs): the Llama-lineage adapters claim only such configs."""
+    a layer pattern, or a layer option away from its default: gated, RoPE-less or partially
+    rotated attention, zero-centred norms, squared-ReLU MLPs, MLP biases): the
+    Llama-lineage adapters claim only such configs."""
     return (
         config.mamba is None
         and config.linear_attention is None
         and config.hybrid_layer_pattern is None
-        and not config.attention_output_gate
-        and config.position_embedding_type == "rope"
-        and config.rotary_percent == 1.0
-        and not config.layernorm_zero_centered_gamma
-        and config.mlp_activation == "swiglu"
+        and not non_default_layer_options(config)
     )
