@@ -94,6 +94,26 @@ def test_a_moe_table_on_a_dense_model_builds_the_moe_config():
     assert (model.moe.router.hidden_size, model.moe.router.init_std) == (128, model.init_method_std)
 
 
+def test_a_pattern_and_the_mtp_table_it_needs_apply_together():
+    """A pattern with an MTP depth is invalid without ``[model.mtp]`` and the other way round:
+    the settings apply in one step (the pattern's layers, the MTP depth's attention + MLP)."""
+    table = {
+        "model": {
+            "preset": "tiny-nemotron-h-8b",
+            "num_layers": 6,
+            "hybrid_layer_pattern": "M-*-M-/*-",
+            "mtp": {"num_layers": 1, "loss_coeff": 0.2},
+        }
+    }
+    model = gpt_config(validate_config(config_from_dict(table), world_size=1))
+    assert model.hybrid_layer_pattern == "M-*-M-/*-" and model.num_layers == 6
+    assert (model.mtp.num_layers, model.mtp.loss_coeff) == (1, 0.2)
+    # still checked: a depth count the table does not give is named
+    table["model"]["mtp"] = {"num_layers": 2}
+    with pytest.raises(ConfigError, match=r"1 MTP depths but mtp.num_layers=2"):
+        validate_config(config_from_dict(table), world_size=1)
+
+
 def test_a_linear_attention_table_builds_the_gated_deltanet_config():
     gdn = {"num_key_heads": 2, "num_value_heads": 4, "key_head_dim": 16, "value_head_dim": 8}
     model = gpt_config(
