@@ -161,7 +161,7 @@ def _layout_logits(folder, parallel_kwargs, want):
     the pipeline forward and compare the last stage's gathered logits with transformers'."""
     from shardwork.models.hf import load_hf_weights, read_hf_config
     from shardwork.models.module import to_empty_keep_meta
-    from shardwork.models.pipeline import build_stage, get_schedule
+    from shardwork.models.pipeline import build_stage, pipeline_logits
     from shardwork.parallel_state import ParallelConfig, init_process_groups
 
     groups = init_process_groups(ParallelConfig(**parallel_kwargs))
@@ -169,30 +169,9 @@ def _layout_logits(folder, parallel_kwargs, want):
     to_empty_keep_meta(stage, "cpu")
     stage.rng_tracker.to("cpu")
     load_hf_weights(stage, folder)
-    stage.eval()
-    captured = []
-
-    def forward_step(_it, chunk):
-        out = chunk(_ids())
-
-        def loss_fn(logits):
-            captured.append(gather_logits(logits, tp_group=groups.tp, vocab_size=250))
-            return logits.sum() * 0, torch.tensor(1), {}
-
-        return out, loss_fn
-
-    get_schedule(groups.size("pp"))(
-        forward_step_func=forward_step,
-        data_iterator=None,
-        model=stage,
-        num_microbatches=1,
-        pp_group=groups.group("pp"),
-        tensor_shape=(SEQ, BATCH, 64),
-        dtype=torch.float32,
-        forward_only=True,
-    )
+    logits = pipeline_logits(stage.eval(), groups, _ids())
     if groups.is_last_pp_stage:
-        torch.testing.assert_close(captured[0], want, **TOL)
+        torch.testing.assert_close(logits, want, **TOL)
     return True
 
 

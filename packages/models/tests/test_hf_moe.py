@@ -250,7 +250,7 @@ def _layout_logits(folder, parallel_kwargs, ref_logits, ref_chosen):
     the test, so the ranks never build a transformers model)."""
     from shardwork.models.hf import load_hf_weights, read_hf_config
     from shardwork.models.module import to_empty_keep_meta
-    from shardwork.models.pipeline import build_stage, get_schedule
+    from shardwork.models.pipeline import build_stage, pipeline_logits
     from shardwork.parallel_state import ParallelConfig, init_process_groups
 
     groups = init_process_groups(ParallelConfig(**parallel_kwargs))
@@ -258,31 +258,9 @@ def _layout_logits(folder, parallel_kwargs, ref_logits, ref_chosen):
     to_empty_keep_meta(stage, "cpu")
     stage.rng_tracker.to("cpu")
     load_hf_weights(stage, folder)
-    stage.eval()
-    captured = []
-
-    def forward_step(_it, chunk):
-        out = chunk(_ids())
-
-        def loss_fn(logits):
-            captured.append(gather_logits(logits, tp_group=groups.tp, vocab_size=250))
-            return logits.sum() * 0, torch.tensor(1), {}
-
-        return out, loss_fn
-
-    pp = groups.size("pp")
-    get_schedule(pp)(
-        forward_step_func=forward_step,
-        data_iterator=None,
-        model=stage,
-        num_microbatches=1,
-        pp_group=groups.group("pp"),
-        tensor_shape=(12, 2, 64),
-        dtype=torch.float32,
-        forward_only=True,
-    )
+    logits = pipeline_logits(stage.eval(), groups, _ids())
     if groups.is_last_pp_stage:
-        torch.testing.assert_close(captured[0], ref_logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
     # chosen experts of the MoE layers this stage holds (EP ranks route the same tokens)
     first = stage.decoder.layer_range[0]
     moe_layers = [i for i in range(*stage.decoder.layer_range) if stage.config.moe.is_moe_layer(i)]

@@ -9,11 +9,13 @@
 - :func:`layer_split` / :func:`stage_layers` split a model's layers over pp × vpp stages;
   :func:`build_stage` / :func:`build_model_chunks` build GPT chunks (:class:`GPTStage`);
   ``mtp_standalone=True`` gives the MTP depths a rank of their own (``mtp_stage.py``).
+- :func:`pipeline_logits`: one forward-only pass giving the last stage's ``[b, s, V]`` logits.
 - Schedules are plans computed ahead of time (``plan.py``) and executed with batched
   point-to-point exchanges that cannot deadlock (``p2p.py``).
 """
 
 from shardwork.models.pipeline.finalize import all_reduce_coalesced, finalize_model_grads
+from shardwork.models.pipeline.logits import pipeline_logits
 from shardwork.models.pipeline.losses import MicrobatchLoss, loss_totals, reduce_loss
 from shardwork.models.pipeline.mtp_stage import standalone_last_stage_layers
 from shardwork.models.pipeline.plan import Action, plan_ticks, schedule_orders
@@ -41,6 +43,7 @@ __all__ = [
     "layer_split",
     "layers_per_rank",
     "loss_totals",
+    "pipeline_logits",
     "plan_ticks",
     "reduce_loss",
     "schedule_orders",
