@@ -63,6 +63,13 @@ pytestmark = [pytest.mark.multirank, pytest.mark.xdist_group("layout-matrix")]
 STEPS = 20
 RTOL = 1e-9
 """Relative tolerance of float64 curves and statistics against world 1."""
+KIND_RTOL = {"qwen3-next": 1e-7}
+"""Kinds whose curves drift further at tensor parallelism: Qwen3-Next's twin starts at the
+same ~1e-14 relative gradient difference as every kind (TP=2+SP, step 0) but its chunked
+delta rule (a triangular solve per chunk) amplifies it along the run: at most 3.0e-9 over
+the 20 steps' statistics (measured: 2.92e-9 at TP=2+SP, 2.96e-9 at TP=2×PP=2, on the gradient
+norm), so 1e-7 leaves ~30x headroom. PP and EP cells, which split no reduction inside a
+layer, stay within RTOL."""
 
 FP32_STEPS = 3
 FP32_RTOL = 1e-4
@@ -450,7 +457,8 @@ def test_layout_matches_world_one(
         assert {"expert_load", "load_imbalance"} <= set(reference["steps"][1])
     sections = _sections(kind, parallel)
     results = _run_cell(tmp_path, corpus_cache, pool_pids, cell_lock, world, sections)
-    _assert_matches(results, reference, steps=STEPS, rtol=RTOL)
+    rtol = KIND_RTOL.get(kind, RTOL) if parallel.get("tp", 1) > 1 else RTOL
+    _assert_matches(results, reference, steps=STEPS, rtol=rtol)
 
 
 @pytest.mark.parametrize(
