@@ -20,6 +20,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from shardwork.models.scan_kernels import check_scan_backend
+
 __all__ = ["GatedDeltaNetConfig"]
 
 
@@ -49,6 +51,10 @@ class GatedDeltaNetConfig:
     """Tokens per chunk of the chunked (WY-form) delta rule: a speed knob, exact either way."""
     qk_l2norm_epsilon: float = 1e-6
     """Epsilon of the L2 normalisation of queries and keys (``x * rsqrt(sum(x²) + eps)``)."""
+    kernel_backend: str = "auto"
+    """The delta rule: "torch" (plain-torch reference), "triton" (flash-linear-attention's
+    Triton kernel, required at build) or "auto" (the kernel on CUDA when importable); see
+    :mod:`shardwork.models.scan_kernels`."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -71,6 +77,7 @@ class GatedDeltaNetConfig:
                 f"GatedDeltaNetConfig.qk_l2norm_epsilon={self.qk_l2norm_epsilon!r} is invalid: "
                 "it must be a number > 0"
             )
+        check_scan_backend("GatedDeltaNetConfig", self.kernel_backend)
 
     @property
     def key_dim(self) -> int:

@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from shardwork.models.scan_kernels import check_scan_backend
+
 __all__ = ["MambaConfig"]
 
 
@@ -66,6 +68,10 @@ class MambaConfig:
     (NemotronH: ``(time_step_min, inf)``)."""
     norm_epsilon: float | None = None
     """Epsilon of the gated grouped RMSNorm; None: ``GPTConfig.norm_epsilon``."""
+    kernel_backend: str = "auto"
+    """The SSD scan: "torch" (plain-torch reference), "triton" (mamba-ssm's Triton kernel,
+    required at build) or "auto" (the kernel on CUDA when importable); see
+    :mod:`shardwork.models.scan_kernels`."""
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "head_dim", "state_size", "num_groups", "chunk_size"):
@@ -96,6 +102,7 @@ class MambaConfig:
             )
         if self.norm_epsilon is not None and not self.norm_epsilon > 0:
             raise ValueError(f"MambaConfig.norm_epsilon={self.norm_epsilon} must be > 0 or None")
+        check_scan_backend("MambaConfig", self.kernel_backend)
 
     @property
     def inner_size(self) -> int:
