@@ -124,6 +124,7 @@ def test_a_linear_attention_table_builds_the_gated_deltanet_config():
         "conv_kernel": 4,
         "chunk_size": 64,
         "qk_l2norm_epsilon": 1e-6,
+        "kernel_backend": "auto",
     }
     table = {"model": {"linear_attention": gdn}, "parallel": {"cp": 2}}
     with pytest.raises(ConfigError, match=r"do not support context parallelism \(cp=2\)"):
