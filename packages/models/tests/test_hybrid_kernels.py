@@ -3,8 +3,8 @@
 Two kinds of tests:
 
 - In the repo's environment (neither mamba-ssm nor flash-linear-attention installed):
-  ``kernel_backend="triton"`` fails at build with an error naming the field, the value and
-  the package; ``"auto"`` on CPU runs the plain-torch reference (spied on); bad values are
+  ``kernel_backend="triton"`` fails when the ``GPTConfig`` is built (before any model) with
+  an error naming the field, the value and the package; ``"auto"`` on CPU runs the plain-torch reference (spied on); bad values are
   refused by the config.
 - Where a kernel imports, the kernel path against the reference, forward and gradients, at
   awkward shapes (sequence not a multiple of the chunk). On a CPU machine this needs
@@ -104,10 +104,10 @@ def test_invalid_kernel_backend_is_refused_by_the_config(owner):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mamba_ssm") is not None, reason="mamba-ssm here")
-def test_mamba_triton_without_mamba_ssm_fails_at_build():
-    cfg = _config(mamba=MAMBA.replace(kernel_backend="triton"))
+def test_mamba_triton_without_mamba_ssm_fails_at_model_config():
+    triton = MAMBA.replace(kernel_backend="triton")  # the mixer config alone is valid
     with pytest.raises(ValueError) as err:
-        Mamba2Mixer(cfg, ProcessGroups.single())
+        _config(mamba=triton)
     message = str(err.value)
     assert "MambaConfig.kernel_backend='triton'" in message
     assert "pip install mamba-ssm" in message
@@ -115,10 +115,10 @@ def test_mamba_triton_without_mamba_ssm_fails_at_build():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("fla") is not None, reason="fla installed here")
-def test_deltanet_triton_without_fla_fails_at_build():
-    cfg = _config(linear_attention=GDN.replace(kernel_backend="triton"))
+def test_deltanet_triton_without_fla_fails_at_model_config():
+    triton = GDN.replace(kernel_backend="triton")  # the mixer config alone is valid
     with pytest.raises(ValueError) as err:
-        GatedDeltaNetMixer(cfg, ProcessGroups.single())
+        _config(linear_attention=triton)
     message = str(err.value)
     assert "GatedDeltaNetConfig.kernel_backend='triton'" in message
     assert "pip install flash-linear-attention" in message

@@ -77,8 +77,6 @@ class GatedDeltaNetMixer(ShardedModule):
                 "LayerSpec(mixer='gated_deltanet') needs GPTConfig.linear_attention (a "
                 "GatedDeltaNetConfig); it is None"
             )
-        if gdn.kernel_backend == "triton":
-            FLA_GATED_DELTA_RULE.require()
         self.rule_backend, self.model_backend = gdn.kernel_backend, config.kernel_backend
         tp = groups.size("tp")
         self.num_key_heads = gdn.num_key_heads // tp

@@ -96,8 +96,6 @@ class Mamba2Mixer(ShardedModule):
                 "LayerSpec(mixer='mamba') needs GPTConfig.mamba=MambaConfig(...) (got None)"
             )
         m.check_layout(groups.config)
-        if m.kernel_backend == "triton":
-            MAMBA_SSD_KERNEL.require()
         self.scan_backend, self.model_backend = m.kernel_backend, config.kernel_backend
         tp = groups.size("tp")
         self.heads, self.head_dim = m.num_heads // tp, m.head_dim

@@ -6,10 +6,10 @@ always available) and, on a GPU, can use a Triton kernel from an optional packag
 ``MambaConfig.kernel_backend`` / ``GatedDeltaNetConfig.kernel_backend`` pick one:
 
 - ``"torch"``: always the reference.
-- ``"triton"``: always the kernel. The model build raises a ``ValueError`` naming the field,
-  its value and what to install when the kernel cannot be imported; a forward on a tensor
-  the kernel cannot take (CPU without ``TRITON_INTERPRET=1``, float64) raises before any
-  work is done.
+- ``"triton"``: always the kernel. Building a ``GPTConfig`` that holds such a mixer config
+  (so before any model, process group or step) raises a ``ValueError`` naming the field, its
+  value and what to install when the kernel cannot be imported; a forward on a tensor the
+  kernel cannot take (CPU without ``TRITON_INTERPRET=1``, float64) raises before any work.
 - ``"auto"`` (default): the kernel only for CUDA tensors of a kernel dtype, when it imports
   and ``GPTConfig.kernel_backend`` is not ``"torch"``; the reference everywhere else. CPU
   runs therefore never change numerics because a package happens to be installed.
