@@ -284,3 +284,15 @@ def test_fla_gated_delta_rule_kernel_matches_reference():
     _compare_with_grads(
         gated_delta_rule_kernel, reference, inputs, ("q", "k", "v", "g", "beta", "h0"), gen
     )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a CPU tensor's refusal")
+def test_mamba_triton_on_cpu_without_interpreter_refuses_before_work(mamba_kernel_env, monkeypatch):
+    mixer = _init(Mamba2Mixer(_config(mamba=MAMBA.replace(kernel_backend="triton")), _single()))
+    projections = _spy(monkeypatch, mixer.in_proj, "forward")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(
+        ValueError, match=r"MambaConfig\.kernel_backend='triton' cannot run on a cpu"
+    ):
+        mixer(torch.randn(11, 2, 32), NO_POSITIONS)
+    assert projections == []
