@@ -4,10 +4,11 @@ Two kinds of tests:
 
 - In the repo's environment (neither mamba-ssm nor flash-linear-attention installed):
   ``kernel_backend="triton"`` fails when the ``GPTConfig`` is built (before any model) with
-  an error naming the field, the value and the package; ``"auto"`` on CPU runs the plain-torch reference (spied on); bad values are
-  refused by the config.
+  an error naming the field, the value and the package; ``"auto"`` and ``"torch"`` on CPU
+  run the plain-torch reference (spied on); bad values are refused by the config.
 - Where a kernel imports, the kernel path against the reference, forward and gradients, at
-  awkward shapes (sequence not a multiple of the chunk). On a CPU machine this needs
+  awkward shapes (sequence not a multiple of the chunk), and a ``"triton"`` forward the
+  tensor cannot take refused before any work. On a CPU machine this needs
   ``TRITON_INTERPRET=1`` and the shims of :func:`mamba_kernel_env`; the commands that ran
   these tests are in docs/models.md ("Fast paths"). flash-linear-attention's kernel does not
   run under Triton's interpreter (measured with fla 0.6.0: its kernels call ``.to`` on a

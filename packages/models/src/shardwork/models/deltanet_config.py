@@ -54,8 +54,8 @@ class GatedDeltaNetConfig:
     """Epsilon of the L2 normalisation of queries and keys (``x * rsqrt(sum(x²) + eps)``)."""
     kernel_backend: str = "auto"
     """The delta rule: "torch" (plain-torch reference), "triton" (flash-linear-attention's
-    Triton kernel, required when a GPTConfig holds this config) or "auto" (the kernel on CUDA when importable); see
-    :mod:`shardwork.models.scan_kernels`."""
+    Triton kernel, which must import when a GPTConfig holds this config) or "auto" (the
+    kernel for CUDA tensors when it imports); see :mod:`shardwork.models.scan_kernels`."""
 
     def __post_init__(self) -> None:
         for name in (

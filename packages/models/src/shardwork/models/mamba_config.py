@@ -71,8 +71,8 @@ class MambaConfig:
     """Epsilon of the gated grouped RMSNorm; None: ``GPTConfig.norm_epsilon``."""
     kernel_backend: str = "auto"
     """The SSD scan: "torch" (plain-torch reference), "triton" (mamba-ssm's Triton kernel,
-    required when a GPTConfig holds this config) or "auto" (the kernel on CUDA when importable); see
-    :mod:`shardwork.models.scan_kernels`."""
+    which must import when a GPTConfig holds this config) or "auto" (the kernel for CUDA
+    tensors when it imports); see :mod:`shardwork.models.scan_kernels`."""
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "head_dim", "state_size", "num_groups", "chunk_size"):
