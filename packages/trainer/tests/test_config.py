@@ -1,6 +1,7 @@
 """Config: TOML loading, CLI overrides, whole-config validation (a table of bad inputs)."""
 
 import dataclasses
+import importlib.util
 
 import pytest
 
@@ -124,10 +125,19 @@ def test_a_linear_attention_table_builds_the_gated_deltanet_config():
         "conv_kernel": 4,
         "chunk_size": 64,
         "qk_l2norm_epsilon": 1e-6,
+        "kernel_backend": "auto",
     }
     table = {"model": {"linear_attention": gdn}, "parallel": {"cp": 2}}
     with pytest.raises(ConfigError, match=r"do not support context parallelism \(cp=2\)"):
         validate_config(config_from_dict(table), world_size=2)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fla") is not None, reason="fla installed here")
+def test_a_triton_deltanet_backend_without_fla_is_a_config_error():
+    gdn = {"num_key_heads": 2, "num_value_heads": 4, "key_head_dim": 16, "value_head_dim": 8}
+    table = {"model": {"linear_attention": gdn | {"kernel_backend": "triton"}}}
+    with pytest.raises(ConfigError, match=r"kernel_backend='triton'.*pip install flash-linear"):
+        validate_config(config_from_dict(table), world_size=1)
 
 
 @pytest.mark.parametrize(

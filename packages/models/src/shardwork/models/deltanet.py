@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from shardwork.models.attention import AttentionInputs
 from shardwork.models.config import GPTConfig
 from shardwork.models.delta_rule import gated_delta_rule_chunked, gated_delta_rule_step
+from shardwork.models.deltanet_kernels import FLA_GATED_DELTA_RULE, gated_delta_rule_kernel
 from shardwork.models.module import ShardedModule
 from shardwork.models.norm import RMSNorm
 from shardwork.models.parallel_linear import ColumnParallelLinear, RowParallelLinear
@@ -76,6 +77,7 @@ class GatedDeltaNetMixer(ShardedModule):
                 "LayerSpec(mixer='gated_deltanet') needs GPTConfig.linear_attention (a "
                 "GatedDeltaNetConfig); it is None"
             )
+        self.rule_backend, self.model_backend = gdn.kernel_backend, config.kernel_backend
         tp = groups.size("tp")
         self.num_key_heads = gdn.num_key_heads // tp
         self.num_value_heads = gdn.num_value_heads // tp
@@ -178,6 +180,8 @@ class GatedDeltaNetMixer(ShardedModule):
                 "(document masks) and context parallelism are not supported (the recurrent "
                 "state is not reset at document boundaries nor passed between cp ranks)"
             )
+        # Decided (and a "triton" request the input cannot take refused) before any work.
+        use_kernel = FLA_GATED_DELTA_RULE.use_kernel(self.rule_backend, self.model_backend, hidden)
         # [s, b, ·] -> [b, s, ·]: the rule and the convolution run batch-first.
         proj = self.in_proj(hidden).transpose(0, 1)
         qkv, z, b, a = self._split_projection(proj)
@@ -186,7 +190,10 @@ class GatedDeltaNetMixer(ShardedModule):
         conv = F.conv1d(padded, self.conv_weight.to(qkv.dtype).unsqueeze(1), groups=qkv.shape[-1])
         qkv = F.silu(conv).transpose(1, 2)
         q, k, v, g, beta = self._rule_inputs(qkv, b, a)
-        o, _ = gated_delta_rule_chunked(q, k, v, g, beta, self.chunk_size)
+        if use_kernel:
+            o, _ = gated_delta_rule_kernel(q, k, v, g, beta)
+        else:
+            o, _ = gated_delta_rule_chunked(q, k, v, g, beta, self.chunk_size)
         out = self._output(o, z)  # [b, s, nv·dv]
         return self.out_proj(out.transpose(0, 1))
 

@@ -20,6 +20,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from shardwork.models.deltanet_kernels import FLA_GATED_DELTA_RULE
+from shardwork.models.scan_kernels import check_scan_backend
+
 __all__ = ["GatedDeltaNetConfig"]
 
 
@@ -49,6 +52,10 @@ class GatedDeltaNetConfig:
     """Tokens per chunk of the chunked (WY-form) delta rule: a speed knob, exact either way."""
     qk_l2norm_epsilon: float = 1e-6
     """Epsilon of the L2 normalisation of queries and keys (``x * rsqrt(sum(x²) + eps)``)."""
+    kernel_backend: str = "auto"
+    """The delta rule: "torch" (plain-torch reference), "triton" (flash-linear-attention's
+    Triton kernel, which must import when a GPTConfig holds this config) or "auto" (the
+    kernel for CUDA tensors when it imports); see :mod:`shardwork.models.scan_kernels`."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -71,6 +78,7 @@ class GatedDeltaNetConfig:
                 f"GatedDeltaNetConfig.qk_l2norm_epsilon={self.qk_l2norm_epsilon!r} is invalid: "
                 "it must be a number > 0"
             )
+        check_scan_backend("GatedDeltaNetConfig", self.kernel_backend)
 
     @property
     def key_dim(self) -> int:
@@ -83,7 +91,11 @@ class GatedDeltaNetConfig:
         return self.num_value_heads * self.value_head_dim
 
     def validate(self, config: Any) -> None:
-        """Nothing to check against the enclosing ``GPTConfig``: the mixer's widths are its own."""
+        """Called by ``GPTConfig``: a model that asks for ``kernel_backend="triton"`` needs
+        flash-linear-attention importable here, refused now rather than when the mixer runs.
+        Nothing else to check against ``config``: the mixer's widths are its own."""
+        if self.kernel_backend == "triton":
+            FLA_GATED_DELTA_RULE.require()
 
     def check_layout(self, parallel: Any) -> None:
         """Heads split over tp (whole key heads per rank, so whole value groups too); cp refused."""

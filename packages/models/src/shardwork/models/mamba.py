@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from shardwork.models.attention import AttentionInputs
 from shardwork.models.config import GPTConfig
+from shardwork.models.mamba_kernels import MAMBA_SSD_KERNEL, ssd_chunked_kernel
 from shardwork.models.module import ShardedModule
 from shardwork.models.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from shardwork.models.sharding import UniformInit, describe_param
@@ -95,6 +96,7 @@ class Mamba2Mixer(ShardedModule):
                 "LayerSpec(mixer='mamba') needs GPTConfig.mamba=MambaConfig(...) (got None)"
             )
         m.check_layout(groups.config)
+        self.scan_backend, self.model_backend = m.kernel_backend, config.kernel_backend
         tp = groups.size("tp")
         self.heads, self.head_dim = m.num_heads // tp, m.head_dim
         self.num_groups, self.state_size = m.num_groups // tp, m.state_size
@@ -177,11 +179,14 @@ class Mamba2Mixer(ShardedModule):
                 "(cu_seqlens) and context parallelism are not supported (the scan's state "
                 "would have to be reset at document boundaries or passed between cp ranks)"
             )
+        # Decided (and a "triton" request the input cannot take refused) before any work.
+        use_kernel = MAMBA_SSD_KERNEL.use_kernel(self.scan_backend, self.model_backend, hidden)
+        scan = ssd_chunked_kernel if use_kernel else ssd_chunked
         zxbcdt = self.in_proj(hidden)  # [s, b, local width]
         z, xbc, dt = self._split_projection(zxbcdt.transpose(0, 1))  # batch first from here
         xbc = F.silu(self.conv1d(xbc))
         x, B, C = self._split_conv_output(xbc)
-        y, _ = ssd_chunked(x, self._time_step(dt), self._decay_rate(x.dtype), B, C, self.chunk_size)
+        y, _ = scan(x, self._time_step(dt), self._decay_rate(x.dtype), B, C, self.chunk_size)
         out = self._output(y, x, z)  # [b, s, nh·p]
         return self.out_proj(out.transpose(0, 1))
 

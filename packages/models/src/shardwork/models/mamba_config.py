@@ -17,6 +17,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from shardwork.models.mamba_kernels import MAMBA_SSD_KERNEL
+from shardwork.models.scan_kernels import check_scan_backend
+
 __all__ = ["MambaConfig"]
 
 
@@ -66,6 +69,10 @@ class MambaConfig:
     (NemotronH: ``(time_step_min, inf)``)."""
     norm_epsilon: float | None = None
     """Epsilon of the gated grouped RMSNorm; None: ``GPTConfig.norm_epsilon``."""
+    kernel_backend: str = "auto"
+    """The SSD scan: "torch" (plain-torch reference), "triton" (mamba-ssm's Triton kernel,
+    which must import when a GPTConfig holds this config) or "auto" (the kernel for CUDA
+    tensors when it imports); see :mod:`shardwork.models.scan_kernels`."""
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "head_dim", "state_size", "num_groups", "chunk_size"):
@@ -96,6 +103,7 @@ class MambaConfig:
             )
         if self.norm_epsilon is not None and not self.norm_epsilon > 0:
             raise ValueError(f"MambaConfig.norm_epsilon={self.norm_epsilon} must be > 0 or None")
+        check_scan_backend("MambaConfig", self.kernel_backend)
 
     @property
     def inner_size(self) -> int:
@@ -112,8 +120,11 @@ class MambaConfig:
         return config.norm_epsilon if self.norm_epsilon is None else self.norm_epsilon
 
     def validate(self, config: Any) -> None:
-        """Nothing to check against the enclosing ``GPTConfig``: the mixer reads only
-        ``hidden_size`` and ``norm_epsilon``, both validated there."""
+        """Called by ``GPTConfig``: a model that asks for ``kernel_backend="triton"`` needs
+        mamba-ssm importable here, refused now rather than when the mixer runs. The mixer
+        reads only ``hidden_size`` and ``norm_epsilon`` of ``config``, validated there."""
+        if self.kernel_backend == "triton":
+            MAMBA_SSD_KERNEL.require()
 
     def check_layout(self, parallel: Any) -> None:
         """Heads and groups split over tp; context parallelism refused (module docstring)."""
