@@ -12,17 +12,25 @@ import torch
 from shardwork.models import GPTModel, MTPConfig, layout_groups, preset
 from shardwork.models.calculator import memory_estimate
 from shardwork.models.calculator_memory import (
+    MIXER_MEMORY,
     kv_cache_bytes_per_token,
     local_parameters,
     stage_activation_bytes,
 )
 from shardwork.models.calculator_moe import moe_param_counts
+from shardwork.models.mamba_config import MambaConfig
 from shardwork.models.pipeline import build_stage
 from shardwork.models.presets_moe import PUBLISHED_MOE_PARAMS
+from shardwork.models.spec import spec_for
 from shardwork.parallel_state import ParallelConfig, get_param_meta
 
 HYBRID = dict(num_layers=6, hybrid_layer_pattern="*-E*E-/*E", mtp=MTPConfig())
 """Single-part layers in any order and an attention + MoE MTP depth."""
+
+BIASED_MAMBA = MambaConfig(
+    num_heads=4, head_dim=16, state_size=8, num_groups=2, chunk_size=8, proj_bias=True
+)
+"""Mamba with projection biases (column-split in_proj's, replicated out_proj's)."""
 
 # (preset, overrides, tp, pp, vpp, ep, etp, cp, world)
 LAYOUTS = [
@@ -37,6 +45,10 @@ LAYOUTS = [
     ("tiny-llama3-8b", dict(num_layers=4), 2, 2, None, 1, 1, 2, 8),
     ("tiny-qwen3-8b", dict(tie_word_embeddings=True), 2, 2, None, 1, 1, 1, 4),
     ("tiny-qwen2-57b-a14b", dict(HYBRID), 2, 2, None, 2, 1, 1, 8),
+    ("tiny-nemotron-h-8b", {}, 2, 2, None, 1, 1, 1, 4),
+    ("tiny-nemotron-h-8b", dict(mamba=BIASED_MAMBA), 2, 1, None, 1, 1, 1, 2),
+    ("tiny-qwen3-next-80b-a3b", {}, 2, 2, None, 2, 1, 1, 8),
+    ("tiny-qwen3-next-80b-a3b", dict(add_qkv_bias=True), 2, 1, None, 1, 1, 1, 2),
 ]
 
 
@@ -153,6 +165,10 @@ def _saved_bytes(cfg, *, seq: int, batch: int) -> int:
         ("tiny-deepseek-v3", torch.float32),
         ("tiny-deepseek-v3", torch.bfloat16),
         ("tiny-deepseek-v2-lite", torch.float32),
+        ("tiny-nemotron-h-8b", torch.float32),
+        ("tiny-nemotron-h-8b", torch.bfloat16),
+        ("tiny-qwen3-next-80b-a3b", torch.float32),
+        ("tiny-qwen3-next-80b-a3b", torch.bfloat16),
     ],
 )
 def test_activation_estimate_matches_saved_tensors(name, dtype, recompute):
@@ -164,6 +180,71 @@ def test_activation_estimate_matches_saved_tensors(name, dtype, recompute):
     assert estimate == pytest.approx(measured, rel=0.05)
     est = memory_estimate(cfg, seq_length=seq, micro_batch_size=batch)
     assert est.activations == estimate
+
+
+def _mixer_saved_bytes(cfg, *, seq: int, batch: int) -> dict[int, int]:
+    """Global layer -> bytes of the storages its mixer is the first to save (params excluded).
+    Every packed tensor is kept until the count is done, so that no storage is freed (a branch
+    the forward drops, such as a scan's final state) and its address reused by another."""
+    torch.manual_seed(0)
+    model = GPTModel(cfg)
+    model.train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    inside: list[int] = []
+    for i, layer in enumerate(model.decoder.layers):
+        if layer.self_attention is not None:
+            mixer = layer.self_attention
+            mixer.register_forward_pre_hook(lambda _m, _a, i=i: inside.append(i))
+            mixer.register_forward_hook(lambda _m, _a, _o: inside.pop() and None)
+    packed: list[tuple[torch.Tensor, int | None]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packed.append((t, inside[-1] if inside else None))
+        return t
+
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids, labels=torch.roll(ids, -1, dims=1))
+    first: dict[int, tuple[int | None, int]] = {}
+    for t, layer in packed:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            first.setdefault(storage.data_ptr(), (layer, storage.nbytes()))
+    per_layer: dict[int, int] = {}
+    for layer, nbytes in first.values():
+        if layer is not None:
+            per_layer[layer] = per_layer.get(layer, 0) + nbytes
+    return per_layer
+
+
+@pytest.mark.parametrize("seq", [32, 30])  # chunk 8: whole chunks, and padded to 32
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["tiny-nemotron-h-8b", "tiny-qwen3-next-80b-a3b"])
+def test_hybrid_mixer_bytes_match_their_saved_tensors(name, dtype, seq):
+    """Each mixer alone (Mamba-2, Gated DeltaNet, gated or unrotated attention) against the
+    storages saved inside it: the formula plus its input projection's saved input (counted with
+    the norm). What the formula leaves out does not grow with the batch (causal masks, ``A``,
+    norm-weight copies, RoPE slices), so the growth from 2 to 4 sequences matches exactly."""
+    cfg = preset(name, params_dtype=dtype)
+    kinds = [layer.mixer for layer in spec_for(cfg).layers]
+    assert {"mamba", "gated_deltanet"} & set(kinds)
+    measured, expected = {}, {}
+    for batch in (2, 4):
+        measured[batch] = _mixer_saved_bytes(cfg, seq=seq, batch=batch)
+        t, e = seq * batch, dtype.itemsize
+        expected[batch] = {
+            i: MIXER_MEMORY[kind].activations(cfg, t, 1, 1, seq, "none", 4, e)
+            + t * cfg.hidden_size * e
+            for i, kind in enumerate(kinds)
+            if kind is not None
+        }
+    for i, kind in enumerate(kinds):
+        if kind is None:
+            continue
+        growth = measured[4][i] - measured[2][i]
+        assert growth == expected[4][i] - expected[2][i], (i, kind)
+        # the constants are under 3% here (RoPE's fp32 cos/sin slices at bf16, head_dim 16)
+        assert measured[2][i] == pytest.approx(expected[2][i], rel=0.03), (i, kind)
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])

@@ -6,9 +6,13 @@ parallel ``edp = tp·cp·dp / (ep·etp)``, ``V_p`` the padded vocabulary.
 
 Parameters (exact local elements, the shapes the model allocates on that rank; padded vocab
 rows included, so the count is what occupies memory):
-  dense   attention ``/tp`` along heads (MLA: its down projections and latent norms are
-          replicated), norms and routers replicated, dense MLP and shared experts ``/tp``,
-          embedding / untied head / MTP embedding copy ``V_p·h/tp``, MTP ``eh_proj 2h·h/tp``
+  dense   attention ``/tp`` along heads (with the output gate a fourth ``linear_qkv``
+          block as wide as Q; MLA: its down projections and latent norms are replicated),
+          Mamba-2 and Gated DeltaNet ``/tp`` along heads and groups
+          (:mod:`shardwork.models.calculator_memory_hybrid` lists their tensors), norms and
+          routers replicated, MLPs and shared experts ``/tp`` (SwiGLU ``3·h·f``, squared ReLU
+          ``2·h·f``), embedding / untied head / MTP embedding copy ``V_p·h/tp``, MTP
+          ``eh_proj 2h·h/tp``
   expert  ``(E/ep) · 3·h·F/etp`` per MoE layer (``ParamMeta.is_expert``)
 Bytes: weights ``P·bytes(params_dtype)``; gradients ``P·4`` (fp32 ``main_grad``); optimizer
 (ZeRO-1: fp32 master + two Adam moments = 12 bytes a parameter) ``12·(P_dense/(dp·cp) +
@@ -23,16 +27,27 @@ arithmetic bytes (4, or 8 for float64). Per layer, recompute ``none``:
   attention  flash-style SDPA (query and value head widths equal): ``T·(a/tp)·d·e·(2 + 2·cp)
              + T·(a/tp)·4`` (q, GQA-expanded k and v over the cp-gathered keys, output,
              log-sum-exp); math SDPA (MLA, widths differ): ``q, k, v`` plus ``T·(n/tp)·s·e``
-             probabilities and the output projection's input
+             probabilities and the output projection's input. Without RoPE and QK-norm, q
+             is a view of the fused qkv output and keeps all of it, ``T·(n+2g)/tp·d·e``
+             instead of q; the output gate adds ``2·T·(n/tp)·d·e`` (its sigmoid and the gated
+             output) and widens the kept qkv output by its block
   MLA        ``q_down → norm → q_up`` and ``kv_down → latent norm → kv_up`` intermediates
-  MLP        ``T·(3f/tp·c + f/tp·e)``; MoE: router scores and indices, and for ``R = T·k·etp/tp``
-             routed rows (expected, uniform load) ``R·(h·e + 3F/etp·c + F/etp·e)`` in the
-             experts plus ``(T·k/tp)·(2h·e + e + 8)`` to unpermute, shared experts like an MLP
+  Mamba-2,   the convolution, scan or delta rule and gated norm, tensor by tensor in
+  DeltaNet   :mod:`shardwork.models.calculator_memory_hybrid` (terms over the sequence rounded
+             up to whole chunks where the chunked scan pads it)
+  MLP        SwiGLU ``T·(3f/tp·c + f/tp·e)``; squared ReLU ``2·T·f/tp·e`` (relu's output, which
+             the square also keeps, and the square); MoE: router scores and indices, and for
+             ``R = T·k·etp/tp`` routed rows (expected, uniform load) ``R·(h·e + 3F/etp·c +
+             F/etp·e)`` in the experts plus ``(T·k/tp)·(2h·e + e + 8)`` to unpermute, shared
+             experts like an MLP and their sigmoid gate ``Tn·(h + 1)·e`` (the shared output
+             and the gate)
 ``selective`` keeps the core attention's inputs instead of its internals; ``full`` keeps only
 the layer input ``Tn·h·e``. The last stage adds the final norm, head input and fp32 logits
 ``T·V_p/tp·4`` (once per MTP depth too). Under 1F1B stage ``r`` holds ``min(pp − r, m)``
 micro-batches in flight. Not counted: aux-loss statistics (``O(T·E)`` when enabled), dropout
-masks, the transient recompute of one layer in backward, fused kernels' smaller saves.
+masks, the transient recompute of one layer in backward, fused kernels' smaller saves, and
+what does not grow with the batch: causal masks, ``A``, RoPE's cos/sin slices, the fp32 (or
+``1 + w``) weight copies a norm makes.
 """
 
 from __future__ import annotations
@@ -42,6 +57,12 @@ from dataclasses import dataclass
 
 import torch
 
+from shardwork.models.calculator_memory_hybrid import (
+    deltanet_bytes,
+    deltanet_params,
+    mamba_bytes,
+    mamba_params,
+)
 from shardwork.models.config import GPTConfig
 from shardwork.models.pipeline.split import layer_split
 from shardwork.models.spec import LayerSpec, spec_for
@@ -49,12 +70,15 @@ from shardwork.parallel_state import ParallelConfig
 
 __all__ = [
     "MIXER_MEMORY",
+    "MLP_MEMORY",
     "LocalParams",
     "MixerMemory",
+    "MlpMemory",
     "kv_cache_bytes_per_token",
     "layer_activation_bytes",
     "local_parameters",
     "register_mixer_memory",
+    "register_mlp_memory",
     "stage_activation_bytes",
 ]
 
@@ -88,7 +112,8 @@ def _attention_params(c: GPTConfig, tp: int) -> int:
     h, n = c.hidden_size, c.num_attention_heads
     if c.mla is None:
         d, g = c.kv_channels, c.kv_heads
-        qkv = (n + 2 * g) * d // tp
+        # linear_qkv's rows: Q, K, V and, with the output gate, a G block as wide as Q
+        qkv = (2 * n + 2 * g if c.attention_output_gate else n + 2 * g) * d // tp
         p = qkv * h + (qkv if c.add_qkv_bias else 0) + n * d // tp * h
         return p + (2 * d if c.qk_layernorm else 0)
     m = c.mla
@@ -101,11 +126,19 @@ def _attention_params(c: GPTConfig, tp: int) -> int:
     return q + kv + n * m.v_head_dim // tp * h
 
 
-def _mlp_params(c: GPTConfig, *, tp: int, ep: int, etp: int, moe: bool) -> tuple[int, int]:
-    """(dense, expert) local elements of a dense (``moe`` False) or MoE MLP."""
+def _swiglu_params(c: GPTConfig, *, tp: int, ep: int, etp: int) -> tuple[int, int]:
+    """(dense, expert) local elements of a SwiGLU MLP: gate, up and down ``/tp``."""
+    return 3 * c.hidden_size * (c.ffn_hidden_size // tp), 0
+
+
+def _relu2_params(c: GPTConfig, *, tp: int, ep: int, etp: int) -> tuple[int, int]:
+    """(dense, expert) local elements of a squared-ReLU MLP: ``fc1`` and ``fc2`` ``/tp``."""
+    return 2 * c.hidden_size * (c.ffn_hidden_size // tp), 0
+
+
+def _moe_params(c: GPTConfig, *, tp: int, ep: int, etp: int) -> tuple[int, int]:
+    """(dense, expert) local elements of an MoE MLP."""
     h, m = c.hidden_size, c.moe
-    if not moe:
-        return 3 * h * (c.ffn_hidden_size // tp), 0
     dense = m.router.num_experts * h  # router, replicated
     if m.shared_expert_ffn_hidden_size is not None:
         dense += 3 * h * (m.shared_expert_ffn_hidden_size // tp)
@@ -120,7 +153,7 @@ def _layer_params(c: GPTConfig, spec: LayerSpec, *, tp: int, ep: int, etp: int):
     if spec.mixer is not None:
         dense += _part(MIXER_MEMORY, spec.mixer).params(c, tp) + c.hidden_size
     if spec.mlp is not None:
-        d, e = _mlp_params(c, tp=tp, ep=ep, etp=etp, moe=_part(MLP_KINDS, spec.mlp))
+        d, e = _part(MLP_MEMORY, spec.mlp).params(c, tp=tp, ep=ep, etp=etp)
         dense, expert = dense + d + c.hidden_size, expert + e
     return dense, expert
 
@@ -223,15 +256,33 @@ class MixerMemory:
     activations: Callable[..., float]
 
 
+@dataclass(frozen=True)
+class MlpMemory:
+    """How the memory estimate counts an MLP kind on one rank.
+
+    ``params(config, *, tp, ep, etp)``: local ``(dense, expert)`` parameter elements;
+    ``activations(config, t, tn, tp, etp, c, e)``: bytes saved for backward for ``t`` local
+    tokens (``tn`` of them seen by the norms; see the module docstring).
+    """
+
+    params: Callable[..., tuple[int, int]]
+    activations: Callable[..., float]
+
+
 MIXER_MEMORY: dict[str, MixerMemory] = {}
-"""Mixer kind -> its memory formulas (attention and MLA built in; hybrid mixers register)."""
-MLP_KINDS = {"dense": False, "moe": True}
-"""MLP kind -> whether it is a mixture of experts (the formulas above)."""
+"""Mixer kind -> its memory formulas (attention, MLA, Mamba-2 and Gated DeltaNet built in)."""
+MLP_MEMORY: dict[str, MlpMemory] = {}
+"""MLP kind -> its memory formulas (``dense`` SwiGLU, ``relu2`` and ``moe`` built in)."""
 
 
 def register_mixer_memory(kind: str, memory: MixerMemory) -> None:
     """Make the memory estimate count ``kind`` mixers with ``memory``."""
     MIXER_MEMORY[kind] = memory
+
+
+def register_mlp_memory(kind: str, memory: MlpMemory) -> None:
+    """Make the memory estimate count ``kind`` MLPs with ``memory``."""
+    MLP_MEMORY[kind] = memory
 
 
 def _part(table: dict, kind: str):
@@ -252,16 +303,22 @@ def _attention_bytes(cfg: GPTConfig, t, tp, cp, seq, recompute, c, e) -> float:
     if cfg.mla is None:
         d, g = cfg.kv_channels, cfg.kv_heads // tp
         dq = dv = d
+        gate = n if cfg.attention_output_gate else 0
+        # Without RoPE and QK-norm, q and k reach SDPA (or the checkpoint) as views of qkv.
+        q_view = cfg.position_embedding_type == "none" and not cfg.qk_layernorm
         kq, kk, kv_ = t * n * d, t * cp * n * d, t * cp * n * d  # q; k, v expanded over GQA
-        # q/k-norm (float32 compute) and selective recompute's v (cp = 1) save views of the
-        # fused qkv output, which then stays alive whole
+        kq = 0 if q_view else kq
+        # q/k-norm (float32 compute), selective recompute's v (cp = 1) and an unrotated q save
+        # views of the fused qkv output (gate block included), which then stays alive whole
         qkv_pinned = (cfg.qk_layernorm and c == e) or (recompute == "selective" and cp == 1)
-        extra = t * (n + 2 * g) * d * e if qkv_pinned else 0.0
+        extra = t * (n + 2 * g + gate) * d * e if qkv_pinned or q_view else 0.0
         if cfg.qk_layernorm:
             extra += t * (n + g) * (d * c + c) + (0 if c == e else t * (n + g) * d * c)
+        extra += 2 * t * gate * d * e  # sigmoid(gate) and the gated output (linear_proj's input)
         if recompute == "selective":  # checkpoint keeps q, k and v before GQA expansion
             v_keep = 0 if cp == 1 else t * cp * g * d * e
-            return extra + (kq + t * cp * g * d) * e + v_keep + t * n * d * e
+            k_keep = 0 if q_view and cp == 1 else t * cp * g * d * e
+            return extra + kq * e + k_keep + v_keep + t * n * d * e
         return extra + (kq + kk + kv_) * e + t * n * d * e + t * n * 4
     m = cfg.mla
     dq, dv = m.qk_head_dim, m.v_head_dim
@@ -279,11 +336,18 @@ def _attention_bytes(cfg: GPTConfig, t, tp, cp, seq, recompute, c, e) -> float:
     return proj + core
 
 
-def _mlp_bytes(cfg: GPTConfig, moe: bool, t, tn, tp, etp, c, e) -> float:
+def _swiglu_bytes(cfg: GPTConfig, t, tn, tp, etp, c, e) -> float:
+    f = cfg.ffn_hidden_size // tp
+    return t * (3 * f * c + f * e)
+
+
+def _relu2_bytes(cfg: GPTConfig, t, tn, tp, etp, c, e) -> float:
+    """relu's output (also square's input) and the square (``fc2``'s input), both ``e`` wide."""
+    return 2 * t * (cfg.ffn_hidden_size // tp) * e
+
+
+def _moe_bytes(cfg: GPTConfig, t, tn, tp, etp, c, e) -> float:
     h, m = cfg.hidden_size, cfg.moe
-    if not moe:
-        f = cfg.ffn_hidden_size // tp
-        return t * (3 * f * c + f * e)
     r = m.router
     k, experts = r.top_k, r.num_experts
     router_tokens = tn if cfg.sequence_parallel else t
@@ -301,8 +365,8 @@ def _mlp_bytes(cfg: GPTConfig, moe: bool, t, tn, tp, etp, c, e) -> float:
     if m.shared_expert_ffn_hidden_size is not None:
         s = m.shared_expert_ffn_hidden_size // tp
         out += t * (3 * s * c + s * e)
-        if m.shared_expert_gate:
-            out += 2 * t * (h + 1) * e
+        if m.shared_expert_gate:  # the shared output and its sigmoid gate (the gate's input
+            out += tn * (h + 1) * e  # is the norm output, counted with the norm)
     return out
 
 
@@ -340,8 +404,8 @@ def layer_activation_bytes(
             cfg, t, tp, cp, seq_length, recompute, c, e
         )
     if part.mlp is not None:
-        moe = _part(MLP_KINDS, part.mlp)
-        out += _norm(tn, t, h, c, e) + _mlp_bytes(cfg, moe, t, tn, tp, etp, c, e)
+        mlp = _part(MLP_MEMORY, part.mlp)
+        out += _norm(tn, t, h, c, e) + mlp.activations(cfg, t, tn, tp, etp, c, e)
     return out
 
 
@@ -393,3 +457,8 @@ def stage_activation_bytes(
 _ATTENTION = MixerMemory(_attention_params, _attention_bytes)
 register_mixer_memory("attention", _ATTENTION)
 register_mixer_memory("mla", _ATTENTION)
+register_mixer_memory("mamba", MixerMemory(mamba_params, mamba_bytes))
+register_mixer_memory("gated_deltanet", MixerMemory(deltanet_params, deltanet_bytes))
+register_mlp_memory("dense", MlpMemory(_swiglu_params, _swiglu_bytes))
+register_mlp_memory("relu2", MlpMemory(_relu2_params, _relu2_bytes))
+register_mlp_memory("moe", MlpMemory(_moe_params, _moe_bytes))
