@@ -15,6 +15,7 @@ from shardwork.models.calculator_memory import (
     MIXER_MEMORY,
     kv_cache_bytes_per_token,
     local_parameters,
+    recurrent_state_bytes,
     stage_activation_bytes,
 )
 from shardwork.models.calculator_moe import moe_param_counts
@@ -287,6 +288,43 @@ def test_kv_cache_per_token_from_the_layer_shapes(name):
     if cfg.mla is not None:  # MLA caches >5x less than per-head keys and values
         dense_kv = 2 * cfg.num_layers * cfg.num_attention_heads * cfg.mla.v_head_dim * 2
         assert kv_cache_bytes_per_token(cfg) < dense_kv / 5
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [
+        ("tiny-nemotron-h-8b", torch.bfloat16),
+        ("tiny-nemotron-h-8b", torch.float64),
+        ("tiny-qwen3-next-80b-a3b", torch.float32),
+    ],
+)
+def test_recurrent_state_from_the_mixers_init_state(name, dtype, tp):
+    """Mamba / DeltaNet generation state per sequence vs. the tensors the built mixers'
+    ``init_state`` allocate on a tp rank; attention layers' cache stays per token."""
+    cfg = preset(name, params_dtype=dtype)
+    groups = _rank_of(ParallelConfig(tp=tp), tp, 0)
+    stage = build_stage(cfg, groups, device="meta")
+    batch, state_bytes, attention = 3, 0, 0
+    for layer in stage.decoder.layers:
+        mixer = layer.self_attention
+        if hasattr(mixer, "init_state"):
+            state = vars(mixer.init_state(batch)).values()
+            state_bytes += sum(t.numel() * t.element_size() for t in state)
+        elif mixer is not None:
+            attention += 1
+    assert state_bytes > 0 and state_bytes % batch == 0
+    assert recurrent_state_bytes(cfg, tp=tp) == state_bytes // batch
+    kv_per_layer = 2 * cfg.kv_heads // tp * cfg.kv_channels * cfg.activation_dtype.itemsize
+    assert kv_cache_bytes_per_token(cfg, tp=tp) == attention * kv_per_layer
+
+
+def test_recurrent_state_of_a_transformer_is_zero_and_bad_tp_raises():
+    assert recurrent_state_bytes(preset("tiny-llama3-8b")) == 0
+    with pytest.raises(ValueError, match=r"MambaConfig\.num_heads=4 is not divisible by tp=3"):
+        recurrent_state_bytes(preset("tiny-nemotron-h-8b"), tp=3)
+    with pytest.raises(ValueError, match="tp=0 is invalid"):
+        recurrent_state_bytes(preset("tiny-nemotron-h-8b"), tp=0)
 
 
 def test_bad_layouts_raise_before_counting():

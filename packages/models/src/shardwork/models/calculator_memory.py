@@ -60,8 +60,10 @@ import torch
 from shardwork.models.calculator_memory_hybrid import (
     deltanet_bytes,
     deltanet_params,
+    deltanet_state_elements,
     mamba_bytes,
     mamba_params,
+    mamba_state_elements,
 )
 from shardwork.models.config import GPTConfig
 from shardwork.models.pipeline.split import layer_split
@@ -77,6 +79,7 @@ __all__ = [
     "kv_cache_bytes_per_token",
     "layer_activation_bytes",
     "local_parameters",
+    "recurrent_state_bytes",
     "register_mixer_memory",
     "register_mlp_memory",
     "stage_activation_bytes",
@@ -229,7 +232,9 @@ def kv_cache_bytes_per_token(config: GPTConfig, *, tp: int = 1) -> int:
 
     GQA caches ``2·g/tp·d`` values a layer; MLA caches its compressed latent and the shared
     rope key, ``rkv + dr`` a layer, replicated over TP (the up projections are re-applied, or
-    absorbed into the query and output projections, at decode time).
+    absorbed into the query and output projections, at decode time). Mamba-2 and Gated
+    DeltaNet layers cache nothing per token: their fixed-size state per sequence is
+    :func:`recurrent_state_bytes`.
     """
     c = config
     per_layer = (
@@ -241,6 +246,31 @@ def kv_cache_bytes_per_token(config: GPTConfig, *, tp: int = 1) -> int:
     # Only attention layers cache keys and values (a hybrid stack's other mixers keep a state).
     attention = sum(layer.mixer in ("attention", "mla") for layer in spec_for(c).layers)
     return attention * per_layer * c.activation_dtype.itemsize
+
+
+_STATE_ELEMENTS = {"mamba": mamba_state_elements, "gated_deltanet": deltanet_state_elements}
+
+
+def recurrent_state_bytes(config: GPTConfig, *, tp: int = 1) -> int:
+    """Generation-state bytes per sequence on a rank, all layers (MTP excluded): what a
+    recurrent mixer keeps instead of a KV cache, the same for any sequence length.
+
+    Mamba-2: conv state ``(I + 2gN)/tp·(k-1)`` + SSM state ``nh/tp·p·N``; Gated DeltaNet:
+    conv state ``(2Kd + Vd)/tp·(K-1)`` + delta-rule state ``Nv/tp·dk·dv``; elements in the
+    scans' dtype (``params_dtype``, at least float32), as the mixers' ``init_state`` holds
+    them. Attention layers add nothing here (their cache is :func:`kv_cache_bytes_per_token`).
+    """
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp={tp!r} is invalid: it must be an integer >= 1")
+    for part in (config.mamba, config.linear_attention):
+        if part is not None:
+            part.check_layout(ParallelConfig(tp=tp))
+    itemsize = torch.promote_types(config.params_dtype, torch.float32).itemsize
+    layers = spec_for(config).layers
+    elements = sum(
+        _STATE_ELEMENTS[s.mixer](config, tp) for s in layers if s.mixer in _STATE_ELEMENTS
+    )
+    return elements * itemsize
 
 
 @dataclass(frozen=True)

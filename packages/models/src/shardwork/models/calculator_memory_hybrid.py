@@ -67,7 +67,14 @@ from __future__ import annotations
 
 from shardwork.models.config import GPTConfig
 
-__all__ = ["deltanet_bytes", "deltanet_params", "mamba_bytes", "mamba_params"]
+__all__ = [
+    "deltanet_bytes",
+    "deltanet_params",
+    "deltanet_state_elements",
+    "mamba_bytes",
+    "mamba_params",
+    "mamba_state_elements",
+]
 
 
 def mamba_params(c: GPTConfig, tp: int) -> int:
@@ -92,6 +99,23 @@ def deltanet_params(c: GPTConfig, tp: int) -> int:
     # A_log and dt_bias per value head; the norm weight over dv is replicated.
     small = 2 * d.num_value_heads // tp + d.value_head_dim
     return h * proj + conv + small + d.value_dim // tp * h
+
+
+def mamba_state_elements(c: GPTConfig, tp: int) -> int:
+    """Generation state of one Mamba-2 mixer for one sequence on a rank: the last ``k - 1``
+    inputs of the ``(I + 2gN)/tp`` conv channels and the ``nh/tp·p·N`` SSM state."""
+    m = c.mamba
+    return m.conv_channels // tp * (m.conv_kernel - 1) + m.num_heads // tp * m.head_dim * (
+        m.state_size
+    )
+
+
+def deltanet_state_elements(c: GPTConfig, tp: int) -> int:
+    """Generation state of one Gated DeltaNet mixer for one sequence on a rank: the last
+    ``K - 1`` inputs of the ``(2Kd + Vd)/tp`` conv channels and the ``Nv/tp·dk·dv`` state."""
+    d = c.linear_attention
+    conv = (2 * d.key_dim + d.value_dim) // tp * (d.conv_kernel - 1)
+    return conv + d.num_value_heads // tp * d.key_head_dim * d.value_head_dim
 
 
 def _padded_tokens(t: float, seq: int, chunk: int) -> tuple[float, float]:
