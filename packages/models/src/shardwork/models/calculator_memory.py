@@ -248,9 +248,6 @@ def kv_cache_bytes_per_token(config: GPTConfig, *, tp: int = 1) -> int:
     return attention * per_layer * c.activation_dtype.itemsize
 
 
-_STATE_ELEMENTS = {"mamba": mamba_state_elements, "gated_deltanet": deltanet_state_elements}
-
-
 def recurrent_state_bytes(config: GPTConfig, *, tp: int = 1) -> int:
     """Generation-state bytes per sequence on a rank, all layers (MTP excluded): what a
     recurrent mixer keeps instead of a KV cache, the same for any sequence length.
@@ -267,9 +264,8 @@ def recurrent_state_bytes(config: GPTConfig, *, tp: int = 1) -> int:
             part.check_layout(ParallelConfig(tp=tp))
     itemsize = torch.promote_types(config.params_dtype, torch.float32).itemsize
     layers = spec_for(config).layers
-    elements = sum(
-        _STATE_ELEMENTS[s.mixer](config, tp) for s in layers if s.mixer in _STATE_ELEMENTS
-    )
+    mixers = [_part(MIXER_MEMORY, s.mixer) for s in layers if s.mixer is not None]
+    elements = sum(m.state(config, tp) for m in mixers if m.state is not None)
     return elements * itemsize
 
 
@@ -279,11 +275,14 @@ class MixerMemory:
 
     ``params(config, tp)``: local parameter elements; ``activations(config, t, tp, cp, seq,
     recompute, c, e)``: bytes saved for backward for ``t`` local tokens (``c``: the norm /
-    fp32-arithmetic bytes, ``e``: activation bytes; see the module docstring).
+    fp32-arithmetic bytes, ``e``: activation bytes; see the module docstring);
+    ``state(config, tp)``: generation-state elements per sequence of a recurrent mixer, None
+    for one that caches keys and values per token instead.
     """
 
     params: Callable[[GPTConfig, int], int]
     activations: Callable[..., float]
+    state: Callable[[GPTConfig, int], int] | None = None
 
 
 @dataclass(frozen=True)
@@ -487,8 +486,10 @@ def stage_activation_bytes(
 _ATTENTION = MixerMemory(_attention_params, _attention_bytes)
 register_mixer_memory("attention", _ATTENTION)
 register_mixer_memory("mla", _ATTENTION)
-register_mixer_memory("mamba", MixerMemory(mamba_params, mamba_bytes))
-register_mixer_memory("gated_deltanet", MixerMemory(deltanet_params, deltanet_bytes))
+register_mixer_memory("mamba", MixerMemory(mamba_params, mamba_bytes, mamba_state_elements))
+register_mixer_memory(
+    "gated_deltanet", MixerMemory(deltanet_params, deltanet_bytes, deltanet_state_elements)
+)
 register_mlp_memory("dense", MlpMemory(_swiglu_params, _swiglu_bytes))
 register_mlp_memory("relu2", MlpMemory(_relu2_params, _relu2_bytes))
 register_mlp_memory("moe", MlpMemory(_moe_params, _moe_bytes))
