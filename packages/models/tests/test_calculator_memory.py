@@ -12,13 +12,17 @@ import torch
 from shardwork.models import GPTModel, MTPConfig, layout_groups, preset
 from shardwork.models.calculator import memory_estimate
 from shardwork.models.calculator_memory import (
+    MIXER_MEMORY,
     kv_cache_bytes_per_token,
     local_parameters,
+    recurrent_state_bytes,
     stage_activation_bytes,
 )
 from shardwork.models.calculator_moe import moe_param_counts
+from shardwork.models.mamba_config import MambaConfig
 from shardwork.models.pipeline import build_stage
 from shardwork.models.presets_moe import PUBLISHED_MOE_PARAMS
+from shardwork.models.spec import spec_for
 from shardwork.parallel_state import ParallelConfig, get_param_meta
 
 HYBRID = dict(num_layers=6, hybrid_layer_pattern="*-E*E-/*E", mtp=MTPConfig())
@@ -26,6 +30,11 @@ HYBRID = dict(num_layers=6, hybrid_layer_pattern="*-E*E-/*E", mtp=MTPConfig())
 
 # hybrid layer options
 GATED_RELU2 = dict(attention_output_gate=True, mlp_activation="relu2", add_mlp_bias=True)
+BIASED_MAMBA = MambaConfig(
+    num_heads=4, head_dim=16, state_size=8, num_groups=2, chunk_size=8, proj_bias=True
+)
+"""Mamba with projection biases (column-split in_proj's, replicated out_proj's)."""
+
 # (preset, overrides, tp, pp, vpp, ep, etp, cp, world)
 LAYOUTS = [
     ("tiny-deepseek-v3", dict(num_layers=4), 1, 1, None, 2, 1, 1, 2),
@@ -41,6 +50,10 @@ LAYOUTS = [
     ("tiny-qwen2-57b-a14b", dict(HYBRID), 2, 2, None, 2, 1, 1, 8),
     ("tiny-qwen3-8b", GATED_RELU2, 2, 2, None, 1, 1, 1, 4),
     ("tiny-qwen3-30b-a3b", dict(attention_output_gate=True), 2, 2, None, 2, 1, 1, 8),
+    ("tiny-nemotron-h-8b", {}, 2, 2, None, 1, 1, 1, 4),
+    ("tiny-nemotron-h-8b", dict(mamba=BIASED_MAMBA), 2, 1, None, 1, 1, 1, 2),
+    ("tiny-qwen3-next-80b-a3b", {}, 2, 2, None, 2, 1, 1, 8),
+    ("tiny-qwen3-next-80b-a3b", dict(add_qkv_bias=True), 2, 1, None, 1, 1, 1, 2),
 ]
 
 
@@ -157,6 +170,10 @@ def _saved_bytes(cfg, *, seq: int, batch: int) -> int:
         ("tiny-deepseek-v3", torch.float32),
         ("tiny-deepseek-v3", torch.bfloat16),
         ("tiny-deepseek-v2-lite", torch.float32),
+        ("tiny-nemotron-h-8b", torch.float32),
+        ("tiny-nemotron-h-8b", torch.bfloat16),
+        ("tiny-qwen3-next-80b-a3b", torch.float32),
+        ("tiny-qwen3-next-80b-a3b", torch.bfloat16),
     ],
 )
 def test_activation_estimate_matches_saved_tensors(name, dtype, recompute):
@@ -168,6 +185,71 @@ def test_activation_estimate_matches_saved_tensors(name, dtype, recompute):
     assert estimate == pytest.approx(measured, rel=0.05)
     est = memory_estimate(cfg, seq_length=seq, micro_batch_size=batch)
     assert est.activations == estimate
+
+
+def _mixer_saved_bytes(cfg, *, seq: int, batch: int) -> dict[int, int]:
+    """Global layer -> bytes of the storages its mixer is the first to save (params excluded).
+    Every packed tensor is kept until the count is done, so that no storage is freed (a branch
+    the forward drops, such as a scan's final state) and its address reused by another."""
+    torch.manual_seed(0)
+    model = GPTModel(cfg)
+    model.train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    inside: list[int] = []
+    for i, layer in enumerate(model.decoder.layers):
+        if layer.self_attention is not None:
+            mixer = layer.self_attention
+            mixer.register_forward_pre_hook(lambda _m, _a, i=i: inside.append(i))
+            mixer.register_forward_hook(lambda _m, _a, _o: inside.pop() and None)
+    packed: list[tuple[torch.Tensor, int | None]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packed.append((t, inside[-1] if inside else None))
+        return t
+
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids, labels=torch.roll(ids, -1, dims=1))
+    first: dict[int, tuple[int | None, int]] = {}
+    for t, layer in packed:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            first.setdefault(storage.data_ptr(), (layer, storage.nbytes()))
+    per_layer: dict[int, int] = {}
+    for layer, nbytes in first.values():
+        if layer is not None:
+            per_layer[layer] = per_layer.get(layer, 0) + nbytes
+    return per_layer
+
+
+@pytest.mark.parametrize("seq", [32, 30])  # chunk 8: whole chunks, and padded to 32
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["tiny-nemotron-h-8b", "tiny-qwen3-next-80b-a3b"])
+def test_hybrid_mixer_bytes_match_their_saved_tensors(name, dtype, seq):
+    """Each mixer alone (Mamba-2, Gated DeltaNet, gated or unrotated attention) against the
+    storages saved inside it: the formula plus its input projection's saved input (counted with
+    the norm). What the formula leaves out does not grow with the batch (causal masks, ``A``,
+    norm-weight copies, RoPE slices), so the growth from 2 to 4 sequences matches exactly."""
+    cfg = preset(name, params_dtype=dtype)
+    kinds = [layer.mixer for layer in spec_for(cfg).layers]
+    assert {"mamba", "gated_deltanet"} & set(kinds)
+    measured, expected = {}, {}
+    for batch in (2, 4):
+        measured[batch] = _mixer_saved_bytes(cfg, seq=seq, batch=batch)
+        t, e = seq * batch, dtype.itemsize
+        expected[batch] = {
+            i: MIXER_MEMORY[kind].activations(cfg, t, 1, 1, seq, "none", 4, e)
+            + t * cfg.hidden_size * e
+            for i, kind in enumerate(kinds)
+            if kind is not None
+        }
+    for i, kind in enumerate(kinds):
+        if kind is None:
+            continue
+        growth = measured[4][i] - measured[2][i]
+        assert growth == expected[4][i] - expected[2][i], (i, kind)
+        # the constants are under 3% here (RoPE's fp32 cos/sin slices at bf16, head_dim 16)
+        assert measured[2][i] == pytest.approx(expected[2][i], rel=0.03), (i, kind)
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
@@ -229,6 +311,43 @@ def test_kv_cache_per_token_from_the_layer_shapes(name):
     if cfg.mla is not None:  # MLA caches >5x less than per-head keys and values
         dense_kv = 2 * cfg.num_layers * cfg.num_attention_heads * cfg.mla.v_head_dim * 2
         assert kv_cache_bytes_per_token(cfg) < dense_kv / 5
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [
+        ("tiny-nemotron-h-8b", torch.bfloat16),
+        ("tiny-nemotron-h-8b", torch.float64),
+        ("tiny-qwen3-next-80b-a3b", torch.float32),
+    ],
+)
+def test_recurrent_state_from_the_mixers_init_state(name, dtype, tp):
+    """Mamba / DeltaNet generation state per sequence vs. the tensors the built mixers'
+    ``init_state`` allocate on a tp rank; attention layers' cache stays per token."""
+    cfg = preset(name, params_dtype=dtype)
+    groups = _rank_of(ParallelConfig(tp=tp), tp, 0)
+    stage = build_stage(cfg, groups, device="meta")
+    batch, state_bytes, attention = 3, 0, 0
+    for layer in stage.decoder.layers:
+        mixer = layer.self_attention
+        if hasattr(mixer, "init_state"):
+            state = vars(mixer.init_state(batch)).values()
+            state_bytes += sum(t.numel() * t.element_size() for t in state)
+        elif mixer is not None:
+            attention += 1
+    assert state_bytes > 0 and state_bytes % batch == 0
+    assert recurrent_state_bytes(cfg, tp=tp) == state_bytes // batch
+    kv_per_layer = 2 * cfg.kv_heads // tp * cfg.kv_channels * cfg.activation_dtype.itemsize
+    assert kv_cache_bytes_per_token(cfg, tp=tp) == attention * kv_per_layer
+
+
+def test_recurrent_state_of_a_transformer_is_zero_and_bad_tp_raises():
+    assert recurrent_state_bytes(preset("tiny-llama3-8b")) == 0
+    with pytest.raises(ValueError, match=r"MambaConfig\.num_heads=4 is not divisible by tp=3"):
+        recurrent_state_bytes(preset("tiny-nemotron-h-8b"), tp=3)
+    with pytest.raises(ValueError, match="tp=0 is invalid"):
+        recurrent_state_bytes(preset("tiny-nemotron-h-8b"), tp=0)
 
 
 def test_bad_layouts_raise_before_counting():

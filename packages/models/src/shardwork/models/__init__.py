@@ -35,6 +35,7 @@ from shardwork.models.calculator_memory import (
     LocalParams,
     kv_cache_bytes_per_token,
     local_parameters,
+    recurrent_state_bytes,
 )
 from shardwork.models.calculator_moe import ParamCounts, moe_param_counts
 from shardwork.models.config import RECOMPUTE_MODES, GPTConfig, check_sequence_length
@@ -128,6 +129,7 @@ __all__ = [
     "moe_param_counts",
     "num_parameters",
     "preset",
+    "recurrent_state_bytes",
     "reduce_loss",
     "reduce_mtp_losses",
     "register_mixer",

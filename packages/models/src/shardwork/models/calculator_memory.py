@@ -6,10 +6,13 @@ parallel ``edp = tp·cp·dp / (ep·etp)``, ``V_p`` the padded vocabulary.
 
 Parameters (exact local elements, the shapes the model allocates on that rank; padded vocab
 rows included, so the count is what occupies memory):
-  dense   attention ``/tp`` along heads, the output gate's block too (MLA: its down
-          projections and latent norms are replicated), norms and routers replicated, dense
-          MLP and shared experts ``/tp`` (with ``add_mlp_bias``, ``fc2``'s bias replicated),
-          embedding / untied head / MTP embedding copy ``V_p·h/tp``, MTP ``eh_proj 2h·h/tp``
+  dense   attention ``/tp`` along heads (with the output gate a fourth ``linear_qkv``
+          block as wide as Q; MLA: its down projections and latent norms are replicated),
+          Mamba-2 and Gated DeltaNet ``/tp`` along heads and groups
+          (:mod:`shardwork.models.calculator_memory_hybrid` lists their tensors), norms and
+          routers replicated, MLPs and shared experts ``/tp`` (SwiGLU ``3·h·f``, squared ReLU
+          ``2·h·f``), embedding / untied head / MTP embedding copy ``V_p·h/tp``, MTP
+          ``eh_proj 2h·h/tp``
   expert  ``(E/ep) · 3·h·F/etp`` per MoE layer (``ParamMeta.is_expert``)
 Bytes: weights ``P·bytes(params_dtype)``; gradients ``P·4`` (fp32 ``main_grad``); optimizer
 (ZeRO-1: fp32 master + two Adam moments = 12 bytes a parameter) ``12·(P_dense/(dp·cp) +
@@ -23,20 +26,28 @@ arithmetic bytes (4, or 8 for float64). Per layer, recompute ``none``:
   norms      ``Tn·(2h+1)·c + T·h·e`` each (x, rstd, x·rstd; the next matmul's input)
   attention  flash-style SDPA (query and value head widths equal): ``T·(a/tp)·d·e·(2 + 2·cp)
              + T·(a/tp)·4`` (q, GQA-expanded k and v over the cp-gathered keys, output,
-             log-sum-exp), plus ``2·T·(a/tp)·d·e`` with the output gate (its sigmoid and the
-             gated output projection input); without RoPE and QK-norm q and k are views of the
-             fused QKV output, which SDPA's saves then keep whole; math SDPA (MLA, widths differ): ``q, k, v`` plus ``T·(n/tp)·s·e``
-             probabilities and the output projection's input
+             log-sum-exp); math SDPA (MLA, widths differ): ``q, k, v`` plus ``T·(n/tp)·s·e``
+             probabilities and the output projection's input. Without RoPE and QK-norm, q
+             is a view of the fused qkv output and keeps all of it, ``T·(n+2g)/tp·d·e``
+             instead of q; the output gate adds ``2·T·(n/tp)·d·e`` (its sigmoid and the gated
+             output) and widens the kept qkv output by its block
   MLA        ``q_down → norm → q_up`` and ``kv_down → latent norm → kv_up`` intermediates
-  MLP        ``T·(3f/tp·c + f/tp·e)``; squared ReLU ``2·T·f/tp·e`` (the relu output, saved
-             by relu and square, and the square, fc2's input); MoE: router scores and indices, and for ``R = T·k·etp/tp``
-             routed rows (expected, uniform load) ``R·(h·e + 3F/etp·c + F/etp·e)`` in the
-             experts plus ``(T·k/tp)·(2h·e + e + 8)`` to unpermute, shared experts like an MLP
+  Mamba-2,   the convolution, scan or delta rule and gated norm, tensor by tensor in
+  DeltaNet   :mod:`shardwork.models.calculator_memory_hybrid` (terms over the sequence rounded
+             up to whole chunks where the chunked scan pads it)
+  MLP        SwiGLU ``T·(3f/tp·c + f/tp·e)``; squared ReLU ``2·T·f/tp·e`` (relu's output, which
+             the square also keeps, and the square); MoE: router scores and indices, and for
+             ``R = T·k·etp/tp`` routed rows (expected, uniform load) ``R·(h·e + 3F/etp·c +
+             F/etp·e)`` in the experts plus ``(T·k/tp)·(2h·e + e + 8)`` to unpermute, shared
+             experts like an MLP and their sigmoid gate ``Tn·(h + 1)·e`` (the shared output
+             and the gate)
 ``selective`` keeps the core attention's inputs instead of its internals; ``full`` keeps only
 the layer input ``Tn·h·e``. The last stage adds the final norm, head input and fp32 logits
 ``T·V_p/tp·4`` (once per MTP depth too). Under 1F1B stage ``r`` holds ``min(pp − r, m)``
 micro-batches in flight. Not counted: aux-loss statistics (``O(T·E)`` when enabled), dropout
-masks, the transient recompute of one layer in backward, fused kernels' smaller saves.
+masks, the transient recompute of one layer in backward, fused kernels' smaller saves, and
+what does not grow with the batch: causal masks, ``A``, RoPE's cos/sin slices, the fp32 (or
+``1 + w``) weight copies a norm makes.
 """
 
 from __future__ import annotations
@@ -46,7 +57,15 @@ from dataclasses import dataclass
 
 import torch
 
-from shardwork.models.calculator_layers import mlp_bias_params, mlp_matrices, query_blocks
+from shardwork.models.calculator_layers import mlp_bias_params, query_blocks
+from shardwork.models.calculator_memory_hybrid import (
+    deltanet_bytes,
+    deltanet_params,
+    deltanet_state_elements,
+    mamba_bytes,
+    mamba_params,
+    mamba_state_elements,
+)
 from shardwork.models.config import GPTConfig
 from shardwork.models.pipeline.split import layer_split
 from shardwork.models.spec import LayerSpec, spec_for
@@ -54,12 +73,16 @@ from shardwork.parallel_state import ParallelConfig
 
 __all__ = [
     "MIXER_MEMORY",
+    "MLP_MEMORY",
     "LocalParams",
     "MixerMemory",
+    "MlpMemory",
     "kv_cache_bytes_per_token",
     "layer_activation_bytes",
     "local_parameters",
+    "recurrent_state_bytes",
     "register_mixer_memory",
+    "register_mlp_memory",
     "stage_activation_bytes",
 ]
 
@@ -93,6 +116,7 @@ def _attention_params(c: GPTConfig, tp: int) -> int:
     h, n = c.hidden_size, c.num_attention_heads
     if c.mla is None:
         d, g = c.kv_channels, c.kv_heads
+        # linear_qkv's rows: Q, K, V and, with the output gate, a G block as wide as Q
         qkv = (query_blocks(c) * n + 2 * g) * d // tp
         p = qkv * h + (qkv if c.add_qkv_bias else 0) + n * d // tp * h
         return p + (2 * d if c.qk_layernorm else 0)
@@ -106,11 +130,21 @@ def _attention_params(c: GPTConfig, tp: int) -> int:
     return q + kv + n * m.v_head_dim // tp * h
 
 
-def _mlp_params(c: GPTConfig, *, tp: int, ep: int, etp: int, moe: bool) -> tuple[int, int]:
-    """(dense, expert) local elements of a dense (``moe`` False) or MoE MLP."""
+def _swiglu_params(c: GPTConfig, *, tp: int, ep: int, etp: int) -> tuple[int, int]:
+    """(dense, expert) local elements of a SwiGLU MLP: gate, up and down ``/tp`` (and the
+    biases of ``add_mlp_bias``)."""
+    return 3 * c.hidden_size * (c.ffn_hidden_size // tp) + mlp_bias_params(c, tp), 0
+
+
+def _relu2_params(c: GPTConfig, *, tp: int, ep: int, etp: int) -> tuple[int, int]:
+    """(dense, expert) local elements of a squared-ReLU MLP: ``fc1`` and ``fc2`` ``/tp`` (and
+    the biases of ``add_mlp_bias``)."""
+    return 2 * c.hidden_size * (c.ffn_hidden_size // tp) + mlp_bias_params(c, tp), 0
+
+
+def _moe_params(c: GPTConfig, *, tp: int, ep: int, etp: int) -> tuple[int, int]:
+    """(dense, expert) local elements of an MoE MLP."""
     h, m = c.hidden_size, c.moe
-    if not moe:
-        return mlp_matrices(c) * h * (c.ffn_hidden_size // tp) + mlp_bias_params(c, tp), 0
     dense = m.router.num_experts * h  # router, replicated
     if m.shared_expert_ffn_hidden_size is not None:
         dense += 3 * h * (m.shared_expert_ffn_hidden_size // tp)
@@ -125,7 +159,7 @@ def _layer_params(c: GPTConfig, spec: LayerSpec, *, tp: int, ep: int, etp: int):
     if spec.mixer is not None:
         dense += _part(MIXER_MEMORY, spec.mixer).params(c, tp) + c.hidden_size
     if spec.mlp is not None:
-        d, e = _mlp_params(c, tp=tp, ep=ep, etp=etp, moe=_part(MLP_KINDS, spec.mlp))
+        d, e = _part(MLP_MEMORY, spec.mlp).params(c, tp=tp, ep=ep, etp=etp)
         dense, expert = dense + d + c.hidden_size, expert + e
     return dense, expert
 
@@ -201,7 +235,9 @@ def kv_cache_bytes_per_token(config: GPTConfig, *, tp: int = 1) -> int:
 
     GQA caches ``2·g/tp·d`` values a layer; MLA caches its compressed latent and the shared
     rope key, ``rkv + dr`` a layer, replicated over TP (the up projections are re-applied, or
-    absorbed into the query and output projections, at decode time).
+    absorbed into the query and output projections, at decode time). Mamba-2 and Gated
+    DeltaNet layers cache nothing per token: their fixed-size state per sequence is
+    :func:`recurrent_state_bytes`.
     """
     c = config
     per_layer = (
@@ -215,28 +251,70 @@ def kv_cache_bytes_per_token(config: GPTConfig, *, tp: int = 1) -> int:
     return attention * per_layer * c.activation_dtype.itemsize
 
 
+def recurrent_state_bytes(config: GPTConfig, *, tp: int = 1) -> int:
+    """Generation-state bytes per sequence on a rank, all layers (MTP excluded): what a
+    recurrent mixer keeps instead of a KV cache, the same for any sequence length.
+
+    Mamba-2: conv state ``(I + 2gN)/tp·(k-1)`` + SSM state ``nh/tp·p·N``; Gated DeltaNet:
+    conv state ``(2Kd + Vd)/tp·(K-1)`` + delta-rule state ``Nv/tp·dk·dv``; elements in the
+    scans' dtype (``params_dtype``, at least float32), as the mixers' ``init_state`` holds
+    them. Attention layers add nothing here (their cache is :func:`kv_cache_bytes_per_token`).
+    """
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp={tp!r} is invalid: it must be an integer >= 1")
+    for part in (config.mamba, config.linear_attention):
+        if part is not None:
+            part.check_layout(ParallelConfig(tp=tp))
+    itemsize = torch.promote_types(config.params_dtype, torch.float32).itemsize
+    layers = spec_for(config).layers
+    mixers = [_part(MIXER_MEMORY, s.mixer) for s in layers if s.mixer is not None]
+    elements = sum(m.state(config, tp) for m in mixers if m.state is not None)
+    return elements * itemsize
+
+
 @dataclass(frozen=True)
 class MixerMemory:
     """How the memory estimate counts a mixer kind on one rank.
 
     ``params(config, tp)``: local parameter elements; ``activations(config, t, tp, cp, seq,
     recompute, c, e)``: bytes saved for backward for ``t`` local tokens (``c``: the norm /
-    fp32-arithmetic bytes, ``e``: activation bytes; see the module docstring).
+    fp32-arithmetic bytes, ``e``: activation bytes; see the module docstring);
+    ``state(config, tp)``: generation-state elements per sequence of a recurrent mixer, None
+    for one that caches keys and values per token instead.
     """
 
     params: Callable[[GPTConfig, int], int]
     activations: Callable[..., float]
+    state: Callable[[GPTConfig, int], int] | None = None
+
+
+@dataclass(frozen=True)
+class MlpMemory:
+    """How the memory estimate counts an MLP kind on one rank.
+
+    ``params(config, *, tp, ep, etp)``: local ``(dense, expert)`` parameter elements;
+    ``activations(config, t, tn, tp, etp, c, e)``: bytes saved for backward for ``t`` local
+    tokens (``tn`` of them seen by the norms; see the module docstring).
+    """
+
+    params: Callable[..., tuple[int, int]]
+    activations: Callable[..., float]
 
 
 MIXER_MEMORY: dict[str, MixerMemory] = {}
-"""Mixer kind -> its memory formulas (attention and MLA built in; hybrid mixers register)."""
-MLP_KINDS = {"dense": False, "relu2": False, "moe": True}
-"""MLP kind -> whether it is a mixture of experts (the formulas above)."""
+"""Mixer kind -> its memory formulas (attention, MLA, Mamba-2 and Gated DeltaNet built in)."""
+MLP_MEMORY: dict[str, MlpMemory] = {}
+"""MLP kind -> its memory formulas (``dense`` SwiGLU, ``relu2`` and ``moe`` built in)."""
 
 
 def register_mixer_memory(kind: str, memory: MixerMemory) -> None:
     """Make the memory estimate count ``kind`` mixers with ``memory``."""
     MIXER_MEMORY[kind] = memory
+
+
+def register_mlp_memory(kind: str, memory: MlpMemory) -> None:
+    """Make the memory estimate count ``kind`` MLPs with ``memory``."""
+    MLP_MEMORY[kind] = memory
 
 
 def _part(table: dict, kind: str):
@@ -257,23 +335,21 @@ def _attention_bytes(cfg: GPTConfig, t, tp, cp, seq, recompute, c, e) -> float:
     if cfg.mla is None:
         d, g = cfg.kv_channels, cfg.kv_heads // tp
         dq = dv = d
-        qn = query_blocks(cfg) * n  # query-sized blocks of the fused output (Q and the gate)
+        gate = n if cfg.attention_output_gate else 0
+        # Without RoPE and QK-norm, q and k reach SDPA (or the checkpoint) as views of qkv.
+        q_view = cfg.position_embedding_type == "none" and not cfg.qk_layernorm
         kq, kk, kv_ = t * n * d, t * cp * n * d, t * cp * n * d  # q; k, v expanded over GQA
-        # q/k-norm (float32 compute) and selective recompute's v (cp = 1) save views of the
-        # fused qkv output, which then stays alive whole
-        # Neither rotated nor normed (no RoPE, no QK-norm), q and k stay views of it as well
-        views = cfg.position_embedding_type != "rope" and not cfg.qk_layernorm
+        kq = 0 if q_view else kq
+        # q/k-norm (float32 compute), selective recompute's v (cp = 1) and an unrotated q save
+        # views of the fused qkv output (gate block included), which then stays alive whole
         qkv_pinned = (cfg.qk_layernorm and c == e) or (recompute == "selective" and cp == 1)
-        extra = t * (qn + 2 * g) * d * e if qkv_pinned or views else 0.0
-        if cfg.attention_output_gate:  # sigmoid(gate) and the gated linear_proj input
-            extra += 2 * t * n * d * e
+        extra = t * (n + 2 * g + gate) * d * e if qkv_pinned or q_view else 0.0
         if cfg.qk_layernorm:
             extra += t * (n + g) * (d * c + c) + (0 if c == e else t * (n + g) * d * c)
-        if views:
-            kq = 0  # q is inside the pinned qkv
+        extra += 2 * t * gate * d * e  # sigmoid(gate) and the gated output (linear_proj's input)
         if recompute == "selective":  # checkpoint keeps q, k and v before GQA expansion
-            k_keep = 0 if views and cp == 1 else t * cp * g * d * e
             v_keep = 0 if cp == 1 else t * cp * g * d * e
+            k_keep = 0 if q_view and cp == 1 else t * cp * g * d * e
             return extra + kq * e + k_keep + v_keep + t * n * d * e
         return extra + (kq + kk + kv_) * e + t * n * d * e + t * n * 4
     m = cfg.mla
@@ -292,13 +368,18 @@ def _attention_bytes(cfg: GPTConfig, t, tp, cp, seq, recompute, c, e) -> float:
     return proj + core
 
 
-def _mlp_bytes(cfg: GPTConfig, moe: bool, t, tn, tp, etp, c, e) -> float:
+def _swiglu_bytes(cfg: GPTConfig, t, tn, tp, etp, c, e) -> float:
+    f = cfg.ffn_hidden_size // tp
+    return t * (3 * f * c + f * e)
+
+
+def _relu2_bytes(cfg: GPTConfig, t, tn, tp, etp, c, e) -> float:
+    """relu's output (also square's input) and the square (``fc2``'s input), both ``e`` wide."""
+    return 2 * t * (cfg.ffn_hidden_size // tp) * e
+
+
+def _moe_bytes(cfg: GPTConfig, t, tn, tp, etp, c, e) -> float:
     h, m = cfg.hidden_size, cfg.moe
-    if not moe:
-        f = cfg.ffn_hidden_size // tp
-        if cfg.mlp_activation == "relu2":
-            return 2 * t * f * e
-        return t * (3 * f * c + f * e)
     r = m.router
     k, experts = r.top_k, r.num_experts
     router_tokens = tn if cfg.sequence_parallel else t
@@ -316,8 +397,8 @@ def _mlp_bytes(cfg: GPTConfig, moe: bool, t, tn, tp, etp, c, e) -> float:
     if m.shared_expert_ffn_hidden_size is not None:
         s = m.shared_expert_ffn_hidden_size // tp
         out += t * (3 * s * c + s * e)
-        if m.shared_expert_gate:
-            out += 2 * t * (h + 1) * e
+        if m.shared_expert_gate:  # the shared output and its sigmoid gate (the gate's input
+            out += tn * (h + 1) * e  # is the norm output, counted with the norm)
     return out
 
 
@@ -355,8 +436,8 @@ def layer_activation_bytes(
             cfg, t, tp, cp, seq_length, recompute, c, e
         )
     if part.mlp is not None:
-        moe = _part(MLP_KINDS, part.mlp)
-        out += _norm(tn, t, h, c, e) + _mlp_bytes(cfg, moe, t, tn, tp, etp, c, e)
+        mlp = _part(MLP_MEMORY, part.mlp)
+        out += _norm(tn, t, h, c, e) + mlp.activations(cfg, t, tn, tp, etp, c, e)
     return out
 
 
@@ -408,3 +489,10 @@ def stage_activation_bytes(
 _ATTENTION = MixerMemory(_attention_params, _attention_bytes)
 register_mixer_memory("attention", _ATTENTION)
 register_mixer_memory("mla", _ATTENTION)
+register_mixer_memory("mamba", MixerMemory(mamba_params, mamba_bytes, mamba_state_elements))
+register_mixer_memory(
+    "gated_deltanet", MixerMemory(deltanet_params, deltanet_bytes, deltanet_state_elements)
+)
+register_mlp_memory("dense", MlpMemory(_swiglu_params, _swiglu_bytes))
+register_mlp_memory("relu2", MlpMemory(_relu2_params, _relu2_bytes))
+register_mlp_memory("moe", MlpMemory(_moe_params, _moe_bytes))
