@@ -13,7 +13,8 @@ rows included, so the count is what occupies memory):
           routers replicated, MLPs and shared experts ``/tp`` (SwiGLU ``3·h·f``, squared ReLU
           ``2·h·f``), embedding / untied head / MTP embedding copy ``V_p·h/tp``, MTP
           ``eh_proj 2h·h/tp``
-  expert  ``(E/ep) · 3·h·F/etp`` per MoE layer (``ParamMeta.is_expert``)
+  expert  ``(E/ep) · m·h·F/etp`` per MoE layer (``ParamMeta.is_expert``; ``m`` = 3 SwiGLU,
+          2 squared ReLU, like the shared experts)
 Bytes: weights ``P·bytes(params_dtype)``; gradients ``P·4`` (fp32 ``main_grad``); optimizer
 (ZeRO-1: fp32 master + two Adam moments = 12 bytes a parameter) ``12·(P_dense/(dp·cp) +
 P_expert/edp)`` — dense state shards over dp×cp, expert state over edp (bucket padding ignored).
@@ -38,7 +39,7 @@ arithmetic bytes (4, or 8 for float64). Per layer, recompute ``none``:
   MLP        SwiGLU ``T·(3f/tp·c + f/tp·e)``; squared ReLU ``2·T·f/tp·e`` (relu's output, which
              the square also keeps, and the square); MoE: router scores and indices, and for
              ``R = T·k·etp/tp`` routed rows (expected, uniform load) ``R·(h·e + 3F/etp·c +
-             F/etp·e)`` in the experts plus ``(T·k/tp)·(2h·e + e + 8)`` to unpermute, shared
+             F/etp·e)`` (squared ReLU: ``R·(h·e + 2F/etp·e)``) in the experts plus ``(T·k/tp)·(2h·e + e + 8)`` to unpermute, shared
              experts like an MLP and their sigmoid gate ``Tn·(h + 1)·e`` (the shared output
              and the gate)
 ``selective`` keeps the core attention's inputs instead of its internals; ``full`` keeps only
@@ -57,7 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardwork.models.calculator_layers import mlp_bias_params, query_blocks
+from shardwork.models.calculator_layers import mlp_bias_params, mlp_matrices, query_blocks
 from shardwork.models.calculator_memory_hybrid import (
     deltanet_bytes,
     deltanet_params,
@@ -145,11 +146,12 @@ def _relu2_params(c: GPTConfig, *, tp: int, ep: int, etp: int) -> tuple[int, int
 def _moe_params(c: GPTConfig, *, tp: int, ep: int, etp: int) -> tuple[int, int]:
     """(dense, expert) local elements of an MoE MLP."""
     h, m = c.hidden_size, c.moe
+    mats = mlp_matrices(c)  # 3 SwiGLU (gate, up, down), 2 squared ReLU (up, down)
     dense = m.router.num_experts * h  # router, replicated
     if m.shared_expert_ffn_hidden_size is not None:
-        dense += 3 * h * (m.shared_expert_ffn_hidden_size // tp)
+        dense += mats * h * (m.shared_expert_ffn_hidden_size // tp)
         dense += h if m.shared_expert_gate else 0
-    expert = m.router.num_experts // ep * 3 * h * (m.ffn_hidden_size // etp)
+    expert = m.router.num_experts // ep * mats * h * (m.ffn_hidden_size // etp)
     return dense, expert
 
 
@@ -393,10 +395,14 @@ def _moe_bytes(cfg: GPTConfig, t, tn, tp, etp, c, e) -> float:
     sent = t / tp * k  # (token, expert) pairs this rank dispatches
     rows = sent * etp  # rows its experts compute (expected under a uniform load)
     f = m.ffn_hidden_size // etp
-    out = router + rows * (h * e + 3 * f * c + f * e) + sent * (2 * h * e + e + 16)
+    relu2 = cfg.mlp_activation == "relu2"
+    # per row: fc1's input, then SwiGLU's fp32 intermediates and output, or relu's output and
+    # the square (fc2's input)
+    act = 2 * f * e if relu2 else 3 * f * c + f * e
+    out = router + rows * (h * e + act) + sent * (2 * h * e + e + 16)
     if m.shared_expert_ffn_hidden_size is not None:
         s = m.shared_expert_ffn_hidden_size // tp
-        out += t * (3 * s * c + s * e)
+        out += t * (2 * s * e if relu2 else 3 * s * c + s * e)
         if m.shared_expert_gate:  # the shared output and its sigmoid gate (the gate's input
             out += tn * (h + 1) * e  # is the norm output, counted with the norm)
     return out

@@ -19,8 +19,8 @@ Per layer (exact, as the model builds them):
                    ``3·nh + I`` (dt bias, A, D, gated norm); FLOPs in calculator_mamba.py
   Gated DeltaNet   ``h·(2Kd+2Vd+2Nv) + Vd·h`` projections, ``(2Kd+Vd)·K`` conv,
                    ``2·Nv + dv`` (A, dt bias, norm); FLOPs in calculator_deltanet.py
-  MoE MLP          total ``E·h (router) + E·3·h·F + 3·h·S [+ h gate]``;
-                   active ``E·h + k·3·h·F + 3·h·S [+ h]``
+  MoE MLP          total ``E·h (router) + E·m·h·F + m·h·S [+ h gate]``;
+                   active ``E·h + k·m·h·F + m·h·S [+ h]`` (``m`` as for the dense MLP)
 Model: ``Σ layers + V·h (embedding) [+ V·h untied head] + h (final norm)``; each MTP depth adds
 ``2h·h (eh_proj) + 3h (norms) +`` one MoE layer (embedding and head are shared).
 
@@ -29,8 +29,8 @@ through) + attention scores``.
 
 - Matmul weights per layer are the active weights without norms and biases. Attention is
   ``h·(n+2g)·d + n·d·h`` (GQA) or the MLA projections. The MLP is ``m·h·f`` when dense. An MoE
-  MLP is ``E·h`` (router) ``+ k·3·h·F`` (each token passes through exactly ``k`` experts; dropless
-  routing) ``+ 3·h·S [+ h gate]``.
+  MLP is ``E·h`` (router) ``+ k·m·h·F`` (each token passes through exactly ``k`` experts; dropless
+  routing) ``+ m·h·S [+ h gate]``.
 - The attention scores are ``2·s·n·(dq + dv)·c`` per layer. ``dq`` is the query/key head width,
   and ``c = 1/2`` for causal attention.
 - Each MTP depth adds ``2·2h·h`` (``eh_proj``) and one layer. The head, ``2·V_pad·h``, is counted
@@ -119,10 +119,11 @@ def _moe_mlp(c: GPTConfig) -> tuple[int, int, int]:
     """(total, active, router) of one MoE MLP."""
     m, h = c.moe, c.hidden_size
     router = m.router.num_experts * h
+    mats = mlp_matrices(c)  # experts and shared experts have the dense MLP's activation
     shared = 0
     if m.shared_expert_ffn_hidden_size is not None:
-        shared = 3 * h * m.shared_expert_ffn_hidden_size + (h if m.shared_expert_gate else 0)
-    per_expert = 3 * h * m.ffn_hidden_size
+        shared = mats * h * m.shared_expert_ffn_hidden_size + (h if m.shared_expert_gate else 0)
+    per_expert = mats * h * m.ffn_hidden_size
     return (
         router + m.router.num_experts * per_expert + shared,
         router + m.router.top_k * per_expert + shared,

@@ -105,11 +105,6 @@ def check_layer_options(config: Any) -> None:
             f"GPTConfig.mlp_activation={config.mlp_activation!r} is invalid: valid are "
             f"{MLP_ACTIVATIONS}"
         )
-    if config.moe is not None and config.mlp_activation != "swiglu":
-        raise ValueError(
-            f"GPTConfig.mlp_activation={config.mlp_activation!r} is not supported with moe "
-            "(the experts and shared experts are SwiGLU): valid is 'swiglu'"
-        )
     if config.moe is not None and config.add_mlp_bias:
         raise ValueError(
             "GPTConfig.add_mlp_bias=True is not supported with moe (experts and shared experts "

@@ -2,7 +2,8 @@
 
 ``fc1`` is column-parallel (``ffn_hidden_size`` outputs, split over TP; key ``mlp.fc1.weight``),
 ``fc2`` row-parallel with the scaled init of output layers (key ``mlp.fc2.weight``); both have
-biases with ``config.add_mlp_bias`` (Nemotron-H's ``mlp_bias``). The
+biases with ``config.add_mlp_bias`` (Nemotron-H's ``mlp_bias``). An MoE layer's shared expert
+(Nemotron-H's ``shared_experts``) is this class too, with its own width and no biases. The
 activation is elementwise, so each TP rank applies it to its own slice and the only
 communication is the one of the two linears (and of sequence parallelism around them).
 Registered as the MLP kind ``"relu2"``; ``spec_for`` picks it when
@@ -29,15 +30,18 @@ class SquaredReLUMLP(ShardedModule):
         config: GPTConfig,
         groups: ProcessGroups,
         *,
+        ffn_hidden_size: int | None = None,
+        bias: bool | None = None,
         device: str | torch.device | None = None,
     ) -> None:
         super().__init__(groups)
-        ffn = config.ffn_hidden_size
+        ffn = ffn_hidden_size or config.ffn_hidden_size
+        bias = config.add_mlp_bias if bias is None else bias
         self.fc1 = ColumnParallelLinear(
             config.hidden_size,
             ffn,
             groups=groups,
-            bias=config.add_mlp_bias,
+            bias=bias,
             sequence_parallel=config.sequence_parallel,
             params_dtype=config.params_dtype,
             device=device,
@@ -46,7 +50,7 @@ class SquaredReLUMLP(ShardedModule):
             ffn,
             config.hidden_size,
             groups=groups,
-            bias=config.add_mlp_bias,
+            bias=bias,
             sequence_parallel=config.sequence_parallel,
             params_dtype=config.params_dtype,
             device=device,

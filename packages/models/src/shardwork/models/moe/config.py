@@ -6,9 +6,10 @@
 - Which layers are MoE: ``first_k_dense_replace`` (DeepSeek: the first k layers keep a dense
   MLP of ``GPTConfig.ffn_hidden_size``) and ``layer_freq`` (an int ``n``: every n-th layer
   counting from 0, or a tuple of 0/1 per layer, Megatron's ``moe_layer_freq``).
-- Experts are SwiGLU MLPs of width ``ffn_hidden_size``; shared experts (DeepSeek, Qwen2-MoE)
-  form one dense SwiGLU of width ``shared_expert_ffn_hidden_size`` (the sum over shared
-  experts), optionally scaled by ``sigmoid(x · w_gate)`` (Qwen2-MoE ``shared_expert_gate``).
+- Experts are MLPs of width ``ffn_hidden_size`` with the model's ``GPTConfig.mlp_activation``
+  (SwiGLU, or Nemotron-H's non-gated squared ReLU); shared experts (DeepSeek, Qwen2-MoE,
+  Nemotron-H) form one dense MLP of that kind of width ``shared_expert_ffn_hidden_size`` (the
+  sum over shared experts), optionally scaled by ``sigmoid(x · w_gate)`` (Qwen2-MoE ``shared_expert_gate``).
 - Layout checks (``router.num_experts % ep``, ``ffn_hidden_size % etp``) run in
   :meth:`MoEConfig.check_layout`, called from ``GPTConfig.check_layout`` before any group exists.
 """
@@ -41,7 +42,7 @@ class MoEConfig:
     ``hidden_size`` must equal ``GPTConfig.hidden_size``; its ``init_std`` initialises the
     gating weight)."""
     ffn_hidden_size: int
-    """SwiGLU width of each routed expert (HF ``moe_intermediate_size``)."""
+    """Width of each routed expert (HF ``moe_intermediate_size``)."""
     shared_expert_ffn_hidden_size: int | None = None
     """Total width of the shared experts (DeepSeek ``n_shared_experts · moe_intermediate_size``,
     Qwen2-MoE ``shared_expert_intermediate_size``); None: no shared experts."""

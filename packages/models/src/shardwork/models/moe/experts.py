@@ -1,12 +1,16 @@
-"""Grouped SwiGLU experts with expert (EP) and expert-tensor (ETP) parallelism.
+"""Grouped experts (SwiGLU or squared ReLU) with expert (EP) and expert-tensor (ETP) parallelism.
 
 Legend: E experts, L = E/ep local experts, H hidden, F expert ffn width, f = F/etp, N rows.
 
-- Weights are stacked per layer: ``linear_fc1.weight [L, 2f, H]`` (this rank's ``[gate | up]``
-  ffn slice of each local expert, the layout of transformers 5's ``gate_up_proj``) and
+- Activation ``"swiglu"`` (``fc2(silu(gate(x)) · up(x))``) or ``"relu2"`` (Nemotron-H's
+  non-gated ``fc2(relu(up(x))²)``), from ``GPTConfig.mlp_activation``.
+- Weights are stacked per layer: ``linear_fc1.weight [L, 2f, H]`` for SwiGLU (this rank's
+  ``[gate | up]`` ffn slice of each local expert, the layout of transformers 5's
+  ``gate_up_proj``) or ``[L, f, H]`` for squared ReLU (``up`` only), and
   ``linear_fc2.weight [L, H, f]``. Both carry ``ParamMeta(is_expert=True, tp_axis=1|2)``:
   the TP axis is split over the *etp* group, gradients reduce over *edp*.
-- Checkpoint keys are per expert (``...experts.linear_fc1.weight.<e>.gate``, global ``[F, H]``;
+- Checkpoint keys are per expert (``...experts.linear_fc1.weight.<e>.gate`` / ``.up`` for
+  SwiGLU, ``...linear_fc1.weight.<e>`` for squared ReLU, global ``[F, H]``;
   ``...linear_fc2.weight.<e>``, ``[H, F]``), so a checkpoint loads at any ep/etp and maps one to
   one onto Hugging Face's per-expert tensors. :class:`ExpertShards` produces those
   ShardedTensors and the layout-independent init (per expert key, seeded per block of ffn
@@ -14,7 +18,8 @@ Legend: E experts, L = E/ep local experts, H hidden, F expert ffn width, f = F/e
   ``shardwork.models.sharding``'s ``param_shards``/``init_from_shards``.
 - GEMMs: torch's grouped matmul (``torch.nn.functional.grouped_mm``) over contiguous row
   blocks when the dtype and strides allow it, else a padded batched ``bmm``; never a loop
-  over tokens. The SwiGLU is ``shardwork.fused_kernels.swiglu`` on the fused ``[gate | up]``.
+  over tokens. The SwiGLU is ``shardwork.fused_kernels.swiglu`` on the fused ``[gate | up]``;
+  the squared ReLU is elementwise on fc1's output.
 - With ETP > 1 the output is a partial sum over this rank's ffn slice; the dispatcher's
   combine reduces it over the etp group.
 """
@@ -32,7 +37,9 @@ from shardwork.models.module import ShardedModule
 from shardwork.models.sharding import describe_param, normal_slice
 from shardwork.parallel_state import ParamMeta, ProcessGroups
 
-__all__ = ["ExpertShards", "GroupedExperts", "grouped_linear"]
+__all__ = ["EXPERT_ACTIVATIONS", "ExpertShards", "GroupedExperts", "grouped_linear"]
+
+EXPERT_ACTIVATIONS = ("swiglu", "relu2")
 
 SHARDS_ATTRIBUTE = "_shardwork_custom_shards"
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -173,7 +180,7 @@ class _ExpertLinear(ShardedModule):
 
 
 class GroupedExperts(ShardedModule):
-    """This rank's ``L`` SwiGLU experts (ffn slice ``etp_rank`` of ``etp``); see module docstring."""
+    """This rank's ``L`` experts (ffn slice ``etp_rank`` of ``etp``); see module docstring."""
 
     def __init__(
         self,
@@ -182,12 +189,17 @@ class GroupedExperts(ShardedModule):
         hidden_size: int,
         ffn_hidden_size: int,
         groups: ProcessGroups,
+        activation: str = "swiglu",
         grouped_gemm: str = "auto",
         kernel_backend: str = "auto",
         params_dtype: torch.dtype = torch.float32,
         device: str | torch.device | None = None,
     ) -> None:
         super().__init__(groups)
+        if activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(
+                f"activation={activation!r} is invalid for experts: valid are {EXPERT_ACTIVATIONS}"
+            )
         ep, etp = groups.size("ep"), groups.size("etp")
         if num_experts % ep or ffn_hidden_size % etp:
             raise ValueError(
@@ -197,7 +209,7 @@ class GroupedExperts(ShardedModule):
         L, f = num_experts // ep, ffn_hidden_size // etp
         self.num_local_experts = L
         self.first_expert = groups.rank("ep") * L
-        self.mode, self.backend = grouped_gemm, kernel_backend
+        self.mode, self.backend, self.activation = grouped_gemm, kernel_backend, activation
         common = dict(
             first_expert=self.first_expert,
             ffn_size=ffn_hidden_size,
@@ -206,13 +218,20 @@ class GroupedExperts(ShardedModule):
             replica_rank=groups.rank("edp"),
         )
         kw = dict(dtype=params_dtype, device=device)
+        # SwiGLU fuses [gate | up] blocks along the ffn axis; squared ReLU has the up block only,
+        # keyed per expert without a block name (like the dense squared-ReLU MLP's fc1).
+        gated = activation == "swiglu"
         self.linear_fc1 = _ExpertLinear(
             groups,
-            (L, 2 * f, hidden_size),
+            (L, (2 if gated else 1) * f, hidden_size),
             meta=ParamMeta(
-                tp_axis=1, tp_partition_sizes=(ffn_hidden_size, ffn_hidden_size), is_expert=True
+                tp_axis=1,
+                tp_partition_sizes=(ffn_hidden_size, ffn_hidden_size) if gated else None,
+                is_expert=True,
             ),
-            shards=ExpertShards(ffn_axis=1, blocks=("gate", "up"), init="normal", **common),
+            shards=ExpertShards(
+                ffn_axis=1, blocks=("gate", "up") if gated else None, init="normal", **common
+            ),
             **kw,
         )
         self.linear_fc2 = _ExpertLinear(
@@ -230,9 +249,13 @@ class GroupedExperts(ShardedModule):
                 f"tokens_per_expert has {tokens_per_expert_L.numel()} entries, expected "
                 f"{self.num_local_experts} local experts"
             )
-        # [N, H] -> fc1 [N, 2f] ([gate | up]) -> swiglu [N, f] -> fc2 [N, H] (partial over etp).
+        # [N, H] -> fc1 [N, 2f] ([gate | up]) -> swiglu [N, f], or fc1 [N, f] -> relu² [N, f];
+        # then fc2 [N, H] (partial over etp).
         w1 = self.linear_fc1.weight.to(tokens_NH.dtype)
         w2 = self.linear_fc2.weight.to(tokens_NH.dtype)
         h = grouped_linear(tokens_NH, w1, tokens_per_expert_L, mode=self.mode)
-        h = swiglu(h, backend=self.backend)
+        if self.activation == "swiglu":
+            h = swiglu(h, backend=self.backend)
+        else:
+            h = torch.relu(h).square()
         return grouped_linear(h, w2, tokens_per_expert_L, mode=self.mode)

@@ -12,7 +12,8 @@ Shapes: hidden ``[s(/tp under SP), b, h]`` in and out, like the dense MLP it rep
   dispatcher is given the TP group: each TP rank dispatches 1/tp of the tokens and the outputs
   are all-gathered back, so no token is computed twice.
 - Experts: :class:`~shardwork.models.moe.experts.GroupedExperts` (grouped GEMM, EP × ETP).
-- Shared experts: a dense tensor-parallel SwiGLU (``mlp.shared_experts``) on every token,
+- Shared experts: a dense tensor-parallel MLP (``mlp.shared_experts``; SwiGLU, or squared
+  ReLU when ``GPTConfig.mlp_activation == "relu2"`` as in Nemotron-H) on every token,
   optionally scaled by ``sigmoid(x · w_gate)`` (``mlp.shared_experts_gate.weight [1, h]``,
   Qwen2-MoE), added to the routed output.
 """
@@ -27,6 +28,7 @@ from shardwork.models.moe.experts import GroupedExperts
 from shardwork.models.moe.router import MoERouter
 from shardwork.models.recompute import RecomputeReplay
 from shardwork.models.sharding import describe_param
+from shardwork.models.squared_relu_mlp import SquaredReLUMLP
 from shardwork.moe_router import (
     AllGatherDispatcher,
     AllToAllDispatcher,
@@ -113,6 +115,7 @@ class MoELayer(ShardedModule):
             hidden_size=config.hidden_size,
             ffn_hidden_size=moe.ffn_hidden_size,
             groups=groups,
+            activation=config.mlp_activation,
             grouped_gemm=moe.grouped_gemm,
             kernel_backend=config.kernel_backend,
             params_dtype=config.params_dtype,
@@ -121,8 +124,13 @@ class MoELayer(ShardedModule):
         self.shared_experts = None
         self.shared_experts_gate = None
         if moe.shared_expert_ffn_hidden_size is not None:
-            self.shared_experts = SwiGLUMLP(
-                config, groups, ffn_hidden_size=moe.shared_expert_ffn_hidden_size, device=device
+            shared_cls = SquaredReLUMLP if config.mlp_activation == "relu2" else SwiGLUMLP
+            self.shared_experts = shared_cls(
+                config,
+                groups,
+                ffn_hidden_size=moe.shared_expert_ffn_hidden_size,
+                bias=False,
+                device=device,
             )
             if moe.shared_expert_gate:
                 self.shared_experts_gate = SharedExpertGate(
