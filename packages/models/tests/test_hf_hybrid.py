@@ -1,6 +1,7 @@
 """Hugging Face bridge of the hybrid families: tiny random-weight transformers models (no
 downloads) of Nemotron-H (Mamba-2, squared-ReLU MLP, attention without RoPE, one part per
-block) and Qwen3-Next (Gated DeltaNet and gated attention, zero-centred norms, partial RoPE,
+block; and with Nemotron 3 Nano's MoE blocks: squared-ReLU experts and shared expert,
+group-limited sigmoid routing with a random expert bias) and Qwen3-Next (Gated DeltaNet and gated attention, zero-centred norms, partial RoPE,
 MoE with a gated shared expert) give transformers' logits after import, at world 1 and at
 TP=2 / PP=2 (EP=2 with MoE); exports reload in transformers with the same logits.
 
@@ -10,6 +11,7 @@ would change the reference's numerics)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -57,6 +59,35 @@ CONFIGS = {
         chunk_size=8,
         layer_norm_epsilon=1e-5,
     ),
+    # Nemotron 3 Nano's blocks: MoE with squared-ReLU experts and shared expert, sigmoid
+    # routing on score + e_score_correction_bias, 4 groups of which 2 kept (scored by their
+    # top 2, not top_k // topk_group = 1), routed_scaling_factor
+    "nemotron_h_moe": dict(
+        layers_block_type=[
+            "linear_attention",
+            "moe",
+            "full_attention",
+            "mlp",
+            "linear_attention",
+            "moe",
+        ],
+        num_hidden_layers=6,
+        intermediate_size=96,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=48,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        ssm_state_size=8,
+        n_groups=2,
+        conv_kernel=4,
+        chunk_size=8,
+        layer_norm_epsilon=1e-5,
+    ),
     "qwen3_next": dict(
         num_hidden_layers=4,
         layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
@@ -74,6 +105,9 @@ CONFIGS = {
         rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25},
     ),
 }
+MODEL_TYPES = {"nemotron_h_moe": "nemotron_h"}
+"""Test cases whose name is not their ``model_type``."""
+PATTERNS = {"nemotron_h": "M-*-M-", "nemotron_h_moe": "ME*-ME", "qwen3_next": None}
 SEQ, BATCH = 20, 2  # SEQ > the scans' chunk (8 here, transformers' 64): state crosses chunks
 
 
@@ -88,7 +122,9 @@ def hf_model(model_type: str, seed: int = 0):
     """A tiny transformers model with every weight random (norms around 1, zero-centred ones
     around 0 so their scale 1 + w stays near 1)."""
     _assert_torch_paths()
-    cfg = transformers.AutoConfig.for_model(model_type, **(_COMMON | CONFIGS[model_type]))
+    cfg = transformers.AutoConfig.for_model(
+        MODEL_TYPES.get(model_type, model_type), **(_COMMON | CONFIGS[model_type])
+    )
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
@@ -106,6 +142,9 @@ def hf_model(model_type: str, seed: int = 0):
                 t.copy_(0.3 * noise)
             else:
                 t.copy_(0.05 * noise)
+        for name, t in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # moves some experts in or out
+                t.copy_(0.05 * torch.randn(t.shape, generator=gen))
     return model
 
 
@@ -133,7 +172,7 @@ def test_import_matches_transformers(model_type, tmp_path):
         want = ref(ids).logits
     ref.save_pretrained(tmp_path)
     ours = from_pretrained(tmp_path)
-    assert ours.config.hybrid_layer_pattern == ("M-*-M-" if model_type == "nemotron_h" else None)
+    assert ours.config.hybrid_layer_pattern == PATTERNS[model_type]
     torch.testing.assert_close(_logits(ours, ids), want, **TOL)
 
 
@@ -181,6 +220,8 @@ def _layout_logits(folder, parallel_kwargs, want):
     [
         ("nemotron_h", {"tp": 2}, 2),
         ("qwen3_next", {"pp": 2}, 2),
+        ("nemotron_h_moe", {"ep": 2, "etp": 1}, 2),
+        pytest.param("nemotron_h_moe", {"tp": 2, "ep": 2, "etp": 2}, 4, marks=pytest.mark.slow),
         pytest.param("nemotron_h", {"pp": 2}, 2, marks=pytest.mark.slow),
         pytest.param("qwen3_next", {"tp": 2, "ep": 2, "etp": 1}, 2, marks=pytest.mark.slow),
         pytest.param("nemotron_h", {"tp": 2, "pp": 2}, 4, marks=pytest.mark.slow),
@@ -188,6 +229,8 @@ def _layout_logits(folder, parallel_kwargs, want):
     ids=[
         "nemotronh-tp2",
         "qwen3next-pp2",
+        "nemotronh-moe-ep2",
+        "nemotronh-moe-tp2-ep2-etp2",
         "nemotronh-pp2",
         "qwen3next-tp2-ep2",
         "nemotronh-tp2-pp2",
@@ -200,3 +243,64 @@ def test_import_at_layout_matches_transformers(model_type, kwargs, world, tmp_pa
     ref.save_pretrained(tmp_path / "ckpt")
     args = (tmp_path / "ckpt", kwargs, want)
     assert all(run_on_ranks(_layout_logits, world, args=args, timeout=400))
+
+
+def _nemotron_h_moe_hf() -> dict:
+    cfg = transformers.AutoConfig.for_model("nemotron_h", **(_COMMON | CONFIGS["nemotron_h_moe"]))
+    return cfg.to_dict()
+
+
+def test_nemotron_h_moe_fields():
+    config = gpt_config_from_hf(_nemotron_h_moe_hf())
+    m = config.moe
+    r = m.router
+    assert (config.mlp_activation, config.hybrid_layer_pattern) == ("relu2", "ME*-ME")
+    assert (m.ffn_hidden_size, m.shared_expert_ffn_hidden_size, m.shared_expert_gate) == (
+        32,
+        48,
+        False,
+    )
+    assert (r.num_experts, r.top_k, r.score_function, r.top_k_scaling_factor) == (
+        8,
+        2,
+        "sigmoid",
+        2.5,
+    )
+    # transformers scores a group by its top 2 experts; top_k // topk_group would be 1
+    assert (r.num_groups, r.group_top_k, r.group_score_top_n) == (4, 2, 2)
+    assert r.enable_expert_bias and r.router_dtype == "fp32"
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"moe_latent_size": 16}, r"moe_latent_size=16 is not supported for nemotron_h"),
+        ({"norm_topk_prob": False}, r"norm_topk_prob=False with num_experts_per_tok=2"),
+        (
+            {"num_experts_per_tok": 1, "n_group": 1, "topk_group": 1},
+            r"norm_topk_prob=True with num_experts_per_tok=1",
+        ),
+    ],
+)
+def test_nemotron_h_moe_variants_it_cannot_express_are_refused(change, match):
+    with pytest.raises(ValueError, match=match):
+        gpt_config_from_hf(_nemotron_h_moe_hf() | change)
+
+
+def test_nemotron_h_moe_export_refuses_other_routing():
+    config = gpt_config_from_hf(_nemotron_h_moe_hf())
+    softmax = dataclasses.replace(
+        config.moe.router,
+        score_function="softmax",
+        enable_expert_bias=False,
+        num_groups=None,
+        group_top_k=None,
+        group_score_top_n=None,
+    )
+    bad = [
+        (config.moe.replace(router=softmax), r"score_function='softmax'"),
+        (config.moe.replace(shared_expert_ffn_hidden_size=None), "no shared expert"),
+    ]
+    for moe, match in bad:
+        with pytest.raises(ValueError, match=match):
+            hf_config_from_gpt(config.replace(moe=moe))

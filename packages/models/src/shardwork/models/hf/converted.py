@@ -27,6 +27,7 @@ from shardwork.models.full_state import full_state_dict
 from shardwork.models.hf.files import weight_files
 from shardwork.models.hf.keys import to_hf_key
 from shardwork.models.hf.registry import adapter_for_config
+from shardwork.models.moe.state import moe_routers
 
 __all__ = ["converted_hf_state_dict", "load_converted_state_dict", "load_converted_weights"]
 
@@ -77,6 +78,8 @@ def load_converted_state_dict(model, hf: dict[str, torch.Tensor], source: str = 
             )
         index = tuple(slice(o, o + s) for o, s in zip(st.global_offset, st.data.shape))
         st.data.copy_(tensor[index].to(st.data.dtype))
+    for router in moe_routers(model):  # step counters are not in checkpoints (meta builds)
+        router.reset_step_state()
     return model
 
 

@@ -1,7 +1,8 @@
 """Family-specific ``GPTConfig`` <-> ``config.json`` fields of the Hugging Face MoE families,
 used by their adapters in :mod:`shardwork.models.hf.moe_adapters` (which documents the
 semantics): Mixtral, Qwen2-MoE / Qwen3-MoE (one function each, ``qwen2`` picks the variant)
-and DeepSeek-V3 (MLA).
+and DeepSeek-V3 (MLA); also the MoE blocks of Nemotron-H (:mod:`shardwork.models.hf.nemotron_h`),
+which route like DeepSeek-V3.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ __all__ = [
     "deepseek_to_hf",
     "mixtral_fields",
     "mixtral_to_hf",
+    "nemotron_h_moe_fields",
+    "nemotron_h_moe_to_hf",
     "qwen_moe_fields",
     "qwen_moe_to_hf",
 ]
@@ -140,6 +143,91 @@ def deepseek_fields(hf: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
+def _check_top2_groups(r: RouterConfig, family: str) -> None:
+    """ValueError unless group-limited routing scores a group by its top 2 experts, the rule
+    of transformers' DeepSeek-V3-style routers."""
+    if r.num_groups is None or r.num_groups <= 1:
+        return
+    rule = r.group_score_top_n or r.top_k // r.group_top_k
+    if rule != 2:
+        raise ValueError(
+            f"group-limited routing scores a group by its top {rule} experts (top_k="
+            f"{r.top_k}, group_top_k={r.group_top_k}, group_score_top_n="
+            f"{r.group_score_top_n}); {family} in transformers scores it by its top 2: "
+            "valid: group_score_top_n=2 (or top_k // group_top_k = 2)"
+        )
+
+
+def nemotron_h_moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Nemotron-H's ``moe`` blocks: squared-ReLU experts and shared expert, sigmoid scores
+    selected on ``score + e_score_correction_bias`` (optionally group-limited), renormalised
+    (``norm_topk_prob``) and scaled by ``routed_scaling_factor``; logits in fp32 as
+    transformers computes them. The shared expert is one MLP of
+    ``moe_shared_expert_intermediate_size`` (transformers' width, falling back to
+    ``intermediate_size``; ``n_shared_experts`` does not change it)."""
+    if hf.get("moe_latent_size") is not None:
+        raise ValueError(
+            f"moe_latent_size={hf['moe_latent_size']!r} is not supported for nemotron_h (the "
+            "experts' latent projections fc1/fc2_latent_proj); valid: None"
+        )
+    top_k, norm = int(hf["num_experts_per_tok"]), bool(hf.get("norm_topk_prob", True))
+    # moe-router's sigmoid weights are s / sum(s) over the top k for k > 1 and s for k = 1.
+    if norm != (top_k > 1):
+        raise ValueError(
+            f"norm_topk_prob={norm} with num_experts_per_tok={top_k} is not supported for "
+            "nemotron_h: valid: norm_topk_prob=True with num_experts_per_tok > 1, or False "
+            "with num_experts_per_tok=1"
+        )
+    n_group, topk_group = int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1)
+    grouped = n_group > 1
+    shared = hf.get("moe_shared_expert_intermediate_size") or hf["intermediate_size"]
+    return dict(
+        moe=MoEConfig(
+            router=_router(
+                hf,
+                num_experts=int(hf["n_routed_experts"]),
+                top_k=top_k,
+                score_function="sigmoid",
+                top_k_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                num_groups=n_group if grouped else None,
+                group_top_k=topk_group if grouped else None,
+                group_score_top_n=_group_score_top_n(hf) if grouped else None,
+                enable_expert_bias=True,
+                router_dtype="fp32",
+            ),
+            ffn_hidden_size=int(hf["moe_intermediate_size"]),
+            shared_expert_ffn_hidden_size=int(shared),
+        )
+    )
+
+
+def nemotron_h_moe_to_hf(config: GPTConfig) -> dict[str, Any]:
+    """Nemotron-H's MoE fields of ``config.json``; ValueError for routing it cannot express."""
+    m = config.moe
+    r = m.router
+    for ok, what in (
+        (r.score_function == "sigmoid", f"score_function={r.score_function!r}; valid: 'sigmoid'"),
+        (r.enable_expert_bias, "enable_expert_bias=False; valid: True"),
+        (m.shared_expert_ffn_hidden_size is not None, "no shared expert; valid: one"),
+        (not m.shared_expert_gate, "shared_expert_gate=True; valid: False"),
+    ):
+        if not ok:
+            raise ValueError(f"GPTConfig.moe has {what} (Nemotron-H's MoE blocks)")
+    _check_top2_groups(r, "Nemotron-H")
+    return {
+        "n_routed_experts": r.num_experts,
+        "num_experts_per_tok": r.top_k,
+        "moe_intermediate_size": m.ffn_hidden_size,
+        "moe_shared_expert_intermediate_size": m.shared_expert_ffn_hidden_size,
+        "n_shared_experts": 1,
+        "moe_latent_size": None,
+        "n_group": r.num_groups or 1,
+        "topk_group": r.group_top_k or 1,
+        "norm_topk_prob": r.top_k > 1,
+        "routed_scaling_factor": r.top_k_scaling_factor or 1.0,
+    }
+
+
 def mixtral_to_hf(config: GPTConfig) -> dict[str, Any]:
     """Mixtral's expert fields of ``config.json``."""
     return {
@@ -176,15 +264,7 @@ def deepseek_to_hf(config: GPTConfig) -> dict[str, Any]:
     m, mla = config.moe, config.mla
     r = m.router
     shared = m.shared_expert_ffn_hidden_size or 0
-    if r.num_groups is not None and r.num_groups > 1:
-        rule = r.group_score_top_n or r.top_k // r.group_top_k
-        if rule != 2:
-            raise ValueError(
-                f"group-limited routing scores a group by its top {rule} experts (top_k="
-                f"{r.top_k}, group_top_k={r.group_top_k}, group_score_top_n="
-                f"{r.group_score_top_n}); DeepSeek-V3 in transformers scores it by its top 2: "
-                "valid: group_score_top_n=2 (or top_k // group_top_k = 2)"
-            )
+    _check_top2_groups(r, "DeepSeek-V3")
     if shared % m.ffn_hidden_size:
         raise ValueError(
             f"shared_expert_ffn_hidden_size={shared} is not a multiple of the expert width "

@@ -1,16 +1,21 @@
-"""Hugging Face adapter of Nemotron-H (``model_type`` ``"nemotron_h"``), dense hybrids.
+"""Hugging Face adapter of Nemotron-H (``model_type`` ``"nemotron_h"``): Mamba-2 / attention
+hybrids with dense or MoE (Nemotron 3 Nano) MLP blocks.
 
 - Config: ``layers_block_type`` (or the older ``hybrid_override_pattern``) becomes
   ``hybrid_layer_pattern`` (``linear_attention`` -> ``M``, ``full_attention`` -> ``*``,
-  ``mlp`` -> ``-``); attention has no RoPE (``position_embedding_type="none"``), MLPs are
-  squared ReLU (``mlp_activation="relu2"``), the Mamba mixers' fields go through
-  :func:`~shardwork.models.hf.mamba_weights.mamba_config_from_hf`. Nemotron-H's MoE blocks
-  (non-gated squared-ReLU experts, latent projections) and MTP layers are not expressible by
-  shardwork's MoE and raise ``ValueError`` naming the field.
+  ``mlp`` -> ``-``, ``moe`` -> ``E``); attention has no RoPE
+  (``position_embedding_type="none"``), MLPs, experts and shared experts are squared ReLU
+  (``mlp_activation="relu2"``), the Mamba mixers' fields go through
+  :func:`~shardwork.models.hf.mamba_weights.mamba_config_from_hf` and the MoE fields through
+  :func:`~shardwork.models.hf.moe_fields.nemotron_h_moe_fields` (DeepSeek-V3-style sigmoid
+  routing with ``e_score_correction_bias``). The experts' latent projections
+  (``moe_latent_size``) and MTP layers raise ``ValueError`` naming the field.
 - Tensors: ``backbone.embeddings``, ``backbone.norm_f``, ``lm_head``; each block has one
   ``norm`` (shardwork's ``input_layernorm`` of a mixer layer, ``pre_mlp_layernorm`` of an MLP
-  layer) and its part under ``mixer.``. The Mamba mixers' fused ``in_proj`` / ``conv1d`` are
-  converted whole (``converted`` layout).
+  layer) and its part under ``mixer.``; an MoE block's ``mixer.gate`` (router weight and
+  ``e_score_correction_bias``), per-expert ``mixer.experts.<e>.up_proj`` / ``down_proj`` (as
+  transformers saves them; one shardwork key each) and ``mixer.shared_experts``. The Mamba
+  mixers' fused ``in_proj`` / ``conv1d`` are converted whole (``converted`` layout).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from shardwork.models.hf.mamba_weights import (
     mamba_from_hf,
     mamba_to_hf,
 )
+from shardwork.models.hf.moe_fields import nemotron_h_moe_fields, nemotron_h_moe_to_hf
 from shardwork.models.spec import spec_for
 
 __all__ = ["NEMOTRON_H"]
@@ -44,12 +50,7 @@ def _pattern(hf: dict[str, Any]) -> str:
     return "".join(_BLOCKS[b] for b in blocks)
 
 
-def _refuse(hf: dict[str, Any], pattern: str) -> None:
-    if "E" in pattern:
-        raise ValueError(
-            "layers_block_type has 'moe' blocks: Nemotron-H's non-gated squared-ReLU experts "
-            "are not supported; valid: 'linear_attention', 'full_attention', 'mlp'"
-        )
+def _refuse(hf: dict[str, Any]) -> None:
     if hf.get("num_nextn_predict_layers"):
         raise ValueError(
             f"num_nextn_predict_layers={hf['num_nextn_predict_layers']} is not supported for "
@@ -67,9 +68,10 @@ def _refuse(hf: dict[str, Any], pattern: str) -> None:
 
 def _fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     pattern = _pattern(hf)
-    _refuse(hf, pattern)
+    _refuse(hf)
     heads = int(hf["num_attention_heads"])
-    return dict(
+    moe = nemotron_h_moe_fields(hf) if "E" in pattern else {}
+    return moe | dict(
         num_layers=len(pattern),
         hidden_size=int(hf["hidden_size"]),
         num_attention_heads=heads,
@@ -89,25 +91,30 @@ def _fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def _fields_to_hf(config: GPTConfig) -> dict[str, Any]:
-    return {
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "num_hidden_layers": config.num_layers,
-        "layers_block_type": [_SYMBOLS[c] for c in config.hybrid_layer_pattern],
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.kv_heads,
-        "head_dim": config.kv_channels,
-        "intermediate_size": config.ffn_hidden_size,
-        "mlp_hidden_act": "relu2",
-        "mlp_bias": False,
-        "attention_bias": False,
-        "max_position_embeddings": config.max_position_embeddings,
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "initializer_range": config.init_method_std,
-        "attention_dropout": config.attention_dropout,
-        "residual_in_fp32": False,
-        "num_nextn_predict_layers": 0,
-    } | mamba_config_to_hf(config.mamba, norm_epsilon=config.norm_epsilon)
+    moe = nemotron_h_moe_to_hf(config) if config.moe is not None else {}
+    return (
+        moe
+        | {
+            "vocab_size": config.vocab_size,
+            "hidden_size": config.hidden_size,
+            "num_hidden_layers": config.num_layers,
+            "layers_block_type": [_SYMBOLS[c] for c in config.hybrid_layer_pattern],
+            "num_attention_heads": config.num_attention_heads,
+            "num_key_value_heads": config.kv_heads,
+            "head_dim": config.kv_channels,
+            "intermediate_size": config.ffn_hidden_size,
+            "mlp_hidden_act": "relu2",
+            "mlp_bias": False,
+            "attention_bias": False,
+            "max_position_embeddings": config.max_position_embeddings,
+            "tie_word_embeddings": config.tie_word_embeddings,
+            "initializer_range": config.init_method_std,
+            "attention_dropout": config.attention_dropout,
+            "residual_in_fp32": False,
+            "num_nextn_predict_layers": 0,
+        }
+        | mamba_config_to_hf(config.mamba, norm_epsilon=config.norm_epsilon)
+    )
 
 
 def _claims(config: GPTConfig) -> bool:
@@ -141,6 +148,13 @@ _LAYER_RULES = (
     (r"self_attention\.linear_proj\.weight", "mixer.o_proj.weight"),
     (r"mlp\.fc1\.weight", "mixer.up_proj.weight"),
     (r"mlp\.fc2\.weight", "mixer.down_proj.weight"),
+    # MoE blocks: router, expert bias, per-expert squared-ReLU experts, shared expert
+    (r"mlp\.router\.weight", "mixer.gate.weight"),
+    (r"mlp\.router\.expert_bias", "mixer.gate.e_score_correction_bias"),
+    (r"mlp\.experts\.linear_fc1\.weight\.(\d+)", r"mixer.experts.\1.up_proj.weight"),
+    (r"mlp\.experts\.linear_fc2\.weight\.(\d+)", r"mixer.experts.\1.down_proj.weight"),
+    (r"mlp\.shared_experts\.fc1\.weight", "mixer.shared_experts.up_proj.weight"),
+    (r"mlp\.shared_experts\.fc2\.weight", "mixer.shared_experts.down_proj.weight"),
 )
 _GLOBAL_RULES = (
     (r"embedding\.word_embeddings\.weight", "backbone.embeddings.weight"),
