@@ -138,6 +138,7 @@ def test_hybrid_pattern_param_count_matches_meta_model(name):
         ("hybrid:tiny-qwen2-57b-a14b", "none"),
         ("tiny-nemotron-h-8b", "none"),
         ("tiny-nemotron-h-8b", "full"),
+        ("tiny-nemotron-h-moe", "none"),
         ("hybrid:tiny-qwen2-57b-a14b", "full"),
         ("tiny-llama3-8b", "none"),
         ("tiny-llama3-8b", "full"),

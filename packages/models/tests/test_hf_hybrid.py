@@ -19,7 +19,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from shardwork.models import GPTModel, gather_logits  # noqa: E402
+from shardwork.models import GPTModel, gather_logits, preset  # noqa: E402
 from shardwork.models.hf import (  # noqa: E402
     from_pretrained,
     gpt_config_from_hf,
@@ -285,6 +285,11 @@ def test_nemotron_h_moe_fields():
 def test_nemotron_h_moe_variants_it_cannot_express_are_refused(change, match):
     with pytest.raises(ValueError, match=match):
         gpt_config_from_hf(_nemotron_h_moe_hf() | change)
+
+
+def test_tiny_nemotron_h_moe_preset_exports_its_moe():
+    config = preset("tiny-nemotron-h-moe")
+    assert gpt_config_from_hf(hf_config_from_gpt(config)).moe == config.moe
 
 
 def test_nemotron_h_moe_export_refuses_other_routing():

@@ -104,17 +104,14 @@ def test_calculators_count_two_matrices_per_relu2_expert(name):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize(
-    ("world", "kwargs"),
-    [(2, {"ep": 2, "etp": 1}), (4, {"ep": 2, "etp": 2})],
-    ids=["ep2", "ep2-etp2"],
+    ("name", "world", "kwargs"),
+    [
+        ("tiny-qwen2-57b-a14b", 2, {"ep": 2, "etp": 1, "mlp_activation": "relu2"}),
+        ("tiny-qwen2-57b-a14b", 4, {"ep": 2, "etp": 2, "mlp_activation": "relu2"}),
+        ("tiny-nemotron-h-moe", 2, {"ep": 2, "etp": 1}),
+    ],
+    ids=["ep2", "ep2-etp2", "nemotron-h-moe-ep2"],
 )
-def test_relu2_moe_layout_matches_single_rank(world, kwargs):
-    args = ("tiny-qwen2-57b-a14b",)
-    losses = run_on_ranks(
-        compare_moe_layout,
-        world,
-        args=args,
-        kwargs=kwargs | {"mlp_activation": "relu2"},
-        timeout=400,
-    )
+def test_relu2_moe_layout_matches_single_rank(name, world, kwargs):
+    losses = run_on_ranks(compare_moe_layout, world, args=(name,), kwargs=kwargs, timeout=400)
     assert len(set(losses)) == 1

@@ -1,8 +1,11 @@
-"""The Nemotron-H family (dense Mamba-2 / attention hybrids): presets and what they are built from.
+"""The Nemotron-H family (Mamba-2 / attention hybrids, dense or MoE): presets and what they
+are built from.
 
 - Spec (:func:`~shardwork.models.spec.spec_for` of ``hybrid_layer_pattern``): one part per
-  layer, Mamba-2 (``M``), squared-ReLU MLP (``-``) or attention without RoPE (``*``), each
-  behind its own RMSNorm; Nemotron-H-8B is ``M-M-M-M*-`` ... with 4 attention layers of 52.
+  layer, Mamba-2 (``M``), squared-ReLU MLP (``-``), MoE (``E``: squared-ReLU experts and
+  shared expert, sigmoid routing with an expert bias, Nemotron 3 Nano) or attention without
+  RoPE (``*``), each behind its own RMSNorm; Nemotron-H-8B is ``M-M-M-M*-`` ... with 4
+  attention layers of 52.
 - Hugging Face: ``model_type`` ``"nemotron_h"`` adapter
   :data:`shardwork.models.hf.nemotron_h.NEMOTRON_H`.
 """
@@ -12,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from shardwork.models.families.twins import DENSE_TINY
+from shardwork.models.families.twins import DENSE_TINY, MOE_TINY, tiny_moe
 from shardwork.models.mamba_config import MambaConfig
 from shardwork.models.preset_table import table_preset
 
@@ -73,6 +76,22 @@ _TINY = (
     )
 )
 
+_TINY_MOE = _TINY | dict(
+    init_method_std=MOE_TINY["init_method_std"],
+    hybrid_layer_pattern="ME*E",
+    # Nemotron 3 Nano's routing: sigmoid scores selected with an expert bias, renormalised
+    # and scaled (2.5), logits in fp32; one squared-ReLU shared expert
+    moe=tiny_moe(
+        router=dict(
+            score_function="sigmoid",
+            enable_expert_bias=True,
+            top_k_scaling_factor=2.5,
+            router_dtype="fp32",
+        ),
+        shared_expert_ffn_hidden_size=48,
+    ),
+)
+
 PRESETS = {name: table_preset(name, fields) for name, fields in _SHAPES.items()}
 """Presets with the published shapes."""
 TINY_PRESETS = {
@@ -81,7 +100,14 @@ TINY_PRESETS = {
         _TINY,
         "Tiny twin of Nemotron-H: Mamba-2 (2 B/C groups), squared-ReLU MLP, attention without "
         "RoPE, one part per layer (pattern 'M-*-').",
-    )
+    ),
+    "tiny-nemotron-h-moe": table_preset(
+        "tiny-nemotron-h-moe",
+        _TINY_MOE,
+        "Tiny twin of Nemotron-H with MoE blocks (Nemotron 3 Nano): Mamba-2, attention without "
+        "RoPE and MoE layers of 8 squared-ReLU experts (top-2, sigmoid scores with an expert "
+        "bias, scaled 2.5) plus a squared-ReLU shared expert (pattern 'ME*E').",
+    ),
 }
 """Their tiny CPU twins."""
 
