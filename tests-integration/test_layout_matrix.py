@@ -143,7 +143,7 @@ CELLS = [
     ("ep2-etp2", 4, {"ep": 2, "etp": 2}, "moe", (SLOW,)),
     ("tp2-pp2-dp2", 8, {"tp": 2, "pp": 2}, "moe", (SLOW,)),
     ("tp2-ep2-pp2", 4, {"tp": 2, "ep": 2, "etp": 1, "pp": 2}, "moe", (SLOW,)),
-    ("tp2-sp", 2, {"tp": 2, "sequence_parallel": True}, "nemotron-h", ()),
+    ("tp2-sp", 2, {"tp": 2, "sequence_parallel": True}, "nemotron-h", (SLOW,)),
     ("pp2", 2, {"pp": 2}, "nemotron-h", ()),
     ("tp2-pp2", 4, {"tp": 2, "pp": 2}, "nemotron-h", (SLOW,)),
     ("tp2-sp", 2, {"tp": 2, "sequence_parallel": True}, "qwen3-next", (SLOW,)),
