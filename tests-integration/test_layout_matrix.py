@@ -3,9 +3,11 @@
 - :data:`CELLS` is the matrix of issue 10: a tiny dense GPT (4 layers) and a tiny
   Mixtral-style MoE (4 layers, 8 experts, top-2) trained :data:`STEPS` steps through
   ``shardwork.trainer`` at DP=2 with ZeRO-1, TP=2+SP, PP=2 (1F1B), PP=2×VPP=2, CP=2, EP=2,
-  EP=2×ETP=2, TP=2×PP=2×DP=2 and TP=2×EP=2×PP=2 (the EP cells are MoE only). Each cell
-  is compared with the world-1 run of the same config. Select cells with ``-k``, e.g.
-  ``-k 'moe and ep2'``.
+  EP=2×ETP=2, TP=2×PP=2×DP=2 and TP=2×EP=2×PP=2 (the EP cells are MoE only), plus the
+  hybrid twins: Nemotron-H (Mamba-2, squared-ReLU MLP and RoPE-less attention from a layer
+  pattern with an MTP depth) and Qwen3-Next (Gated DeltaNet and gated attention + MoE) at
+  TP=2+SP, PP=2, TP=2×PP=2 and (Qwen3-Next) EP=2. Each cell is compared with the world-1
+  run of the same config. Select cells with ``-k``, e.g. ``-k 'moe and ep2'``.
 - float64 (``precision.dtype = "fp64"``: parameters, activations, gradients, ZeRO masters,
   AdamW moments; the MoE router follows the activation dtype) and every stochastic part off:
   dropout 0, no router input jitter, dropless routing (``test_matrix_models_are_deterministic``
@@ -38,8 +40,9 @@
   new ones must run the next call too (:func:`_run_cell`). Under xdist every
   worker has its own pool: cells take a lock shared by the workers (one cell at a time), and
   ``xdist_group`` keeps them on one worker when pytest runs with ``--dist loadgroup``.
-- Cells with 8 ranks and the costlier 4-rank cells are marked ``slow``; the default run
-  covers the other 11 cells, the fp32 cell and the TP=2+SP per-rank-statistics cell.
+- Cells with 8 ranks, the costlier 4-rank cells and the hybrids' TP cells are marked
+  ``slow``; the default run covers the other 14 cells, the fp32 cell and the TP=2+SP
+  per-rank-statistics cell.
 """
 
 from __future__ import annotations
