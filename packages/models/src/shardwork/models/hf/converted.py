@@ -53,13 +53,20 @@ def _read(folder: Path, prefix: str, layers: set[int]) -> dict[str, torch.Tensor
     return out
 
 
-@torch.no_grad()
+def _stage_layers(local: dict) -> set[int]:
+    """Global decoder layers among the keys of a stage's sharded state dict."""
+    return {int(m[1]) for key in local if (m := _DECODER_LAYER.match(key))}
+
+
 def load_converted_state_dict(model, hf: dict[str, torch.Tensor], source: str = "state dict"):
     """Fill ``model``'s local shards from HF-named whole tensors ``hf`` (in place)."""
+    return _fill(model, model.sharded_state_dict(), hf, source)
+
+
+@torch.no_grad()
+def _fill(model, local: dict, hf: dict[str, torch.Tensor], source: str):
     adapter = adapter_for_config(model.config)
-    local = model.sharded_state_dict()
-    layers = {int(m[1]) for key in local if (m := _DECODER_LAYER.match(key))}
-    state = adapter.convert_from_hf(hf, model.config, layers)
+    state = adapter.convert_from_hf(hf, model.config, _stage_layers(local))
     rules = adapter.key_rules()
     for key, st in local.items():
         tensor = state.get(key)
@@ -86,9 +93,9 @@ def load_converted_state_dict(model, hf: dict[str, torch.Tensor], source: str = 
 def load_converted_weights(model, folder: str | Path):
     """Fill ``model``'s local shards from the HF checkpoint ``folder`` (in place)."""
     adapter = adapter_for_config(model.config)
-    local_layers = {int(m[1]) for k in model.sharded_state_dict() if (m := _DECODER_LAYER.match(k))}
-    hf = _read(Path(folder), adapter.hf_layer_prefix, local_layers)
-    return load_converted_state_dict(model, hf, source=str(folder))
+    local = model.sharded_state_dict()
+    hf = _read(Path(folder), adapter.hf_layer_prefix, _stage_layers(local))
+    return _fill(model, local, hf, str(folder))
 
 
 def converted_hf_state_dict(model, *, group=None, dtype=None) -> dict[str, torch.Tensor]:
