@@ -49,6 +49,7 @@ from shardwork.models.embedding import EMBEDDING_KEY, LMHead, VocabParallelEmbed
 from shardwork.models.gpt_model import GPTModel
 from shardwork.models.layer_kinds import BuildContext, register_mixer, register_mlp, register_norm
 from shardwork.models.logits import gather_logits
+from shardwork.models.lora_config import LoRAConfig, lora_key_names
 from shardwork.models.loss import loss_for_backward, reduce_loss, token_loss
 from shardwork.models.mamba import Mamba2Mixer, MambaState
 from shardwork.models.mamba_config import MambaConfig
@@ -90,6 +91,7 @@ __all__ = [
     "GatedDeltaNetConfig",
     "LMHead",
     "LayerSpec",
+    "LoRAConfig",
     "LocalParams",
     "MLAConfig",
     "MLAttention",
@@ -123,6 +125,7 @@ __all__ = [
     "layout_groups",
     "local_parameters",
     "local_positions",
+    "lora_key_names",
     "loss_for_backward",
     "memory_estimate",
     "moe_finalize_kwargs",
