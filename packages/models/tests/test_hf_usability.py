@@ -9,9 +9,10 @@
 - the model comes back in eval mode, and ``.train()`` turns dropout on.
 
 Tolerances: float results are compared with ``assert_close_at_scale`` at ``_ULPS`` fp32 ulps of
-the tensor's max (measured: logits <= 6.1, hidden states <= 7.9, router logits <= 2.9 ulps
-at world 1 and TP=2; the two implementations sum attention and MLP products in different
-orders); integer things (expert choices, token ids) exactly.
+the tensor's max|ref|. Measured over world 1, TP=2+SP, PP=2 and TP=2×PP=2 with
+``ATEN_CPU_CAPABILITY`` default, avx2 and avx512: logits <= 4.0, hidden states <= 3.8, router
+logits <= 3.4 ulps (the two implementations sum attention and MLP products in different
+orders). Integer things (expert choices, token ids) are compared exactly.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from shardwork.parallel_state.testing import assert_close_at_scale, run_on_ranks
 # Golden / cross-implementation: CI reruns these with other CPU kernels (.ci/run).
 pytestmark = pytest.mark.golden
 
-_ULPS = 24  # 3x the largest measured error (7.9 ulps of max|ref|, hidden states)
+_ULPS = 16  # 4x the largest measured error (4.0 ulps of max|ref|, logits)
 _COMMON = dict(
     vocab_size=250,
     hidden_size=64,
@@ -246,7 +247,9 @@ def test_hf_outputs_tp2_sp_match_transformers(tmp_path):
 
 def _pipeline_logits(folder, parallel_kwargs):
     groups = init_process_groups(ParallelConfig(**parallel_kwargs))
-    model = from_pretrained(folder, groups)  # this rank's stage, its shards only
+    # this rank's stage, its shards only; Llama's 3 layers split unevenly (1 + 2)
+    uneven = {"first_stage_layers": 1} if "llama" in folder else {}
+    model = from_pretrained(folder, groups, **uneven)
     assert isinstance(model, GPTStage) and not model.training
     with pytest.raises(ValueError, match=r"output_hidden_states=True.*pp=2"):
         hf_outputs(model, _ids(), output_hidden_states=True)
@@ -260,7 +263,7 @@ def _pipeline_logits(folder, parallel_kwargs):
     [
         ("llama", {"pp": 2}, 2),
         ("qwen3_moe", {"pp": 2}, 2),
-        pytest.param("llama", {"tp": 2, "pp": 2}, 4, marks=pytest.mark.slow),
+        ("llama", {"tp": 2, "pp": 2}, 4),
     ],
     ids=["llama-pp2", "qwen3moe-pp2", "llama-tp2-pp2"],
 )

@@ -89,6 +89,8 @@ def from_pretrained(
     layer_range: tuple[int, int] | None = None,
     pre_process: bool | None = None,
     post_process: bool | None = None,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
     **overrides: Any,
 ) -> GPTModel:
     """This rank's model from a HF checkpoint folder, reading only its local shards.
@@ -96,7 +98,9 @@ def from_pretrained(
     Without ``layer_range`` the model is this rank's pipeline stage of ``groups``' layout
     (:func:`~shardwork.models.pipeline.build_stage`: the whole model at pp=1, a
     :class:`~shardwork.models.pipeline.GPTStage` that the schedules take); ``layer_range`` /
-    ``pre_process`` / ``post_process`` build an explicit stage instead. Virtual pipeline
+    ``pre_process`` / ``post_process`` build an explicit stage instead;
+    ``first_stage_layers`` / ``last_stage_layers`` make the first / last stage uneven, as for
+    :func:`~shardwork.models.pipeline.build_stage`. Virtual pipeline
     stages (vpp > 1) hold several chunks: build them with
     :func:`~shardwork.models.pipeline.build_model_chunks` and :func:`load_hf_weights`.
 
@@ -108,8 +112,16 @@ def from_pretrained(
     hf = read_hf_config(folder)
     config = gpt_config_from_hf(hf, **overrides)
     token_ids = read_token_ids(folder, hf)
-    if layer_range is None and pre_process is None and post_process is None:
-        model = _stage_on_meta(config, groups)
+    explicit = (layer_range, pre_process, post_process)
+    if all(x is None for x in explicit):
+        uneven = {"first_stage_layers": first_stage_layers, "last_stage_layers": last_stage_layers}
+        model = _stage_on_meta(config, groups, uneven)
+    elif first_stage_layers is not None or last_stage_layers is not None:
+        raise ValueError(
+            "from_pretrained: first_stage_layers / last_stage_layers split the layout's "
+            f"stages, but layer_range={layer_range} (pre_process={pre_process}, "
+            f"post_process={post_process}) names one stage explicitly: pass one or the other"
+        )
     else:
         model = GPTModel(
             config,
@@ -129,7 +141,7 @@ def from_pretrained(
     return model.eval()
 
 
-def _stage_on_meta(config, groups: ProcessGroups | None) -> GPTModel:
+def _stage_on_meta(config, groups: ProcessGroups | None, uneven: dict[str, Any]) -> GPTModel:
     """This rank's (only) pipeline stage of ``groups``' layout, built on the meta device."""
     groups = ProcessGroups.single() if groups is None else groups
     vpp = groups.config.vpp or 1
@@ -139,7 +151,7 @@ def _stage_on_meta(config, groups: ProcessGroups | None) -> GPTModel:
             "chunks: build them with shardwork.models.pipeline.build_model_chunks(config, "
             "groups, device='meta') and fill each with load_hf_weights, or use vpp=1"
         )
-    return build_stage(config, groups, device="meta")
+    return build_stage(config, groups, device="meta", **uneven)
 
 
 def save_pretrained(
