@@ -211,6 +211,9 @@ def test_from_pretrained_returns_eval_mode_and_train_turns_dropout_on(tmp_path):
     with torch.no_grad():
         a, b = model(_ids()), model(_ids())
     assert not torch.equal(a, b)  # fresh dropout masks on every call
+    # hf_outputs runs in eval mode (the same logits, bit for bit) and restores training mode
+    assert torch.equal(hf_outputs(model, _ids()).logits, logits)
+    assert model.training and all(m.training for m in model.modules())
 
 
 # ---- hf_outputs and one-call import, world 1 and TP=2 ---------------------------------------
@@ -285,3 +288,17 @@ def test_from_pretrained_refuses_virtual_pipeline_stages(tmp_path):
     groups = types.SimpleNamespace(config=ParallelConfig(pp=2, vpp=2))
     with pytest.raises(ValueError, match=r"vpp=2.*build_model_chunks"):
         from_pretrained(folder, groups)
+
+
+def _cp2_refused(folder):
+    groups = init_process_groups(ParallelConfig(cp=2))
+    model = from_pretrained(folder, groups)
+    with pytest.raises(ValueError, match="cp=2, use cp=1"):
+        hf_outputs(model, _ids())
+    return True
+
+
+@pytest.mark.multirank
+def test_hf_outputs_refuses_context_parallel(tmp_path):
+    folder, _ = _folder(tmp_path, "llama")
+    assert all(run_on_ranks(_cp2_refused, 2, args=(str(folder),)))
