@@ -302,3 +302,10 @@ def _cp2_refused(folder):
 def test_hf_outputs_refuses_context_parallel(tmp_path):
     folder, _ = _folder(tmp_path, "llama")
     assert all(run_on_ranks(_cp2_refused, 2, args=(str(folder),)))
+
+
+def test_hf_outputs_refuses_a_partial_model_at_pp1(tmp_path):
+    folder, _ = _folder(tmp_path, "llama")
+    first_layers = from_pretrained(folder, layer_range=(0, 2))  # no final norm and head
+    with pytest.raises(ValueError, match="post_process=False"):
+        hf_outputs(first_layers, _ids())

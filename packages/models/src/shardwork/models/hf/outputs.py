@@ -77,6 +77,12 @@ def hf_outputs(
             f"hf_outputs({asked}=True) needs every layer on this rank, but pp={pp} gives each "
             "stage only its own layers: use pp=1 (any tp/ep), or ask for logits only"
         )
+    if pp == 1 and not (model.pre_process and model.post_process):
+        raise ValueError(
+            f"hf_outputs at pp=1 needs the whole model, but this one has pre_process="
+            f"{model.pre_process}, post_process={model.post_process} (an explicit layer_range "
+            "stage): build it without layer_range, or pass the pipeline layout's groups"
+        )
     was_training = model.training
     model.eval()
     try:
