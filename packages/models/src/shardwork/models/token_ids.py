@@ -13,7 +13,7 @@ be the family's published one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["TokenIds"]
@@ -32,7 +32,8 @@ class TokenIds:
     bos: int | None = None
     eos: int | tuple[int, ...] | None = None
     pad: int | None = None
-    generation_config: dict[str, Any] | None = None
+    # a dict is unhashable: left out of the hash (still compared), so TokenIds stays hashable
+    generation_config: dict[str, Any] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         eos = self.eos if isinstance(self.eos, tuple) else (self.eos,)
