@@ -29,7 +29,7 @@ def _corpus_cache(tmp_path_factory, monkeypatch):
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
     """``(folder, model)``: a random 2-layer Llama-style model saved as a Hugging Face folder."""
-    from shardwork.models import GPTConfig, GPTModel
+    from shardwork.models import GPTConfig, GPTModel, TokenIds
     from shardwork.models.hf import save_pretrained
 
     config = GPTConfig(
@@ -49,6 +49,7 @@ def source(tmp_path_factory):
             if "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=generator))
     folder = tmp_path_factory.mktemp("hf") / "source"
+    model.token_ids = TokenIds(bos=1, eos=(2, 7), pad=0)  # not transformers' Llama defaults
     save_pretrained(model, folder)
     return str(folder), model
 
@@ -85,6 +86,13 @@ def test_finetune_from_and_export_to_a_hugging_face_folder(tmp_path, source):
     )
     assert result.hf_export == str(out)
     exported = from_pretrained(out).eval()
+    ids = exported.token_ids  # the source folder's ids, exported
+    assert (ids.bos, ids.eos, ids.pad) == (1, (2, 7), 0)
+    assert json.loads((out / "generation_config.json").read_text()) == {
+        "bos_token_id": 1,
+        "eos_token_id": [2, 7],
+        "pad_token_id": 0,
+    }
     trained, _, _ = load_for_inference(result.checkpoint)  # through the shardwork checkpoint
     probe = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():

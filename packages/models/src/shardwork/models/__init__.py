@@ -68,6 +68,7 @@ from shardwork.models.recompute import RecomputeReplay, checkpoint
 from shardwork.models.rng import REPLICATED, TENSOR_PARALLEL, RNGTracker
 from shardwork.models.spec import DecoderSpec, LayerSpec, RotarySpec, spec_for
 from shardwork.models.squared_relu_mlp import SquaredReLUMLP
+from shardwork.models.token_ids import TokenIds
 from shardwork.models.transformer_layer import TransformerBlock, TransformerLayer
 
 __version__ = "0.1.0"
@@ -112,6 +113,7 @@ __all__ = [
     "ShardedModule",
     "SquaredReLUMLP",
     "SwiGLUMLP",
+    "TokenIds",
     "TransformerBlock",
     "TransformerLayer",
     "VocabParallelEmbedding",

@@ -21,6 +21,8 @@
 - The layers come from a :class:`~shardwork.models.spec.DecoderSpec` (``spec=``; default
   :func:`~shardwork.models.spec.spec_for` of the config): each layer's mixer and MLP are built
   by the kinds registered in :mod:`shardwork.models.layer_kinds`, with no family branch here.
+- ``model.token_ids``: the bos/eos/pad ids of the weights
+  (:class:`~shardwork.models.token_ids.TokenIds`), set by the Hugging Face bridge.
 - The model owns its :class:`~shardwork.models.rng.RNGTracker` (``model.rng_tracker``) and its
   :class:`~shardwork.models.recompute.RecomputeReplay` (``model.recompute_replay``).
 """
@@ -47,6 +49,7 @@ from shardwork.models.recompute import RecomputeReplay
 from shardwork.models.rng import RNGTracker
 from shardwork.models.sharding import init_from_shards
 from shardwork.models.spec import DecoderSpec, spec_for
+from shardwork.models.token_ids import TokenIds
 from shardwork.models.transformer_layer import TransformerBlock, hidden_dropout
 from shardwork.moe_router import AuxLossScale, attach_aux_loss
 from shardwork.parallel_state import ProcessGroups
@@ -107,6 +110,9 @@ class GPTModel(ShardedModule):
         )
         self.recompute_replay = RecomputeReplay()  # first run -> recompute (MoE router state)
         self.spec = spec
+        # Tokenizer-facing ids (not math, so not GPTConfig): the HF bridge fills them on import
+        # and writes them on export; None for a model built from a config or preset.
+        self.token_ids: TokenIds | None = None
         self.aux_loss_tracker = self.aux_loss_scale = None
         attach_model_state(self, config, device)  # e.g. the MoE aux-loss tracker
         ctx = BuildContext(config, groups, self.rng_tracker, device, owner=self)

@@ -7,7 +7,12 @@ Qwen2-MoE, Qwen3-MoE and DeepSeek-V3.
 - :func:`from_pretrained` / :func:`load_hf_weights`: import a transformers checkpoint folder
   (config.json + safetensors, sharded index included) into a GPTModel at any layout, each rank
   reading only its slices.
-- :func:`save_pretrained`: export to a folder transformers loads.
+  The one call builds this rank's pipeline stage at any layout and returns it in eval mode.
+- :func:`save_pretrained`: export to a folder transformers loads, with the model's token ids
+  (:class:`~shardwork.models.token_ids.TokenIds`, :func:`read_token_ids`) in ``config.json``
+  and ``generation_config.json``.
+- :func:`hf_outputs`: logits ``[b, s, V]``, per-layer hidden states and router logits shaped
+  as transformers returns them, for parity checks.
 - :func:`gpt_config_from_hf` / :func:`hf_config_from_gpt`: config translation (transformers
   4.x and 5.x field names); :func:`to_hf_key` / ``KEY_RULES``: tensor names.
 - :mod:`~shardwork.models.hf.gated_attention_weights`: Qwen3-Next's per-head interleaved
@@ -23,6 +28,7 @@ from shardwork.models.hf.config_map import (
     read_hf_config,
 )
 from shardwork.models.hf.keys import KEY_RULES, to_hf_key
+from shardwork.models.hf.outputs import HFOutputs, hf_outputs
 from shardwork.models.hf.registry import (
     ADAPTERS,
     adapter_for,
@@ -30,19 +36,23 @@ from shardwork.models.hf.registry import (
     register_adapter,
     supported_model_types,
 )
+from shardwork.models.hf.token_ids import read_token_ids
 
 __all__ = [
     "ADAPTERS",
     "KEY_RULES",
     "SUPPORTED_MODEL_TYPES",
     "HFAdapter",
+    "HFOutputs",
     "adapter_for",
     "adapter_for_config",
     "from_pretrained",
     "gpt_config_from_hf",
     "hf_config_from_gpt",
+    "hf_outputs",
     "load_hf_weights",
     "read_hf_config",
+    "read_token_ids",
     "register_adapter",
     "save_pretrained",
     "supported_model_types",

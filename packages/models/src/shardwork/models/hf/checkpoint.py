@@ -6,12 +6,14 @@
 - :func:`load_hf_weights` fills every local piece of ``model.sharded_state_dict()`` from the
   folder's safetensors (single file or sharded with ``model.safetensors.index.json``) using
   ``safe_open(...).get_slice``: each rank reads only the rows/columns it holds.
-- :func:`from_pretrained` reads ``config.json``, builds the model (or pipeline stage) on the
-  meta device, allocates only the local shards and loads them (no random init first).
+- :func:`from_pretrained` reads ``config.json``, builds this rank's pipeline stage of any
+  layout (or an explicit ``layer_range``) on the meta device, allocates only the local shards
+  and loads them (no random init first); the model comes back in eval mode, as transformers',
+  with the folder's token ids (:mod:`~shardwork.models.hf.token_ids`).
 - :func:`save_pretrained` assembles full tensors (:func:`~shardwork.models.full_state.full_state_dict`,
   one all-reduce per tensor over ``group``) and the first rank writes safetensors files of at
-  most ``max_shard_bytes`` each, an index when there are several, and ``config.json`` that
-  transformers loads. Meant for models that fit one host's memory.
+  most ``max_shard_bytes`` each, an index when there are several, ``config.json`` that
+  transformers loads and ``generation_config.json`` with the model's token ids. Meant for models that fit one host's memory.
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ from shardwork.models.hf.files import weight_files, write_safetensors
 from shardwork.models.hf.keys import to_hf_key
 from shardwork.models.hf.moe_weights import load_hf_moe_weights, moe_hf_state_dict
 from shardwork.models.hf.registry import adapter_for_config
+from shardwork.models.hf.token_ids import read_token_ids, token_id_fields, write_generation_config
 from shardwork.models.module import to_empty_keep_meta
+from shardwork.models.pipeline.stage import build_stage
+from shardwork.models.token_ids import TokenIds
 from shardwork.parallel_state import ProcessGroups
 
 __all__ = ["from_pretrained", "load_hf_weights", "save_pretrained"]
@@ -84,27 +89,69 @@ def from_pretrained(
     layer_range: tuple[int, int] | None = None,
     pre_process: bool | None = None,
     post_process: bool | None = None,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
     **overrides: Any,
 ) -> GPTModel:
-    """Build a GPTModel (stage) from a HF checkpoint folder, reading only local shards.
+    """This rank's model from a HF checkpoint folder, reading only its local shards.
 
-    ``overrides`` go to the GPTConfig (e.g. ``params_dtype``, ``sequence_parallel``).
+    Without ``layer_range`` the model is this rank's pipeline stage of ``groups``' layout
+    (:func:`~shardwork.models.pipeline.build_stage`: the whole model at pp=1, a
+    :class:`~shardwork.models.pipeline.GPTStage` that the schedules take); ``layer_range`` /
+    ``pre_process`` / ``post_process`` build an explicit stage instead;
+    ``first_stage_layers`` / ``last_stage_layers`` make the first / last stage uneven, as for
+    :func:`~shardwork.models.pipeline.build_stage`. Virtual pipeline
+    stages (vpp > 1) hold several chunks: build them with
+    :func:`~shardwork.models.pipeline.build_model_chunks` and :func:`load_hf_weights`.
+
+    Returns the model in eval mode, as transformers does (dropout off, so it computes the
+    checkpoint's logits); call ``.train()`` before training. ``model.token_ids`` holds the
+    folder's bos/eos/pad ids and its ``generation_config.json``. ``overrides`` go to the
+    GPTConfig (e.g. ``params_dtype``, ``sequence_parallel``).
     """
-    config = gpt_config_from_hf(read_hf_config(folder), **overrides)
-    model = GPTModel(
-        config,
-        groups,
-        layer_range=layer_range,
-        pre_process=pre_process,
-        post_process=post_process,
-        device="meta",
-    )
+    hf = read_hf_config(folder)
+    config = gpt_config_from_hf(hf, **overrides)
+    token_ids = read_token_ids(folder, hf)
+    explicit = (layer_range, pre_process, post_process)
+    if all(x is None for x in explicit):
+        uneven = {"first_stage_layers": first_stage_layers, "last_stage_layers": last_stage_layers}
+        model = _stage_on_meta(config, groups, uneven)
+    elif first_stage_layers is not None or last_stage_layers is not None:
+        raise ValueError(
+            "from_pretrained: first_stage_layers / last_stage_layers split the layout's "
+            f"stages, but layer_range={layer_range} (pre_process={pre_process}, "
+            f"post_process={post_process}) names one stage explicitly: pass one or the other"
+        )
+    else:
+        model = GPTModel(
+            config,
+            groups,
+            layer_range=layer_range,
+            pre_process=pre_process,
+            post_process=post_process,
+            device="meta",
+        )
     to_empty_keep_meta(model, device)
     model.rng_tracker.to(device)
     with torch.no_grad():  # padding rows are not in the checkpoint: zero everything first
         for p in model.parameters():
             p.zero_()
-    return load_hf_weights(model, folder)
+    load_hf_weights(model, folder)
+    model.token_ids = token_ids
+    return model.eval()
+
+
+def _stage_on_meta(config, groups: ProcessGroups | None, uneven: dict[str, Any]) -> GPTModel:
+    """This rank's (only) pipeline stage of ``groups``' layout, built on the meta device."""
+    groups = ProcessGroups.single() if groups is None else groups
+    vpp = groups.config.vpp or 1
+    if vpp > 1:
+        raise ValueError(
+            f"from_pretrained builds one stage per rank, but vpp={vpp} gives each rank {vpp} "
+            "chunks: build them with shardwork.models.pipeline.build_model_chunks(config, "
+            "groups, device='meta') and fill each with load_hf_weights, or use vpp=1"
+        )
+    return build_stage(config, groups, device="meta", **uneven)
 
 
 def save_pretrained(
@@ -114,9 +161,16 @@ def save_pretrained(
     dtype: torch.dtype | None = None,
     group=None,
     max_shard_bytes: int = 5 * 2**30,
+    token_ids: TokenIds | None = None,
 ) -> None:
-    """Write ``model`` (all its ranks and stages, which must all call this) as a HF folder."""
-    hf = hf_config_from_gpt(model.config, dtype=dtype)
+    """Write ``model`` (all its ranks and stages, which must all call this) as a HF folder.
+
+    ``token_ids`` (default ``model.token_ids``) go into ``config.json`` and
+    ``generation_config.json`` (see :mod:`~shardwork.models.hf.token_ids`); a model without
+    ids gets neither the fields nor the file, so transformers' defaults apply.
+    """
+    token_ids = model.token_ids if token_ids is None else token_ids
+    hf = hf_config_from_gpt(model.config, dtype=dtype) | token_id_fields(token_ids)
     adapter = adapter_for_config(model.config)
     if adapter.weight_layout == "experts":
         tensors = moe_hf_state_dict(model, group=group, dtype=dtype)
@@ -132,3 +186,4 @@ def save_pretrained(
     folder = Path(folder)
     write_safetensors(folder, tensors, max_shard_bytes)
     (folder / "config.json").write_text(json.dumps(hf, indent=2))
+    write_generation_config(folder, token_ids)

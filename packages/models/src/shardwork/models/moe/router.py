@@ -95,16 +95,18 @@ class MoERouter(ShardedModule):
                 buf.zero_()
         self.inner.reset_step_state()
 
-    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``hidden [s, b, h]`` -> ``(probs_TE, routing_map_TE)`` with T = s·b (row-major)."""
-        cfg = self.inner.config
-        seq_len, batch = hidden.shape[0], hidden.shape[1]
-        x = self.inner._jitter(hidden)
+    def gating_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [s, b, h]`` -> the gating logits ``[s·b, E]`` (token t = i·b + j, the row
+        order the dispatcher uses) in the router dtype, before any scoring."""
         # Like Megatron-Core's moe_router_dtype: logits (and so top-k) in fp32/fp64 for stable
         # routing with many experts; unset means the activation dtype.
-        dtype = _DTYPES.get(cfg.router_dtype, hidden.dtype)
-        # [s, b, h] -> [s*b, h]: token t = i·b + j, the row order the dispatcher uses.
-        logits = torch.mm(x.reshape(-1, x.shape[-1]).to(dtype), self.weight.to(dtype).t())
+        dtype = _DTYPES.get(self.inner.config.router_dtype, hidden.dtype)
+        return torch.mm(hidden.reshape(-1, hidden.shape[-1]).to(dtype), self.weight.to(dtype).t())
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``hidden [s, b, h]`` -> ``(probs_TE, routing_map_TE)`` with T = s·b (row-major)."""
+        seq_len, batch = hidden.shape[0], hidden.shape[1]
+        logits = self.gating_logits(self.inner._jitter(hidden))
         replay = self.replay
         if replay is not None and replay.recomputing:
             return self._route_again(logits, seq_len, batch, replay.replay())

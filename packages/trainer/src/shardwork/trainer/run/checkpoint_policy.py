@@ -60,5 +60,5 @@ class CheckpointPolicy:
             self.checkpointer.close()  # waits for an async save's commit
         if c.hf_export is not None and result.stopped_by is None:
             with self.phase("Hugging Face export", ("world",)):
-                export_hf(self.modules, c.hf_export)
+                export_hf(self.modules, c.hf_export, c.hf_init)
             result.hf_export = c.hf_export

@@ -9,7 +9,7 @@
 - A run that will resume a shardwork checkpoint skips the import (the checkpoint holds the
   trained weights); :func:`will_resume` decides that from ``checkpoint.resume`` alone.
 - Export: every rank calls ``save_pretrained`` with its (only) chunk; the first rank writes
-  config.json and safetensors. The trained model's config.json (also stored in the run's
+  config.json, generation_config.json (the ``hf_init`` folder's token ids) and safetensors. The trained model's config.json (also stored in the run's
   checkpoints) keeps ``shardwork-generate`` independent of the original folder.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from shardwork.dist_checkpoint import CheckpointManager
-from shardwork.models.hf import load_hf_weights, save_pretrained
+from shardwork.models.hf import load_hf_weights, read_hf_config, read_token_ids, save_pretrained
 
 
 def will_resume(config) -> bool:
@@ -41,7 +41,13 @@ def import_hf_weights(modules, folder: str) -> None:
         load_hf_weights(module, folder)
 
 
-def export_hf(modules, folder: str) -> None:
-    """Write the model (every rank calls this with its one chunk) as a Hugging Face folder."""
+def export_hf(modules, folder: str, hf_init: str | None = None) -> None:
+    """Write the model (every rank calls this with its one chunk) as a Hugging Face folder.
+
+    A run started from ``hf_init`` exports that folder's token ids and
+    ``generation_config.json`` (read at export, so a resumed run, which never imported the
+    folder, keeps them too); a run from a preset exports none (see ``models.TokenIds``).
+    """
     (module,) = modules  # validation rejects virtual pipeline stages with hf_export
-    save_pretrained(module, folder)
+    token_ids = None if hf_init is None else read_token_ids(hf_init, read_hf_config(hf_init))
+    save_pretrained(module, folder, token_ids=token_ids)
