@@ -58,8 +58,10 @@ def _hf_folder(family: str, tmp_path):
     return folder
 
 
-def _hf_model(folder):
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+def _hf_model(folder, **kwargs):
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float64, **kwargs
+    ).eval()
 
 
 def _ids():
@@ -214,3 +216,88 @@ def test_export_import_round_trip_is_exact(lora, tmp_path):
     assert sorted(back) == sorted(adapters)
     for key, tensor in adapters.items():
         assert torch.equal(back[key], tensor), key
+
+
+def _moe_folder(tmp_path):
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(
+        **_COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
+    )
+    folder = tmp_path / "qwen3_moe"
+    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(folder)
+    return folder
+
+
+def test_moe_attention_adapters_export_and_experts_are_refused(tmp_path):
+    folder = _moe_folder(tmp_path)
+    config = from_pretrained(folder).config
+    lora = LoRAConfig(rank=4, alpha=8.0, target_modules=("linear_qkv", "linear_proj"))
+    adapters = _random_adapters(folder, lora, seed=6)
+    export_peft(adapters, lora, config, tmp_path / "attention")
+    hf = _hf_model(folder, experts_implementation="eager")  # grouped_mm has no fp64
+    with torch.no_grad():
+        base = hf(_ids()).logits
+        got = peft.PeftModel.from_pretrained(hf, tmp_path / "attention").eval()(_ids()).logits
+    expected = _merged_logits(folder, adapters, lora.scaling)
+    assert (expected - base).abs().max() > 0.05
+    torch.testing.assert_close(got, expected, **_TOL)
+
+    experts = _random_adapters(folder, LoRAConfig(rank=4, target_modules=("linear_fc1",)), 7)
+    assert "decoder.layers.0.mlp.experts.linear_fc1.lora_B.weight.3.up" in experts
+    with pytest.raises(ValueError, match=r"routed experts .*target_parameters"):
+        export_peft(experts, lora, config, tmp_path / "experts")
+    assert not (tmp_path / "experts").exists()  # nothing half-written
+
+    by_peft = peft.LoraConfig(r=4, target_parameters=["mlp.experts.down_proj"])
+    peft.get_peft_model(_hf_model(folder), by_peft).save_pretrained(tmp_path / "peft_experts")
+    with pytest.raises(ValueError, match=r"target_parameters=\['mlp.experts.down_proj'\]"):
+        import_peft(tmp_path / "peft_experts", config)
+
+
+def test_import_refuses_what_shardwork_cannot_express(tmp_path):
+    folder = _hf_folder("llama", tmp_path)
+    config = from_pretrained(folder).config
+    head = peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"])
+    with_head = peft.get_peft_model(_hf_model(folder), head)
+    with_head.save_pretrained(tmp_path / "head", save_embedding_layers=False)
+    with pytest.raises(ValueError, match=r"\['lm_head'\] \(1 modules\) have no shardwork linear"):
+        import_peft(tmp_path / "head", config)
+    with_head.save_pretrained(tmp_path / "head_saved")  # peft adds lm_head's base weight
+    with pytest.raises(ValueError, match=r"'base_model.model.lm_head.base_layer.weight' is not"):
+        import_peft(tmp_path / "head_saved", config)
+
+    dora = peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True)
+    peft.get_peft_model(_hf_model(folder), dora).save_pretrained(tmp_path / "dora")
+    with pytest.raises(ValueError, match=r"use_dora=True is not supported .* valid: False"):
+        import_peft(tmp_path / "dora", config)
+
+    _peft_folder(folder, tmp_path / "partial", ["q_proj"])
+    (tmp_path / "partial" / "adapter_config.json").unlink()
+    with pytest.raises(ValueError, match=r"adapter_config.json is missing"):
+        import_peft(tmp_path / "partial", config)
+    with pytest.raises(ValueError, match=r"adapter_config.json is missing"):
+        import_peft(tmp_path / "nowhere", config)
+    (tmp_path / "dora" / "adapter_model.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"adapter_model.safetensors is missing"):
+        import_peft(tmp_path / "dora", config)
+
+
+def test_export_refuses_bad_adapters_before_writing(tmp_path):
+    folder = _hf_folder("llama", tmp_path)
+    config = from_pretrained(folder).config
+    lora = LoRAConfig(rank=4)
+    adapters = _random_adapters(folder, lora, seed=8)
+    key = "decoder.layers.0.self_attention.linear_qkv.lora_B.weight.k"
+    with pytest.raises(
+        ValueError, match=r"linear_qkv.lora_B.weight.k'\] has shape \(32, 3\), expected \(32, 4\)"
+    ):
+        export_peft(adapters | {key: adapters[key][:, :3]}, lora, config, tmp_path / "a")
+    with pytest.raises(
+        ValueError, match=r"has no 'decoder.layers.0.self_attention.linear_qkv.lora_B.weight.k'"
+    ):
+        export_peft({k: v for k, v in adapters.items() if k != key}, lora, config, tmp_path / "a")
+    with pytest.raises(ValueError, match=r"name no linear with a PEFT counterpart"):
+        export_peft(
+            adapters | {"output_layer.lora_A.weight": adapters[key]}, lora, config, tmp_path / "a"
+        )
+    assert not (tmp_path / "a").exists()
