@@ -228,30 +228,67 @@ def _moe_folder(tmp_path):
     return folder
 
 
-def test_moe_attention_adapters_export_and_experts_are_refused(tmp_path):
+_MOE_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+@pytest.mark.parametrize("targets", [_MOE_TARGETS, ("linear_fc1", "linear_fc2")])
+def test_moe_export_with_experts_gives_peft_logits(targets, tmp_path):
     folder = _moe_folder(tmp_path)
     config = from_pretrained(folder).config
-    lora = LoRAConfig(rank=4, alpha=8.0, target_modules=("linear_qkv", "linear_proj"))
+    lora = LoRAConfig(rank=4, alpha=8.0, target_modules=targets)
     adapters = _random_adapters(folder, lora, seed=6)
-    export_peft(adapters, lora, config, tmp_path / "attention")
+    assert "decoder.layers.1.mlp.experts.linear_fc1.lora_B.weight.3.up" in adapters
+    export_peft(adapters, lora, config, tmp_path / "adapter")
+    written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert written["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     hf = _hf_model(folder, experts_implementation="eager")  # grouped_mm has no fp64
     with torch.no_grad():
         base = hf(_ids()).logits
-        got = peft.PeftModel.from_pretrained(hf, tmp_path / "attention").eval()(_ids()).logits
+        got = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()(_ids()).logits
     expected = _merged_logits(folder, adapters, lora.scaling)
     assert (expected - base).abs().max() > 0.05
     torch.testing.assert_close(got, expected, **_TOL)
 
-    experts = _random_adapters(folder, LoRAConfig(rank=4, target_modules=("linear_fc1",)), 7)
-    assert "decoder.layers.0.mlp.experts.linear_fc1.lora_B.weight.3.up" in experts
-    with pytest.raises(ValueError, match=r"routed experts .*target_parameters"):
-        export_peft(experts, lora, config, tmp_path / "experts")
+    back, lora_back = import_peft(tmp_path / "adapter", config)
+    assert lora_back == lora
+    assert sorted(back) == sorted(adapters)
+    assert all(torch.equal(back[k], v) for k, v in adapters.items())
+
+
+@pytest.mark.parametrize("params", [["gate_up_proj", "down_proj"], ["down_proj"]])
+def test_moe_import_of_peft_expert_adapters_gives_peft_logits(params, tmp_path):
+    folder = _moe_folder(tmp_path)
+    torch.manual_seed(9)
+    by_peft = peft.LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj"],
+        target_parameters=[f"mlp.experts.{p}" for p in params],
+        init_lora_weights=False,
+    )
+    model = peft.get_peft_model(_hf_model(folder, experts_implementation="eager"), by_peft)
+    model.eval().save_pretrained(tmp_path / "adapter")
+    with torch.no_grad():
+        expected = model(_ids()).logits
+    adapters, lora = import_peft(tmp_path / "adapter", from_pretrained(folder).config)
+    fc = {"gate_up_proj": "linear_fc1", "down_proj": "linear_fc2"}
+    assert lora.target_modules == ("linear_qkv", *(fc[p] for p in params))
+    assert (lora.rank, lora.alpha) == (8, 16)  # q and v with independent A: rank 2r
+    torch.testing.assert_close(_merged_logits(folder, adapters, lora.scaling), expected, **_TOL)
+
+
+def test_moe_refusals(tmp_path):
+    folder = _moe_folder(tmp_path)
+    config = from_pretrained(folder).config
+    lora = LoRAConfig(rank=4, dropout=0.1, target_modules=("linear_fc2",))
+    with pytest.raises(ValueError, match=r"dropout=0.1 cannot be exported with routed-expert"):
+        export_peft(_random_adapters(folder, lora, 7), lora, config, tmp_path / "experts")
     assert not (tmp_path / "experts").exists()  # nothing half-written
 
-    by_peft = peft.LoraConfig(r=4, target_parameters=["mlp.experts.down_proj"])
-    peft.get_peft_model(_hf_model(folder), by_peft).save_pretrained(tmp_path / "peft_experts")
-    with pytest.raises(ValueError, match=r"target_parameters=\['mlp.experts.down_proj'\]"):
-        import_peft(tmp_path / "peft_experts", config)
+    by_peft = peft.LoraConfig(r=4, target_parameters=["self_attn.o_proj.weight"])
+    peft.get_peft_model(_hf_model(folder), by_peft).save_pretrained(tmp_path / "param")
+    with pytest.raises(ValueError, match=r"target_parameters=\['self_attn.o_proj.weight'\]"):
+        import_peft(tmp_path / "param", config)
 
 
 def test_import_refuses_what_shardwork_cannot_express(tmp_path):

@@ -5,7 +5,9 @@ shardwork's fused ``linear_qkv`` (and ``fc1``) carries one ``A`` shared by its p
 ``q_proj``, ``k_proj`` and ``v_proj`` each get ``lora_A = A`` (duplicated) and ``lora_B`` =
 that part's ``B``, so each projection adds ``scaling * B_q A x``, exactly the rows the fused
 adapter adds. ``gate_proj`` / ``up_proj`` likewise. ``r``, ``lora_alpha``, ``use_rslora`` and
-``lora_dropout`` carry over unchanged, so PEFT's scaling is shardwork's.
+``lora_dropout`` carry over unchanged, so PEFT's scaling is shardwork's. Routed experts become
+``target_parameters`` on transformers 5's fused expert parameters
+(:mod:`~shardwork.models.hf.peft_experts`).
 """
 
 from __future__ import annotations
@@ -16,8 +18,14 @@ from pathlib import Path
 import torch
 
 from shardwork.models.config import GPTConfig
+from shardwork.models.hf.peft_experts import expert_layers, experts_to_peft
 from shardwork.models.hf.peft_format import peft_key, write_peft_folder
-from shardwork.models.hf.peft_modules import PeftLinear, is_routed_experts, peft_linears
+from shardwork.models.hf.peft_modules import (
+    PeftLinear,
+    is_routed_experts,
+    peft_linears,
+    weight_shapes,
+)
 from shardwork.models.lora_config import LoRAConfig, lora_key_names
 
 __all__ = ["export_peft", "peft_adapter_config"]
@@ -27,8 +35,9 @@ _ADAPTER_KEY = re.compile(r"(.+)\.lora_(A|B)\.weight(?:\.(.+))?")
 
 def _adapted_linears(
     full_adapters: dict[str, torch.Tensor], linears: dict[str, PeftLinear]
-) -> list[PeftLinear]:
-    """The linears ``full_adapters`` adapts; ValueError naming keys that fit no PEFT module."""
+) -> tuple[list[PeftLinear], list[str]]:
+    """The linears ``full_adapters`` adapts and its routed-expert keys; ValueError naming keys
+    that fit no PEFT module."""
     prefixes, experts, unknown = set(), [], []
     for key in full_adapters:
         match = _ADAPTER_KEY.fullmatch(key)
@@ -40,21 +49,14 @@ def _adapted_linears(
             unknown.append(key)
         else:
             prefixes.add(match[1])
-    if experts:
-        raise ValueError(
-            f"adapters on routed experts cannot be exported to PEFT: {experts[:4]} "
-            f"({len(experts)} keys). transformers 5 fuses a layer's experts into 3-D parameters "
-            "(mlp.experts.gate_up_proj / down_proj) that PEFT reaches only through "
-            "target_parameters, which this bridge does not map; leave experts out of "
-            "LoRAConfig.target_modules for a PEFT export"
-        )
     if unknown:
         raise ValueError(
             f"adapter keys {sorted(unknown)[:4]} ({len(unknown)} keys) name no linear with a "
             f"PEFT counterpart; valid: '<module>.lora_A.weight' / '<module>.lora_B.weight[.part]' "
-            f"of the model's {', '.join(sorted({x.leaf for x in linears.values()}))} modules"
+            f"of the model's {', '.join(sorted({x.leaf for x in linears.values()}))} modules "
+            "and of routed experts"
         )
-    return [linears[p] for p in linears if p in prefixes]  # model order
+    return [linears[p] for p in linears if p in prefixes], experts  # model order
 
 
 def _factors(
@@ -119,20 +121,41 @@ def export_peft(
     ``full_adapters``: full (unsharded) adapter tensors by shardwork key
     (:func:`~shardwork.models.lora_key_names`), as assembled on one host. Afterwards
     ``peft.PeftModel.from_pretrained(hf_model, folder)`` computes what shardwork's merged model
-    computes. Every check runs before anything is written; ValueError for adapters on routed
-    experts, keys with no PEFT module, missing factors or wrong shapes.
+    computes. Every check runs before anything is written; ValueError for keys with no PEFT
+    module, missing factors, wrong shapes, or dropout with routed-expert adapters (PEFT
+    refuses dropout on parameter targets).
     """
-    linears = peft_linears(config)
-    adapted = _adapted_linears(full_adapters, linears)
-    if not adapted:
+    shapes = weight_shapes(config)
+    linears = peft_linears(config, shapes)
+    adapted, expert_keys = _adapted_linears(full_adapters, linears)
+    if not adapted and not expert_keys:
         raise ValueError("full_adapters is empty: nothing to export")
-    tensors = {}
+    factors = {}
     for linear in adapted:
         for hf_module, a, b in _factors(full_adapters, linear, lora.rank):
-            tensors[peft_key(hf_module, "A")] = a if dtype is None else a.to(dtype)
-            tensors[peft_key(hf_module, "B")] = b if dtype is None else b.to(dtype)
+            factors[hf_module] = (a, b)
     used = {k for x in adapted for p in x.parts for k in lora_key_names(x.base_key(p))}
+    target_parameters = []
+    if expert_keys:
+        if lora.dropout:
+            raise ValueError(
+                f"LoRAConfig.dropout={lora.dropout} cannot be exported with routed-expert "
+                "adapters: PEFT refuses dropout on parameter targets (target_parameters); "
+                "export with dropout=0.0 (it only acts in training)"
+            )
+        expert_factors, target_parameters, expert_used = experts_to_peft(
+            full_adapters, expert_layers(shapes), lora.rank
+        )
+        factors.update(expert_factors)
+        used |= expert_used
     if extra := sorted(set(full_adapters) - used):
         raise ValueError(f"full_adapters has keys of no part of an adapted linear: {extra[:4]}")
+    tensors = {}
+    for module, (a, b) in factors.items():
+        tensors[peft_key(module, "A")] = a if dtype is None else a.to(dtype)
+        tensors[peft_key(module, "B")] = b if dtype is None else b.to(dtype)
     targets = _target_modules(adapted, linears)
-    write_peft_folder(folder, peft_adapter_config(lora, targets, base_model_name_or_path), tensors)
+    cfg = peft_adapter_config(lora, targets, base_model_name_or_path)
+    if target_parameters:
+        cfg["target_parameters"] = target_parameters
+    write_peft_folder(folder, cfg, tensors)

@@ -5,7 +5,7 @@ Tensor names are the ones ``PeftModel.save_pretrained`` writes for a causal LM:
 ``[out, r]`` (the adapter name is not in the file). :func:`read_peft_folder` reads a folder and
 refuses the PEFT options that change what an adapter computes beyond ``scaling * B A x``
 (DoRA, adapter biases, per-module rank or alpha patterns, ``fan_in_fan_out``, extra trainable
-modules, parameter targets): importing them as plain LoRA would give other logits.
+modules): importing them as plain LoRA would give other logits.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ _MUST_BE = {
     "rank_pattern": None,
     "alpha_pattern": None,
     "modules_to_save": None,
-    "target_parameters": None,
     "layer_replication": None,
     "trainable_token_indices": None,
     "use_qalora": False,

@@ -21,8 +21,14 @@ from pathlib import Path
 import torch
 
 from shardwork.models.config import GPTConfig
+from shardwork.models.hf.peft_experts import EXPERT_PARAMS, expert_layers, experts_from_peft
 from shardwork.models.hf.peft_format import read_peft_folder
-from shardwork.models.hf.peft_modules import PeftLinear, peft_linears
+from shardwork.models.hf.peft_modules import (
+    PeftLinear,
+    is_routed_experts,
+    peft_linears,
+    weight_shapes,
+)
 from shardwork.models.lora_config import LoRAConfig, lora_key_names
 
 __all__ = ["import_peft"]
@@ -85,13 +91,42 @@ def _pad(a: torch.Tensor, bs: dict[str, torch.Tensor], rank: int):
     return a, {p: torch.cat([b, b.new_zeros(b.shape[0], extra)], dim=1) for p, b in bs.items()}
 
 
-def _targets(prefixes: list[str], linears: dict[str, PeftLinear]) -> tuple[str, ...] | str:
-    """Leaf names when every linear of those names is adapted, else a regex of the full names."""
-    leaves = tuple(dict.fromkeys(linears[p].leaf for p in prefixes))
-    every = [p for p, x in linears.items() if x.leaf in leaves]
-    if sorted(every) == sorted(prefixes):
+def _targets(chosen: set[str], order: dict[str, int]) -> tuple[str, ...] | str:
+    """Leaf names when every module of those names is adapted, else a regex of the full names."""
+    chosen_sorted = sorted(chosen, key=order.__getitem__)
+    leaves = tuple(dict.fromkeys(p.rsplit(".", 1)[-1] for p in chosen_sorted))
+    every = {p for p in order if p.rsplit(".", 1)[-1] in leaves}
+    if every == chosen:
         return leaves
-    return "|".join(p.replace(".", r"\.") for p in prefixes)
+    return "|".join(p.replace(".", r"\.") for p in chosen_sorted)
+
+
+def _experts(cfg, modules: Factors, shapes, rank: int, source: Path) -> dict[str, torch.Tensor]:
+    """shardwork keys of the routed-expert adapters (``target_parameters``), popped from
+    ``modules``; ValueError for parameter targets other than the fused experts'."""
+    targets = list(cfg.get("target_parameters") or [])
+    if not targets:
+        return {}
+    bad = [t for t in targets if t.rsplit(".", 1)[-1] not in EXPERT_PARAMS]
+    layers = expert_layers(shapes)
+    if bad or not layers:
+        raise ValueError(
+            f"{source}: target_parameters={bad or targets} cannot be imported: shardwork maps "
+            f"only the routed experts' fused {' / '.join(EXPERT_PARAMS)} of mlp.experts"
+            + ("" if layers else ", and this model has no routed experts")
+        )
+    return experts_from_peft(modules, targets, layers, rank)
+
+
+def _pad_all(out: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    """Zero rows (``A``) or columns (``B``) up to ``rank`` on single adapter tensors."""
+    padded = {}
+    for key, t in out.items():
+        if ".lora_A." in key:
+            padded[key] = torch.cat([t, t.new_zeros(rank - t.shape[0], t.shape[1])])
+        else:
+            padded[key] = torch.cat([t, t.new_zeros(t.shape[0], rank - t.shape[1])], dim=1)
+    return padded
 
 
 def import_peft(
@@ -100,28 +135,36 @@ def import_peft(
     """Read a PEFT LoRA folder as ``(full adapters by shardwork key, LoRAConfig)`` for ``config``.
 
     The adapters are full (unsharded) tensors keyed like
-    :func:`~shardwork.models.lora_key_names`, on every linear PEFT adapted; fused blocks follow
-    the rank-``k r`` rule of this module's docstring, and the returned config's rank and alpha
-    give every adapter PEFT's scale. ValueError (before anything is built) for a missing file,
-    an unsupported PEFT option, adapters on modules shardwork cannot target, or wrong shapes.
+    :func:`~shardwork.models.lora_key_names`, on every linear PEFT adapted (routed experts from
+    ``target_parameters`` included); fused blocks follow the rank-``k r`` rule of this module's
+    docstring, and the returned config's rank and alpha give every adapter PEFT's scale.
+    ValueError (before anything is built) for a missing file, an unsupported PEFT option,
+    adapters on modules shardwork cannot target, or wrong shapes.
     """
     folder = Path(folder)
     cfg, modules = read_peft_folder(folder)
     if not modules:
         raise ValueError(f"{folder}: adapter_model.safetensors holds no LoRA factor")
-    linears = peft_linears(config)
+    shapes = weight_shapes(config)
+    linears = peft_linears(config, shapes)
     rank = int(cfg["r"])
+    experts = _experts(cfg, modules, shapes, rank, folder)
     grouped = _by_linear(modules, linears, rank, folder)
-    prefixes = [p for p in linears if p in grouped]  # model order
-    fused = {p: _fuse(linears[p], grouped[p]) for p in prefixes}
-    big = max(a.shape[0] for a, _ in fused.values())
+    fused = {p: _fuse(linears[p], grouped[p]) for p in linears if p in grouped}
+    big = max([rank] + [a.shape[0] for a, _ in fused.values()])
     k = big // rank
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = _pad_all(experts, big) if big > rank else experts
     for prefix, (a, bs) in fused.items():
         a, bs = _pad(a, bs, big)
         for part, b in bs.items():
             a_key, b_key = lora_key_names(linears[prefix].base_key(part))
             out[a_key], out[b_key] = a, b
+    order: dict[str, int] = {}
+    for key in shapes:
+        prefix = key.partition(".weight")[0]
+        if prefix in linears or is_routed_experts(prefix):
+            order.setdefault(prefix, len(order))
+    chosen = {key.partition(".lora_")[0] for key in out}
     use_rslora = bool(cfg.get("use_rslora", False))
     alpha = cfg["lora_alpha"] * (k**0.5 if use_rslora else k)
     lora = LoRAConfig(
@@ -129,6 +172,6 @@ def import_peft(
         alpha=alpha if k > 1 else cfg["lora_alpha"],
         dropout=float(cfg.get("lora_dropout") or 0.0),
         use_rslora=use_rslora,
-        target_modules=_targets(prefixes, linears),
+        target_modules=_targets(chosen, order),
     )
     return out, lora

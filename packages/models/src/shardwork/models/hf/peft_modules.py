@@ -9,10 +9,9 @@ rows: the bridge's import copies them one to one).
 
 Covered: attention ``linear_qkv`` / ``linear_proj``, MLA projections, dense and shared-expert
 ``fc1`` / ``fc2``, of families whose Hugging Face weights use the ``dense`` or ``experts``
-layout. Refused with a ``ValueError`` naming the keys: routed experts (transformers 5 fuses
-them into 3-D parameters that PEFT reaches only through ``target_parameters``, which this bridge
-does not map), and families of the ``converted`` layout (Nemotron-H, Qwen3-Next), whose fused
-HF tensors are not one-to-one with shardwork's keys.
+layout; routed experts (:func:`is_routed_experts`) go through PEFT's ``target_parameters``
+(:mod:`~shardwork.models.hf.peft_experts`). Families of the ``converted`` layout (Nemotron-H,
+Qwen3-Next) are refused: their fused HF tensors are not one-to-one with shardwork's keys.
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ __all__ = [
     "check_peft_family",
     "is_routed_experts",
     "peft_linears",
+    "weight_shapes",
 ]
 
 #: Leaf names of the shardwork linears that map to PEFT adapters on HF ``nn.Linear`` s.
@@ -93,19 +93,30 @@ def is_routed_experts(prefix: str) -> bool:
     return _EXPERTS_MODULE.fullmatch(prefix) is not None
 
 
-def peft_linears(config: GPTConfig) -> dict[str, PeftLinear]:
-    """Every adaptable linear of ``config``'s model (world size 1 shapes), by shardwork prefix."""
+def weight_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Global shape of every checkpoint key of ``config``'s model (built on the meta device)."""
     check_peft_family(config)
-    rules = adapter_for_config(config).key_rules()
     model = GPTModel(config, None, device="meta")  # keys and global shapes only, no memory
+    return {key: tuple(st.global_shape) for key, st in model.sharded_state_dict().items()}
+
+
+def peft_linears(
+    config: GPTConfig, shapes: dict[str, tuple[int, ...]] | None = None
+) -> dict[str, PeftLinear]:
+    """Every adaptable linear of ``config``'s model (world size 1 shapes), by shardwork prefix.
+
+    ``shapes``: :func:`weight_shapes` of ``config`` when the caller has it already.
+    """
+    shapes = weight_shapes(config) if shapes is None else shapes
+    rules = adapter_for_config(config).key_rules()
     found: dict[str, dict[str, tuple[int, int]]] = {}
-    for key, st in model.sharded_state_dict().items():
+    for key, shape in shapes.items():
         match = _WEIGHT_KEY.fullmatch(key)
-        if match is None or len(st.global_shape) != 2:
+        if match is None or len(shape) != 2:
             continue
         prefix, part = match[1], match[2] or ""
         if prefix.rsplit(".", 1)[-1] in PEFT_LINEAR_NAMES:
-            found.setdefault(prefix, {})[part] = tuple(st.global_shape)
+            found.setdefault(prefix, {})[part] = shape
     out = {}
     for prefix, parts in found.items():
         names = tuple(parts)
