@@ -116,6 +116,30 @@ def test_export_loads_in_peft_with_merged_logits(family, use_rslora, tmp_path):
     torch.testing.assert_close(got, expected, **_TOL)
 
 
+def test_export_of_some_layers_names_full_modules(tmp_path):
+    folder = _hf_folder("llama", tmp_path)
+    lora = LoRAConfig(rank=4, alpha=8.0, target_modules=r"decoder\.layers\.1\..*")
+    adapters = _random_adapters(folder, lora, seed=10)
+    export_peft(adapters, lora, from_pretrained(folder).config, tmp_path / "adapter")
+    written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert written["target_modules"] == [
+        f"model.layers.1.{m}"
+        for m in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    ]
+    hf = _hf_model(folder)
+    with torch.no_grad():
+        got = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()(_ids()).logits
+    torch.testing.assert_close(got, _merged_logits(folder, adapters, lora.scaling), **_TOL)
+
+
 def test_export_writes_what_peft_writes(tmp_path):
     folder = _hf_folder("llama", tmp_path)
     config = peft.LoraConfig(
@@ -204,6 +228,7 @@ def test_import_block_layout_is_exact(tmp_path):
     [
         LoRAConfig(rank=4, alpha=8.0, dropout=0.1),
         LoRAConfig(rank=3, alpha=5.0, use_rslora=True, target_modules=("linear_qkv", "fc2")),
+        LoRAConfig(rank=2, alpha=3.0, target_modules=r"decoder\.layers\.1\.mlp\.fc1"),
     ],
 )
 def test_export_import_round_trip_is_exact(lora, tmp_path):
