@@ -17,6 +17,9 @@ Qwen2-MoE, Qwen3-MoE and DeepSeek-V3.
   4.x and 5.x field names); :func:`to_hf_key` / ``KEY_RULES``: tensor names.
 - :mod:`~shardwork.models.hf.gated_attention_weights`: Qwen3-Next's per-head interleaved
   ``q_proj`` to and from shardwork's ``q`` and ``gate`` blocks (gated attention).
+- :func:`export_peft` / :func:`import_peft`: LoRA adapters to and from a Hugging Face PEFT
+  folder (``adapter_config.json`` + ``adapter_model.safetensors``); fused q/k/v and gate/up
+  become per-projection adapters and back (rank-``k r`` blocks for independent ``A`` s).
 """
 
 from shardwork.models.hf.adapter import HFAdapter
@@ -29,6 +32,8 @@ from shardwork.models.hf.config_map import (
 )
 from shardwork.models.hf.keys import KEY_RULES, to_hf_key
 from shardwork.models.hf.outputs import HFOutputs, hf_outputs
+from shardwork.models.hf.peft_export import export_peft
+from shardwork.models.hf.peft_import import import_peft
 from shardwork.models.hf.registry import (
     ADAPTERS,
     adapter_for,
@@ -46,10 +51,12 @@ __all__ = [
     "HFOutputs",
     "adapter_for",
     "adapter_for_config",
+    "export_peft",
     "from_pretrained",
     "gpt_config_from_hf",
     "hf_config_from_gpt",
     "hf_outputs",
+    "import_peft",
     "load_hf_weights",
     "read_hf_config",
     "read_token_ids",
