@@ -58,7 +58,12 @@ from dataclasses import dataclass
 
 import torch
 
-from shardwork.models.calculator_layers import mlp_bias_params, mlp_matrices, query_blocks
+from shardwork.models.calculator_layers import (
+    mlp_bias_params,
+    mlp_matrices,
+    norms_per_part,
+    query_blocks,
+)
 from shardwork.models.calculator_memory_hybrid import (
     deltanet_bytes,
     deltanet_params,
@@ -158,11 +163,12 @@ def _moe_params(c: GPTConfig, *, tp: int, ep: int, etp: int) -> tuple[int, int]:
 def _layer_params(c: GPTConfig, spec: LayerSpec, *, tp: int, ep: int, etp: int):
     """(dense, expert) local elements of one layer: its parts and a norm per part."""
     dense = expert = 0
+    norms = norms_per_part(c) * c.hidden_size
     if spec.mixer is not None:
-        dense += _part(MIXER_MEMORY, spec.mixer).params(c, tp) + c.hidden_size
+        dense += _part(MIXER_MEMORY, spec.mixer).params(c, tp) + norms
     if spec.mlp is not None:
         d, e = _part(MLP_MEMORY, spec.mlp).params(c, tp=tp, ep=ep, etp=etp)
-        dense, expert = dense + d + c.hidden_size, expert + e
+        dense, expert = dense + d + norms, expert + e
     return dense, expert
 
 
@@ -436,14 +442,14 @@ def layer_activation_bytes(
     spec = spec_for(cfg)
     part = spec.layers[layer] if layer < cfg.num_layers else spec.mtp[layer - cfg.num_layers]
     out = 0.0
+    # Sandwich norms save what a pre-norm saves, once more per part.
+    norms = norms_per_part(cfg) * _norm(tn, t, h, c, e)
     if part.mixer is not None:
         mixer = _part(MIXER_MEMORY, part.mixer)
-        out += _norm(tn, t, h, c, e) + mixer.activations(
-            cfg, t, tp, cp, seq_length, recompute, c, e
-        )
+        out += norms + mixer.activations(cfg, t, tp, cp, seq_length, recompute, c, e)
     if part.mlp is not None:
         mlp = _part(MLP_MEMORY, part.mlp)
-        out += _norm(tn, t, h, c, e) + mlp.activations(cfg, t, tn, tp, etp, c, e)
+        out += norms + mlp.activations(cfg, t, tn, tp, etp, c, e)
     return out
 
 
