@@ -137,13 +137,20 @@ def _common_to_hf(config: GPTConfig) -> dict[str, Any]:
         "intermediate_size": config.ffn_hidden_size,
         "head_dim": config.kv_channels,
         "attention_bias": False,
-        "query_pre_attn_scalar": config.query_pre_attn_scalar or config.kv_channels,
+        "query_pre_attn_scalar": _scalar_to_hf(config),
         "attn_logit_softcapping": config.attn_logit_softcapping,
         "final_logit_softcapping": config.final_logit_softcapping,
         # transformers needs an integer even when no layer slides (then it is unused).
         "sliding_window": config.sliding_window or config.max_position_embeddings,
         "layer_types": types,
     }
+
+
+def _scalar_to_hf(config: GPTConfig) -> int | float:
+    """``query_pre_attn_scalar``: transformers' config declares an int, so integral values go
+    out as ints (None: head_dim, the plain scale)."""
+    scalar = config.query_pre_attn_scalar or config.kv_channels
+    return int(scalar) if float(scalar).is_integer() else scalar
 
 
 def _rope_parameters(theta: float, scaling) -> dict[str, Any]:
