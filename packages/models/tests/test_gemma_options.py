@@ -23,7 +23,8 @@ from shardwork.models.context_parallel import (
     local_positions,
 )
 from shardwork.models.hf import gpt_config_from_hf
-from shardwork.parallel_state.testing import assert_close_at_scale
+from shardwork.models.testing import compare_with_single_rank
+from shardwork.parallel_state.testing import assert_close_at_scale, run_on_ranks
 
 S, B, H, NQ, NKV, D = 20, 2, 32, 4, 2, 8
 # fp64 throughout: differences are rounding of O(1) values over a few dozen terms.
@@ -282,3 +283,26 @@ def test_gemma_presets_build_their_features():
     assert g3.sliding_window_pattern == 6 and g3.rope_scaling == LinearRopeScaling(factor=8.0)
     assert g3.rope_local_theta == 1e4 and g3.qk_layernorm
     assert preset("gemma2-27b").query_pre_attn_scalar == 144.0
+
+
+# ---- TP=2 (+SP), CP=2 and selective recompute against world 1 ---------------------------------
+
+# Caps small and weights large enough that tanh bends scores and logits; window 8 at sequence 16
+# (cp=2: chunks of 4, so windows reach into chunks on the other rank).
+_BENT = dict(attn_logit_softcapping=0.5, final_logit_softcapping=1.0, init_method_std=0.3)
+
+
+def _gemma_layout_cases():
+    return [
+        compare_with_single_rank("tiny-gemma2-2b", tp=2, sequence_parallel=True, **_BENT),
+        compare_with_single_rank("tiny-gemma2-2b", cp=2, recompute="selective", **_BENT),
+        compare_with_single_rank("tiny-gemma3-4b", tp=2, init_method_std=0.3),
+        compare_with_single_rank("tiny-gemma3-4b", cp=2, init_method_std=0.3),
+    ]
+
+
+@pytest.mark.multirank
+def test_gemma_loss_and_gradients_at_tp2_and_cp2_match_single_rank():
+    """Loss and every parameter's full gradient (fp64, rtol 1e-9) equal world size 1."""
+    losses = run_on_ranks(_gemma_layout_cases, 2)
+    assert losses[0] == losses[1]
