@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from shardwork.fused_kernels import LinearRopeScaling, rotary_inv_freq
 from shardwork.models import GPTConfig, GPTModel, flops_per_token, gather_logits, preset
+from shardwork.models.calculator_memory import stage_activation_bytes
 from shardwork.models.context_parallel import (
     attention_mask,
     gathered_positions,
@@ -306,3 +307,31 @@ def test_gemma_loss_and_gradients_at_tp2_and_cp2_match_single_rank():
     """Loss and every parameter's full gradient (fp64, rtol 1e-9) equal world size 1."""
     losses = run_on_ranks(_gemma_layout_cases, 2)
     assert losses[0] == losses[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+@pytest.mark.parametrize("name", ["tiny-gemma2-2b", "tiny-gemma3-4b"])
+def test_activation_estimate_of_gemma_matches_saved_tensors(name, recompute, dtype):
+    """Sandwich norms, the explicit soft-capped attention and the capped logits are counted:
+    within 2% of the bytes autograd saves in fp32 (measured 0.5-1.5%: the loss's and the
+    tables' few kB and what SDPA saves with a sliding mask), 5% in bf16 as for the other presets
+    (measured 2.9-3.3%; the plain tiny Llama twin is 3.6% off in bf16 too)."""
+    cfg = preset(name, params_dtype=dtype, recompute=recompute)
+    seq, batch = 32, 2
+    torch.manual_seed(0)
+    model = GPTModel(cfg).train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in params:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids, labels=torch.roll(ids, -1, dims=1))
+    estimate = stage_activation_bytes(cfg, seq_length=seq, micro_batch_size=batch)
+    bound = 0.02 if dtype == torch.float32 else 0.05
+    assert estimate == pytest.approx(sum(seen.values()), rel=bound)
