@@ -188,3 +188,17 @@ def test_cp2_with_window_across_chunks_matches_world1(hf_folder):
     expected = [slice_for_context_parallel(whole, cp_rank=r, cp_size=2, dim=1) for r in (0, 1)]
     for rank, (got, want) in enumerate(zip(parts, expected, strict=True)):
         assert_close_at_scale(got, want, name=f"cp rank {rank} logits", **FP32)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_bf16_import_matches_hf_bf16_logits(family, tmp_path):
+    """Both sides in bf16 (transformers rounds the embedding scale and norms as shardwork
+    does): measured 2.8 (gemma2) and 2.5 (gemma3) bf16 ulp of the logits' max; bound 8."""
+    hf = _hf_model(family).to(torch.bfloat16)
+    hf.save_pretrained(tmp_path)
+    with torch.no_grad():
+        ref = hf(_ids()).logits
+    model = from_pretrained(tmp_path, params_dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        logits = gather_logits(model(_ids()), tp_group=None, vocab_size=V)
+    assert_close_at_scale(logits, ref, name="bf16 logits", rtol=0.0, ulps=8)
