@@ -4,7 +4,7 @@ Ops (each differentiable, each with ``backend="auto"|"torch"|"triton"|"te"``):
 
 - :func:`rms_norm`, :func:`layer_norm` — float32 statistics, zero-centered gamma option.
 - :func:`swiglu`, :func:`geglu` — on a fused ``[gate | up]`` projection, optional per-token weights.
-- :func:`apply_rotary` with :func:`rotary_inv_freq` (Llama-3 / YaRN scaling),
+- :func:`apply_rotary` with :func:`rotary_inv_freq` (linear / Llama-3 / YaRN scaling),
   :func:`rotary_cos_sin` and :func:`packed_positions` — half-split or interleaved, partial.
 - :func:`cross_entropy` — optionally vocab-parallel over ``tp_group``, label smoothing,
   ignore index, per-token losses.
@@ -28,6 +28,7 @@ from shardwork.fused_kernels.norms import layer_norm, rms_norm
 from shardwork.fused_kernels.permute import permute_tokens, unpermute_tokens
 from shardwork.fused_kernels.rotary import apply_rotary
 from shardwork.fused_kernels.rotary_freqs import (
+    LinearRopeScaling,
     Llama3RopeScaling,
     YarnRopeScaling,
     packed_positions,
@@ -41,6 +42,7 @@ __all__ = [
     "BACKENDS",
     "OPS",
     "BackendUnavailableError",
+    "LinearRopeScaling",
     "Llama3RopeScaling",
     "RouterTopK",
     "YarnRopeScaling",

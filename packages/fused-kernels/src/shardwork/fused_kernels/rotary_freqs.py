@@ -1,7 +1,7 @@
-"""Rotary frequency tables: base, Llama-3 and YaRN scaled inverse frequencies, cos/sin, packed positions.
+"""Rotary frequency tables: base, linear, Llama-3 and YaRN scaled inverse frequencies, cos/sin, packed positions.
 
 - ``rotary_inv_freq(rotary_dim, base=, scaling=)`` gives ``[rotary_dim // 2]`` float32
-  inverse frequencies, matching Hugging Face's ``default``, ``llama3`` and ``yarn``
+  inverse frequencies, matching Hugging Face's ``default``, ``linear``, ``llama3`` and ``yarn``
   rope types.
 - YaRN also scales cos/sin by an attention factor (``YarnRopeScaling.attention_factor()``,
   HF's ``attention_factor``); :func:`rotary_cos_sin` applies it as HF does.
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "LinearRopeScaling",
     "Llama3RopeScaling",
     "YarnRopeScaling",
     "packed_positions",
@@ -113,7 +114,20 @@ class YarnRopeScaling:
         return _yarn_mscale(self.factor, self.mscale_all_dim) ** 2
 
 
-RopeScaling = Llama3RopeScaling | YarnRopeScaling
+@dataclass(frozen=True, kw_only=True)
+class LinearRopeScaling:
+    """Position interpolation (HF ``rope_type="linear"``; Gemma 3's global layers): every
+    inverse frequency divided by ``factor``."""
+
+    factor: float
+    """Divisor of every frequency (new context length / original)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.factor, bool) or not self.factor > 0:
+            raise ValueError(f"LinearRopeScaling.factor={self.factor!r} must be a number > 0")
+
+
+RopeScaling = Llama3RopeScaling | YarnRopeScaling | LinearRopeScaling
 
 
 def _base_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
@@ -174,8 +188,12 @@ def rotary_inv_freq(
         return _llama3(_base_inv_freq(rotary_dim, base), scaling)
     if isinstance(scaling, YarnRopeScaling):
         return _yarn(rotary_dim, base, scaling)
+    if isinstance(scaling, LinearRopeScaling):
+        # fp32 division of the fp32 base frequencies, as Hugging Face's linear rope type does.
+        return _base_inv_freq(rotary_dim, base) / scaling.factor
     raise ValueError(
-        f"scaling={scaling!r} is not a rope scaling; valid: None, Llama3RopeScaling, YarnRopeScaling"
+        f"scaling={scaling!r} is not a rope scaling; valid: None, Llama3RopeScaling, "
+        "YarnRopeScaling, LinearRopeScaling"
     )
 
 

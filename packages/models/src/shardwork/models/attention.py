@@ -15,7 +15,14 @@ rank, ``d`` head dim.
   first ``cos.shape[-1]`` channels of each head (``rotary_percent`` < 1 leaves the rest as
   they are). With ``position_embedding_type="none"`` nothing is rotated.
 - Core attention is torch SDPA. The plain causal case uses ``is_causal``; packed sequences
-  and context parallelism pass an explicit boolean mask built from global positions.
+  and context parallelism pass an explicit boolean mask built from global positions. The
+  scale is ``head_dim^-0.5`` or ``query_pre_attn_scalar^-0.5`` (Gemma). With
+  ``attn_logit_softcapping`` (Gemma 2) the scores are capped (:mod:`shardwork.models.softcap`)
+  before the mask, which SDPA cannot do: those layers compute ``softmax(cap(q·kᵀ·scale)) v``
+  explicitly, softmax in at least float32 like transformers' eager path.
+- Sliding-window layers (``config.sliding_window``, chosen by ``sliding_window_pattern``) read
+  ``inputs.sliding``: their own mask (window on global positions, so it holds under context
+  parallelism and packing) and, with ``rope_local_theta``, their own RoPE table.
 - Context parallelism: K/V are all-gathered over the cp group with a differentiable gather
   (backward reduce-scatters), queries stay local.
 - Attention dropout draws from the model's TP-distinct RNG stream (heads are TP-sharded).
@@ -30,11 +37,13 @@ import torch.nn.functional as F
 
 from shardwork.fused_kernels import apply_rotary
 from shardwork.models.config import GPTConfig
+from shardwork.models.layer_options import is_sliding_window_layer
 from shardwork.models.module import ShardedModule
 from shardwork.models.norm import RMSNorm
 from shardwork.models.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from shardwork.models.recompute import checkpoint
 from shardwork.models.rng import TENSOR_PARALLEL, RNGTracker
+from shardwork.models.softcap import soft_cap
 from shardwork.parallel_state import ProcessGroups, gather_from_sequence_region
 
 __all__ = ["Attention", "AttentionInputs"]
@@ -47,11 +56,14 @@ class AttentionInputs:
     ``cos``/``sin``: ``[s_local, 1, d_rot]`` for this rank's (global) query positions, or None
     when the model has no rotary table (``DecoderSpec.rotary`` None).
     ``mask``: boolean ``[s_local, s_keys]`` (True = attend), or None for plain causal.
+    ``sliding``: the inputs of sliding-window layers (their windowed mask and RoPE table), None
+    in a model without them.
     """
 
     cos: torch.Tensor | None
     sin: torch.Tensor | None
     mask: torch.Tensor | None
+    sliding: AttentionInputs | None = None
 
 
 class Attention(ShardedModule):
@@ -64,7 +76,9 @@ class Attention(ShardedModule):
         *,
         rng: RNGTracker,
         device: str | torch.device | None = None,
+        layer_number: int = 0,
     ) -> None:
+        """``layer_number``: the global layer index (picks sliding-window or global attention)."""
         super().__init__(groups)
         tp = groups.size("tp")
         d = config.kv_channels
@@ -79,6 +93,11 @@ class Attention(ShardedModule):
         self.rng = rng
         self.rotate = config.position_embedding_type == "rope"
         self.gated = config.attention_output_gate
+        self.sliding = is_sliding_window_layer(config, layer_number)
+        self.softcap = config.attn_logit_softcapping
+        scalar = config.query_pre_attn_scalar
+        # None: SDPA's own head_dim^-0.5 (the numerics of models without the option unchanged).
+        self.scale = None if scalar is None else scalar**-0.5
         q_size, kv_size = config.num_attention_heads * d, config.kv_heads * d
         sizes, names = (q_size, kv_size, kv_size), ("q", "k", "v")
         if self.gated:
@@ -120,7 +139,7 @@ class Attention(ShardedModule):
         )
 
     def _core(self, q, k, v, mask):
-        """SDPA on ``q [s, b, nq, d]``, ``k/v [sk, b, nkv, d]`` -> ``[s, b, nq·d]``."""
+        """Attention of ``q [s, b, nq, d]``, ``k/v [sk, b, nkv, d]`` -> ``[s, b, nq·d]``."""
         # Query head j uses kv head j // groups: repeat_interleave (not repeat) matches HF's
         # repeat_kv.
         groups = self.num_heads // self.num_kv_heads
@@ -129,22 +148,49 @@ class Attention(ShardedModule):
         k = k.permute(1, 2, 0, 3).repeat_interleave(groups, dim=1)
         v = v.permute(1, 2, 0, 3).repeat_interleave(groups, dim=1)
         p = self.dropout if self.training else 0.0
-        # is_causal masks top-left aligned, correct only when queries and keys are the same
-        # positions 0..s-1; context parallel and packed sequences always bring an explicit mask.
-        kwargs = dict(attn_mask=mask, is_causal=mask is None, dropout_p=p)
+        attend = self._softcapped if self.softcap is not None else self._sdpa
         if p > 0:
             # Heads are TP-sharded, so each rank must draw a different dropout pattern for its
             # heads.
             with self.rng.fork(TENSOR_PARALLEL):
-                out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+                out = attend(q, k, v, mask, p)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+            out = attend(q, k, v, mask, p)
         s, b = out.shape[2], out.shape[0]
         # [b, n, s, d] -> [s, b, n·d]: heads contiguous per token, linear_proj's input order.
         return out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
 
+    def _sdpa(self, q, k, v, mask, p):
+        # is_causal masks top-left aligned, correct only when queries and keys are the same
+        # positions 0..s-1; context parallel and packed sequences always bring an explicit mask.
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=p, scale=self.scale
+        )
+
+    def _softcapped(self, q, k, v, mask, p):
+        """``softmax(cap·tanh(q·kᵀ·scale / cap) masked) v`` on ``[b, n, s, d]`` tensors."""
+        scale = self.head_dim**-0.5 if self.scale is None else self.scale
+        scores = soft_cap(torch.matmul(q, k.transpose(-1, -2)) * scale, self.softcap)
+        if mask is None:
+            sq, sk = scores.shape[-2], scores.shape[-1]
+            mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+        # Softmax in at least float32 (transformers' eager attention does the same).
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        probs = torch.softmax(scores, dim=-1, dtype=acc).to(q.dtype)
+        if p > 0:
+            probs = F.dropout(probs, p=p, training=True)
+        return torch.matmul(probs, v)
+
     def forward(self, hidden: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         """``hidden [s(/tp under SP), b, h]`` -> same shape."""
+        if self.sliding:
+            if inputs.sliding is None:
+                raise ValueError(
+                    "a sliding-window attention layer got no sliding inputs: build its "
+                    "AttentionInputs with GPTModel._attention_inputs of a config with sliding_window"
+                )
+            inputs = inputs.sliding
         qkv = self.linear_qkv(hidden)
         s, b = qkv.shape[0], qkv.shape[1]
         d = self.head_dim

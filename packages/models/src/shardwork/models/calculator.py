@@ -7,13 +7,17 @@ gate; else 1), ``m`` matrices of the dense MLP (3 SwiGLU, 2 ``mlp_activation="re
 
 Parameters (exact, matches the model's real rows):
   per layer  ``P_L = h·(q·a+2g)·d [+ (q·a+2g)·d bias] + a·d·h + m·h·f [+ (m−1)·f + h MLP bias]
-             + 2·h [+ 2·d qk-norm]``
+             + 2·n·h [+ 2·d qk-norm]`` (``n`` norms per part: 2 with ``sandwich_norm``)
   total      ``P = L·P_L + V·h (embedding) + V·h (head, if untied) + h (final norm)``
 
 Training FLOPs per token (matmuls only, forward + backward = 3 × forward):
-  ``forward = 2·(L·(h·(q·a+2g)·d + a·d·h + m·h·f) + V_pad·h) + L·4·s·a·d·c``
-  (``V_pad``: the padded vocabulary, the work actually done), where the last term is QKᵀ and AV with ``c = 1/2`` for causal attention (only the lower
-  triangle is useful work; the convention of FlashAttention/MFU reports). Full recompute
+  ``forward = 2·(L·(h·(q·a+2g)·d + a·d·h + m·h·f) + V_pad·h) + Σ_layers 4·a·d·k``
+  (``V_pad``: the padded vocabulary, the work actually done), where the last term is QKᵀ and AV
+  with ``k = s·c`` keys per query, ``c = 1/2`` for causal attention (only the lower triangle is
+  useful work; the convention of FlashAttention/MFU reports), and ``k = W − W²/(2s)`` for a
+  causal sliding-window layer with window ``W < s``
+  (:func:`~shardwork.models.calculator_layers.attended_keys`; the MoE/MLA/hybrid calculator
+  counts full causal attention in every layer). Full recompute
   adds one more forward of the layers.
 
 Memory per GPU: :func:`memory_estimate`, formulas in :mod:`shardwork.models.calculator_memory`
@@ -26,7 +30,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwork.models.calculator_layers import mlp_bias_params, mlp_matrices, query_blocks
+from shardwork.models.calculator_layers import (
+    attended_keys,
+    mlp_bias_params,
+    mlp_matrices,
+    norms_per_part,
+    query_blocks,
+)
 from shardwork.models.calculator_memory import local_parameters, stage_activation_bytes
 from shardwork.models.calculator_moe import moe_flops_per_token, moe_param_counts
 from shardwork.models.config import RECOMPUTE_MODES, GPTConfig
@@ -37,7 +47,8 @@ __all__ = ["MemoryEstimate", "flops_per_token", "memory_estimate", "num_paramete
 def _layer_params(c: GPTConfig) -> int:
     d, a, g, h = c.kv_channels, c.num_attention_heads, c.kv_heads, c.hidden_size
     qa, f = query_blocks(c) * a, c.ffn_hidden_size
-    n = h * (qa + 2 * g) * d + a * d * h + mlp_matrices(c) * h * f + 2 * h + mlp_bias_params(c)
+    n = h * (qa + 2 * g) * d + a * d * h + mlp_matrices(c) * h * f + mlp_bias_params(c)
+    n += 2 * norms_per_part(c) * h
     if c.add_qkv_bias:
         n += (qa + 2 * g) * d
     if c.qk_layernorm:
@@ -73,8 +84,10 @@ def flops_per_token(
     qa, mlp = query_blocks(c) * a, mlp_matrices(c) * h * c.ffn_hidden_size
     matmul = c.num_layers * (h * (qa + 2 * g) * d + a * d * h + mlp)
     head = c.padded_vocab_size * h
-    # QKᵀ and AV: each 2·s·d FLOPs per query per head (s keys, a multiply-add per element).
-    attn = c.num_layers * 4 * seq_length * a * d * (0.5 if causal else 1.0)
+    # QKᵀ and AV: each 2·d FLOPs per attended key per query per head (a multiply-add per
+    # element); sliding-window layers attend fewer keys.
+    keys = sum(attended_keys(c, i, seq_length, causal) for i in range(c.num_layers))
+    attn = 4 * a * d * keys
     # 2 FLOPs (multiply + add) per weight per token in a matmul.
     layers_fwd = 2 * matmul + attn
     fwd = layers_fwd + 2 * head

@@ -7,13 +7,20 @@ FLOPs and memory formulas cannot disagree about them).
   attention output gate (Q and the gate), else 1; the projection has ``(q·a + 2g)·d`` outputs.
 - :func:`mlp_bias_params`: the dense MLP's bias elements on one TP rank with ``add_mlp_bias``,
   ``(m − 1)·f/tp`` (``fc1``, split) ``+ h`` (``fc2``, replicated).
+- :func:`norms_per_part`: ``h``-wide norms around each layer part, 2 with ``sandwich_norm``
+  (pre- and post-norm), else 1.
+- :func:`attended_keys`: keys a query attends to on average in one layer (the attention
+  FLOPs' sequence term): ``s·c`` (``c = 1/2`` causal), or for a causal sliding-window layer with
+  window ``W < s`` the mean of ``min(i + 1, W)``, ``W − W²/(2s)`` in the same continuous
+  convention (it equals ``s/2`` at ``W = s``); a non-causal layer attends ``min(s, W)`` keys.
 """
 
 from __future__ import annotations
 
 from shardwork.models.config import GPTConfig
+from shardwork.models.layer_options import is_sliding_window_layer
 
-__all__ = ["mlp_bias_params", "mlp_matrices", "query_blocks"]
+__all__ = ["attended_keys", "mlp_bias_params", "mlp_matrices", "norms_per_part", "query_blocks"]
 
 
 def mlp_matrices(config: GPTConfig) -> int:
@@ -31,3 +38,17 @@ def mlp_bias_params(config: GPTConfig, tp: int = 1) -> int:
     if not config.add_mlp_bias:
         return 0
     return (mlp_matrices(config) - 1) * config.ffn_hidden_size // tp + config.hidden_size
+
+
+def norms_per_part(config: GPTConfig) -> int:
+    """Norms of width ``h`` per layer part (mixer or MLP): 2 with sandwich norms, else 1."""
+    return 2 if config.sandwich_norm else 1
+
+
+def attended_keys(config: GPTConfig, layer: int, seq_length: int, causal: bool) -> float:
+    """Mean keys per query of decoder layer ``layer`` (see module docstring)."""
+    s = seq_length
+    if not is_sliding_window_layer(config, layer) or config.sliding_window >= s:
+        return s * (0.5 if causal else 1.0)
+    w = config.sliding_window
+    return w - w * w / (2 * s) if causal else float(w)

@@ -13,7 +13,8 @@ Per layer (exact, as the model builds them):
                    with the attention output gate, else 1)
   attention (MLA)  ``[h·rq + rq + rq·n·(dn+dr) | h·n·(dn+dr)] + h·(rkv+dr) + rkv
                    + rkv·n·(dn+dv) + n·dv·h``
-  norms            ``h`` per part (``2h`` for an attention + MLP layer)
+  norms            ``h`` per part (``2h`` for an attention + MLP layer; twice that with
+                   ``sandwich_norm``)
   dense MLP        ``m·h·f [+ (m−1)·f + h bias]`` (``m`` = 3 SwiGLU, 2 squared ReLU)
   Mamba-2          ``h·(2I+2gN+nh) + I·h`` projections, ``(I+2gN)·k [+ bias]`` conv,
                    ``3·nh + I`` (dt bias, A, D, gated norm); FLOPs in calculator_mamba.py
@@ -45,7 +46,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from shardwork.models.calculator_deltanet import deltanet_forward_flops
-from shardwork.models.calculator_layers import mlp_bias_params, mlp_matrices, query_blocks
+from shardwork.models.calculator_layers import (
+    mlp_bias_params,
+    mlp_matrices,
+    norms_per_part,
+    query_blocks,
+)
 from shardwork.models.calculator_mamba import mamba_forward_flops
 from shardwork.models.config import GPTConfig
 from shardwork.models.spec import LayerSpec, spec_for
@@ -169,9 +175,10 @@ def _layer_params(c: GPTConfig, spec: LayerSpec) -> tuple[int, int, int]:
     for kind in (spec.mixer, spec.mlp):
         if kind is not None:
             t, a, r = _cost(kind).params(c)
+            norms = norms_per_part(c) * c.hidden_size
             total, active, router = (
-                total + t + c.hidden_size,
-                active + a + c.hidden_size,
+                total + t + norms,
+                active + a + norms,
                 router + r,
             )
     return total, active, router

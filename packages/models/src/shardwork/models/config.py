@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardwork.fused_kernels import Llama3RopeScaling, YarnRopeScaling
+from shardwork.fused_kernels import LinearRopeScaling, Llama3RopeScaling, YarnRopeScaling
 from shardwork.models.hybrid_pattern import parse_hybrid_pattern
 from shardwork.models.layer_options import check_layer_options
 
@@ -66,8 +66,9 @@ class GPTConfig:
     """Longest sequence the model is meant for (informational; RoPE has no table limit)."""
     rope_theta: float = 10000.0
     """RoPE base."""
-    rope_scaling: Llama3RopeScaling | YarnRopeScaling | None = None
-    """RoPE frequency scaling (Llama 3.1 / YaRN), from ``shardwork.fused_kernels``."""
+    rope_scaling: Llama3RopeScaling | YarnRopeScaling | LinearRopeScaling | None = None
+    """RoPE frequency scaling (Llama 3.1 / YaRN / linear), from ``shardwork.fused_kernels``; with
+    ``rope_local_theta`` it applies to the global (not sliding-window) layers only."""
     norm_epsilon: float = 1e-5
     """RMSNorm epsilon."""
     qk_layernorm: bool = False
@@ -85,9 +86,35 @@ class GPTConfig:
     layernorm_zero_centered_gamma: bool = False
     """Every RMSNorm computes ``x̂·(1 + w)`` with ``w`` initialised to zeros (Qwen3-Next)."""
     mlp_activation: str = "swiglu"
-    """Dense MLP: "swiglu" (gated SiLU) or "relu2" (``down(relu(up(x))²)``, Nemotron-H)."""
+    """Dense MLP: "swiglu" (gated SiLU), "geglu" (gated GELU, tanh approximation: Gemma's
+    ``gelu_pytorch_tanh``) or "relu2" (``down(relu(up(x))²)``, Nemotron-H)."""
     add_mlp_bias: bool = False
     """Biases on the dense MLP's two linears (Hugging Face's ``mlp_bias``); not with ``moe``."""
+    scale_embedding: bool = False
+    """Multiply the input embeddings by ``sqrt(hidden_size)`` (Gemma; the factor is rounded to
+    float32 and then to the embedding's dtype, as transformers does)."""
+    sandwich_norm: bool = False
+    """Each sub-layer's output is normalised again before the residual add (Gemma's
+    ``post_attention_layernorm`` / ``post_feedforward_layernorm``), besides the pre-norms."""
+    attn_logit_softcapping: float | None = None
+    """Attention scores become ``cap·tanh(scores / cap)`` before masking and softmax (Gemma 2:
+    50); such layers compute attention explicitly instead of SDPA. None: no cap."""
+    final_logit_softcapping: float | None = None
+    """The LM head's logits become ``cap·tanh(logits / cap)`` (Gemma 2: 30), in inference and in
+    the loss (applied in ``LMHead.forward``, the one place). None: no cap."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scale ``query_pre_attn_scalar^-0.5`` instead of ``head_dim^-0.5`` (Gemma)."""
+    sliding_window: int | None = None
+    """Sliding-window layers let a query at position ``q`` attend to keys ``k`` with
+    ``0 <= q - k < sliding_window`` (Hugging Face's semantics), also under context parallelism and
+    packing. None: every layer attends globally."""
+    sliding_window_pattern: int | tuple[int, ...] | None = None
+    """Which layers slide (needs ``sliding_window``): None every layer; an int ``n`` gives
+    ``n - 1`` sliding layers then one global layer, repeating (Gemma 2: 2, Gemma 3: 6, HF's
+    ``sliding_window_pattern``); a tuple gives 1 (sliding) or 0 (global) per layer."""
+    rope_local_theta: float | None = None
+    """RoPE base of the sliding-window layers, which then rotate without ``rope_scaling``
+    (Gemma 3's ``rope_local_base_freq``); None: every layer uses ``rope_theta``/``rope_scaling``."""
     tie_word_embeddings: bool = False
     """LM head reuses the input embedding (kept in sync across pipeline stages)."""
     hidden_dropout: float = 0.0
@@ -160,11 +187,11 @@ class GPTConfig:
         if not self.rope_theta > 1:
             raise ValueError(f"GPTConfig.rope_theta={self.rope_theta} is invalid: it must be > 1")
         if self.rope_scaling is not None and not isinstance(
-            self.rope_scaling, (Llama3RopeScaling, YarnRopeScaling)
+            self.rope_scaling, (Llama3RopeScaling, YarnRopeScaling, LinearRopeScaling)
         ):
             raise ValueError(
                 f"GPTConfig.rope_scaling={self.rope_scaling!r} is invalid: valid are None, "
-                "Llama3RopeScaling(...) or YarnRopeScaling(...)"
+                "Llama3RopeScaling(...), YarnRopeScaling(...) or LinearRopeScaling(...)"
             )
         if not self.norm_epsilon > 0:
             raise ValueError(f"GPTConfig.norm_epsilon={self.norm_epsilon} must be > 0")

@@ -9,7 +9,8 @@
 - Keys/values are all-gathered over the cp group with a differentiable gather whose backward
   reduce-scatters (every rank's queries contribute gradient to every key).
 - :func:`attention_mask` builds the boolean ``[sq, sk]`` mask (True = attend) from query and key
-  positions and, for packed sequences, document ids.
+  positions and, for packed sequences, document ids; a sliding window bounds ``q - k`` on the
+  same global positions, so it holds across chunk boundaries.
 """
 
 from __future__ import annotations
@@ -85,10 +86,19 @@ def attention_mask(
     *,
     q_doc: torch.Tensor | None = None,
     k_doc: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal (and same-document) boolean mask ``[sq, sk]``; True where a query may attend."""
-    # [1, sk] <= [sq, 1] -> [sq, sk]: causal on global positions, valid for any chunk layout.
-    mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
+    """Causal (and same-document) boolean mask ``[sq, sk]``; True where a query may attend.
+
+    ``window``: a sliding window, keys with ``q - k < window`` only (Hugging Face's rule). As
+    positions are global, the window cuts across context-parallel chunk boundaries correctly.
+    """
+    # [sq, 1] - [1, sk] -> [sq, sk]: distance back from each query to each key, on global
+    # positions (valid for any chunk layout).
+    back = q_pos.unsqueeze(1) - k_pos.unsqueeze(0)
+    mask = back >= 0
+    if window is not None:
+        mask = mask & (back < window)
     if q_doc is not None:
         mask = mask & (k_doc.unsqueeze(0) == q_doc.unsqueeze(1))
     return mask

@@ -7,8 +7,13 @@
   Only the ``vocab_size`` real rows are saved (``real_rows`` in the parameter description).
 - VocabParallelEmbedding: ids outside this rank's range are looked up as row 0 and zeroed,
   then the partial embeddings are all-reduced over TP (reduce-scattered along the sequence
-  under SP). Output ``[s, b, h]``.
-- LMHead: column-parallel projection to ``[s, b, V_pad/tp]`` logits. Tied on a stage that
+  under SP). Output ``[s, b, h]``, times ``sqrt(h)`` with ``config.scale_embedding`` (Gemma:
+  the factor rounded to float32, then to the weight's dtype, as transformers multiplies).
+- LMHead: column-parallel projection to ``[s, b, V_pad/tp]`` logits, soft-capped when
+  ``config.final_logit_softcapping`` is set (Gemma 2). ``LMHead.forward`` is the one place the
+  cap applies, so inference (``gather_logits``) and every loss (``token_loss``, MTP) see the
+  same capped logits; a fused linear cross-entropy that bypasses ``forward`` must apply
+  ``LMHead.final_logit_softcapping`` itself or fall back to this path. Tied on a stage that
   also holds the embedding, it uses the embedding's weight; tied on a later pipeline stage
   (pp > 1) it owns a copy with the embedding's key (same init values, ``shared_embedding``
   in its ParamMeta, saved as a replica) that ``finalize_model_grads`` keeps in sync.
@@ -24,6 +29,7 @@ from shardwork.models.config import GPTConfig
 from shardwork.models.module import ShardedModule
 from shardwork.models.parallel_linear import ColumnParallelLinear
 from shardwork.models.sharding import describe_param, param_shards
+from shardwork.models.softcap import soft_cap
 from shardwork.parallel_state import (
     ParamMeta,
     ProcessGroups,
@@ -52,6 +58,12 @@ class VocabParallelEmbedding(ShardedModule):
         self.rows_per_rank = config.padded_vocab_size // tp
         self.vocab_start = self.rows_per_rank * groups.rank("tp")
         self.sequence_parallel = config.sequence_parallel
+        # transformers builds the factor as a float32 tensor and casts it to the weight's dtype.
+        self.scale = (
+            torch.tensor(config.hidden_size**0.5, dtype=torch.float32)
+            if config.scale_embedding
+            else None
+        )
         # MTP on the last stage holds a copy of the embedding too (shardwork.models.mtp)
         shared = (config.tie_word_embeddings or config.mtp is not None) and groups.size("pp") > 1
         self.weight = describe_param(
@@ -69,6 +81,12 @@ class VocabParallelEmbedding(ShardedModule):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``input_ids [b, s]`` -> ``[s(/tp under SP), b, h]`` in the parameter dtype."""
+        out = self._lookup(input_ids)
+        if self.scale is not None:
+            out = out * self.scale.to(device=out.device, dtype=out.dtype)
+        return out
+
+    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.transpose(0, 1)
         if self.groups.size("tp") == 1:
             return F.embedding(ids, self.weight)
@@ -102,6 +120,8 @@ class LMHead(ShardedModule):
         super().__init__(groups)
         self.vocab_size = config.vocab_size
         self.padded_vocab_size = config.padded_vocab_size
+        self.final_logit_softcapping = config.final_logit_softcapping
+        """The cap of this head's logits (None: none); a fused loss must honour it."""
         self.tied_copy = own_weight and config.tie_word_embeddings
         self.linear = ColumnParallelLinear(
             config.hidden_size,
@@ -126,8 +146,9 @@ class LMHead(ShardedModule):
         self.local_vocab_start = (config.padded_vocab_size // tp) * groups.rank("tp")
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        """``hidden [s(/tp), b, h]`` -> logits ``[s, b, V_pad/tp]``; padded columns masked."""
-        logits = self.linear(hidden, weight)
+        """``hidden [s(/tp), b, h]`` -> logits ``[s, b, V_pad/tp]``, soft-capped if configured;
+        padded columns masked."""
+        logits = soft_cap(self.linear(hidden, weight), self.final_logit_softcapping)
         local = logits.shape[-1]
         real_here = self.vocab_size - self.local_vocab_start
         if real_here < local:

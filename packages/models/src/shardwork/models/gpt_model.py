@@ -187,7 +187,8 @@ class GPTModel(ShardedModule):
     ) -> AttentionInputs:
         cfg, g = self.config, self.groups
         cp, cp_rank = g.size("cp"), g.rank("cp")
-        mask = None
+        # (query index, key index, query doc, key doc) of the mask; None for plain causal.
+        mask_args = None
         if cu_seqlens is not None:
             if cp > 1:
                 raise ValueError(
@@ -213,29 +214,55 @@ class GPTModel(ShardedModule):
             index = torch.arange(local_len, device=device)
             # RoPE positions restart per document (packed_positions), but causality follows the
             # token's index in the packed row; the document ids forbid attention across documents.
-            mask = attention_mask(index, index, q_doc=docs, k_doc=docs)
+            mask_args = (index, index, docs, docs)
         else:
             positions = local_positions(local_len, cp_rank=cp_rank, cp_size=cp, device=device)
             if cp > 1:
                 # Keys arrive all-gathered in cp-rank order, each rank's two chunks; is_causal
                 # cannot express this layout, so the mask is built from global positions.
                 keys = gathered_positions(local_len, cp_size=cp, device=device)
-                mask = attention_mask(positions, keys)
+                mask_args = (positions, keys, None, None)
+        mask = (
+            None
+            if mask_args is None
+            else attention_mask(*mask_args[:2], q_doc=mask_args[2], k_doc=mask_args[3])
+        )
+        cos, sin = self._rotary_table(positions, cfg.rope_theta, cfg.rope_scaling)
+        sliding = None
+        if cfg.sliding_window is not None:
+            sliding = self._sliding_inputs(positions, mask_args, cos, sin)
+        return AttentionInputs(cos=cos, sin=sin, mask=mask, sliding=sliding)
+
+    def _sliding_inputs(self, positions, mask_args, cos, sin) -> AttentionInputs:
+        """Sliding-window layers' inputs: the windowed mask and, with ``rope_local_theta``, their
+        own (unscaled) RoPE table."""
+        cfg = self.config
+        if mask_args is None:  # plain causal: queries and keys are positions 0..s-1
+            index = torch.arange(positions.numel(), device=positions.device)
+            mask_args = (index, index, None, None)
+        q, k, q_doc, k_doc = mask_args
+        mask = attention_mask(q, k, q_doc=q_doc, k_doc=k_doc, window=cfg.sliding_window)
+        if cfg.rope_local_theta is not None:
+            cos, sin = self._rotary_table(positions, cfg.rope_local_theta, None)
+        return AttentionInputs(cos=cos, sin=sin, mask=mask)
+
+    def _rotary_table(self, positions, theta, scaling):
+        """``(cos, sin)`` ``[s, 1, d_rot]`` of the spec's rotary table, None without one."""
         rotary = self.spec.rotary
         if rotary is None:  # no positional table (position_embedding_type="none")
-            return AttentionInputs(cos=None, sin=None, mask=mask)
-        inv_freq = rotary_inv_freq(rotary.dim, base=cfg.rope_theta, scaling=cfg.rope_scaling)
+            return None, None
+        inv_freq = rotary_inv_freq(rotary.dim, base=theta, scaling=scaling)
         # fp32 angles even for bf16 activations: position·inv_freq needs more mantissa than bf16's 8
         # bits at long positions.
-        table_dtype = torch.float64 if cfg.activation_dtype == torch.float64 else torch.float32
+        fp64 = self.config.activation_dtype == torch.float64
         cos, sin = rotary_cos_sin(
             positions,
-            inv_freq.to(device),
-            scaling=cfg.rope_scaling,
+            inv_freq.to(positions.device),
+            scaling=scaling,
             interleaved=rotary.interleaved,
-            dtype=table_dtype,
+            dtype=torch.float64 if fp64 else torch.float32,
         )
-        return AttentionInputs(cos=cos.unsqueeze(1), sin=sin.unsqueeze(1), mask=mask)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
 
     def forward(
         self,

@@ -8,7 +8,7 @@ module. Built in:
   QK-norm), ``"mla"`` (:class:`~shardwork.models.mla.MLAttention`, DeepSeek), ``"mamba"``
   (:class:`~shardwork.models.mamba.Mamba2Mixer`, needs ``GPTConfig.mamba``) and
   ``"gated_deltanet"`` (:class:`~shardwork.models.deltanet.GatedDeltaNetMixer`, Qwen3-Next);
-- MLPs ``"dense"`` (:class:`~shardwork.models.mlp.SwiGLUMLP`), ``"relu2"``
+- MLPs ``"dense"`` (:class:`~shardwork.models.mlp.SwiGLUMLP`, SwiGLU or GeGLU), ``"relu2"``
   (:class:`~shardwork.models.squared_relu_mlp.SquaredReLUMLP`, Nemotron-H) and ``"moe"``
   (:class:`~shardwork.models.moe.layer.MoELayer`);
 - norms ``"rmsnorm"`` (:class:`~shardwork.models.norm.RMSNorm`), for a layer's two pre-norms
@@ -172,7 +172,10 @@ def _moe(ctx: BuildContext, layer_number: int) -> MoELayer:
     )
 
 
-register_mixer("attention", lambda c, i: Attention(c.config, c.groups, rng=c.rng, device=c.device))
+register_mixer(
+    "attention",
+    lambda c, i: Attention(c.config, c.groups, rng=c.rng, device=c.device, layer_number=i),
+)
 register_mixer("mla", lambda c, i: MLAttention(c.config, c.groups, rng=c.rng, device=c.device))
 register_mlp("dense", lambda c, i: SwiGLUMLP(c.config, c.groups, device=c.device))
 register_mlp("relu2", lambda c, i: SquaredReLUMLP(c.config, c.groups, device=c.device))

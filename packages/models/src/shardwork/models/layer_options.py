@@ -1,5 +1,7 @@
 """Validation of the layer options of hybrid families (gated attention, partial or no RoPE,
-zero-centred RMSNorm, squared-ReLU MLP, MLP biases), called by ``GPTConfig.__post_init__``.
+zero-centred RMSNorm, squared-ReLU MLP, MLP biases) and of the Gemma options (GeGLU, scaled
+embeddings, sandwich norms, soft-capping, ``query_pre_attn_scalar``, sliding-window layers and
+their own RoPE base), called by ``GPTConfig.__post_init__``.
 
 The options are plain ``GPTConfig`` fields (Megatron's names where Megatron has them); this
 module checks their values and the combinations the model cannot build, so that a bad value
@@ -9,6 +11,7 @@ package (``config.py`` imports it).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 __all__ = [
@@ -16,11 +19,12 @@ __all__ = [
     "MLP_ACTIVATIONS",
     "POSITION_EMBEDDING_TYPES",
     "check_layer_options",
+    "is_sliding_window_layer",
     "non_default_layer_options",
 ]
 
 POSITION_EMBEDDING_TYPES = ("rope", "none")
-MLP_ACTIVATIONS = ("swiglu", "relu2")
+MLP_ACTIVATIONS = ("swiglu", "relu2", "geglu")
 LAYER_OPTION_DEFAULTS = {
     "attention_output_gate": False,
     "position_embedding_type": "rope",
@@ -28,6 +32,14 @@ LAYER_OPTION_DEFAULTS = {
     "layernorm_zero_centered_gamma": False,
     "mlp_activation": "swiglu",
     "add_mlp_bias": False,
+    "scale_embedding": False,
+    "sandwich_norm": False,
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+    "query_pre_attn_scalar": None,
+    "sliding_window": None,
+    "sliding_window_pattern": None,
+    "rope_local_theta": None,
 }
 """The options' values in a model without them (the Llama/Qwen/Mixtral/DeepSeek layers)."""
 
@@ -110,3 +122,90 @@ def check_layer_options(config: Any) -> None:
             "GPTConfig.add_mlp_bias=True is not supported with moe (experts and shared experts "
             "have no biases): valid is False"
         )
+    if config.mlp_activation == "geglu" and config.moe is not None:
+        raise ValueError(
+            "GPTConfig.mlp_activation='geglu' is not supported with moe (experts compute SwiGLU "
+            "or squared ReLU): valid are 'swiglu' or 'relu2'"
+        )
+    _check_gemma_options(config)
+
+
+def _positive_number(name: str, value: Any, *, optional: bool = True) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(
+            f"GPTConfig.{name}={value!r} is invalid: it must be None or a finite number > 0"
+        )
+
+
+def _check_gemma_options(config: Any) -> None:
+    """Soft-caps, attention scale, sliding windows and the local RoPE base (see GPTConfig)."""
+    _bool("scale_embedding", config.scale_embedding)
+    _bool("sandwich_norm", config.sandwich_norm)
+    for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+        _positive_number(name, getattr(config, name))
+    if config.scale_embedding and config.mtp is not None:
+        raise ValueError(
+            "GPTConfig.scale_embedding=True is not supported with mtp (the MTP depths embed "
+            "tokens unscaled): valid is False"
+        )
+    if config.mla is not None:
+        for name in ("attn_logit_softcapping", "query_pre_attn_scalar", "sliding_window"):
+            if getattr(config, name) is not None:
+                raise ValueError(
+                    f"GPTConfig.{name}={getattr(config, name)!r} is not supported with mla "
+                    "(multi-head latent attention): valid is None"
+                )
+    window = config.sliding_window
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, int) or window < 1
+    ):
+        raise ValueError(
+            f"GPTConfig.sliding_window={window!r} is invalid: it must be None or an integer >= 1 "
+            "(a query attends to keys less than sliding_window positions back)"
+        )
+    _check_window_pattern(config)
+    local = config.rope_local_theta
+    if local is not None:
+        if isinstance(local, bool) or not isinstance(local, (int, float)) or not local > 1:
+            raise ValueError(
+                f"GPTConfig.rope_local_theta={local!r} is invalid: it must be None or a number > 1"
+            )
+        if window is None or config.position_embedding_type != "rope":
+            raise ValueError(
+                f"GPTConfig.rope_local_theta={local!r} needs sliding_window layers and "
+                "position_embedding_type='rope': set rope_local_theta=None"
+            )
+
+
+def _check_window_pattern(config: Any) -> None:
+    pattern, field = config.sliding_window_pattern, "GPTConfig.sliding_window_pattern"
+    if pattern is None:
+        return
+    if config.sliding_window is None:
+        raise ValueError(f"{field}={pattern!r} needs sliding_window (an integer >= 1)")
+    if isinstance(pattern, tuple):
+        if len(pattern) != config.num_layers or any(v not in (0, 1) for v in pattern):
+            raise ValueError(
+                f"{field}={pattern!r} is invalid: a tuple needs one 1 (sliding) or 0 (global) "
+                f"per layer (num_layers={config.num_layers})"
+            )
+    elif isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+        raise ValueError(
+            f"{field}={pattern!r} is invalid: None (every layer sliding), an integer n >= 1 "
+            "(n - 1 sliding layers then one global, repeating) or a tuple of 0/1 per layer"
+        )
+
+
+def is_sliding_window_layer(config: Any, layer: int) -> bool:
+    """Whether decoder layer ``layer`` attends through ``config.sliding_window`` (MTP depths,
+    ``layer >= num_layers``, never do)."""
+    if config.sliding_window is None or layer >= config.num_layers:
+        return False
+    pattern = config.sliding_window_pattern
+    if pattern is None:
+        return True
+    if isinstance(pattern, tuple):
+        return bool(pattern[layer])
+    return (layer + 1) % pattern != 0

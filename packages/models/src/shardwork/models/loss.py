@@ -2,7 +2,10 @@
 
 - :func:`token_loss`: vocab-parallel cross entropy (``shardwork.fused_kernels.cross_entropy``
   over the TP group) of ``[s, b, V/tp]`` logits against ``[b, s]`` labels, returning the sum
-  over this rank's counted tokens and their number. Tokens with label -100 or loss_mask 0
+  over this rank's counted tokens and their number. The logits are ``LMHead.forward``'s,
+  already soft-capped when ``final_logit_softcapping`` is set (the one place it applies); a
+  fused linear cross-entropy that skips ``LMHead.forward`` must apply
+  ``LMHead.final_logit_softcapping`` itself or fall back to this path. Tokens with label -100 or loss_mask 0
   are not counted.
 - :func:`loss_for_backward`: ``loss_sum / N_global`` where ``N_global`` is the token count
   all-reduced (no gradient) over ``group`` (dp×cp). Backpropagating it on every rank and

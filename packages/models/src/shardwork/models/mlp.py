@@ -1,4 +1,5 @@
-"""SwiGLU MLP: column-parallel fused [gate | up], ``shardwork.fused_kernels.swiglu``, row-parallel down.
+"""Gated MLP: column-parallel fused [gate | up], ``shardwork.fused_kernels.swiglu`` (or ``geglu``
+with ``mlp_activation="geglu"``: GELU with the tanh approximation, Gemma), row-parallel down.
 
 ``fc1`` has blocks ``gate`` and ``up`` (each ``ffn_hidden_size``); a TP rank holds its slice of
 each, laid out ``[gate_local | up_local]`` which is exactly the fused layout ``swiglu`` takes.
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwork.fused_kernels import swiglu
+from shardwork.fused_kernels import geglu, swiglu
 from shardwork.models.config import GPTConfig
 from shardwork.models.module import ShardedModule
 from shardwork.models.parallel_linear import ColumnParallelLinear, RowParallelLinear
@@ -21,7 +22,8 @@ __all__ = ["SwiGLUMLP"]
 
 
 class SwiGLUMLP(ShardedModule):
-    """``fc2(silu(gate(x)) * up(x))`` with tensor (and sequence) parallelism."""
+    """``fc2(act(gate(x)) * up(x))`` (act: SiLU, or tanh-GELU for GeGLU) with tensor (and
+    sequence) parallelism."""
 
     def __init__(
         self,
@@ -36,6 +38,7 @@ class SwiGLUMLP(ShardedModule):
         ffn = ffn_hidden_size or config.ffn_hidden_size
         bias = config.add_mlp_bias if bias is None else bias
         self.backend = config.kernel_backend
+        self.activation = geglu if config.mlp_activation == "geglu" else swiglu
         self.fc1 = ColumnParallelLinear(
             config.hidden_size,
             2 * ffn,
@@ -59,6 +62,6 @@ class SwiGLUMLP(ShardedModule):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[s(/tp), b, h]`` -> same shape."""
-        # fc1 -> [s, b, 2f/tp] ([gate_local | up_local]) -> swiglu -> [s, b, f/tp] -> fc2 ->
-        # [s(/tp), b, h].
-        return self.fc2(swiglu(self.fc1(hidden), backend=self.backend))
+        # fc1 -> [s, b, 2f/tp] ([gate_local | up_local]) -> swiglu/geglu -> [s, b, f/tp] -> fc2
+        # -> [s(/tp), b, h].
+        return self.fc2(self.activation(self.fc1(hidden), backend=self.backend))

@@ -1,7 +1,9 @@
 """Pre-norm transformer layer and the block of a pipeline stage's layers.
 
 - ``TransformerLayer``: ``x + drop(attn(norm(x)))`` then ``x + drop(mlp(norm(x)))`` (a hybrid
-  stack's layer holds only one of the two, each with its own norm and residual); hidden
+  stack's layer holds only one of the two, each with its own norm and residual); with
+  ``config.sandwich_norm`` (Gemma) each part's output is normalised again before the dropout
+  and residual add, ``x + drop(post_norm(attn(norm(x))))``; hidden
   dropout draws from the replicated RNG stream (activations whole on every TP rank) or, under
   sequence parallelism, the TP-distinct stream (activations are sequence shards).
 - ``TransformerBlock``: the layers ``layer_range = (start, stop)`` of the global stack (a
@@ -14,7 +16,8 @@
   :class:`~shardwork.models.spec.LayerSpec` by :func:`build_layer` through the registries of
   :mod:`shardwork.models.layer_kinds`; the block builds its range of the global
   :class:`~shardwork.models.spec.DecoderSpec` layers. Submodule names (``self_attention``,
-  ``mlp``, ``input_layernorm``, ``pre_mlp_layernorm``, ``final_norm``) are the checkpoint keys
+  ``mlp``, ``input_layernorm``, ``pre_mlp_layernorm``, ``post_attention_layernorm``,
+  ``post_mlp_layernorm``, ``final_norm``) are the checkpoint keys
   whatever the kind, so state-dict keys do not depend on it.
 """
 
@@ -61,8 +64,11 @@ class TransformerLayer(ShardedModule):
         mixer: torch.nn.Module | None,
         mlp: torch.nn.Module | None,
         norms: tuple[torch.nn.Module | None, torch.nn.Module | None],
+        post_norms: tuple[torch.nn.Module | None, torch.nn.Module | None] = (None, None),
     ) -> None:
-        """``norms``: the pre-mixer and pre-MLP norms (None with an absent part)."""
+        """``norms``: the pre-mixer and pre-MLP norms (None with an absent part);
+        ``post_norms``: the norms of the mixer's and the MLP's outputs (sandwich norms), None
+        without them."""
         super().__init__(groups)
         self.layer_number = layer_number
         self.rng = rng
@@ -72,16 +78,22 @@ class TransformerLayer(ShardedModule):
         # gradient buffers and the norm reductions follow.
         self.input_layernorm = norms[0]
         self.self_attention = mixer
+        self.post_attention_layernorm = post_norms[0]
         self.pre_mlp_layernorm = norms[1]
         self.mlp = mlp
+        self.post_mlp_layernorm = post_norms[1]
 
     def forward(self, hidden: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         drop = dict(training=self.training, rng=self.rng, sp=self.sp)
         if self.self_attention is not None:
             attn = self.self_attention(self.input_layernorm(hidden), inputs)
+            if self.post_attention_layernorm is not None:
+                attn = self.post_attention_layernorm(attn)
             hidden = hidden + hidden_dropout(attn, self.dropout, **drop)
         if self.mlp is not None:
             mlp = self.mlp(self.pre_mlp_layernorm(hidden))
+            if self.post_mlp_layernorm is not None:
+                mlp = self.post_mlp_layernorm(mlp)
             hidden = hidden + hidden_dropout(mlp, self.dropout, **drop)
         return hidden
 
@@ -92,6 +104,11 @@ def build_layer(spec: LayerSpec, ctx: BuildContext, layer_number: int) -> Transf
     mixer = None if spec.mixer is None else build_mixer(spec.mixer, ctx, layer_number)
     h = ctx.config.hidden_size
     norms = tuple(None if part is None else build_norm(spec.norm, ctx, h) for part in (mixer, mlp))
+    post_norms = (None, None)
+    if ctx.config.sandwich_norm:
+        post_norms = tuple(
+            None if part is None else build_norm(spec.norm, ctx, h) for part in (mixer, mlp)
+        )
     return TransformerLayer(
         ctx.config,
         ctx.groups,
@@ -100,6 +117,7 @@ def build_layer(spec: LayerSpec, ctx: BuildContext, layer_number: int) -> Transf
         mixer=mixer,
         mlp=mlp,
         norms=norms,
+        post_norms=post_norms,
     )
 
 

@@ -1,19 +1,21 @@
 """RoPE fields between Hugging Face ``config.json`` and ``GPTConfig``, for every family (dense
-and MoE): ``rope_theta`` and the llama3 / YaRN ``rope_scaling`` in both directions.
+and MoE): ``rope_theta`` and the linear / llama3 / YaRN ``rope_scaling`` in both directions.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from shardwork.fused_kernels import Llama3RopeScaling, YarnRopeScaling
+from shardwork.fused_kernels import LinearRopeScaling, Llama3RopeScaling, YarnRopeScaling
 
 __all__ = ["rope_from_hf", "rope_scaling_to_hf"]
 
 
-def rope_from_hf(hf: dict[str, Any]) -> tuple[float, Llama3RopeScaling | YarnRopeScaling | None]:
+def rope_from_hf(
+    hf: dict[str, Any],
+) -> tuple[float, Llama3RopeScaling | YarnRopeScaling | LinearRopeScaling | None]:
     """``(rope_theta, rope_scaling)`` of a HF config dict: 5.x ``rope_parameters`` or 4.x
-    ``rope_theta`` + ``rope_scaling``; ``rope_type`` default, llama3 or yarn."""
+    ``rope_theta`` + ``rope_scaling``; ``rope_type`` default, linear, llama3 or yarn."""
     params = hf.get("rope_parameters") or {}
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     scaling = hf.get("rope_scaling") or (params if params else None)
@@ -22,6 +24,8 @@ def rope_from_hf(hf: dict[str, Any]) -> tuple[float, Llama3RopeScaling | YarnRop
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return float(theta), None
+    if kind == "linear":
+        return float(theta), LinearRopeScaling(factor=float(scaling["factor"]))
     if kind == "llama3":
         return float(theta), Llama3RopeScaling(
             factor=float(scaling["factor"]),
@@ -43,7 +47,8 @@ def rope_from_hf(hf: dict[str, Any]) -> tuple[float, Llama3RopeScaling | YarnRop
             truncate=bool(scaling.get("truncate", True)),
         )
     raise ValueError(
-        f"rope_scaling rope_type={kind!r} is not supported; valid: 'default', 'llama3', 'yarn'"
+        f"rope_scaling rope_type={kind!r} is not supported; valid: 'default', 'linear', "
+        "'llama3', 'yarn'"
     )
 
 
@@ -52,6 +57,8 @@ def rope_scaling_to_hf(scaling) -> dict[str, Any] | None:
     transformers 5.x reads too."""
     if scaling is None:
         return None
+    if isinstance(scaling, LinearRopeScaling):
+        return {"rope_type": "linear", "factor": scaling.factor}
     if isinstance(scaling, Llama3RopeScaling):
         return {
             "rope_type": "llama3",
