@@ -16,6 +16,8 @@ rank, ``d`` head dim.
   they are). With ``position_embedding_type="none"`` nothing is rotated.
 - Core attention is torch SDPA. The plain causal case uses ``is_causal``; packed sequences
   and context parallelism pass an explicit boolean mask built from global positions.
+- ``add_qkv_bias`` / ``add_proj_bias``: biases on ``linear_qkv`` (split like its blocks) and
+  ``linear_proj`` (replicated, added once after the TP reduction).
 - Context parallelism: K/V are all-gathered over the cp group with a differentiable gather
   (backward reduce-scatters), queries stay local.
 - Attention dropout draws from the model's TP-distinct RNG stream (heads are TP-sharded).
@@ -114,6 +116,7 @@ class Attention(ShardedModule):
             q_size,
             config.hidden_size,
             groups=groups,
+            bias=config.add_proj_bias,
             sequence_parallel=config.sequence_parallel,
             params_dtype=config.params_dtype,
             device=device,

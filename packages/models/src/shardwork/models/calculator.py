@@ -3,16 +3,20 @@
 Notation: ``L`` layers, ``h`` hidden, ``a`` query heads, ``g`` kv heads, ``d`` head dim,
 ``f`` MLP width, ``V`` vocab (real; padding excluded), ``s`` sequence, ``b`` micro-batch,
 ``q`` query-sized blocks of the QKV projection (2 with ``attention_output_gate``: Q and the
-gate; else 1), ``m`` matrices of the dense MLP (3 SwiGLU, 2 ``mlp_activation="relu2"``).
+gate; else 1), ``m`` matrices of the dense MLP (3 SwiGLU, 2 ``mlp_activation="relu2"`` or
+``"gelu_tanh"``), ``n`` elements of a norm (``h`` RMSNorm, ``2h`` LayerNorm), ``P`` rows of the
+learned position table (``max_position_embeddings``; 0 unless ``learned_absolute``).
 
 Parameters (exact, matches the model's real rows):
-  per layer  ``P_L = h·(q·a+2g)·d [+ (q·a+2g)·d bias] + a·d·h + m·h·f [+ (m−1)·f + h MLP bias]
-             + 2·h [+ 2·d qk-norm]``
-  total      ``P = L·P_L + V·h (embedding) + V·h (head, if untied) + h (final norm)``
+  per layer  ``P_L = h·(q·a+2g)·d [+ (q·a+2g)·d bias] + a·d·h [+ h proj bias] + m·h·f
+             [+ (m−1)·f + h MLP bias] + 2·n [+ 2·d qk-norm]``
+  total      ``P = L·P_L + V·h (embedding) + P·h (positions) + V·h (head, if untied)
+             + n (final norm)``
 
 Training FLOPs per token (matmuls only, forward + backward = 3 × forward):
   ``forward = 2·(L·(h·(q·a+2g)·d + a·d·h + m·h·f) + V_pad·h) + L·4·s·a·d·c``
-  (``V_pad``: the padded vocabulary, the work actually done), where the last term is QKᵀ and AV with ``c = 1/2`` for causal attention (only the lower
+  (``V_pad``: the padded vocabulary, the work actually done; biases, norms and the position
+  lookup are no matmuls and add nothing), where the last term is QKᵀ and AV with ``c = 1/2`` for causal attention (only the lower
   triangle is useful work; the convention of FlashAttention/MFU reports). Full recompute
   adds one more forward of the layers.
 
@@ -26,7 +30,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwork.models.calculator_layers import mlp_bias_params, mlp_matrices, query_blocks
+from shardwork.models.calculator_layers import (
+    mlp_bias_params,
+    mlp_matrices,
+    norm_params,
+    position_params,
+    proj_bias_params,
+    query_blocks,
+)
 from shardwork.models.calculator_memory import local_parameters, stage_activation_bytes
 from shardwork.models.calculator_moe import moe_flops_per_token, moe_param_counts
 from shardwork.models.config import RECOMPUTE_MODES, GPTConfig
@@ -37,7 +48,8 @@ __all__ = ["MemoryEstimate", "flops_per_token", "memory_estimate", "num_paramete
 def _layer_params(c: GPTConfig) -> int:
     d, a, g, h = c.kv_channels, c.num_attention_heads, c.kv_heads, c.hidden_size
     qa, f = query_blocks(c) * a, c.ffn_hidden_size
-    n = h * (qa + 2 * g) * d + a * d * h + mlp_matrices(c) * h * f + 2 * h + mlp_bias_params(c)
+    n = h * (qa + 2 * g) * d + a * d * h + mlp_matrices(c) * h * f + mlp_bias_params(c)
+    n += 2 * norm_params(c) + proj_bias_params(c)
     if c.add_qkv_bias:
         n += (qa + 2 * g) * d
     if c.qk_layernorm:
@@ -55,8 +67,8 @@ def num_parameters(config: GPTConfig) -> int:
     """Exact number of (real, unpadded) parameters of the whole model."""
     if _not_plain_dense(config):
         return moe_param_counts(config).total  # MoE / MLA / MTP: see calculator_moe.py
-    n = config.num_layers * _layer_params(config) + config.hidden_size
-    n += config.vocab_size * config.hidden_size
+    n = config.num_layers * _layer_params(config) + norm_params(config)
+    n += config.vocab_size * config.hidden_size + position_params(config)
     if not config.tie_word_embeddings:
         n += config.vocab_size * config.hidden_size
     return n

@@ -10,9 +10,10 @@ rows included, so the count is what occupies memory):
           block as wide as Q; MLA: its down projections and latent norms are replicated),
           Mamba-2 and Gated DeltaNet ``/tp`` along heads and groups
           (:mod:`shardwork.models.calculator_memory_hybrid` lists their tensors), norms and
-          routers replicated, MLPs and shared experts ``/tp`` (SwiGLU ``3·h·f``, squared ReLU
-          ``2·h·f``), embedding / untied head / MTP embedding copy ``V_p·h/tp``, MTP
-          ``eh_proj 2h·h/tp``
+          routers replicated (LayerNorm: weight and bias), MLPs and shared experts ``/tp``
+          (SwiGLU ``3·h·f``, squared ReLU and GELU ``2·h·f``), embedding / untied head / MTP
+          embedding copy ``V_p·h/tp``, learned position table ``P·h`` (replicated, first
+          stage), MTP ``eh_proj 2h·h/tp``; biases of ``add_proj_bias`` / ``add_mlp_bias``
   expert  ``(E/ep) · m·h·F/etp`` per MoE layer (``ParamMeta.is_expert``; ``m`` = 3 SwiGLU,
           2 squared ReLU, like the shared experts)
 Bytes: weights ``P·bytes(params_dtype)``; gradients ``P·4`` (fp32 ``main_grad``); optimizer
@@ -24,7 +25,8 @@ per micro-batch, counted tensor by tensor (:func:`layer_activation_bytes`; docs/
 lists every term). ``T = s·b/cp`` local tokens, ``Tn`` the tokens a norm sees (``T/tp`` under
 sequence parallelism, else ``T``), ``e`` the activation bytes, ``c`` the norm/SwiGLU
 arithmetic bytes (4, or 8 for float64). Per layer, recompute ``none``:
-  norms      ``Tn·(2h+1)·c + T·h·e`` each (x, rstd, x·rstd; the next matmul's input)
+  norms      ``Tn·(2h+1)·c + T·h·e`` each (x, rstd, x·rstd; the next matmul's input);
+             LayerNorm the same (x − mean, rstd, their product; the bias add saves nothing)
   attention  flash-style SDPA (query and value head widths equal): ``T·(a/tp)·d·e·(2 + 2·cp)
              + T·(a/tp)·4`` (q, GQA-expanded k and v over the cp-gathered keys, output,
              log-sum-exp); math SDPA (MLA, widths differ): ``q, k, v`` plus ``T·(n/tp)·s·e``
@@ -37,7 +39,7 @@ arithmetic bytes (4, or 8 for float64). Per layer, recompute ``none``:
   DeltaNet   :mod:`shardwork.models.calculator_memory_hybrid` (terms over the sequence rounded
              up to whole chunks where the chunked scan pads it)
   MLP        SwiGLU ``T·(3f/tp·c + f/tp·e)``; squared ReLU ``2·T·f/tp·e`` (relu's output, which
-             the square also keeps, and the square); MoE: router scores and indices, and for
+             the square also keeps, and the square); GELU the same (its input and output); MoE: router scores and indices, and for
              ``R = T·k·etp/tp`` routed rows (expected, uniform load) ``R·(h·e + 3F/etp·c +
              F/etp·e)`` (squared ReLU: ``R·(h·e + 2F/etp·e)``) in the experts plus ``(T·k/tp)·(2h·e + e + 8)`` to unpermute, shared
              experts like an MLP and their sigmoid gate ``Tn·(h + 1)·e`` (the shared output
@@ -58,7 +60,14 @@ from dataclasses import dataclass
 
 import torch
 
-from shardwork.models.calculator_layers import mlp_bias_params, mlp_matrices, query_blocks
+from shardwork.models.calculator_layers import (
+    mlp_bias_params,
+    mlp_matrices,
+    norm_params,
+    position_params,
+    proj_bias_params,
+    query_blocks,
+)
 from shardwork.models.calculator_memory_hybrid import (
     deltanet_bytes,
     deltanet_params,
@@ -119,7 +128,7 @@ def _attention_params(c: GPTConfig, tp: int) -> int:
         d, g = c.kv_channels, c.kv_heads
         # linear_qkv's rows: Q, K, V and, with the output gate, a G block as wide as Q
         qkv = (query_blocks(c) * n + 2 * g) * d // tp
-        p = qkv * h + (qkv if c.add_qkv_bias else 0) + n * d // tp * h
+        p = qkv * h + (qkv if c.add_qkv_bias else 0) + n * d // tp * h + proj_bias_params(c)
         return p + (2 * d if c.qk_layernorm else 0)
     m = c.mla
     if m.q_lora_rank is None:
@@ -159,10 +168,10 @@ def _layer_params(c: GPTConfig, spec: LayerSpec, *, tp: int, ep: int, etp: int):
     """(dense, expert) local elements of one layer: its parts and a norm per part."""
     dense = expert = 0
     if spec.mixer is not None:
-        dense += _part(MIXER_MEMORY, spec.mixer).params(c, tp) + c.hidden_size
+        dense += _part(MIXER_MEMORY, spec.mixer).params(c, tp) + norm_params(c)
     if spec.mlp is not None:
         d, e = _part(MLP_MEMORY, spec.mlp).params(c, tp=tp, ep=ep, etp=etp)
-        dense, expert = dense + d + c.hidden_size, expert + e
+        dense, expert = dense + d + norm_params(c), expert + e
     return dense, expert
 
 
@@ -217,9 +226,9 @@ def local_parameters(
         d, e = _layer_params(c, spec.layers[layer], tp=tp, ep=ep, etp=etp)
         dense, expert = dense + d, expert + e
     if pre:
-        dense += vocab
+        dense += vocab + position_params(c)  # the position table is replicated over TP
     if post:
-        dense += h  # final norm
+        dense += norm_params(c)  # final norm
         if not c.tie_word_embeddings or not pre:
             dense += vocab  # untied head, or the tied head's copy on the last stage
         if c.mtp is not None:
@@ -501,4 +510,7 @@ register_mixer_memory(
 )
 register_mlp_memory("dense", MlpMemory(_swiglu_params, _swiglu_bytes))
 register_mlp_memory("relu2", MlpMemory(_relu2_params, _relu2_bytes))
+# The GELU MLP has the squared-ReLU MLP's two linears, and GELU saves one tensor (its input,
+# fc1's output) where relu² saves relu's output: the same bytes.
+register_mlp_memory("gelu", MlpMemory(_relu2_params, _relu2_bytes))
 register_mlp_memory("moe", MlpMemory(_moe_params, _moe_bytes))
