@@ -30,7 +30,8 @@ arithmetic bytes (4, or 8 for float64). Per layer, recompute ``none``:
   attention  flash-style SDPA (query and value head widths equal): ``T·(a/tp)·d·e·(2 + 2·cp)
              + T·(a/tp)·4`` (q, GQA-expanded k and v over the cp-gathered keys, output,
              log-sum-exp); math SDPA (MLA, widths differ): ``q, k, v`` plus ``T·(n/tp)·s·e``
-             probabilities and the output projection's input. Without RoPE and QK-norm, q
+             probabilities and the output projection's input. Without RoPE (``none`` or
+             ``learned_absolute``) and QK-norm, q
              is a view of the fused qkv output and keeps all of it, ``T·(n+2g)/tp·d·e``
              instead of q; the output gate adds ``2·T·(n/tp)·d·e`` (its sigmoid and the gated
              output) and widens the kept qkv output by its block
@@ -347,8 +348,9 @@ def _attention_bytes(cfg: GPTConfig, t, tp, cp, seq, recompute, c, e) -> float:
         d, g = cfg.kv_channels, cfg.kv_heads // tp
         dq = dv = d
         gate = n if cfg.attention_output_gate else 0
-        # Without RoPE and QK-norm, q and k reach SDPA (or the checkpoint) as views of qkv.
-        q_view = cfg.position_embedding_type == "none" and not cfg.qk_layernorm
+        # Without RoPE (none, or learned positions added at the embedding) and QK-norm, q and k
+        # reach SDPA (or the checkpoint) as views of qkv.
+        q_view = cfg.position_embedding_type != "rope" and not cfg.qk_layernorm
         kq, kk, kv_ = t * n * d, t * cp * n * d, t * cp * n * d  # q; k, v expanded over GQA
         kq = 0 if q_view else kq
         # q/k-norm (float32 compute), selective recompute's v (cp = 1) and an unrotated q save

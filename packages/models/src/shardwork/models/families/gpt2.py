@@ -57,7 +57,13 @@ PRESETS = {name: table_preset(name, fields) for name, fields in _SHAPES.items()}
 TINY_PRESETS = {
     "tiny-gpt2": table_preset(
         "tiny-gpt2",
-        DENSE_TINY | _GPT2 | dict(vocab_size=DENSE_TINY["vocab_size"], ffn_hidden_size=256),
+        DENSE_TINY
+        | _GPT2
+        | dict(
+            vocab_size=DENSE_TINY["vocab_size"],
+            max_position_embeddings=DENSE_TINY["max_position_embeddings"],
+            ffn_hidden_size=4 * DENSE_TINY["hidden_size"],
+        ),
         "Tiny twin of GPT-2: LayerNorm, learned absolute positions (256), GELU-tanh MLP 4h "
         "wide, biases on every projection, tied head.",
     ),
