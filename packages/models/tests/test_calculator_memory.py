@@ -57,6 +57,9 @@ LAYOUTS = [
     ("tiny-nemotron-h-8b", dict(mamba=BIASED_MAMBA), 2, 1, None, 1, 1, 1, 2),
     ("tiny-qwen3-next-80b-a3b", {}, 2, 2, None, 2, 1, 1, 8),
     ("tiny-qwen3-next-80b-a3b", dict(add_qkv_bias=True), 2, 1, None, 1, 1, 1, 2),
+    # GPT-2: LayerNorm biases, learned positions (first stage), biases on every projection
+    ("tiny-gpt2", {}, 2, 2, None, 1, 1, 1, 4),
+    ("tiny-gpt2", dict(num_layers=4, tie_word_embeddings=False), 2, 2, 2, 1, 1, 1, 4),
 ]
 
 
@@ -177,6 +180,8 @@ def _saved_bytes(cfg, *, seq: int, batch: int) -> int:
         ("tiny-nemotron-h-8b", torch.bfloat16),
         ("tiny-qwen3-next-80b-a3b", torch.float32),
         ("tiny-qwen3-next-80b-a3b", torch.bfloat16),
+        ("tiny-gpt2", torch.float32),
+        ("tiny-gpt2", torch.bfloat16),
     ],
 )
 def test_activation_estimate_matches_saved_tensors(name, dtype, recompute):

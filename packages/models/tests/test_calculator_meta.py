@@ -98,7 +98,7 @@ def _replay_skipped(config, seq: int) -> int:
 
     torch's non-reentrant checkpoint stops replaying a layer once the last tensor saved for
     backward has been regenerated. The output of a layer's trailing projection is saved by
-    nothing after it, so that matmul is skipped: a dense (SwiGLU or squared-ReLU) MLP's
+    nothing after it, so that matmul is skipped: a dense (SwiGLU, squared-ReLU or GELU) MLP's
     ``fc2``, an ungated shared expert's ``fc2``, and in a mixer-only layer the mixer's output
     projection. A routed expert's ``fc2`` output is saved by the probability-weighted
     unpermute, so it is replayed.
@@ -110,7 +110,7 @@ def _replay_skipped(config, seq: int) -> int:
         "gated_deltanet": config.linear_attention.value_dim if config.linear_attention else 0,
     }
     for layer in spec_for(config).layers:
-        if layer.mlp in ("dense", "relu2"):
+        if layer.mlp in ("dense", "relu2", "gelu"):
             skipped += 2 * seq * config.ffn_hidden_size * h
         elif layer.mlp is None:
             skipped += 2 * seq * out_width[layer.mixer] * h
@@ -148,6 +148,8 @@ def test_hybrid_pattern_param_count_matches_meta_model(name):
         ("tiny-qwen2-57b-a14b", "full"),
         ("tiny-deepseek-v3", "none"),
         ("tiny-deepseek-v3", "full"),
+        ("tiny-gpt2", "none"),
+        ("tiny-gpt2", "full"),
     ],
 )
 def test_flops_match_torch_flop_counter(name, recompute):

@@ -168,7 +168,7 @@ def test_config_4x_and_5x_spellings_agree():
 @pytest.mark.parametrize(
     ("change", "field"),
     [
-        ({"model_type": "gpt2"}, "model_type"),
+        ({"model_type": "gpt_neox"}, "model_type"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"attention_bias": True}, "attention_bias"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type"),

@@ -144,7 +144,7 @@ def test_register_adapter_refuses_a_taken_model_type(toy_registered):
 
 
 def _listed_types(change: dict) -> list[str]:
-    with pytest.raises(ValueError, match="model_type='gpt2' is not supported") as err:
+    with pytest.raises(ValueError, match="model_type='gpt_neox' is not supported") as err:
         gpt_config_from_hf(TOY_HF | change)
     return str(err.value).split("valid: ", 1)[1].split(", ")
 
@@ -152,13 +152,13 @@ def _listed_types(change: dict) -> list[str]:
 def test_unknown_model_type_error_lists_exactly_the_families_types():
     family_types = {t for family in FAMILIES for t in family.HF_MODEL_TYPES}
     assert {"llama", "qwen3", "mixtral", "deepseek_v3"} <= family_types  # dense and MoE
-    assert _listed_types({"model_type": "gpt2"}) == sorted(family_types)
+    assert _listed_types({"model_type": "gpt_neox"}) == sorted(family_types)
     assert set(registry.ADAPTERS) == family_types
 
 
 def test_unknown_model_type_error_lists_a_registered_adapter(toy_registered):
     family_types = {t for family in FAMILIES for t in family.HF_MODEL_TYPES}
-    assert _listed_types({"model_type": "gpt2"}) == sorted(family_types | {"toyqk"})
+    assert _listed_types({"model_type": "gpt_neox"}) == sorted(family_types | {"toyqk"})
 
 
 def test_config_no_adapter_claims_is_refused_by_export():

@@ -7,7 +7,8 @@ pipeline and expert parallelism.
   ``sharded_state_dict()`` in global coordinates.
 - Building blocks: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`,
   :class:`VocabParallelEmbedding`, :class:`LMHead`, :class:`Attention`, :class:`SwiGLUMLP`,
-  :class:`SquaredReLUMLP`, :class:`RMSNorm`, :class:`TransformerLayer`, :class:`TransformerBlock`.
+  :class:`SquaredReLUMLP`, :class:`GeLUMLP`, :class:`RMSNorm`, :class:`LayerNorm`,
+  :class:`LearnedPositionEmbedding`, :class:`TransformerLayer`, :class:`TransformerBlock`.
 - Composition: :class:`DecoderSpec` / :class:`LayerSpec` and :func:`spec_for` (which parts
   each layer has), :func:`register_mixer` / :func:`register_mlp` / :func:`register_norm` (new part kinds).
 - :class:`RNGTracker` and recompute :func:`checkpoint`; losses as (sum, count) with
@@ -46,8 +47,10 @@ from shardwork.models.context_parallel import (
 )
 from shardwork.models.deltanet_config import GatedDeltaNetConfig
 from shardwork.models.embedding import EMBEDDING_KEY, LMHead, VocabParallelEmbedding
+from shardwork.models.gelu_mlp import GeLUMLP
 from shardwork.models.gpt_model import GPTModel
 from shardwork.models.layer_kinds import BuildContext, register_mixer, register_mlp, register_norm
+from shardwork.models.layer_norm import LayerNorm
 from shardwork.models.logits import gather_logits
 from shardwork.models.lora_config import LoRAConfig, lora_key_names
 from shardwork.models.loss import loss_for_backward, reduce_loss, token_loss
@@ -62,6 +65,7 @@ from shardwork.models.mtp import MultiTokenPrediction, reduce_mtp_losses
 from shardwork.models.mtp_config import MTPConfig
 from shardwork.models.norm import RMSNorm
 from shardwork.models.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from shardwork.models.position_embedding import LearnedPositionEmbedding
 from shardwork.models.presets import PRESETS, PUBLISHED_PARAMS, preset
 from shardwork.models.presets_moe import MOE_PRESETS, PUBLISHED_MOE_PARAMS
 from shardwork.models.recompute import RecomputeReplay, checkpoint
@@ -90,8 +94,11 @@ __all__ = [
     "GPTConfig",
     "GPTModel",
     "GatedDeltaNetConfig",
+    "GeLUMLP",
     "LMHead",
+    "LayerNorm",
     "LayerSpec",
+    "LearnedPositionEmbedding",
     "LoRAConfig",
     "LocalParams",
     "MLAConfig",

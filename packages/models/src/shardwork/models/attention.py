@@ -23,6 +23,8 @@ rank, ``d`` head dim.
 - Sliding-window layers (``config.sliding_window``, chosen by ``sliding_window_pattern``) read
   ``inputs.sliding``: their own mask (window on global positions, so it holds under context
   parallelism and packing) and, with ``rope_local_theta``, their own RoPE table.
+- ``add_qkv_bias`` / ``add_proj_bias``: biases on ``linear_qkv`` (split like its blocks) and
+  ``linear_proj`` (replicated, added once after the TP reduction).
 - Context parallelism: K/V are all-gathered over the cp group with a differentiable gather
   (backward reduce-scatters), queries stay local.
 - Attention dropout draws from the model's TP-distinct RNG stream (heads are TP-sharded).
@@ -133,6 +135,7 @@ class Attention(ShardedModule):
             q_size,
             config.hidden_size,
             groups=groups,
+            bias=config.add_proj_bias,
             sequence_parallel=config.sequence_parallel,
             params_dtype=config.params_dtype,
             device=device,

@@ -3,16 +3,21 @@
 Notation: ``L`` layers, ``h`` hidden, ``a`` query heads, ``g`` kv heads, ``d`` head dim,
 ``f`` MLP width, ``V`` vocab (real; padding excluded), ``s`` sequence, ``b`` micro-batch,
 ``q`` query-sized blocks of the QKV projection (2 with ``attention_output_gate``: Q and the
-gate; else 1), ``m`` matrices of the dense MLP (3 SwiGLU, 2 ``mlp_activation="relu2"``).
+gate; else 1), ``m`` matrices of the dense MLP (3 SwiGLU, 2 ``mlp_activation="relu2"`` or
+``"gelu_tanh"``), ``n`` elements of a norm (``h`` RMSNorm, ``2h`` LayerNorm), ``P`` rows of the
+learned position table (``max_position_embeddings``; 0 unless ``learned_absolute``).
 
 Parameters (exact, matches the model's real rows):
-  per layer  ``P_L = h·(q·a+2g)·d [+ (q·a+2g)·d bias] + a·d·h + m·h·f [+ (m−1)·f + h MLP bias]
-             + 2·n·h [+ 2·d qk-norm]`` (``n`` norms per part: 2 with ``sandwich_norm``)
-  total      ``P = L·P_L + V·h (embedding) + V·h (head, if untied) + h (final norm)``
+  per layer  ``P_L = h·(q·a+2g)·d [+ (q·a+2g)·d bias] + a·d·h [+ h proj bias] + m·h·f
+             [+ (m−1)·f + h MLP bias] + 2·k·n [+ 2·d qk-norm]`` (``k`` norms per part: 2 with
+             ``sandwich_norm``, else 1)
+  total      ``P = L·P_L + V·h (embedding) + P·h (positions) + V·h (head, if untied)
+             + n (final norm)``
 
 Training FLOPs per token (matmuls only, forward + backward = 3 × forward):
   ``forward = 2·(L·(h·(q·a+2g)·d + a·d·h + m·h·f) + V_pad·h) + Σ_layers 4·a·d·k``
-  (``V_pad``: the padded vocabulary, the work actually done), where the last term is QKᵀ and AV
+  (``V_pad``: the padded vocabulary, the work actually done; biases, norms and the position
+  lookup are no matmuls and add nothing), where the last term is QKᵀ and AV
   with ``k = s·c`` keys per query, ``c = 1/2`` for causal attention (only the lower triangle is
   useful work; the convention of FlashAttention/MFU reports), and ``k = W − W²/(2s)`` for a
   causal sliding-window layer with window ``W < s``
@@ -34,7 +39,10 @@ from shardwork.models.calculator_layers import (
     attended_keys,
     mlp_bias_params,
     mlp_matrices,
+    norm_params,
     norms_per_part,
+    position_params,
+    proj_bias_params,
     query_blocks,
 )
 from shardwork.models.calculator_memory import local_parameters, stage_activation_bytes
@@ -48,7 +56,7 @@ def _layer_params(c: GPTConfig) -> int:
     d, a, g, h = c.kv_channels, c.num_attention_heads, c.kv_heads, c.hidden_size
     qa, f = query_blocks(c) * a, c.ffn_hidden_size
     n = h * (qa + 2 * g) * d + a * d * h + mlp_matrices(c) * h * f + mlp_bias_params(c)
-    n += 2 * norms_per_part(c) * h
+    n += 2 * norms_per_part(c) * norm_params(c) + proj_bias_params(c)
     if c.add_qkv_bias:
         n += (qa + 2 * g) * d
     if c.qk_layernorm:
@@ -66,8 +74,8 @@ def num_parameters(config: GPTConfig) -> int:
     """Exact number of (real, unpadded) parameters of the whole model."""
     if _not_plain_dense(config):
         return moe_param_counts(config).total  # MoE / MLA / MTP: see calculator_moe.py
-    n = config.num_layers * _layer_params(config) + config.hidden_size
-    n += config.vocab_size * config.hidden_size
+    n = config.num_layers * _layer_params(config) + norm_params(config)
+    n += config.vocab_size * config.hidden_size + position_params(config)
     if not config.tie_word_embeddings:
         n += config.vocab_size * config.hidden_size
     return n

@@ -10,9 +10,10 @@ rows included, so the count is what occupies memory):
           block as wide as Q; MLA: its down projections and latent norms are replicated),
           Mamba-2 and Gated DeltaNet ``/tp`` along heads and groups
           (:mod:`shardwork.models.calculator_memory_hybrid` lists their tensors), norms and
-          routers replicated, MLPs and shared experts ``/tp`` (SwiGLU ``3·h·f``, squared ReLU
-          ``2·h·f``), embedding / untied head / MTP embedding copy ``V_p·h/tp``, MTP
-          ``eh_proj 2h·h/tp``
+          routers replicated (LayerNorm: weight and bias), MLPs and shared experts ``/tp``
+          (SwiGLU ``3·h·f``, squared ReLU and GELU ``2·h·f``), embedding / untied head / MTP
+          embedding copy ``V_p·h/tp``, learned position table ``P·h`` (replicated, first
+          stage), MTP ``eh_proj 2h·h/tp``; biases of ``add_proj_bias`` / ``add_mlp_bias``
   expert  ``(E/ep) · m·h·F/etp`` per MoE layer (``ParamMeta.is_expert``; ``m`` = 3 SwiGLU,
           2 squared ReLU, like the shared experts)
 Bytes: weights ``P·bytes(params_dtype)``; gradients ``P·4`` (fp32 ``main_grad``); optimizer
@@ -24,7 +25,8 @@ per micro-batch, counted tensor by tensor (:func:`layer_activation_bytes`; docs/
 lists every term). ``T = s·b/cp`` local tokens, ``Tn`` the tokens a norm sees (``T/tp`` under
 sequence parallelism, else ``T``), ``e`` the activation bytes, ``c`` the norm/SwiGLU
 arithmetic bytes (4, or 8 for float64). Per layer, recompute ``none``:
-  norms      ``Tn·(2h+1)·c + T·h·e`` each (x, rstd, x·rstd; the next matmul's input); a
+  norms      ``Tn·(2h+1)·c + T·h·e`` each (x, rstd, x·rstd; the next matmul's input);
+             LayerNorm the same (x − mean, rstd, their product; the bias add saves nothing); a
              sandwich post-norm ``Tn·(2h+1)·c``
   attention  flash-style SDPA (query and value head widths equal): ``T·(a/tp)·d·e·(2 + 2·cp)
              + T·(a/tp)·4`` (q, GQA-expanded k and v over the cp-gathered keys, output,
@@ -33,7 +35,8 @@ arithmetic bytes (4, or 8 for float64). Per layer, recompute ``none``:
              saves beyond that with a sliding-window mask is not modelled, +1.2% measured on a
              tiny Llama with window 8);
              math SDPA (MLA, widths differ): ``q, k, v`` plus ``T·(n/tp)·s·e``
-             probabilities and the output projection's input. Without RoPE and QK-norm, q
+             probabilities and the output projection's input. Without RoPE (``none`` or
+             ``learned_absolute``) and QK-norm, q
              is a view of the fused qkv output and keeps all of it, ``T·(n+2g)/tp·d·e``
              instead of q; the output gate adds ``2·T·(n/tp)·d·e`` (its sigmoid and the gated
              output) and widens the kept qkv output by its block
@@ -42,7 +45,7 @@ arithmetic bytes (4, or 8 for float64). Per layer, recompute ``none``:
   DeltaNet   :mod:`shardwork.models.calculator_memory_hybrid` (terms over the sequence rounded
              up to whole chunks where the chunked scan pads it)
   MLP        SwiGLU ``T·(3f/tp·c + f/tp·e)``; squared ReLU ``2·T·f/tp·e`` (relu's output, which
-             the square also keeps, and the square); MoE: router scores and indices, and for
+             the square also keeps, and the square); GELU the same (its input and output); MoE: router scores and indices, and for
              ``R = T·k·etp/tp`` routed rows (expected, uniform load) ``R·(h·e + 3F/etp·c +
              F/etp·e)`` (squared ReLU: ``R·(h·e + 2F/etp·e)``) in the experts plus ``(T·k/tp)·(2h·e + e + 8)`` to unpermute, shared
              experts like an MLP and their sigmoid gate ``Tn·(h + 1)·e`` (the shared output
@@ -67,7 +70,10 @@ import torch
 from shardwork.models.calculator_layers import (
     mlp_bias_params,
     mlp_matrices,
+    norm_params,
     norms_per_part,
+    position_params,
+    proj_bias_params,
     query_blocks,
 )
 from shardwork.models.calculator_memory_hybrid import (
@@ -130,7 +136,7 @@ def _attention_params(c: GPTConfig, tp: int) -> int:
         d, g = c.kv_channels, c.kv_heads
         # linear_qkv's rows: Q, K, V and, with the output gate, a G block as wide as Q
         qkv = (query_blocks(c) * n + 2 * g) * d // tp
-        p = qkv * h + (qkv if c.add_qkv_bias else 0) + n * d // tp * h
+        p = qkv * h + (qkv if c.add_qkv_bias else 0) + n * d // tp * h + proj_bias_params(c)
         return p + (2 * d if c.qk_layernorm else 0)
     m = c.mla
     if m.q_lora_rank is None:
@@ -169,7 +175,7 @@ def _moe_params(c: GPTConfig, *, tp: int, ep: int, etp: int) -> tuple[int, int]:
 def _layer_params(c: GPTConfig, spec: LayerSpec, *, tp: int, ep: int, etp: int):
     """(dense, expert) local elements of one layer: its parts and a norm per part."""
     dense = expert = 0
-    norms = norms_per_part(c) * c.hidden_size
+    norms = norms_per_part(c) * norm_params(c)
     if spec.mixer is not None:
         dense += _part(MIXER_MEMORY, spec.mixer).params(c, tp) + norms
     if spec.mlp is not None:
@@ -229,9 +235,9 @@ def local_parameters(
         d, e = _layer_params(c, spec.layers[layer], tp=tp, ep=ep, etp=etp)
         dense, expert = dense + d, expert + e
     if pre:
-        dense += vocab
+        dense += vocab + position_params(c)  # the position table is replicated over TP
     if post:
-        dense += h  # final norm
+        dense += norm_params(c)  # final norm
         if not c.tie_word_embeddings or not pre:
             dense += vocab  # untied head, or the tied head's copy on the last stage
         if c.mtp is not None:
@@ -350,8 +356,9 @@ def _attention_bytes(cfg: GPTConfig, t, tp, cp, seq, recompute, c, e) -> float:
         d, g = cfg.kv_channels, cfg.kv_heads // tp
         dq = dv = d
         gate = n if cfg.attention_output_gate else 0
-        # Without RoPE and QK-norm, q and k reach SDPA (or the checkpoint) as views of qkv.
-        q_view = cfg.position_embedding_type == "none" and not cfg.qk_layernorm
+        # Without RoPE (none, or learned positions added at the embedding) and QK-norm, q and k
+        # reach SDPA (or the checkpoint) as views of qkv.
+        q_view = cfg.position_embedding_type != "rope" and not cfg.qk_layernorm
         kq, kk, kv_ = t * n * d, t * cp * n * d, t * cp * n * d  # q; k, v expanded over GQA
         kq = 0 if q_view else kq
         # q/k-norm (float32 compute), selective recompute's v (cp = 1) and an unrotated q save
@@ -522,4 +529,7 @@ register_mixer_memory(
 )
 register_mlp_memory("dense", MlpMemory(_swiglu_params, _swiglu_bytes))
 register_mlp_memory("relu2", MlpMemory(_relu2_params, _relu2_bytes))
+# The GELU MLP has the squared-ReLU MLP's two linears, and GELU saves one tensor (its input,
+# fc1's output) where relu² saves relu's output: the same bytes.
+register_mlp_memory("gelu", MlpMemory(_relu2_params, _relu2_bytes))
 register_mlp_memory("moe", MlpMemory(_moe_params, _moe_bytes))

@@ -9,20 +9,21 @@ width, ``S`` shared-expert width, ``n`` heads, ``dn``/``dr``/``dv`` MLA head dim
 MLA latent ranks, ``D`` MTP depths.
 
 Per layer (exact, as the model builds them):
-  attention (GQA)  ``h·(q·a+2g)·d + a·d·h [+ (q·a+2g)·d bias] [+ 2d qk-norm]`` (``q`` = 2
-                   with the attention output gate, else 1)
+  attention (GQA)  ``h·(q·a+2g)·d + a·d·h [+ (q·a+2g)·d bias] [+ h proj bias] [+ 2d qk-norm]``
+                   (``q`` = 2 with the attention output gate, else 1)
   attention (MLA)  ``[h·rq + rq + rq·n·(dn+dr) | h·n·(dn+dr)] + h·(rkv+dr) + rkv
                    + rkv·n·(dn+dv) + n·dv·h``
-  norms            ``h`` per part (``2h`` for an attention + MLP layer; twice that with
+  norms            ``n`` per part (``n`` = ``h`` RMSNorm, ``2h`` LayerNorm; twice that with
                    ``sandwich_norm``)
-  dense MLP        ``m·h·f [+ (m−1)·f + h bias]`` (``m`` = 3 SwiGLU, 2 squared ReLU)
+  dense MLP        ``m·h·f [+ (m−1)·f + h bias]`` (``m`` = 3 SwiGLU, 2 squared ReLU or GELU)
   Mamba-2          ``h·(2I+2gN+nh) + I·h`` projections, ``(I+2gN)·k [+ bias]`` conv,
                    ``3·nh + I`` (dt bias, A, D, gated norm); FLOPs in calculator_mamba.py
   Gated DeltaNet   ``h·(2Kd+2Vd+2Nv) + Vd·h`` projections, ``(2Kd+Vd)·K`` conv,
                    ``2·Nv + dv`` (A, dt bias, norm); FLOPs in calculator_deltanet.py
   MoE MLP          total ``E·h (router) + E·m·h·F + m·h·S [+ h gate]``;
                    active ``E·h + k·m·h·F + m·h·S [+ h]`` (``m`` as for the dense MLP)
-Model: ``Σ layers + V·h (embedding) [+ V·h untied head] + h (final norm)``; each MTP depth adds
+Model: ``Σ layers + V·h (embedding) [+ P·h learned positions] [+ V·h untied head] + n (final
+norm)``; each MTP depth adds
 ``2h·h (eh_proj) + 3h (norms) +`` one MoE layer (embedding and head are shared).
 
 Training FLOPs per token: ``3 × forward``, forward ``= 2·(matmul weights a token passes
@@ -49,7 +50,10 @@ from shardwork.models.calculator_deltanet import deltanet_forward_flops
 from shardwork.models.calculator_layers import (
     mlp_bias_params,
     mlp_matrices,
+    norm_params,
     norms_per_part,
+    position_params,
+    proj_bias_params,
     query_blocks,
 )
 from shardwork.models.calculator_mamba import mamba_forward_flops
@@ -114,6 +118,7 @@ def _attention(c: GPTConfig) -> int:
     if c.mla is not None:  # the q and kv low-rank norms
         return p + c.mla.kv_lora_rank + (c.mla.q_lora_rank or 0)
     d, g = c.kv_channels, c.kv_heads
+    p += proj_bias_params(c)
     if c.add_qkv_bias:
         p += (query_blocks(c) * c.num_attention_heads + 2 * g) * d
     if c.qk_layernorm:
@@ -175,7 +180,7 @@ def _layer_params(c: GPTConfig, spec: LayerSpec) -> tuple[int, int, int]:
     for kind in (spec.mixer, spec.mlp):
         if kind is not None:
             t, a, r = _cost(kind).params(c)
-            norms = norms_per_part(c) * c.hidden_size
+            norms = norms_per_part(c) * norm_params(c)
             total, active, router = (
                 total + t + norms,
                 active + a + norms,
@@ -193,7 +198,8 @@ def moe_param_counts(config: GPTConfig) -> ParamCounts:
     for layer in spec.layers:
         t, a, r = _layer_params(c, layer)
         total, active, router = total + t, active + a, router + r
-    emb = c.vocab_size * h * (1 if c.tie_word_embeddings else 2) + h
+    emb = c.vocab_size * h * (1 if c.tie_word_embeddings else 2) + norm_params(c)
+    emb += position_params(c)
     mtp = mtp_active = 0
     for layer in spec.mtp:
         t, a, r = _layer_params(c, layer)
@@ -258,6 +264,7 @@ register_part_cost("attention", _ATTENTION)
 register_part_cost("mla", _ATTENTION)
 register_part_cost("dense", PartCost(_dense_params, _dense_forward))
 register_part_cost("relu2", PartCost(_dense_params, _dense_forward))
+register_part_cost("gelu", PartCost(_dense_params, _dense_forward))
 register_part_cost("moe", PartCost(_moe_mlp, lambda c, s, causal: 2 * _moe_mlp(c)[1]))
 
 

@@ -63,14 +63,19 @@ class GPTConfig:
     make_vocab_size_divisible_by: int = 128
     """The embedding/head rows are padded to a multiple of this (layout-independent)."""
     max_position_embeddings: int = 4096
-    """Longest sequence the model is meant for (informational; RoPE has no table limit)."""
+    """Longest sequence the model is meant for: the rows of the position table with
+    ``position_embedding_type="learned_absolute"`` (a longer sequence is refused), otherwise
+    informational (RoPE has no table limit)."""
     rope_theta: float = 10000.0
     """RoPE base."""
     rope_scaling: Llama3RopeScaling | YarnRopeScaling | LinearRopeScaling | None = None
     """RoPE frequency scaling (Llama 3.1 / YaRN / linear), from ``shardwork.fused_kernels``; with
     ``rope_local_theta`` it applies to the global (not sliding-window) layers only."""
     norm_epsilon: float = 1e-5
-    """RMSNorm epsilon."""
+    """Epsilon of every norm (RMSNorm or LayerNorm)."""
+    normalization: str = "rmsnorm"
+    """Kind of every norm of the layers and the final norm: "rmsnorm" or "layernorm"
+    (LayerNorm with weight and bias, GPT-2; Megatron's ``normalization``)."""
     qk_layernorm: bool = False
     """RMSNorm over each query/key head before RoPE (Qwen3)."""
     add_qkv_bias: bool = False
@@ -79,7 +84,9 @@ class GPTConfig:
     """Gated attention (Qwen3-Next): the QKV projection also yields a per-head gate ``g`` and the
     attention output is multiplied by ``sigmoid(g)`` before the output projection."""
     position_embedding_type: str = "rope"
-    """Position encoding of attention: "rope" or "none" (no positional signal, Nemotron-H)."""
+    """Position encoding: "rope", "none" (no positional signal, Nemotron-H) or
+    "learned_absolute" (a ``[max_position_embeddings, h]`` table added to the word embedding
+    on the first pipeline stage, GPT-2; Megatron's name)."""
     rotary_percent: float = 1.0
     """Fraction of each head's channels RoPE rotates (the first ``int(rotary_percent·head_dim)``;
     the rest pass through): Qwen3-Next's ``partial_rotary_factor``."""
@@ -87,9 +94,14 @@ class GPTConfig:
     """Every RMSNorm computes ``x̂·(1 + w)`` with ``w`` initialised to zeros (Qwen3-Next)."""
     mlp_activation: str = "swiglu"
     """Dense MLP: "swiglu" (gated SiLU), "geglu" (gated GELU, tanh approximation: Gemma's
-    ``gelu_pytorch_tanh``) or "relu2" (``down(relu(up(x))²)``, Nemotron-H)."""
+    ``gelu_pytorch_tanh``), "relu2" (``down(relu(up(x))²)``, Nemotron-H) or "gelu_tanh"
+    (``fc2(gelu_tanh(fc1(x)))``, not gated, GPT-2's ``gelu_new``)."""
     add_mlp_bias: bool = False
     """Biases on the dense MLP's two linears (Hugging Face's ``mlp_bias``); not with ``moe``."""
+    add_proj_bias: bool = False
+    """Bias on attention's output projection (GPT-2; with ``add_qkv_bias`` and
+    ``add_mlp_bias`` Megatron's ``add_bias_linear``); under TP it is added once, after the
+    reduction of the row-parallel partial sums."""
     scale_embedding: bool = False
     """Multiply the input embeddings by ``sqrt(hidden_size)`` (Gemma; the factor is rounded to
     float32 and then to the embedding's dtype, as transformers does)."""
@@ -400,6 +412,15 @@ def check_sequence_length(config: GPTConfig, seq_length: int, *, tp: int, cp: in
         raise ValueError(
             f"seq_length={seq_length} is not divisible by 2*cp={2 * cp}: context parallelism "
             "splits the sequence into 2·cp load-balanced chunks"
+        )
+    if (
+        config.position_embedding_type == "learned_absolute"
+        and seq_length > config.max_position_embeddings
+    ):
+        raise ValueError(
+            f"seq_length={seq_length} is longer than max_position_embeddings="
+            f"{config.max_position_embeddings}: the learned position table has one row per "
+            "position; use a shorter sequence"
         )
     local = seq_length // cp
     if config.sequence_parallel and local % tp != 0:

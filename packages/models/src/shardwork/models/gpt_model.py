@@ -15,6 +15,10 @@
   RoPE positions and the attention mask come from global positions. Packed sequences
   (``cu_seqlens``, batch 1) get a document-causal mask and positions restarting per document;
   packed + cp > 1 is rejected.
+- ``position_embedding_type="learned_absolute"``: the first stage adds the rows of a learned
+  position table (:mod:`~shardwork.models.position_embedding`, key
+  ``embedding.position_embeddings.weight``) to the word embedding, at the same global
+  positions RoPE would use.
 - Outputs: hidden states (not ``post_process``), vocab-split logits ``[s, b, V_pad/tp]`` (no
   labels), or ``(loss_sum, num_tokens)`` over this rank's tokens (labels given); see
   :mod:`shardwork.models.loss` for the dp×cp reduction.
@@ -45,6 +49,7 @@ from shardwork.models.layer_kinds import WHOLE_SEQUENCE_MIXERS, BuildContext, at
 from shardwork.models.loss import token_loss
 from shardwork.models.module import ShardedModule, to_empty_keep_meta
 from shardwork.models.mtp import MultiTokenPrediction
+from shardwork.models.position_embedding import LearnedPositionEmbedding
 from shardwork.models.recompute import RecomputeReplay
 from shardwork.models.rng import RNGTracker
 from shardwork.models.sharding import init_from_shards
@@ -55,6 +60,24 @@ from shardwork.moe_router import AuxLossScale, attach_aux_loss
 from shardwork.parallel_state import ProcessGroups
 
 __all__ = ["GPTModel"]
+
+
+def _checked_layer_range(config: GPTConfig, groups: ProcessGroups, layer_range):
+    """``(start, stop)`` of the decoder layers a model holds: all of them by default (pp=1)."""
+    if layer_range is None:
+        if groups.size("pp") > 1:
+            raise ValueError(
+                f"GPTModel with pp={groups.size('pp')} needs layer_range=(start, stop): "
+                "build stages with shardwork.models.pipeline.build_stage"
+            )
+        return 0, config.num_layers
+    start, stop = layer_range
+    if not 0 <= start <= stop <= config.num_layers:
+        raise ValueError(
+            f"layer_range={layer_range} is invalid: need 0 <= start <= stop <= "
+            f"num_layers={config.num_layers}"
+        )
+    return start, stop
 
 
 class GPTModel(ShardedModule):
@@ -79,19 +102,7 @@ class GPTModel(ShardedModule):
         config.check_layout(groups.config)
         spec = spec_for(config) if spec is None else spec
         spec.check(config)
-        if layer_range is None:
-            if groups.size("pp") > 1:
-                raise ValueError(
-                    f"GPTModel with pp={groups.size('pp')} needs layer_range=(start, stop): "
-                    "build stages with shardwork.models.pipeline.build_stage"
-                )
-            layer_range = (0, config.num_layers)
-        start, stop = layer_range
-        if not 0 <= start <= stop <= config.num_layers:
-            raise ValueError(
-                f"layer_range={layer_range} is invalid: need 0 <= start <= stop <= "
-                f"num_layers={config.num_layers}"
-            )
+        start, stop = _checked_layer_range(config, groups, layer_range)
         super().__init__(groups)
         self.config = config
         self.pre_process = start == 0 if pre_process is None else pre_process
@@ -118,6 +129,12 @@ class GPTModel(ShardedModule):
         ctx = BuildContext(config, groups, self.rng_tracker, device, owner=self)
         self.embedding = (
             VocabParallelEmbedding(config, groups, device=device) if self.pre_process else None
+        )
+        learned = config.position_embedding_type == "learned_absolute"
+        self.position_embeddings = (
+            LearnedPositionEmbedding(config, groups, device=device)
+            if self.pre_process and learned
+            else None
         )
         self.decoder = TransformerBlock(
             config,
@@ -154,7 +171,10 @@ class GPTModel(ShardedModule):
 
     # ---- parameters ------------------------------------------------------------------------
     def _child_prefix(self, name: str, index: int | None = None) -> str:
-        return "embedding.word_embeddings" if name == "embedding" else name
+        # Megatron's keys: both tables live under "embedding."
+        if name in ("embedding", "position_embeddings"):
+            return "embedding." + ("word_embeddings" if name == "embedding" else name)
+        return name
 
     @torch.no_grad()
     def init_parameters(self) -> None:
@@ -182,11 +202,28 @@ class GPTModel(ShardedModule):
         return self
 
     # ---- forward ---------------------------------------------------------------------------
+    def _token_positions(
+        self, local_len: int, cu_seqlens: torch.Tensor | None, device: torch.device
+    ) -> torch.Tensor:
+        """Global positions ``[local_len]`` of this rank's tokens: restarting at 0 per packed
+        document, else the cp rank's two load-balanced chunks (RoPE and learned positions)."""
+        g = self.groups
+        if cu_seqlens is None:
+            return local_positions(
+                local_len, cp_rank=g.rank("cp"), cp_size=g.size("cp"), device=device
+            )
+        positions = packed_positions(cu_seqlens.to(device))
+        if positions.numel() != local_len:
+            raise ValueError(
+                f"cu_seqlens[-1]={positions.numel()} must equal the sequence length {local_len}"
+            )
+        return positions
+
     def _attention_inputs(
         self, local_len: int, cu_seqlens: torch.Tensor | None, device: torch.device
     ) -> AttentionInputs:
         cfg, g = self.config, self.groups
-        cp, cp_rank = g.size("cp"), g.rank("cp")
+        cp = g.size("cp")
         # (query index, key index, query doc, key doc) of the mask; None for plain causal.
         mask_args = None
         if cu_seqlens is not None:
@@ -204,19 +241,14 @@ class GPTModel(ShardedModule):
                     "layers: their scans run each row from a zero state and would carry state "
                     "across documents; pass unpacked batches"
                 )
-            cu = cu_seqlens.to(device)
-            positions = packed_positions(cu)
-            if positions.numel() != local_len:
-                raise ValueError(
-                    f"cu_seqlens[-1]={positions.numel()} must equal the sequence length {local_len}"
-                )
-            docs = document_ids(cu, local_len)
+            positions = self._token_positions(local_len, cu_seqlens, device)
+            docs = document_ids(cu_seqlens.to(device), local_len)
             index = torch.arange(local_len, device=device)
             # RoPE positions restart per document (packed_positions), but causality follows the
             # token's index in the packed row; the document ids forbid attention across documents.
             mask_args = (index, index, docs, docs)
         else:
-            positions = local_positions(local_len, cp_rank=cp_rank, cp_size=cp, device=device)
+            positions = self._token_positions(local_len, None, device)
             if cp > 1:
                 # Keys arrive all-gathered in cp-rank order, each rank's two chunks; is_causal
                 # cannot express this layout, so the mask is built from global positions.
@@ -294,7 +326,11 @@ class GPTModel(ShardedModule):
                 raise ValueError(
                     f"packed sequences need batch size 1, got input_ids.shape={tuple(input_ids.shape)}"
                 )
-            hidden = self.embedding(input_ids).to(cfg.activation_dtype)
+            hidden = self.embedding(input_ids)
+            if self.position_embeddings is not None:
+                positions = self._token_positions(local_len, cu_seqlens, input_ids.device)
+                hidden = hidden + self.position_embeddings(positions)
+            hidden = hidden.to(cfg.activation_dtype)
             hidden = hidden_dropout(
                 hidden,
                 cfg.hidden_dropout,

@@ -9,9 +9,11 @@ module. Built in:
   (:class:`~shardwork.models.mamba.Mamba2Mixer`, needs ``GPTConfig.mamba``) and
   ``"gated_deltanet"`` (:class:`~shardwork.models.deltanet.GatedDeltaNetMixer`, Qwen3-Next);
 - MLPs ``"dense"`` (:class:`~shardwork.models.mlp.SwiGLUMLP`, SwiGLU or GeGLU), ``"relu2"``
-  (:class:`~shardwork.models.squared_relu_mlp.SquaredReLUMLP`, Nemotron-H) and ``"moe"``
+  (:class:`~shardwork.models.squared_relu_mlp.SquaredReLUMLP`, Nemotron-H), ``"gelu"``
+  (:class:`~shardwork.models.gelu_mlp.GeLUMLP`, GPT-2) and ``"moe"``
   (:class:`~shardwork.models.moe.layer.MoELayer`);
-- norms ``"rmsnorm"`` (:class:`~shardwork.models.norm.RMSNorm`), for a layer's two pre-norms
+- norms ``"rmsnorm"`` (:class:`~shardwork.models.norm.RMSNorm`) and ``"layernorm"``
+  (:class:`~shardwork.models.layer_norm.LayerNorm`, GPT-2), for a layer's two pre-norms
   and the decoder's final norm (a norm builder takes the context and the normalised size);
   zero-centred (``1 + w``) when ``config.layernorm_zero_centered_gamma``, like every RMSNorm
   of the model (QK-norm, MLA and MTP norms too), so that the flag cannot disagree between them.
@@ -42,6 +44,8 @@ import torch
 from shardwork.models.attention import Attention
 from shardwork.models.config import GPTConfig
 from shardwork.models.deltanet import GatedDeltaNetMixer
+from shardwork.models.gelu_mlp import GeLUMLP
+from shardwork.models.layer_norm import LayerNorm
 from shardwork.models.mamba import Mamba2Mixer
 from shardwork.models.mla import MLAttention
 from shardwork.models.mlp import SwiGLUMLP
@@ -179,12 +183,13 @@ register_mixer(
 register_mixer("mla", lambda c, i: MLAttention(c.config, c.groups, rng=c.rng, device=c.device))
 register_mlp("dense", lambda c, i: SwiGLUMLP(c.config, c.groups, device=c.device))
 register_mlp("relu2", lambda c, i: SquaredReLUMLP(c.config, c.groups, device=c.device))
+register_mlp("gelu", lambda c, i: GeLUMLP(c.config, c.groups, device=c.device))
 register_mlp("moe", _moe, attach=attach_moe)
 
 
-def _rmsnorm(ctx: BuildContext, size: int) -> RMSNorm:
-    return RMSNorm(
-        size,
+def _norm_options(ctx: BuildContext) -> dict:
+    """What every norm kind of a layer takes from the config."""
+    return dict(
         groups=ctx.groups,
         eps=ctx.config.norm_epsilon,
         backend=ctx.config.kernel_backend,
@@ -197,7 +202,16 @@ def _rmsnorm(ctx: BuildContext, size: int) -> RMSNorm:
     )
 
 
+def _rmsnorm(ctx: BuildContext, size: int) -> RMSNorm:
+    return RMSNorm(size, **_norm_options(ctx))
+
+
+def _layernorm(ctx: BuildContext, size: int) -> LayerNorm:
+    return LayerNorm(size, **_norm_options(ctx))
+
+
 register_norm("rmsnorm", _rmsnorm)
+register_norm("layernorm", _layernorm)
 
 register_mixer("mamba", lambda c, i: Mamba2Mixer(c.config, c.groups, device=c.device))
 register_mixer(

@@ -1,7 +1,8 @@
-"""Validation of the layer options of hybrid families (gated attention, partial or no RoPE,
-zero-centred RMSNorm, squared-ReLU MLP, MLP biases) and of the Gemma options (GeGLU, scaled
-embeddings, sandwich norms, soft-capping, ``query_pre_attn_scalar``, sliding-window layers and
-their own RoPE base), called by ``GPTConfig.__post_init__``.
+"""Validation of the layer options (gated attention, partial or no RoPE, zero-centred RMSNorm,
+squared-ReLU MLP, MLP biases; Megatron's classic GPT options: LayerNorm, learned absolute
+positions, GELU MLP, output-projection bias; the Gemma options: GeGLU, scaled embeddings,
+sandwich norms, soft-capping, ``query_pre_attn_scalar``, sliding-window layers and their own
+RoPE base), called by ``GPTConfig.__post_init__``.
 
 The options are plain ``GPTConfig`` fields (Megatron's names where Megatron has them); this
 module checks their values and the combinations the model cannot build, so that a bad value
@@ -17,14 +18,16 @@ from typing import Any
 __all__ = [
     "LAYER_OPTION_DEFAULTS",
     "MLP_ACTIVATIONS",
+    "NORMALIZATIONS",
     "POSITION_EMBEDDING_TYPES",
     "check_layer_options",
     "is_sliding_window_layer",
     "non_default_layer_options",
 ]
 
-POSITION_EMBEDDING_TYPES = ("rope", "none")
-MLP_ACTIVATIONS = ("swiglu", "relu2", "geglu")
+POSITION_EMBEDDING_TYPES = ("rope", "none", "learned_absolute")
+MLP_ACTIVATIONS = ("swiglu", "relu2", "geglu", "gelu_tanh")
+NORMALIZATIONS = ("rmsnorm", "layernorm")
 LAYER_OPTION_DEFAULTS = {
     "attention_output_gate": False,
     "position_embedding_type": "rope",
@@ -40,6 +43,8 @@ LAYER_OPTION_DEFAULTS = {
     "sliding_window": None,
     "sliding_window_pattern": None,
     "rope_local_theta": None,
+    "normalization": "rmsnorm",
+    "add_proj_bias": False,
 }
 """The options' values in a model without them (the Llama/Qwen/Mixtral/DeepSeek layers)."""
 
@@ -94,17 +99,24 @@ def check_layer_options(config: Any) -> None:
     _bool("attention_output_gate", config.attention_output_gate)
     _bool("layernorm_zero_centered_gamma", config.layernorm_zero_centered_gamma)
     _bool("add_mlp_bias", config.add_mlp_bias)
+    _bool("add_proj_bias", config.add_proj_bias)
+    if config.normalization not in NORMALIZATIONS:
+        raise ValueError(
+            f"GPTConfig.normalization={config.normalization!r} is invalid: valid are "
+            f"{NORMALIZATIONS}"
+        )
     if config.position_embedding_type not in POSITION_EMBEDDING_TYPES:
         raise ValueError(
             f"GPTConfig.position_embedding_type={config.position_embedding_type!r} is invalid: "
             f"valid are {POSITION_EMBEDDING_TYPES}"
         )
     if config.mla is not None:
-        # MLA rotates its own qk_rope_head_dim channels and has no output gate.
+        # MLA rotates its own qk_rope_head_dim channels and has no output gate or bias.
         for name, default in (
             ("rotary_percent", 1.0),
             ("position_embedding_type", "rope"),
             ("attention_output_gate", False),
+            ("add_proj_bias", False),
         ):
             if getattr(config, name) != default:
                 raise ValueError(
@@ -117,6 +129,7 @@ def check_layer_options(config: Any) -> None:
             f"GPTConfig.mlp_activation={config.mlp_activation!r} is invalid: valid are "
             f"{MLP_ACTIVATIONS}"
         )
+    _check_classic_gpt(config)
     if config.moe is not None and config.add_mlp_bias:
         raise ValueError(
             "GPTConfig.add_mlp_bias=True is not supported with moe (experts and shared experts "
@@ -209,3 +222,27 @@ def is_sliding_window_layer(config: Any, layer: int) -> bool:
     if isinstance(pattern, tuple):
         return bool(pattern[layer])
     return (layer + 1) % pattern != 0
+
+
+def _check_classic_gpt(config: Any) -> None:
+    """The parts Megatron's classic GPT options cannot be combined with: MoE experts have no
+    GELU MLP, MTP depths embed without positions, and QK-norm, MLA's and MTP's norms are
+    RMSNorms (every norm of a model is of one kind)."""
+    if config.moe is not None and config.mlp_activation == "gelu_tanh":
+        raise ValueError(
+            "GPTConfig.mlp_activation='gelu_tanh' is not supported with moe (experts are "
+            "'swiglu' or 'relu2'): valid with moe are 'swiglu', 'relu2'"
+        )
+    if config.position_embedding_type == "learned_absolute" and config.mtp is not None:
+        raise ValueError(
+            "GPTConfig.position_embedding_type='learned_absolute' is not supported with mtp "
+            "(the MTP depths embed tokens without positions): valid with mtp are 'rope', 'none'"
+        )
+    if config.normalization == "layernorm":
+        for name in ("qk_layernorm", "mla", "mtp"):
+            value = getattr(config, name)
+            if value not in (False, None):
+                raise ValueError(
+                    f"GPTConfig.normalization='layernorm' is not supported with {name} (its "
+                    f"norms are RMSNorms): set normalization='rmsnorm' or {name} off"
+                )

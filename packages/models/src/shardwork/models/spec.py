@@ -32,7 +32,8 @@ class LayerSpec:
     mixer: str | None = "attention"
     """Token mixer kind: ``"attention"``, ``"mla"`` or a registered one; None: no mixer."""
     mlp: str | None = "dense"
-    """Channel MLP kind: ``"dense"`` (SwiGLU), ``"relu2"``, ``"moe"`` or a registered one; None: no MLP."""
+    """Channel MLP kind: ``"dense"`` (SwiGLU), ``"relu2"``, ``"gelu"``, ``"moe"`` or a registered
+    one; None: no MLP."""
     norm: str = "rmsnorm"
     """Kind of the layer's pre-norms (one before each part it holds)."""
 
@@ -92,9 +93,14 @@ def _pattern_layer(config: GPTConfig, chars: str) -> LayerSpec:
     kinds = [None if c is None else HYBRID_SYMBOLS[c] for c in (mixer, mlp)]
     if kinds[0] == "attention" and config.mla is not None:
         kinds[0] = "mla"
-    if kinds[1] == "dense" and config.mlp_activation == "relu2":
-        kinds[1] = "relu2"
-    return LayerSpec(kinds[0], kinds[1])
+    if kinds[1] == "dense":
+        kinds[1] = _dense_mlp(config)
+    return LayerSpec(kinds[0], kinds[1], norm=config.normalization)
+
+
+def _dense_mlp(config: GPTConfig) -> str:
+    """The dense MLP kind of ``config.mlp_activation``."""
+    return {"relu2": "relu2", "gelu_tanh": "gelu"}.get(config.mlp_activation, "dense")
 
 
 def spec_for(config: GPTConfig) -> DecoderSpec:
@@ -105,11 +111,13 @@ def spec_for(config: GPTConfig) -> DecoderSpec:
     everywhere, except Gated DeltaNet where ``linear_attention_freq`` says; MoE where
     ``config.moe`` says (``first_k_dense_replace`` dense layers first, then every
     ``layer_freq``-th layer, or the 0/1 pattern); MTP depths use the decoder's attention (or
-    MLA) mixer, and MoE when the model has MoE. Dense MLPs are ``"relu2"`` when
-    ``config.mlp_activation`` says so; the rotary table rotates ``config.rotary_dim``
-    channels (``rotary_percent`` of the head), none without RoPE."""
+    MLA) mixer, and MoE when the model has MoE. Dense MLPs are ``"relu2"`` or ``"gelu"`` when
+    ``config.mlp_activation`` says so, every norm (layers and final) is of the kind
+    ``config.normalization`` names; the rotary table rotates ``config.rotary_dim``
+    channels (``rotary_percent`` of the head), none without RoPE (learned absolute positions
+    are added at the embedding instead)."""
     mixer = "mla" if config.mla is not None else "attention"
-    dense = "relu2" if config.mlp_activation == "relu2" else "dense"
+    dense, norm = _dense_mlp(config), config.normalization
     moe = config.moe
     if config.hybrid_layer_pattern is not None:
         pattern = parse_hybrid_pattern(config.hybrid_layer_pattern)
@@ -120,6 +128,7 @@ def spec_for(config: GPTConfig) -> DecoderSpec:
             LayerSpec(
                 "gated_deltanet" if is_linear_attention_layer(config, i) else mixer,
                 "moe" if moe is not None and moe.is_moe_layer(i) else dense,
+                norm=norm,
             )
             for i in range(config.num_layers)
         )
@@ -127,8 +136,8 @@ def spec_for(config: GPTConfig) -> DecoderSpec:
         mtp = (LayerSpec(mixer, dense if moe is None else "moe"),) * depths
     if config.mla is not None:
         rotary = RotarySpec(config.mla.qk_rope_head_dim, interleaved=True)
-    elif config.position_embedding_type == "none":
+    elif config.position_embedding_type != "rope":  # none, or learned at the embedding
         rotary = None
     else:
         rotary = RotarySpec(config.rotary_dim)
-    return DecoderSpec(layers=layers, rotary=rotary, mtp=mtp)
+    return DecoderSpec(layers=layers, rotary=rotary, mtp=mtp, final_norm=norm)

@@ -15,6 +15,7 @@ and the bridge does not import families (no cycle); a test checks the two agree.
 from shardwork.models.families import (
     deepseek,
     gemma,
+    gpt2,
     llama,
     mixtral,
     nemotron_h,
@@ -25,6 +26,6 @@ from shardwork.models.families import (
 
 __all__ = ["DENSE_FAMILIES", "FAMILIES", "MOE_FAMILIES"]
 
-DENSE_FAMILIES = (llama, qwen, gemma, nemotron_h)
+DENSE_FAMILIES = (llama, qwen, gemma, nemotron_h, gpt2)
 MOE_FAMILIES = (mixtral, qwen_moe, deepseek, qwen3_next)
 FAMILIES = DENSE_FAMILIES + MOE_FAMILIES

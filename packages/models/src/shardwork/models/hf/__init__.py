@@ -1,5 +1,5 @@
-"""shardwork.models.hf: Hugging Face bridge for Llama (2, 3, 3.1, 3.2), Qwen2, Qwen3, Mixtral,
-Qwen2-MoE, Qwen3-MoE and DeepSeek-V3.
+"""shardwork.models.hf: Hugging Face bridge for Llama (2, 3, 3.1, 3.2), Qwen2, Qwen3, GPT-2,
+Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, Nemotron-H and Qwen3-Next.
 
 - One :class:`HFAdapter` per ``model_type`` (config fields both ways, tensor names, weight
   layout) in a registry (:data:`ADAPTERS`, :func:`register_adapter`, :func:`adapter_for`);

@@ -4,7 +4,8 @@ family knowledge.
 Import direction: the registry imports the adapter modules of :mod:`shardwork.models.hf`
 (:mod:`~shardwork.models.hf.dense_adapters`, :mod:`~shardwork.models.hf.gemma`,
 :mod:`~shardwork.models.hf.moe_adapters`,
-:mod:`~shardwork.models.hf.nemotron_h`, :mod:`~shardwork.models.hf.qwen3_next`); the
+:mod:`~shardwork.models.hf.nemotron_h`, :mod:`~shardwork.models.hf.qwen3_next`,
+:mod:`~shardwork.models.hf.gpt2`); the
 family modules in :mod:`shardwork.models.families` name their ``model_type`` s
 (``HF_MODEL_TYPES``) and point to those adapters, but neither side imports the other, so no
 cycle can form (a test checks that the families' types are exactly the registry's keys).
@@ -18,6 +19,7 @@ from shardwork.models.config import GPTConfig
 from shardwork.models.hf.adapter import HFAdapter
 from shardwork.models.hf.dense_adapters import DENSE_ADAPTERS
 from shardwork.models.hf.gemma import GEMMA_ADAPTERS
+from shardwork.models.hf.gpt2 import GPT2
 from shardwork.models.hf.moe_adapters import MOE_ADAPTERS
 from shardwork.models.hf.nemotron_h import NEMOTRON_H
 from shardwork.models.hf.qwen3_next import QWEN3_NEXT
@@ -33,7 +35,7 @@ __all__ = [
 
 ADAPTERS: dict[str, HFAdapter] = {
     a.model_type: a
-    for a in (*DENSE_ADAPTERS, *GEMMA_ADAPTERS, *MOE_ADAPTERS, NEMOTRON_H, QWEN3_NEXT)
+    for a in (*DENSE_ADAPTERS, *GEMMA_ADAPTERS, *MOE_ADAPTERS, NEMOTRON_H, QWEN3_NEXT, GPT2)
 }
 """Every registered adapter by ``model_type`` (built-in ones, then :func:`register_adapter`)."""
 
