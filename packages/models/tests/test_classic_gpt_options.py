@@ -228,7 +228,7 @@ def _config(**fields):
         ),
         (
             dict(mlp_activation="gelu"),
-            r"mlp_activation='gelu' is invalid: valid are \('swiglu', 'relu2', 'gelu_tanh'\)",
+            r"mlp_activation='gelu' is invalid: valid are \('swiglu', 'relu2', 'geglu', 'gelu_tanh'\)",
         ),
         (
             dict(position_embedding_type="learned"),
