@@ -15,6 +15,7 @@ full gradient agree to ``rtol``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -87,9 +88,14 @@ def compare_with_single_rank(
     batch: int = 2,
     cu_seqlens: torch.Tensor | list[int] | None = None,
     oracle_loss: bool = False,
+    prepare: Callable[[GPTModel], None] | None = None,
     **overrides: Any,
 ) -> float:
-    """Assert loss and gradients at (tp, cp) equal world size 1; returns the loss."""
+    """Assert loss and gradients at (tp, cp) equal world size 1; returns the loss.
+
+    ``prepare(model)`` runs on both models right after they are built (e.g. to add LoRA
+    adapters); it must give both the same global values, collectively on the model's own
+    groups only (the reference model lives on one rank)."""
     groups = init_process_groups(ParallelConfig(tp=tp, cp=cp))
     if cu_seqlens is not None:
         cu_seqlens = torch.as_tensor(cu_seqlens)
@@ -97,10 +103,14 @@ def compare_with_single_rank(
     ids, labels = random_batch(cfg.vocab_size, batch=batch, seq=seq)
     single = ProcessGroups.single()
     ref = GPTModel(cfg.replace(sequence_parallel=False), single)
+    if prepare is not None:
+        prepare(ref)
     ref_loss = _step(ref, single, ids, labels, cu_seqlens, oracle_loss)
     ref_grads = full_state_dict(ref, grads=True, group=dist.new_group([dist.get_rank()]))
     ref_params = full_state_dict(ref, group=dist.new_group([dist.get_rank()]))
     model = GPTModel(cfg, groups)
+    if prepare is not None:
+        prepare(model)
     params = full_state_dict(model)
     for key, value in ref_params.items():  # initialisation does not depend on the layout
         assert torch.equal(params[key], value), key
