@@ -6,8 +6,6 @@ Layouts (TP=2, TP=2+SP, adapter checkpoints across layouts) are in ``test_lora_l
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
 
@@ -17,33 +15,19 @@ from shardwork.models.lora import (
     apply_lora,
     is_lora_key,
     load_lora_state,
-    lora_state_dict,
     merge_lora,
     unmerge_lora,
 )
 from shardwork.models.lora_config import LoRAConfig
-from shardwork.models.testing import random_batch
+from shardwork.models.testing import random_batch, randomize_lora_b
 from shardwork.parallel_state.testing import assert_close_at_scale
-
-
-def randomize_b(model, seed: int = 1, scale: float = 0.1) -> None:
-    """Give every B factor random global values (PEFT starts B at zero, which hides bugs),
-    each rank copying its own slice."""
-    for key, st in lora_state_dict(model).items():
-        if ".lora_B." not in key:
-            continue
-        gen = torch.Generator().manual_seed(seed + zlib.crc32(key.encode()))
-        full = torch.randn(st.global_shape, generator=gen, dtype=torch.float64) * scale
-        index = tuple(slice(o, o + n) for o, n in zip(st.global_offset, st.data.shape))
-        with torch.no_grad():
-            st.data.copy_(full[index].to(st.data.dtype))
 
 
 def _model(name, targets, **lora):
     cfg = preset(name, params_dtype=torch.float64, mtp=None)
     model = GPTModel(cfg)
     apply_lora(model, LoRAConfig(rank=4, alpha=8.0, target_modules=targets, **lora))
-    randomize_b(model)
+    randomize_lora_b(model)
     return model, dict(model.named_sharded_modules())
 
 
@@ -119,7 +103,6 @@ def test_only_adapters_train_and_their_count_follows_the_shapes():
 
 
 def test_init_is_pefts_default():
-    model, _ = _model("tiny-llama3-8b", ("fc2",))
     fresh = GPTModel(preset("tiny-llama3-8b", params_dtype=torch.float64, mtp=None))
     apply_lora(fresh, LoRAConfig(rank=4, target_modules=("fc2",)))
     full = full_state_dict(fresh, keys=is_lora_key)
@@ -176,7 +159,7 @@ def test_load_lora_state_round_trips_and_refuses_another_rank():
     model, _ = _model("tiny-llama3-8b", ("linear_qkv", "fc2"))
     adapters = full_state_dict(model, keys=is_lora_key)
     other, _ = _model("tiny-llama3-8b", ("linear_qkv", "fc2"))
-    randomize_b(other, seed=7)
+    randomize_lora_b(other, seed=7)
     load_lora_state(other, adapters)
     for key, value in full_state_dict(other, keys=is_lora_key).items():
         assert torch.equal(value, adapters[key]), key

@@ -15,6 +15,7 @@ full gradient agree to ``rtol``.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -35,7 +36,7 @@ from shardwork.parallel_state import (
     init_process_groups,
 )
 
-__all__ = ["compare_with_single_rank", "random_batch"]
+__all__ = ["compare_with_single_rank", "random_batch", "randomize_lora_b"]
 
 
 def random_batch(vocab_size: int, *, batch: int = 2, seq: int = 16, seed: int = 0):
@@ -45,6 +46,21 @@ def random_batch(vocab_size: int, *, batch: int = 2, seq: int = 16, seed: int = 
     labels = torch.randint(0, vocab_size, (batch, seq), generator=gen)
     labels[0, :3] = -100
     return ids, labels
+
+
+def randomize_lora_b(model, seed: int = 1, scale: float = 0.1) -> None:
+    """Give every LoRA ``B`` factor random global values, each rank copying its own slice.
+
+    PEFT starts ``B`` at zero, which would hide any bug in the adapter path; the values depend
+    only on the key and ``seed``, so every layout gets the same global tensors."""
+    for key, st in model.sharded_state_dict().items():
+        if ".lora_B." not in key:
+            continue
+        gen = torch.Generator().manual_seed(seed + zlib.crc32(key.encode()))
+        full = torch.randn(st.global_shape, generator=gen, dtype=torch.float64) * scale
+        index = tuple(slice(o, o + n) for o, n in zip(st.global_offset, st.data.shape))
+        with torch.no_grad():
+            st.data.copy_(full[index].to(st.data.dtype))
 
 
 def _oracle_loss(logits, labels, groups):
