@@ -66,9 +66,13 @@ def _adaptable(name: str, module: torch.nn.Module) -> bool:
     return type(module) in _LORA_CLASS and name.split(".", 1)[0] != _HEAD
 
 
-def lora_target_names(model: ShardedModule, config: LoRAConfig) -> list[str]:
+def lora_target_names(
+    model: ShardedModule, config: LoRAConfig, *, require_every_target: bool = True
+) -> list[str]:
     """Global names of the modules ``config`` adapts in ``model``; raises ``ValueError`` when a
-    target matches a module LoRA cannot adapt, or (suffix list) a target matches nothing."""
+    target matches a module LoRA cannot adapt, or (with ``require_every_target``) a target
+    matches nothing. A pipeline stage passes False: its layers may hold only some targets (the
+    whole model was checked once, e.g. by the trainer's config validation)."""
     named = list(model.named_sharded_modules())
     suffixes = sorted({n.rsplit(".", 1)[-1] for n, m in named if _adaptable(n, m)})
     chosen = []
@@ -89,7 +93,7 @@ def lora_target_names(model: ShardedModule, config: LoRAConfig) -> list[str]:
         if isinstance(targets, tuple)
         else ([] if chosen else [targets])
     )
-    if unmatched:
+    if unmatched and require_every_target:
         raise ValueError(
             f"LoRAConfig.target_modules: {unmatched} match no module of this model; "
             f"available module-name suffixes: {suffixes}"
@@ -106,13 +110,16 @@ def _show(targets) -> str:
     return repr(list(targets)) if isinstance(targets, tuple) else repr(targets)
 
 
-def apply_lora(model: ShardedModule, config: LoRAConfig) -> list[str]:
+def apply_lora(
+    model: ShardedModule, config: LoRAConfig, *, require_every_target: bool = True
+) -> list[str]:
     """Freeze ``model`` and add adapters to the linears ``config`` targets (see module
     docstring); returns the adapted modules' global names. ``model`` must have a ``config``
-    (``init_seed``, ``init_method_std``, ``num_layers``) and may have an ``rng_tracker``."""
+    (``init_seed``, ``init_method_std``, ``num_layers``) and may have an ``rng_tracker``.
+    ``require_every_target``: see :func:`lora_target_names`."""
     if any(isinstance(m, LoRALinearMixin) for m in model.modules()):
         raise ValueError("apply_lora: the model already has LoRA adapters")
-    names = lora_target_names(model, config)
+    names = lora_target_names(model, config, require_every_target=require_every_target)
     modules = dict(model.named_sharded_modules())
     for name in names:
         module = modules[name]

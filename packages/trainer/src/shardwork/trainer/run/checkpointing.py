@@ -3,7 +3,8 @@
 A checkpoint (``CHECKPOINT_DIR/step_<step>/``) holds, in global coordinates so
 that it loads at any layout:
 
-- ``model``: every chunk's ``sharded_state_dict()`` (keys are global layer names);
+- ``model``: every chunk's ``sharded_state_dict()`` (keys are global layer names); a LoRA
+  run (``[peft]``) saves the adapters only, and records its LoRAConfig under ``"lora"``;
 - ``optimizer``: the distributed optimizer's ``sharded_state_dict()`` (fp32
   masters and moments, and the fp16 loss scale when there is one), keyed by
   global parameter keys (:mod:`shardwork.trainer.run.optimizer_keys`);
@@ -47,7 +48,10 @@ from shardwork.dist_checkpoint import (
     is_committed,
     read_info,
 )
+from shardwork.models.lora import lora_state_dict
+from shardwork.models.lora_checkpoint import LORA_METADATA_KEY, lora_config_record
 from shardwork.trainer.config.load import config_to_toml
+from shardwork.trainer.config.validate_peft import lora_config_of
 from shardwork.trainer.model_factory import hf_config
 from shardwork.trainer.run.optimizer_keys import optimizer_param_rects
 from shardwork.trainer.run.resume_advice import corrupt_message, mismatch_message
@@ -112,12 +116,17 @@ class Checkpointer:
         self.corrupt_steps: set[int] = set()
         if c.hf_init is not None:  # the architecture (shardwork-generate reads it)
             self.metadata["hf_config"] = hf_config(c.hf_init)
+        self.lora = lora_config_of(config)
+        if self.lora is not None:
+            self.metadata[LORA_METADATA_KEY] = lora_config_record(self.lora)
 
     # ---- state -------------------------------------------------------------------------------
     def _model_state(self) -> dict:
         state: dict = {}
         for module in self.assembly.modules:
-            state.update(module.sharded_state_dict())
+            # A LoRA run saves its adapters only: the frozen base is rebuilt from
+            # checkpoint.hf_init (or the seed) when the run resumes.
+            state.update(lora_state_dict(module) if self.lora else module.sharded_state_dict())
         return state
 
     def _rng_state(self):

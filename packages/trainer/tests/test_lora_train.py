@@ -1,0 +1,165 @@
+"""``[peft]`` LoRA runs on one process: fine-tuning from a Hugging Face folder trains only the
+adapters (base unchanged bit-exactly, loss goes down), DDP and the optimizer hold only adapter
+elements, checkpoints hold only adapters and resume to the uninterrupted run's losses, and bad
+``[peft]`` values are refused before any work.
+"""
+
+import dataclasses
+import re
+import shutil
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+import shardwork.trainer.run.trainer as trainer_module
+from shardwork.models import GPTConfig, GPTModel
+from shardwork.models.full_state import full_state_dict
+from shardwork.models.hf import save_pretrained
+from shardwork.models.lora import is_lora_key
+from shardwork.trainer.config.load import ConfigError
+from shardwork.trainer.config.validate import validate_config
+from shardwork.trainer.run.trainer import train
+from shardwork.trainer.testing import tiny_config
+
+VOCAB = 260
+LORA = {"method": "lora", "rank": 4, "alpha": 8.0, "target_modules": ("linear_qkv", "fc2")}
+
+
+@pytest.fixture(autouse=True)
+def _corpus_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("SHARDWORK_CACHE", str(tmp_path_factory.getbasetemp() / "corpus"))
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> str:
+    """A random 2-layer Llama-style model saved as a Hugging Face folder."""
+    config = GPTConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        init_seed=7,
+    )
+    out = tmp_path_factory.mktemp("hf") / "source"
+    save_pretrained(GPTModel(config).eval(), out)
+    return str(out)
+
+
+def _capture_assembly(monkeypatch) -> list:
+    """Record the run's assembly and its full base weights right after it is built."""
+    seen = []
+    build = trainer_module.build_assembly
+
+    def recording(*args, **kwargs):
+        assembly = build(*args, **kwargs)
+        (module,) = assembly.modules
+        base = {k: v.clone() for k, v in full_state_dict(module).items() if not is_lora_key(k)}
+        seen.append((assembly, base))
+        return assembly
+
+    monkeypatch.setattr(trainer_module, "build_assembly", recording)
+    return seen
+
+
+def test_lora_run_trains_adapters_only(tmp_path, folder, monkeypatch):
+    seen = _capture_assembly(monkeypatch)
+    config = tiny_config(
+        tmp_path / "run",
+        schedule={"train_steps": 8, "warmup_steps": 1},
+        optimizer={"lr": 3e-2, "min_lr": 3e-3},
+        eval={"interval": None, "at_end": False},
+        checkpoint={"hf_init": folder, "save_at_end": True},
+        peft=LORA,
+    )
+    result = train(config)
+    losses = [result.train_losses[s] for s in sorted(result.train_losses)]
+    assert losses[-1] < losses[0] - 0.05, losses
+    ((assembly, base),) = seen
+    (module,) = assembly.modules
+    after = full_state_dict(module)
+    for key, value in base.items():  # frozen: bit-exact after 8 optimizer steps
+        assert torch.equal(after[key], value), key
+    # Trainable = adapters: r·(h + qkv_out) + r·(ffn + h) per layer, from the shapes.
+    h, ffn, qkv_out = 32, 64, (4 + 2 * 2) * 8
+    adapters = 2 * (4 * (h + qkv_out) + 4 * (ffn + h))
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    assert sum(p.numel() for p in trainable) == adapters
+    (chunk,) = assembly.chunks
+    in_buffers = sum(p.numel() for buf in chunk.buffers.values() for p in buf.params)
+    assert in_buffers == adapters
+    # The checkpoint holds the adapters only (plus optimizer state for them).
+    keys = FileSystemReader(result.checkpoint).read_metadata().state_dict_metadata
+    model_keys = [k for k in keys if k.startswith(("decoder.", "embedding.", "output_layer."))]
+    assert model_keys and all(is_lora_key(k) for k in model_keys), model_keys
+    assert set(model_keys) == set(full_state_dict(module, keys=is_lora_key))
+
+
+def test_lora_run_resumes_from_adapter_checkpoint(tmp_path, folder):
+    ckpt = tmp_path / "ckpt"
+    common = dict(
+        schedule={"train_steps": 5, "warmup_steps": 1},
+        eval={"interval": None, "at_end": False},
+        checkpoint={
+            "hf_init": folder,
+            "dir": str(ckpt),
+            "interval": 3,
+            "save_at_end": True,
+            "resume": "auto",
+        },
+        peft=LORA,
+    )
+    full = train(tiny_config(tmp_path / "full", **common))
+    shutil.rmtree(ckpt / "step_000000005")  # the newest complete checkpoint is now step 3
+    resumed = train(tiny_config(tmp_path / "resumed", **common))
+    assert sorted(resumed.train_losses) == [3, 4]
+    for step in (3, 4):
+        assert resumed.train_losses[step] == full.train_losses[step], step
+
+
+def _problems(config) -> str:
+    with pytest.raises(ConfigError) as err:
+        validate_config(config, world_size=1)
+    return str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("change", "want"),
+    [
+        ({"method": "qlora"}, r"peft.method='qlora': must be one of \['none', 'lora'\]"),
+        ({"rank": 0}, r"peft.rank=0 is invalid: it must be an integer >= 1"),
+        ({"dropout": 1.5}, r"peft.dropout=1.5 is invalid: it must be in \[0, 1\)"),
+        (
+            {"target_modules": ("linear_qkv", "q_proj")},
+            r"\['q_proj'\] match no module of this model; available module-name suffixes: "
+            r"\['fc1', 'fc2', 'linear_proj', 'linear_qkv'\]",
+        ),
+        ({"target_modules": ("mlp",)}, r"matches 'decoder.layers.0.mlp' \(SwiGLUMLP\)"),
+        ({"target_modules": "(("}, r"peft.target_modules='\(\(' is not a valid regular"),
+    ],
+    ids=["method", "rank", "dropout", "unknown-target", "not-a-linear", "bad-regex"],
+)
+def test_bad_peft_values_are_refused_before_any_work(tmp_path, change, want):
+    base = tiny_config(tmp_path / "run")
+    config = dataclasses.replace(base, peft=dataclasses.replace(base.peft, **(LORA | change)))
+    message = _problems(config)
+    assert re.search(want, message), message
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_peft_refuses_muon_and_hf_export(tmp_path):
+    base = tiny_config(tmp_path / "run")
+    lora = dataclasses.replace(base.peft, **LORA)
+    muon = dataclasses.replace(
+        base, peft=lora, optimizer=dataclasses.replace(base.optimizer, name="muon")
+    )
+    assert "optimizer.name='muon' is not supported" in _problems(muon)
+    export = dataclasses.replace(
+        base,
+        peft=lora,
+        checkpoint=dataclasses.replace(base.checkpoint, hf_export=str(tmp_path / "x")),
+    )
+    assert "would drop the adapters" in _problems(export)
