@@ -63,7 +63,9 @@ def check_peft(config, model: GPTConfig | None, expert_tp: int, problems: list[s
         )
     if model is None:
         return
-    meta = GPTModel(model, ProcessGroups.single(), device="meta")
+    # World size 1 on the meta device: module names do not depend on the layout, so SP (which
+    # needs tp > 1) is switched off for this shape-only build.
+    meta = GPTModel(model.replace(sequence_parallel=False), ProcessGroups.single(), device="meta")
     try:
         names = lora_target_names(meta, lora)
     except ValueError as exc:
