@@ -91,6 +91,10 @@ def test_lora_run_trains_adapters_only(tmp_path, folder, monkeypatch):
     (chunk,) = assembly.chunks
     in_buffers = sum(p.numel() for buf in chunk.buffers.values() for p in buf.params)
     assert in_buffers == adapters
+    # ZeRO masters (and with them AdamW's moments) cover exactly the adapter elements.
+    parts = getattr(assembly.optimizer, "parts", [assembly.optimizer])  # chained for MoE only
+    masters = sum(m.master.numel() for part in parts for m in part.masters)
+    assert masters == adapters
     # The checkpoint holds the adapters only (plus optimizer state for them).
     keys = FileSystemReader(result.checkpoint).read_metadata().state_dict_metadata
     model_keys = [k for k in keys if k.startswith(("decoder.", "embedding.", "output_layer."))]
