@@ -17,6 +17,7 @@ from shardwork.models import GPTConfig, GPTModel
 from shardwork.models.full_state import full_state_dict
 from shardwork.models.hf import save_pretrained
 from shardwork.models.lora import is_lora_key
+from shardwork.parallel_state.testing import run_on_ranks
 from shardwork.trainer.config.load import ConfigError
 from shardwork.trainer.config.validate import validate_config
 from shardwork.trainer.run.trainer import train
@@ -167,3 +168,40 @@ def test_peft_refuses_muon_and_hf_export(tmp_path):
         checkpoint=dataclasses.replace(base.checkpoint, hf_export=str(tmp_path / "x")),
     )
     assert "would drop the adapters" in _problems(export)
+
+
+def _train_lora(run_dir, sections, cache):
+    import os
+
+    os.environ["SHARDWORK_CACHE"] = cache
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    return train(tiny_config(run_dir, world_size=world, **sections)).train_losses
+
+
+@pytest.mark.multirank
+def test_lora_tp2_sp_run_matches_one_process_and_resumes_at_world_1(tmp_path, tmp_path_factory):
+    """The same LoRA run at TP=2+SP and on one process gives the same losses (fp32 rounding);
+    its TP=2 adapter checkpoint resumes on one process (adapters and their optimizer state
+    resharded) to the one-process run's losses."""
+    cache = str(tmp_path_factory.getbasetemp() / "corpus")
+    sections = {
+        "model": {"num_layers": 4},
+        "schedule": {"train_steps": 6, "warmup_steps": 2},
+        "optimizer": {"lr": 3e-2, "min_lr": 3e-3},
+        "eval": {"interval": None, "at_end": False},
+        "checkpoint": {"interval": 3, "keep_last": 3, "save_at_end": True},
+        "peft": LORA,
+    }
+    ref = _train_lora(str(tmp_path / "one"), sections, cache)
+    tp = dict(sections, parallel={"tp": 2, "sequence_parallel": True})
+    (losses, _) = run_on_ranks(_train_lora, 2, args=(str(tmp_path / "tp2"), tp, cache), timeout=300)
+    assert sorted(losses) == list(range(6))
+    for step in range(6):
+        assert losses[step] == pytest.approx(ref[step], rel=2e-4, abs=2e-4), step
+    assert ref[5] < ref[0]
+    ckpt = str(tmp_path / "tp2" / "checkpoints" / "step_000000003")
+    resumed = dict(sections, checkpoint={"resume": ckpt, "save_at_end": False})
+    again = _train_lora(str(tmp_path / "resumed"), resumed, cache)
+    assert sorted(again) == [3, 4, 5]
+    for step in (3, 4, 5):
+        assert again[step] == pytest.approx(ref[step], rel=2e-4, abs=2e-4), step
