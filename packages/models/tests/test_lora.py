@@ -167,3 +167,21 @@ def test_load_lora_state_round_trips_and_refuses_another_rank():
     apply_lora(small, LoRAConfig(rank=2, target_modules=("linear_qkv", "fc2")))
     with pytest.raises(ValueError, match="different LoRA rank"):
         load_lora_state(small, adapters)
+
+
+def test_factor_modules_run_their_forward_hooks():
+    """Every adapter factor is called as a module, so forward pre-hooks on it (DDP's wait for
+    an overlapped ZeRO all-gather of its parameter) run before it is used."""
+    model, modules = _model(
+        "tiny-mixtral-8x7b",
+        ("linear_qkv", "linear_proj", "experts.linear_fc1", "experts.linear_fc2"),
+    )
+    factors = {n for n, m in modules.items() if n.endswith((".lora_A", ".lora_B"))}
+    called = set()
+    for name in factors:
+        modules[name].register_forward_pre_hook(lambda m, a, n=name: called.add(n))
+    ids, _ = random_batch(model.config.vocab_size)
+    with torch.no_grad():
+        model(ids)
+    assert len(factors) == 4 * 2 * model.config.num_layers
+    assert called == factors, sorted(factors - called)[:4]

@@ -178,20 +178,37 @@ def _train_lora(run_dir, sections, cache):
     return train(tiny_config(run_dir, world_size=world, **sections)).train_losses
 
 
+def _multirank_sections(**optimizer):
+    return {
+        "model": {"num_layers": 4},
+        "schedule": {"train_steps": 6, "warmup_steps": 2},
+        "optimizer": {"lr": 3e-2, "min_lr": 3e-3, **optimizer},
+        "eval": {"interval": None, "at_end": False},
+        "checkpoint": {"interval": 3, "keep_last": 3, "save_at_end": True},
+        "peft": LORA,
+    }
+
+
+@pytest.mark.multirank
+def test_lora_zero_with_overlapped_param_gather_matches_one_process(tmp_path, tmp_path_factory):
+    """DP=2 ZeRO-1 with the parameter all-gather overlapped with the next forward gives the
+    one-process losses (that the gather's forward pre-hooks fire on the adapter factors is
+    checked directly by the models package's ``test_factor_modules_run_their_forward_hooks``)."""
+    cache = str(tmp_path_factory.getbasetemp() / "corpus")
+    ref = _train_lora(str(tmp_path / "one"), _multirank_sections(), cache)
+    dp = _multirank_sections(overlap_param_gather=True)
+    (losses, _) = run_on_ranks(_train_lora, 2, args=(str(tmp_path / "dp2"), dp, cache), timeout=300)
+    for step in range(6):
+        assert losses[step] == pytest.approx(ref[step], rel=2e-4, abs=2e-4), step
+
+
 @pytest.mark.multirank
 def test_lora_tp2_sp_run_matches_one_process_and_resumes_at_world_1(tmp_path, tmp_path_factory):
     """The same LoRA run at TP=2+SP and on one process gives the same losses (fp32 rounding);
     its TP=2 adapter checkpoint resumes on one process (adapters and their optimizer state
     resharded) to the one-process run's losses."""
     cache = str(tmp_path_factory.getbasetemp() / "corpus")
-    sections = {
-        "model": {"num_layers": 4},
-        "schedule": {"train_steps": 6, "warmup_steps": 2},
-        "optimizer": {"lr": 3e-2, "min_lr": 3e-3},
-        "eval": {"interval": None, "at_end": False},
-        "checkpoint": {"interval": 3, "keep_last": 3, "save_at_end": True},
-        "peft": LORA,
-    }
+    sections = _multirank_sections()
     ref = _train_lora(str(tmp_path / "one"), sections, cache)
     tp = dict(sections, parallel={"tp": 2, "sequence_parallel": True})
     (losses, _) = run_on_ranks(_train_lora, 2, args=(str(tmp_path / "tp2"), tp, cache), timeout=300)

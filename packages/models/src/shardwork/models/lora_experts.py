@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from shardwork.models.lora_linear import LoRALinearMixin
-from shardwork.models.moe.experts import ExpertLinear, ExpertShards, grouped_linear
+from shardwork.models.moe.experts import ExpertLinear, ExpertShards
 from shardwork.models.rng import TENSOR_PARALLEL
 from shardwork.models.sharding import normal_slice
 
@@ -66,6 +66,6 @@ class LoRAExpertLinear(LoRALinearMixin, ExpertLinear):
         # A forced grouped_mm needs 16-byte rows, which an r-wide factor may not have; the
         # adapter GEMMs are small, so they fall back to the padded bmm where needed.
         small = "batched" if mode == "batched" else "auto"
-        h = grouped_linear(x, self.lora_A.weight.to(x.dtype), counts_L, mode=small)
-        delta = grouped_linear(h, self.lora_B.weight.to(h.dtype), counts_L, mode=small)
+        h = self.lora_A(x, counts_L, small)
+        delta = self.lora_B(h, counts_L, small)
         return y + self.lora_scaling * delta

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from shardwork.models.lora_config import LoRAConfig
 from shardwork.models.mla import ReplicatedLinear
 from shardwork.models.module import ShardedModule
+from shardwork.models.moe.experts import grouped_linear
 from shardwork.models.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from shardwork.models.rng import REPLICATED, TENSOR_PARALLEL, RNGTracker
 
@@ -55,11 +56,23 @@ __all__ = [
 
 
 class LoRAFactor(ShardedModule):
-    """Holds one adapter factor as ``weight`` (so its key reads ``P.lora_A.weight``)."""
+    """Holds one adapter factor as ``weight`` (so its key reads ``P.lora_A.weight``).
+
+    The LoRA linears *call* it rather than read ``weight``: forward pre-hooks on it then run
+    before the factor is used (DDP's wait for an overlapped ZeRO parameter all-gather hooks
+    the module that owns the parameter)."""
 
     def __init__(self, groups, weight: torch.nn.Parameter) -> None:
         super().__init__(groups)
         self.weight = weight
+
+    def forward(
+        self, x: torch.Tensor, counts: torch.Tensor | None = None, mode: str = "auto"
+    ) -> torch.Tensor:
+        """``x @ weightᵀ``; stacked expert factors with ``counts`` rows per local expert."""
+        if counts is None:
+            return F.linear(x, self.weight.to(x.dtype))
+        return grouped_linear(x, self.weight.to(x.dtype), counts, mode=mode)
 
 
 class LoRALinearMixin:
@@ -133,12 +146,12 @@ class LoRAColumnParallelLinear(LoRALinearMixin, ColumnParallelLinear):
         stream = TENSOR_PARALLEL if self.sequence_parallel else REPLICATED
         # The adapter's r-wide activation enters the TP region like the input does (see the
         # module docstring): gathering h instead of x keeps A's input this rank's own tokens.
-        h = F.linear(self.lora_input(x, stream), self.lora_A.weight.to(x.dtype))
+        h = self.lora_A(self.lora_input(x, stream))
         h = self._enter_tp_region(h)
         x = self._enter_tp_region(x)
         b = None if self.bias is None else self.bias.to(x.dtype)
         y = F.linear(x, self.weight.to(x.dtype), b)
-        y = y + self.lora_scaling * F.linear(h, self.lora_B.weight.to(h.dtype))
+        y = y + self.lora_scaling * self.lora_B(h)
         return self._leave_tp_region(y)
 
 
@@ -150,9 +163,9 @@ class LoRARowParallelLinear(LoRALinearMixin, RowParallelLinear):
             return super().forward(x)
         y = self._reduce_partial(F.linear(x, self.weight.to(x.dtype)))
         # A's product is a partial sum over this rank's input slice, reduced like the base's.
-        h = F.linear(self.lora_input(x, TENSOR_PARALLEL), self.lora_A.weight.to(x.dtype))
+        h = self.lora_A(self.lora_input(x, TENSOR_PARALLEL))
         h = self._reduce_partial(h)
-        y = y + self.lora_scaling * F.linear(h, self.lora_B.weight.to(h.dtype))
+        y = y + self.lora_scaling * self.lora_B(h)
         return self._add_bias(y)
 
 
@@ -163,5 +176,5 @@ class LoRAReplicatedLinear(LoRALinearMixin, ReplicatedLinear):
         y = super().forward(x)
         if self.lora_merged:
             return y
-        h = F.linear(self.lora_input(x, REPLICATED), self.lora_A.weight.to(x.dtype))
-        return y + self.lora_scaling * F.linear(h, self.lora_B.weight.to(h.dtype))
+        h = self.lora_A(self.lora_input(x, REPLICATED))
+        return y + self.lora_scaling * self.lora_B(h)
