@@ -144,3 +144,40 @@ def test_merge_at_tp2_and_adapter_checkpoint_loads_at_world1(tmp_path):
     assert_close_at_scale(one, tp2_logits, ulps=64, dtype=torch.float64, name="logits")
     with pytest.raises(Exception, match=r"rank: saved 4, model 2"):
         run_on_ranks(_load_world1, 1, args=(str(tmp_path / "adapters"), 2))
+
+
+def _replicated_grads_agree(sp: bool):
+    """Train-mode step at TP=2 with adapter dropout; the gradients of TP-replicated factors
+    (column A, row B) on this rank, after the SP reduction finalize_model_grads would do."""
+    groups = init_process_groups(ParallelConfig(tp=2))
+    cfg = preset("tiny-llama3-8b", params_dtype=torch.float64, sequence_parallel=sp)
+    model = GPTModel(cfg, groups)
+    apply_lora(model, LoRAConfig(rank=4, alpha=8.0, dropout=0.3, target_modules=DENSE))
+    randomize_lora_b(model)
+    model.train()
+    ids, labels = random_batch(cfg.vocab_size)
+    loss_sum, _n = model(ids, labels=labels)
+    loss_sum.backward()
+    out = {}
+    for name, p in model.named_parameters():
+        replicated = ("linear_qkv.lora_A" in name or "fc1.lora_A" in name) or (
+            "linear_proj.lora_B" in name or "fc2.lora_B" in name
+        )
+        if replicated:
+            grad = p.grad.clone()
+            if sp:  # ParamMeta.sequence_parallel: summed over TP by finalize_model_grads
+                dist.all_reduce(grad, group=groups.tp)
+            out[name] = grad
+    return out
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_adapter_dropout_keeps_replicated_factors_in_step(sp):
+    """With dropout, a TP-replicated factor must get the same gradient on every TP rank (the
+    replicated RNG stream where the adapter's input is whole, per-rank masks where it is
+    split), or the copies drift apart after one optimizer step."""
+    first, second = run_on_ranks(_replicated_grads_agree, 2, args=(sp,))
+    assert len(first) == 4 * 2  # 2 layers x (qkv A, fc1 A, proj B, fc2 B)
+    for name, grad in first.items():
+        assert grad.abs().max() > 0, name
+        assert torch.equal(grad, second[name]), name
