@@ -20,6 +20,7 @@ from shardwork.models.lora import is_lora_key
 from shardwork.parallel_state.testing import run_on_ranks
 from shardwork.trainer.config.load import ConfigError
 from shardwork.trainer.config.validate import validate_config
+from shardwork.trainer.inference import load_for_inference
 from shardwork.trainer.run.trainer import train
 from shardwork.trainer.testing import tiny_config
 
@@ -101,6 +102,12 @@ def test_lora_run_trains_adapters_only(tmp_path, folder, monkeypatch):
     model_keys = [k for k in keys if k.startswith(("decoder.", "embedding.", "output_layer."))]
     assert model_keys and all(is_lora_key(k) for k in model_keys), model_keys
     assert set(model_keys) == set(full_state_dict(module, keys=is_lora_key))
+    # shardwork-generate's loader rebuilds base (from hf_init) + adapters: the trained model.
+    loaded, _, _ = load_for_inference(result.checkpoint)
+    probe = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = module.eval()(input_ids=probe)
+        torch.testing.assert_close(loaded(input_ids=probe), want, rtol=1e-5, atol=1e-5)
 
 
 def test_lora_run_resumes_from_adapter_checkpoint(tmp_path, folder):
