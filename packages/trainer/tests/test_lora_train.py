@@ -185,8 +185,8 @@ def _train_lora(run_dir, sections, cache):
     return train(tiny_config(run_dir, world_size=world, **sections)).train_losses
 
 
-def _multirank_sections(**optimizer):
-    return {
+def _multirank_sections(hf_init: str | None = None, **optimizer):
+    sections = {
         "model": {"num_layers": 4},
         "schedule": {"train_steps": 6, "warmup_steps": 2},
         "optimizer": {"lr": 3e-2, "min_lr": 3e-3, **optimizer},
@@ -194,6 +194,10 @@ def _multirank_sections(**optimizer):
         "checkpoint": {"interval": 3, "keep_last": 3, "save_at_end": True},
         "peft": LORA,
     }
+    if hf_init is not None:  # the folder brings the architecture
+        del sections["model"]
+        sections["checkpoint"]["hf_init"] = hf_init
+    return sections
 
 
 @pytest.mark.multirank
@@ -210,12 +214,14 @@ def test_lora_zero_with_overlapped_param_gather_matches_one_process(tmp_path, tm
 
 
 @pytest.mark.multirank
-def test_lora_tp2_sp_run_matches_one_process_and_resumes_at_world_1(tmp_path, tmp_path_factory):
-    """The same LoRA run at TP=2+SP and on one process gives the same losses (fp32 rounding);
-    its TP=2 adapter checkpoint resumes on one process (adapters and their optimizer state
-    resharded) to the one-process run's losses."""
+def test_lora_tp2_sp_run_matches_one_process_and_resumes_at_world_1(
+    tmp_path, tmp_path_factory, folder
+):
+    """Fine-tuning a Hugging Face folder with LoRA at TP=2+SP and on one process gives the same
+    losses (fp32 rounding); its TP=2 adapter checkpoint resumes on one process (base re-imported
+    from the folder, adapters and their optimizer state resharded) to the one-process losses."""
     cache = str(tmp_path_factory.getbasetemp() / "corpus")
-    sections = _multirank_sections()
+    sections = _multirank_sections(hf_init=folder)
     ref = _train_lora(str(tmp_path / "one"), sections, cache)
     tp = dict(sections, parallel={"tp": 2, "sequence_parallel": True})
     (losses, _) = run_on_ranks(_train_lora, 2, args=(str(tmp_path / "tp2"), tp, cache), timeout=300)
@@ -224,7 +230,7 @@ def test_lora_tp2_sp_run_matches_one_process_and_resumes_at_world_1(tmp_path, tm
         assert losses[step] == pytest.approx(ref[step], rel=2e-4, abs=2e-4), step
     assert ref[5] < ref[0]
     ckpt = str(tmp_path / "tp2" / "checkpoints" / "step_000000003")
-    resumed = dict(sections, checkpoint={"resume": ckpt, "save_at_end": False})
+    resumed = dict(sections, checkpoint={"hf_init": folder, "resume": ckpt, "save_at_end": False})
     again = _train_lora(str(tmp_path / "resumed"), resumed, cache)
     assert sorted(again) == [3, 4, 5]
     for step in (3, 4, 5):
