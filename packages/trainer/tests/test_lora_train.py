@@ -235,3 +235,19 @@ def test_lora_tp2_sp_run_matches_one_process_and_resumes_at_world_1(
     assert sorted(again) == [3, 4, 5]
     for step in (3, 4, 5):
         assert again[step] == pytest.approx(ref[step], rel=2e-4, abs=2e-4), step
+
+
+def test_resume_refuses_a_checkpoint_of_other_lora_options(tmp_path):
+    """Checked from the checkpoint's recorded LoRA options before any tensor is read."""
+    from shardwork.trainer.run.checkpointing import ResumeError
+
+    short = dict(
+        schedule={"train_steps": 2, "warmup_steps": 1}, eval={"interval": None, "at_end": False}
+    )
+    saved = train(tiny_config(tmp_path / "a", peft=LORA, checkpoint={"save_at_end": True}, **short))
+    resume = {"resume": saved.checkpoint}
+    longer = dict(short, schedule={"train_steps": 4, "warmup_steps": 1})
+    with pytest.raises(ResumeError, match=r"rank: saved 4, model 8; resume with the \[peft\]"):
+        train(tiny_config(tmp_path / "b", peft=LORA | {"rank": 8}, checkpoint=resume, **longer))
+    with pytest.raises(ResumeError, match=r"holds LoRA adapters only .* no \[peft\] section"):
+        train(tiny_config(tmp_path / "c", checkpoint=resume, **longer))

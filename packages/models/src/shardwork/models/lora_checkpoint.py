@@ -21,6 +21,7 @@ from shardwork.models.module import ShardedModule
 
 __all__ = [
     "LORA_METADATA_KEY",
+    "check_lora_record",
     "load_lora_checkpoint",
     "lora_config_record",
     "save_lora_checkpoint",

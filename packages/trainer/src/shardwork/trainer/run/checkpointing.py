@@ -49,7 +49,11 @@ from shardwork.dist_checkpoint import (
     read_info,
 )
 from shardwork.models.lora import lora_state_dict
-from shardwork.models.lora_checkpoint import LORA_METADATA_KEY, lora_config_record
+from shardwork.models.lora_checkpoint import (
+    LORA_METADATA_KEY,
+    check_lora_record,
+    lora_config_record,
+)
 from shardwork.trainer.config.load import config_to_toml
 from shardwork.trainer.config.validate_peft import lora_config_of
 from shardwork.trainer.model_factory import hf_config
@@ -227,11 +231,30 @@ class Checkpointer:
             f"--checkpoint.resume none or a new --checkpoint.dir."
         )
 
+    def _check_lora(self, info: dict, path) -> None:
+        """Refuse, before reading tensors, a checkpoint whose LoRA options differ from the run's
+        (a full-model checkpoint in a LoRA run, adapters in a full run, another rank...)."""
+        saved = (info.get("user_metadata") or {}).get(LORA_METADATA_KEY)
+        hint = "; resume with the [peft] section it was saved with, or start fresh with "
+        hint += "--checkpoint.resume none or a new --checkpoint.dir"
+        if self.lora is None:
+            if saved is not None:
+                raise ResumeError(
+                    f"{path} holds LoRA adapters only (peft.method='lora', rank="
+                    f"{saved.get('rank')}) but this run has no [peft] section{hint}"
+                )
+            return
+        try:
+            check_lora_record(saved, self.lora, path)
+        except ValueError as exc:
+            raise ResumeError(f"{exc}{hint}") from None
+
     def _resume_from(self, manager, step: int, *, say) -> int:
         """Load checkpoint ``step`` of ``manager`` into the run; return the step it holds."""
         c = self.config.checkpoint
         path = manager.step_path(step)
         info = read_info(path)
+        self._check_lora(info, path)
         saved_layout = info.get("layout") or {}
         same_layout = saved_layout == layout_of(self.runtime)
         # The RNG grid is indexed by global rank, whose role changes with the layout.
