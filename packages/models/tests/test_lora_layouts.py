@@ -1,5 +1,5 @@
 """LoRA across layouts: loss and every gradient (adapters' and the frozen base's zeros) at
-TP=2, TP=2+SP, MLA at TP=2, experts at EP=2 and PP=2 equal world size 1 for the same seed
+TP=2, TP=2+SP (also with full recompute), MLA at TP=2, experts at EP=2 and PP=2 equal world size 1 for the same seed
 (float64, dropout off); the initial adapters are the same global tensors at every layout;
 merge at TP=2 folds per shard; an adapter checkpoint saved at TP=2 loads at world 1.
 """
@@ -64,8 +64,9 @@ def _compare(name, kwargs, prepare):
         ("tiny-llama3-8b", {"tp": 2}, "dense"),
         ("tiny-llama3-8b", {"tp": 2, "sequence_parallel": True}, "dense"),
         ("tiny-deepseek-v2-lite", {"tp": 2, "sequence_parallel": True}, "mla"),
+        ("tiny-llama3-8b", {"tp": 2, "sequence_parallel": True, "recompute": "full"}, "dense"),
     ],
-    ids=["tp2", "tp2-sp", "mla-tp2-sp"],
+    ids=["tp2", "tp2-sp", "mla-tp2-sp", "tp2-sp-full-recompute"],
 )
 def test_lora_layout_matches_single_rank(name, kwargs, prepare):
     losses = run_on_ranks(_compare, 2, args=(name, kwargs | {"rtol": RTOL64}, prepare))
