@@ -1,7 +1,8 @@
 """LoRA across layouts: loss and every gradient (adapters' and the frozen base's zeros) at
 TP=2, TP=2+SP (also with full recompute), MLA at TP=2+SP, experts at EP=2 and PP=2 equal
-world size 1 for the same seed (float64, dropout off); the initial adapters are the same global tensors at every layout;
-merge at TP=2 folds per shard; an adapter checkpoint saved at TP=2 loads at world 1.
+world size 1 for the same seed (float64, dropout off); the initial adapters are the same
+global tensors at every layout; merge at TP=2 folds per shard; an adapter checkpoint saved at
+TP=2 loads at world 1; adapter dropout keeps TP-replicated factors in step.
 """
 
 from __future__ import annotations
