@@ -52,6 +52,15 @@ from shardwork.models.gpt_model import GPTModel
 from shardwork.models.layer_kinds import BuildContext, register_mixer, register_mlp, register_norm
 from shardwork.models.layer_norm import LayerNorm
 from shardwork.models.logits import gather_logits
+from shardwork.models.lora import (
+    apply_lora,
+    is_lora_key,
+    load_lora_state,
+    lora_state_dict,
+    merge_lora,
+    unmerge_lora,
+)
+from shardwork.models.lora_checkpoint import load_lora_checkpoint, save_lora_checkpoint
 from shardwork.models.lora_config import LoRAConfig, lora_key_names
 from shardwork.models.loss import loss_for_backward, reduce_loss, token_loss
 from shardwork.models.mamba import Mamba2Mixer, MambaState
@@ -124,19 +133,25 @@ __all__ = [
     "TransformerBlock",
     "TransformerLayer",
     "VocabParallelEmbedding",
+    "apply_lora",
     "attention_mask",
     "check_sequence_length",
     "checkpoint",
     "expert_load",
     "flops_per_token",
     "gather_logits",
+    "is_lora_key",
     "kv_cache_bytes_per_token",
     "layout_groups",
+    "load_lora_checkpoint",
+    "load_lora_state",
     "local_parameters",
     "local_positions",
     "lora_key_names",
+    "lora_state_dict",
     "loss_for_backward",
     "memory_estimate",
+    "merge_lora",
     "moe_finalize_kwargs",
     "moe_param_counts",
     "num_parameters",
@@ -147,7 +162,9 @@ __all__ = [
     "register_mixer",
     "register_mlp",
     "register_norm",
+    "save_lora_checkpoint",
     "slice_for_context_parallel",
     "spec_for",
     "token_loss",
+    "unmerge_lora",
 ]

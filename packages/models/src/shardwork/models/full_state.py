@@ -11,6 +11,8 @@ export and checks of models that fit one host, not for training checkpoints (use
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -22,13 +24,23 @@ __all__ = ["full_state_dict"]
 
 
 def full_state_dict(
-    model: ShardedModule, *, grads: bool = False, group=None, dtype: torch.dtype | None = None
+    model: ShardedModule,
+    *,
+    grads: bool = False,
+    group=None,
+    dtype: torch.dtype | None = None,
+    keys: Callable[[str], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """``{key: full tensor}`` of ``model`` (or of its gradients) on every rank of ``group``."""
+    """``{key: full tensor}`` of ``model`` (or of its gradients) on every rank of ``group``.
+
+    ``keys``: assemble only the keys it accepts (e.g. ``shardwork.models.lora.is_lora_key``
+    for the adapters alone, without gathering the base weights)."""
     if grads:
         pieces = {st.key: st for st in _grad_shards(model)}
     else:
         pieces = dict(model.sharded_state_dict())
+    if keys is not None:
+        pieces = {k: st for k, st in pieces.items() if keys(k)}
     distributed = dist.is_initialized() and (group is not None or dist.get_world_size() > 1)
     if distributed:
         world = dist.get_world_size(group)

@@ -88,6 +88,15 @@ class ShardedModule(torch.nn.Module):
             out.update(child.sharded_state_dict(f"{prefix}{segment}."))
         return out
 
+    def named_sharded_modules(self, prefix: str = ""):
+        """Yield ``(global name, module)`` for this module and every ShardedModule below it.
+
+        Names use the checkpoint's segments (global layer numbers on a pipeline stage), so a
+        pattern over them means the same module at every layout."""
+        yield prefix.removesuffix("."), self
+        for segment, child in self._sharded_children():
+            yield from child.named_sharded_modules(f"{prefix}{segment}.")
+
     def named_param_keys(self, prefix: str = ""):
         """Yield ``(global_key, param, module)`` for each parameter (the key before block suffixes)."""
         for name, param in self._parameters.items():

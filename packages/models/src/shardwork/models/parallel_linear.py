@@ -94,24 +94,30 @@ class ColumnParallelLinear(ShardedModule):
 
         ``weight`` overrides the own weight (a tied LM head passes the embedding's).
         """
+        w = self.weight if weight is None else weight
+        x = self._enter_tp_region(x)
+        b = None if self.bias is None else self.bias.to(x.dtype)
+        # Cast on the fly: params may be fp32 (params_dtype) while activations run in bf16.
+        return self._leave_tp_region(F.linear(x, w.to(x.dtype), b))
+
+    def _enter_tp_region(self, x: torch.Tensor) -> torch.Tensor:
+        """The input every TP rank multiplies: gathered along the sequence under SP."""
         tp = self.groups.tp
         if self.sequence_parallel:
             # g of the SP paper (Korthikanti et al. 2022): all-gather the sequence forward; backward
             # reduce-scatters because each rank's output slice contributes a partial gradient for
             # every token.
-            x = gather_from_sequence_region(x, tp, dim=0, grad_is_partial=True)
-        else:
-            # f of the Megatron-LM paper (Shoeybi et al. 2019, sec. 3): identity forward, all-reduce
-            # of the input gradient backward.
-            x = copy_to_tp_region(x, tp)
-        w = self.weight if weight is None else weight
-        b = None if self.bias is None else self.bias.to(x.dtype)
-        # Cast on the fly: params may be fp32 (params_dtype) while activations run in bf16.
-        y = F.linear(x, w.to(x.dtype), b)
+            return gather_from_sequence_region(x, tp, dim=0, grad_is_partial=True)
+        # f of the Megatron-LM paper (Shoeybi et al. 2019, sec. 3): identity forward, all-reduce
+        # of the input gradient backward.
+        return copy_to_tp_region(x, tp)
+
+    def _leave_tp_region(self, y: torch.Tensor) -> torch.Tensor:
+        """This rank's output slice, or every rank's slices gathered with ``gather_output``."""
         if self.gather_output:
             # Concatenates the local slices rank by rank: with several partition blocks the
             # result is in per-rank block order, not the global [A | B] layout.
-            y = gather_from_tp_region(y, tp)
+            y = gather_from_tp_region(y, self.groups.tp)
         return y
 
 
@@ -156,13 +162,15 @@ class RowParallelLinear(ShardedModule):
         """``x [s, b, in/tp]`` -> ``[s(/tp under SP), b, out]``, summed over TP."""
         # No bias yet: each rank's product is a partial sum, and a bias added here would be counted
         # tp times by the reduction.
-        y = F.linear(x, self.weight.to(x.dtype))
+        return self._add_bias(self._reduce_partial(F.linear(x, self.weight.to(x.dtype))))
+
+    def _reduce_partial(self, y: torch.Tensor) -> torch.Tensor:
+        """Sum this rank's partial product over TP (reduce-scattered along the sequence under SP)."""
         if self.sequence_parallel:
             # g-bar of the SP paper: sum partial outputs and keep this rank's sequence chunk.
-            y = reduce_scatter_to_sequence_region(y, self.groups.tp, dim=0)
-        else:
-            # g of the Megatron-LM paper: all-reduce forward, identity backward.
-            y = reduce_from_tp_region(y, self.groups.tp)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y
+            return reduce_scatter_to_sequence_region(y, self.groups.tp, dim=0)
+        # g of the Megatron-LM paper: all-reduce forward, identity backward.
+        return reduce_from_tp_region(y, self.groups.tp)
+
+    def _add_bias(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias.to(y.dtype)

@@ -39,6 +39,7 @@ __all__ = [
     "init_from_shards",
     "key_seed",
     "normal_slice",
+    "param_blocks",
     "param_shards",
 ]
 
@@ -109,6 +110,11 @@ def describe_param(
     setattr(param, _ROWS, real_rows)
     setattr(param, _STD, std)
     return param
+
+
+def param_blocks(param: torch.Tensor) -> tuple[str, ...] | None:
+    """Names of ``param``'s fused blocks along its TP axis (``("q", "k", "v")``), or None."""
+    return getattr(param, _BLOCKS, None)
 
 
 def _tp_blocks(param: torch.Tensor, ctx: ShardContext, source: torch.Tensor | None = None):

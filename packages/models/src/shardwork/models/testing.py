@@ -15,6 +15,8 @@ full gradient agree to ``rtol``.
 
 from __future__ import annotations
 
+import zlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,7 +36,7 @@ from shardwork.parallel_state import (
     init_process_groups,
 )
 
-__all__ = ["compare_with_single_rank", "random_batch"]
+__all__ = ["compare_with_single_rank", "random_batch", "randomize_lora_b"]
 
 
 def random_batch(vocab_size: int, *, batch: int = 2, seq: int = 16, seed: int = 0):
@@ -44,6 +46,21 @@ def random_batch(vocab_size: int, *, batch: int = 2, seq: int = 16, seed: int = 
     labels = torch.randint(0, vocab_size, (batch, seq), generator=gen)
     labels[0, :3] = -100
     return ids, labels
+
+
+def randomize_lora_b(model, seed: int = 1, scale: float = 0.1) -> None:
+    """Give every LoRA ``B`` factor random global values, each rank copying its own slice.
+
+    PEFT starts ``B`` at zero, which would hide any bug in the adapter path; the values depend
+    only on the key and ``seed``, so every layout gets the same global tensors."""
+    for key, st in model.sharded_state_dict().items():
+        if ".lora_B." not in key:
+            continue
+        gen = torch.Generator().manual_seed(seed + zlib.crc32(key.encode()))
+        full = torch.randn(st.global_shape, generator=gen, dtype=torch.float64) * scale
+        index = tuple(slice(o, o + n) for o, n in zip(st.global_offset, st.data.shape))
+        with torch.no_grad():
+            st.data.copy_(full[index].to(st.data.dtype))
 
 
 def _oracle_loss(logits, labels, groups):
@@ -87,9 +104,14 @@ def compare_with_single_rank(
     batch: int = 2,
     cu_seqlens: torch.Tensor | list[int] | None = None,
     oracle_loss: bool = False,
+    prepare: Callable[[GPTModel], None] | None = None,
     **overrides: Any,
 ) -> float:
-    """Assert loss and gradients at (tp, cp) equal world size 1; returns the loss."""
+    """Assert loss and gradients at (tp, cp) equal world size 1; returns the loss.
+
+    ``prepare(model)`` runs on both models right after they are built (e.g. to add LoRA
+    adapters); it must give both the same global values, collectively on the model's own
+    groups only (the reference model lives on one rank)."""
     groups = init_process_groups(ParallelConfig(tp=tp, cp=cp))
     if cu_seqlens is not None:
         cu_seqlens = torch.as_tensor(cu_seqlens)
@@ -97,10 +119,14 @@ def compare_with_single_rank(
     ids, labels = random_batch(cfg.vocab_size, batch=batch, seq=seq)
     single = ProcessGroups.single()
     ref = GPTModel(cfg.replace(sequence_parallel=False), single)
+    if prepare is not None:
+        prepare(ref)
     ref_loss = _step(ref, single, ids, labels, cu_seqlens, oracle_loss)
     ref_grads = full_state_dict(ref, grads=True, group=dist.new_group([dist.get_rank()]))
     ref_params = full_state_dict(ref, group=dist.new_group([dist.get_rank()]))
     model = GPTModel(cfg, groups)
+    if prepare is not None:
+        prepare(model)
     params = full_state_dict(model)
     for key, value in ref_params.items():  # initialisation does not depend on the layout
         assert torch.equal(params[key], value), key

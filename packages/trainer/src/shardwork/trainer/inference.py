@@ -4,7 +4,9 @@ What ``shardwork-generate`` runs once it has parsed its flags (:mod:`.generate` 
 out of its own imports, so this module is imported after OpenMP's wait policy is set). The
 checkpoint carries the run's resolved config, so model and tokenizer are rebuilt exactly; the
 model section loads through ``CheckpointManager`` at world size 1 (any training layout
-reshards), verifying each file it reads against its recorded CRC-32.
+reshards), verifying each file it reads against its recorded CRC-32. A LoRA run's checkpoint
+holds the adapters only: the base is rebuilt from its ``checkpoint.hf_init`` folder (or the
+seed) and the adapters are loaded onto it.
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ from pathlib import Path
 import torch
 
 from shardwork.dist_checkpoint import CheckpointManager, read_info
+from shardwork.models.lora import apply_lora, lora_state_dict
 from shardwork.parallel_state import ProcessGroups
 from shardwork.trainer.config.load import config_from_dict
 from shardwork.trainer.config.validate import check_model_settings
+from shardwork.trainer.config.validate_peft import lora_config_of
 from shardwork.trainer.data.tokenizer import load_tokenizer
 from shardwork.trainer.errors import CheckpointError
 from shardwork.trainer.model_factory import build_model_chunks, gpt_config
 from shardwork.trainer.run.checkpointing import locate_checkpoint
+from shardwork.trainer.run.hf import import_hf_weights
 
 
 def load_for_inference(checkpoint: str | Path):
@@ -46,11 +51,29 @@ def load_for_inference(checkpoint: str | Path):
     hf = (info.get("user_metadata") or {}).get("hf_config")  # runs started from a HF folder
     groups = ProcessGroups.single()
     (model,) = build_model_chunks(gpt_config(config, hf=hf), groups, device=torch.device("cpu"))
-    state = {"model": model.sharded_state_dict()}
+    lora = lora_config_of(config)
+    if lora is not None:
+        _lora_base(model, config, manager.step_path(step))
+        apply_lora(model, lora)
+    state = {"model": lora_state_dict(model) if lora is not None else model.sharded_state_dict()}
     manager.load(state, step=step, include=("model",))
     model.eval()
     tokenizer = load_tokenizer(config.data.tokenizer, eod_token=config.data.eod_token)
     return model, config, tokenizer
+
+
+def _lora_base(model, config, path) -> None:
+    """A LoRA run's checkpoint holds adapters only: its frozen base is ``checkpoint.hf_init``
+    again (the seed's init, rebuilt by ``build_model_chunks``, when the run had none)."""
+    folder = config.checkpoint.hf_init
+    if folder is None:
+        return
+    if not Path(folder).is_dir():
+        raise CheckpointError(
+            f"{path} holds LoRA adapters only and its base model, checkpoint.hf_init="
+            f"{folder!r}, is no longer there: restore that folder to load the adapters"
+        )
+    import_hf_weights([model], folder)
 
 
 @torch.no_grad()

@@ -12,7 +12,7 @@
 """
 
 from shardwork.models.moe.config import DISPATCHERS, GROUPED_GEMM, MoEConfig
-from shardwork.models.moe.experts import ExpertShards, GroupedExperts, grouped_linear
+from shardwork.models.moe.experts import ExpertLinear, ExpertShards, GroupedExperts, grouped_linear
 from shardwork.models.moe.layer import MoELayer, SharedExpertGate
 from shardwork.models.moe.router import MoERouter
 from shardwork.models.moe.state import attach_moe, expert_load, moe_finalize_kwargs, moe_routers
@@ -20,6 +20,7 @@ from shardwork.models.moe.state import attach_moe, expert_load, moe_finalize_kwa
 __all__ = [
     "DISPATCHERS",
     "GROUPED_GEMM",
+    "ExpertLinear",
     "ExpertShards",
     "GroupedExperts",
     "MoEConfig",

@@ -37,7 +37,7 @@ from shardwork.models.module import ShardedModule
 from shardwork.models.sharding import describe_param, normal_slice
 from shardwork.parallel_state import ParamMeta, ProcessGroups
 
-__all__ = ["EXPERT_ACTIVATIONS", "ExpertShards", "GroupedExperts", "grouped_linear"]
+__all__ = ["EXPERT_ACTIVATIONS", "ExpertLinear", "ExpertShards", "GroupedExperts", "grouped_linear"]
 
 EXPERT_ACTIVATIONS = ("swiglu", "relu2")
 
@@ -168,8 +168,9 @@ def grouped_linear(
     return torch.bmm(padded, w_LOI.transpose(1, 2))[group_N, slot_N]
 
 
-class _ExpertLinear(ShardedModule):
-    """Holds one stacked expert weight (a child so its checkpoint key reads ``linear_fcN.weight``)."""
+class ExpertLinear(ShardedModule):
+    """One stacked expert weight ``[L, out, in]`` (a child so its checkpoint key reads
+    ``linear_fcN.weight``, and a module so LoRA can target ``experts.linear_fcN``)."""
 
     def __init__(self, groups, shape, *, dtype, device, meta: ParamMeta, shards: ExpertShards):
         super().__init__(groups)
@@ -177,6 +178,11 @@ class _ExpertLinear(ShardedModule):
         describe_param(param, meta, init=shards.init)
         setattr(param, SHARDS_ATTRIBUTE, shards)
         self.weight = param
+        self.shards = shards
+
+    def forward(self, x_NI: torch.Tensor, counts_L: torch.Tensor, mode: str) -> torch.Tensor:
+        """Rows grouped by local expert (``counts_L``) times each expert's weight."""
+        return grouped_linear(x_NI, self.weight.to(x_NI.dtype), counts_L, mode=mode)
 
 
 class GroupedExperts(ShardedModule):
@@ -221,7 +227,7 @@ class GroupedExperts(ShardedModule):
         # SwiGLU fuses [gate | up] blocks along the ffn axis; squared ReLU has the up block only,
         # keyed per expert without a block name (like the dense squared-ReLU MLP's fc1).
         gated = activation == "swiglu"
-        self.linear_fc1 = _ExpertLinear(
+        self.linear_fc1 = ExpertLinear(
             groups,
             (L, (2 if gated else 1) * f, hidden_size),
             meta=ParamMeta(
@@ -234,7 +240,7 @@ class GroupedExperts(ShardedModule):
             ),
             **kw,
         )
-        self.linear_fc2 = _ExpertLinear(
+        self.linear_fc2 = ExpertLinear(
             groups,
             (L, hidden_size, f),
             meta=ParamMeta(tp_axis=2, is_expert=True),
@@ -251,11 +257,9 @@ class GroupedExperts(ShardedModule):
             )
         # [N, H] -> fc1 [N, 2f] ([gate | up]) -> swiglu [N, f], or fc1 [N, f] -> relu² [N, f];
         # then fc2 [N, H] (partial over etp).
-        w1 = self.linear_fc1.weight.to(tokens_NH.dtype)
-        w2 = self.linear_fc2.weight.to(tokens_NH.dtype)
-        h = grouped_linear(tokens_NH, w1, tokens_per_expert_L, mode=self.mode)
+        h = self.linear_fc1(tokens_NH, tokens_per_expert_L, self.mode)
         if self.activation == "swiglu":
             h = swiglu(h, backend=self.backend)
         else:
             h = torch.relu(h).square()
-        return grouped_linear(h, w2, tokens_per_expert_L, mode=self.mode)
+        return self.linear_fc2(h, tokens_per_expert_L, self.mode)

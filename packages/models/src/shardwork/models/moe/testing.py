@@ -14,6 +14,7 @@ the token groups each rank's router sees — and gives each the same aux-loss sc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,9 +48,11 @@ def global_batches(
     return out
 
 
-def _reference(cfg, batches, cu_seqlens):
+def _reference(cfg, batches, cu_seqlens, prepare=None):
     """World-1 step: one forward per (dp rank, micro-batch); grads of the global mean."""
     model = GPTModel(cfg, ProcessGroups.single())
+    if prepare is not None:
+        prepare(model)
     model.train()
     flat = [b for row in batches for b in row]
     total_tokens = sum(int((lab != -100).sum()) for _, lab in flat)
@@ -84,19 +87,26 @@ def compare_moe_layout(
     seq: int = 16,
     rtol: float = 1e-6,
     cu_seqlens: torch.Tensor | None = None,
+    prepare: Callable[[torch.nn.Module], None] | None = None,
     **overrides: Any,
 ) -> float:
-    """Assert loss, gradients and expert loads at the layout equal world size 1; returns loss."""
+    """Assert loss, gradients and expert loads at the layout equal world size 1; returns loss.
+
+    ``prepare(model)`` runs on the reference model and on this rank's stage right after they
+    are built (e.g. adding LoRA adapters); it must not communicate outside the stage's groups.
+    """
     parallel = ParallelConfig(tp=tp, pp=pp, ep=ep, etp=tp if etp is None else etp)
     groups = init_process_groups(parallel)
     cfg = preset(name, params_dtype=torch.float64, **overrides)
     dp = groups.size("dp")
     batches = global_batches(cfg.vocab_size, dp=dp, microbatches=microbatches, batch=batch, seq=seq)
     ref_loss, ref_grads, ref_load, ref_model = _reference(
-        cfg.replace(sequence_parallel=False), batches, cu_seqlens
+        cfg.replace(sequence_parallel=False), batches, cu_seqlens, prepare
     )
 
     stage = build_stage(cfg, groups)
+    if prepare is not None:
+        prepare(stage)
     stage.train()
     mine = iter(batches[groups.rank("dp")])
     tokens = []

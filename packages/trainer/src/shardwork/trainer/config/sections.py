@@ -288,6 +288,27 @@ class ReliabilityConfig:
 
 
 @dataclass(kw_only=True)
+class PeftSection:
+    """Parameter-efficient fine-tuning: LoRA adapters on a frozen model (shardwork.models'
+    ``LoRAConfig``). The base weights come from ``checkpoint.hf_init`` (or the seed's init);
+    checkpoints of the run hold the adapters and their optimizer state only."""
+
+    method: str = "none"
+    """'none' (train every weight) or 'lora'."""
+    rank: int = 8
+    """Adapter rank r."""
+    alpha: float = 16.0
+    """Scale numerator: updates are scaled by alpha / r (alpha / sqrt(r) with use_rslora)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training, in [0, 1)."""
+    use_rslora: bool = False
+    """Rank-stabilised scale alpha / sqrt(r)."""
+    target_modules: tuple[str, ...] | str = ("linear_qkv", "linear_proj", "fc1", "fc2")
+    """Module-name suffixes (a list, like PEFT's) or one regular expression over full module
+    names (a string), e.g. ["linear_qkv", "fc2"] or 'decoder\\.layers\\.[01]\\..*fc1'."""
+
+
+@dataclass(kw_only=True)
 class TrainConfig:
     """Everything one training run needs."""
 
@@ -303,3 +324,4 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
+    peft: PeftSection = field(default_factory=PeftSection)

@@ -32,6 +32,7 @@ from shardwork.trainer.config.validate_hf import (
     check_hf_shapes,
     hf_dimensions,
 )
+from shardwork.trainer.config.validate_peft import check_peft
 from shardwork.trainer.data.tokenizer import load_tokenizer
 from shardwork.trainer.model_factory import gpt_config, hf_config, preset_fields
 
@@ -39,6 +40,11 @@ from shardwork.trainer.model_factory import gpt_config, hf_config, preset_fields
 def parallel_config(config: TrainConfig) -> ParallelConfig:
     p = config.parallel
     return ParallelConfig(tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, ep=p.ep, etp=p.etp, order=p.order)
+
+
+def _expert_tp(config: TrainConfig) -> int:
+    p = config.parallel
+    return p.tp if p.etp is None else p.etp
 
 
 def _preset_dims(name: str) -> dict:
@@ -319,6 +325,7 @@ def validate_config(config: TrainConfig, *, world_size: int) -> TrainConfig:
     _check_optimizer(resolved, problems)
     _check_schedule(resolved, dp, problems)
     _check_rest(resolved, problems)
+    check_peft(resolved, model, _expert_tp(resolved), problems)
     if problems:
         raise ConfigError(problems)
     return resolved

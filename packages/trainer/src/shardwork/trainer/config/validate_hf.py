@@ -93,7 +93,9 @@ def check_hf_init(config: TrainConfig, problems: list[str]) -> bool:
 
 def _tensor_shapes(model_config) -> dict[str, tuple[int, ...]]:
     """``{key: global shape}`` of every tensor of the model, built on the meta device."""
-    model = GPTModel(model_config, None, device="meta")
+    # One process on the meta device: global shapes do not depend on the layout, and sequence
+    # parallelism (which needs tp > 1) would refuse this build, so it is switched off here.
+    model = GPTModel(model_config.replace(sequence_parallel=False), None, device="meta")
     return {k: tuple(st.global_shape) for k, st in model.sharded_state_dict().items()}
 
 

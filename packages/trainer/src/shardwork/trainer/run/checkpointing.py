@@ -3,7 +3,8 @@
 A checkpoint (``CHECKPOINT_DIR/step_<step>/``) holds, in global coordinates so
 that it loads at any layout:
 
-- ``model``: every chunk's ``sharded_state_dict()`` (keys are global layer names);
+- ``model``: every chunk's ``sharded_state_dict()`` (keys are global layer names); a LoRA
+  run (``[peft]``) saves the adapters only, and records its LoRAConfig under ``"lora"``;
 - ``optimizer``: the distributed optimizer's ``sharded_state_dict()`` (fp32
   masters and moments, and the fp16 loss scale when there is one), keyed by
   global parameter keys (:mod:`shardwork.trainer.run.optimizer_keys`);
@@ -47,7 +48,14 @@ from shardwork.dist_checkpoint import (
     is_committed,
     read_info,
 )
+from shardwork.models.lora import lora_state_dict
+from shardwork.models.lora_checkpoint import (
+    LORA_METADATA_KEY,
+    check_lora_record,
+    lora_config_record,
+)
 from shardwork.trainer.config.load import config_to_toml
+from shardwork.trainer.config.validate_peft import lora_config_of
 from shardwork.trainer.model_factory import hf_config
 from shardwork.trainer.run.optimizer_keys import optimizer_param_rects
 from shardwork.trainer.run.resume_advice import corrupt_message, mismatch_message
@@ -112,12 +120,17 @@ class Checkpointer:
         self.corrupt_steps: set[int] = set()
         if c.hf_init is not None:  # the architecture (shardwork-generate reads it)
             self.metadata["hf_config"] = hf_config(c.hf_init)
+        self.lora = lora_config_of(config)
+        if self.lora is not None:
+            self.metadata[LORA_METADATA_KEY] = lora_config_record(self.lora)
 
     # ---- state -------------------------------------------------------------------------------
     def _model_state(self) -> dict:
         state: dict = {}
         for module in self.assembly.modules:
-            state.update(module.sharded_state_dict())
+            # A LoRA run saves its adapters only: the frozen base is rebuilt from
+            # checkpoint.hf_init (or the seed) when the run resumes.
+            state.update(lora_state_dict(module) if self.lora else module.sharded_state_dict())
         return state
 
     def _rng_state(self):
@@ -218,11 +231,30 @@ class Checkpointer:
             f"--checkpoint.resume none or a new --checkpoint.dir."
         )
 
+    def _check_lora(self, info: dict, path) -> None:
+        """Refuse, before reading tensors, a checkpoint whose LoRA options differ from the run's
+        (a full-model checkpoint in a LoRA run, adapters in a full run, another rank...)."""
+        saved = (info.get("user_metadata") or {}).get(LORA_METADATA_KEY)
+        hint = "; resume with the [peft] section it was saved with, or start fresh with "
+        hint += "--checkpoint.resume none or a new --checkpoint.dir"
+        if self.lora is None:
+            if saved is not None:
+                raise ResumeError(
+                    f"{path} holds LoRA adapters only (peft.method='lora', rank="
+                    f"{saved.get('rank')}) but this run has no [peft] section{hint}"
+                )
+            return
+        try:
+            check_lora_record(saved, self.lora, path)
+        except ValueError as exc:
+            raise ResumeError(f"{exc}{hint}") from None
+
     def _resume_from(self, manager, step: int, *, say) -> int:
         """Load checkpoint ``step`` of ``manager`` into the run; return the step it holds."""
         c = self.config.checkpoint
         path = manager.step_path(step)
         info = read_info(path)
+        self._check_lora(info, path)
         saved_layout = info.get("layout") or {}
         same_layout = saved_layout == layout_of(self.runtime)
         # The RNG grid is indexed by global rank, whose role changes with the layout.

@@ -12,6 +12,8 @@
   and LR multipliers per parameter group) is built by :mod:`.optimizers`.
 - With ``checkpoint.hf_init`` the chunks are filled from the Hugging Face folder before
   DDP wraps them (:mod:`.hf`).
+- With ``peft.method = "lora"`` every chunk is frozen and gets its adapters after that, still
+  before DDP.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ import torch.distributed as dist
 
 from shardwork.dist_optimizer import DDPConfig, DistributedDataParallel
 from shardwork.models.calculator import num_parameters
+from shardwork.models.lora import apply_lora
 from shardwork.parallel_state import ProcessGroups, init_process_groups
 from shardwork.trainer.config.sections import TrainConfig
 from shardwork.trainer.config.validate import parallel_config
+from shardwork.trainer.config.validate_peft import lora_config_of
 from shardwork.trainer.model_factory import build_model_chunks, gpt_config
 from shardwork.trainer.run import hf
 from shardwork.trainer.run.optimizers import build_optimizer, uses_zero_shards
@@ -107,6 +111,13 @@ def build_assembly(
     )
     if hf_init is not None:
         hf.import_hf_weights(modules, hf_init)  # looked up at call time: tests replace it
+    lora = lora_config_of(config)
+    if lora is not None:
+        # After the base weights are final and before DDP: its buffers then hold only the
+        # adapters (frozen parameters are left out), so gradients, masters and optimizer state
+        # are adapter-sized.
+        for module in modules:
+            apply_lora(module, lora, require_every_target=False)
     o = config.optimizer
     ddp_config = DDPConfig(
         # bucket_size counts elements: MiB at 4 bytes (fp32 gradients) per element.

@@ -1,0 +1,253 @@
+"""``[peft]`` LoRA runs on one process: fine-tuning from a Hugging Face folder trains only the
+adapters (base unchanged bit-exactly, loss goes down), DDP and the optimizer hold only adapter
+elements, checkpoints hold only adapters and resume to the uninterrupted run's losses, and bad
+``[peft]`` values are refused before any work.
+"""
+
+import dataclasses
+import re
+import shutil
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+import shardwork.trainer.run.trainer as trainer_module
+from shardwork.models import GPTConfig, GPTModel
+from shardwork.models.full_state import full_state_dict
+from shardwork.models.hf import save_pretrained
+from shardwork.models.lora import is_lora_key
+from shardwork.parallel_state.testing import run_on_ranks
+from shardwork.trainer.config.load import ConfigError
+from shardwork.trainer.config.validate import validate_config
+from shardwork.trainer.inference import load_for_inference
+from shardwork.trainer.run.trainer import train
+from shardwork.trainer.testing import tiny_config
+
+VOCAB = 260
+LORA = {"method": "lora", "rank": 4, "alpha": 8.0, "target_modules": ("linear_qkv", "fc2")}
+
+
+@pytest.fixture(autouse=True)
+def _corpus_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("SHARDWORK_CACHE", str(tmp_path_factory.getbasetemp() / "corpus"))
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> str:
+    """A random 2-layer Llama-style model saved as a Hugging Face folder."""
+    config = GPTConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        init_seed=7,
+    )
+    out = tmp_path_factory.mktemp("hf") / "source"
+    save_pretrained(GPTModel(config).eval(), out)
+    return str(out)
+
+
+def _capture_assembly(monkeypatch) -> list:
+    """Record the run's assembly and its full base weights right after it is built."""
+    seen = []
+    build = trainer_module.build_assembly
+
+    def recording(*args, **kwargs):
+        assembly = build(*args, **kwargs)
+        (module,) = assembly.modules
+        base = {k: v.clone() for k, v in full_state_dict(module).items() if not is_lora_key(k)}
+        seen.append((assembly, base))
+        return assembly
+
+    monkeypatch.setattr(trainer_module, "build_assembly", recording)
+    return seen
+
+
+def test_lora_run_trains_adapters_only(tmp_path, folder, monkeypatch):
+    seen = _capture_assembly(monkeypatch)
+    config = tiny_config(
+        tmp_path / "run",
+        schedule={"train_steps": 8, "warmup_steps": 1},
+        optimizer={"lr": 3e-2, "min_lr": 3e-3},
+        eval={"interval": None, "at_end": False},
+        checkpoint={"hf_init": folder, "save_at_end": True},
+        peft=LORA,
+    )
+    result = train(config)
+    losses = [result.train_losses[s] for s in sorted(result.train_losses)]
+    assert losses[-1] < losses[0] - 0.05, losses
+    ((assembly, base),) = seen
+    (module,) = assembly.modules
+    after = full_state_dict(module)
+    for key, value in base.items():  # frozen: bit-exact after 8 optimizer steps
+        assert torch.equal(after[key], value), key
+    # Trainable = adapters: r·(h + qkv_out) + r·(ffn + h) per layer, from the shapes.
+    h, ffn, qkv_out = 32, 64, (4 + 2 * 2) * 8
+    adapters = 2 * (4 * (h + qkv_out) + 4 * (ffn + h))
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    assert sum(p.numel() for p in trainable) == adapters
+    (chunk,) = assembly.chunks
+    in_buffers = sum(p.numel() for buf in chunk.buffers.values() for p in buf.params)
+    assert in_buffers == adapters
+    # ZeRO masters (and with them AdamW's moments) cover exactly the adapter elements.
+    parts = getattr(assembly.optimizer, "parts", [assembly.optimizer])  # chained for MoE only
+    masters = sum(m.master.numel() for part in parts for m in part.masters)
+    assert masters == adapters
+    # The checkpoint holds the adapters only (plus optimizer state for them).
+    keys = FileSystemReader(result.checkpoint).read_metadata().state_dict_metadata
+    model_keys = [k for k in keys if k.startswith(("decoder.", "embedding.", "output_layer."))]
+    assert model_keys and all(is_lora_key(k) for k in model_keys), model_keys
+    assert set(model_keys) == set(full_state_dict(module, keys=is_lora_key))
+    # shardwork-generate's loader rebuilds base (from hf_init) + adapters: the trained model.
+    loaded, _, _ = load_for_inference(result.checkpoint)
+    probe = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = module.eval()(input_ids=probe)
+        torch.testing.assert_close(loaded(input_ids=probe), want, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_run_resumes_from_adapter_checkpoint(tmp_path, folder):
+    ckpt = tmp_path / "ckpt"
+    common = dict(
+        schedule={"train_steps": 5, "warmup_steps": 1},
+        eval={"interval": None, "at_end": False},
+        checkpoint={
+            "hf_init": folder,
+            "dir": str(ckpt),
+            "interval": 3,
+            "save_at_end": True,
+            "resume": "auto",
+        },
+        peft=LORA,
+    )
+    full = train(tiny_config(tmp_path / "full", **common))
+    shutil.rmtree(ckpt / "step_000000005")  # the newest complete checkpoint is now step 3
+    resumed = train(tiny_config(tmp_path / "resumed", **common))
+    assert sorted(resumed.train_losses) == [3, 4]
+    for step in (3, 4):
+        assert resumed.train_losses[step] == full.train_losses[step], step
+
+
+def _problems(config) -> str:
+    with pytest.raises(ConfigError) as err:
+        validate_config(config, world_size=1)
+    return str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("change", "want"),
+    [
+        ({"method": "qlora"}, r"peft.method='qlora': must be one of \['none', 'lora'\]"),
+        ({"rank": 0}, r"peft.rank=0 is invalid: it must be an integer >= 1"),
+        ({"dropout": 1.5}, r"peft.dropout=1.5 is invalid: it must be in \[0, 1\)"),
+        (
+            {"target_modules": ("linear_qkv", "q_proj")},
+            r"\['q_proj'\] match no module of this model; available module-name suffixes: "
+            r"\['fc1', 'fc2', 'linear_proj', 'linear_qkv'\]",
+        ),
+        ({"target_modules": ("mlp",)}, r"matches 'decoder.layers.0.mlp' \(SwiGLUMLP\)"),
+        ({"target_modules": "(("}, r"peft.target_modules='\(\(' is not a valid regular"),
+    ],
+    ids=["method", "rank", "dropout", "unknown-target", "not-a-linear", "bad-regex"],
+)
+def test_bad_peft_values_are_refused_before_any_work(tmp_path, change, want):
+    base = tiny_config(tmp_path / "run")
+    config = dataclasses.replace(base, peft=dataclasses.replace(base.peft, **(LORA | change)))
+    message = _problems(config)
+    assert re.search(want, message), message
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_peft_refuses_muon_and_hf_export(tmp_path):
+    base = tiny_config(tmp_path / "run")
+    lora = dataclasses.replace(base.peft, **LORA)
+    muon = dataclasses.replace(
+        base, peft=lora, optimizer=dataclasses.replace(base.optimizer, name="muon")
+    )
+    assert "optimizer.name='muon' is not supported" in _problems(muon)
+    export = dataclasses.replace(
+        base,
+        peft=lora,
+        checkpoint=dataclasses.replace(base.checkpoint, hf_export=str(tmp_path / "x")),
+    )
+    assert "would drop the adapters" in _problems(export)
+
+
+def _train_lora(run_dir, sections, cache):
+    import os
+
+    os.environ["SHARDWORK_CACHE"] = cache
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    return train(tiny_config(run_dir, world_size=world, **sections)).train_losses
+
+
+def _multirank_sections(hf_init: str | None = None, **optimizer):
+    sections = {
+        "model": {"num_layers": 4},
+        "schedule": {"train_steps": 6, "warmup_steps": 2},
+        "optimizer": {"lr": 3e-2, "min_lr": 3e-3, **optimizer},
+        "eval": {"interval": None, "at_end": False},
+        "checkpoint": {"interval": 3, "keep_last": 3, "save_at_end": True},
+        "peft": LORA,
+    }
+    if hf_init is not None:  # the folder brings the architecture
+        del sections["model"]
+        sections["checkpoint"]["hf_init"] = hf_init
+    return sections
+
+
+@pytest.mark.multirank
+def test_lora_zero_with_overlapped_param_gather_matches_one_process(tmp_path, tmp_path_factory):
+    """DP=2 ZeRO-1 with the parameter all-gather overlapped with the next forward gives the
+    one-process losses (that the gather's forward pre-hooks fire on the adapter factors is
+    checked directly by the models package's ``test_factor_modules_run_their_forward_hooks``)."""
+    cache = str(tmp_path_factory.getbasetemp() / "corpus")
+    ref = _train_lora(str(tmp_path / "one"), _multirank_sections(), cache)
+    dp = _multirank_sections(overlap_param_gather=True)
+    (losses, _) = run_on_ranks(_train_lora, 2, args=(str(tmp_path / "dp2"), dp, cache), timeout=300)
+    for step in range(6):
+        assert losses[step] == pytest.approx(ref[step], rel=2e-4, abs=2e-4), step
+
+
+@pytest.mark.multirank
+def test_lora_tp2_sp_run_matches_one_process_and_resumes_at_world_1(
+    tmp_path, tmp_path_factory, folder
+):
+    """Fine-tuning a Hugging Face folder with LoRA at TP=2+SP and on one process gives the same
+    losses (fp32 rounding); its TP=2 adapter checkpoint resumes on one process (base re-imported
+    from the folder, adapters and their optimizer state resharded) to the one-process losses."""
+    cache = str(tmp_path_factory.getbasetemp() / "corpus")
+    sections = _multirank_sections(hf_init=folder)
+    ref = _train_lora(str(tmp_path / "one"), sections, cache)
+    tp = dict(sections, parallel={"tp": 2, "sequence_parallel": True})
+    (losses, _) = run_on_ranks(_train_lora, 2, args=(str(tmp_path / "tp2"), tp, cache), timeout=300)
+    assert sorted(losses) == list(range(6))
+    for step in range(6):
+        assert losses[step] == pytest.approx(ref[step], rel=2e-4, abs=2e-4), step
+    assert ref[5] < ref[0]
+    ckpt = str(tmp_path / "tp2" / "checkpoints" / "step_000000003")
+    resumed = dict(sections, checkpoint={"hf_init": folder, "resume": ckpt, "save_at_end": False})
+    again = _train_lora(str(tmp_path / "resumed"), resumed, cache)
+    assert sorted(again) == [3, 4, 5]
+    for step in (3, 4, 5):
+        assert again[step] == pytest.approx(ref[step], rel=2e-4, abs=2e-4), step
+
+
+def test_resume_refuses_a_checkpoint_of_other_lora_options(tmp_path):
+    """Checked from the checkpoint's recorded LoRA options before any tensor is read."""
+    from shardwork.trainer.run.checkpointing import ResumeError
+
+    short = dict(
+        schedule={"train_steps": 2, "warmup_steps": 1}, eval={"interval": None, "at_end": False}
+    )
+    saved = train(tiny_config(tmp_path / "a", peft=LORA, checkpoint={"save_at_end": True}, **short))
+    resume = {"resume": saved.checkpoint}
+    longer = dict(short, schedule={"train_steps": 4, "warmup_steps": 1})
+    with pytest.raises(ResumeError, match=r"rank: saved 4, model 8; resume with the \[peft\]"):
+        train(tiny_config(tmp_path / "b", peft=LORA | {"rank": 8}, checkpoint=resume, **longer))
+    with pytest.raises(ResumeError, match=r"holds LoRA adapters only .* no \[peft\] section"):
+        train(tiny_config(tmp_path / "c", checkpoint=resume, **longer))
