@@ -39,6 +39,7 @@ from shardwork.parallel_state import ParamMeta, get_param_meta
 
 __all__ = [
     "apply_lora",
+    "is_base_key",
     "is_lora_key",
     "load_lora_state",
     "lora_modules",
@@ -60,6 +61,12 @@ _HEAD = "output_layer"
 def is_lora_key(key: str) -> bool:
     """Whether checkpoint key ``key`` names an adapter factor."""
     return ".lora_A.weight" in key or ".lora_B.weight" in key
+
+
+def is_base_key(key: str) -> bool:
+    """Whether checkpoint key ``key`` names a model tensor, not an adapter factor (the keys a
+    Hugging Face export of a merged LoRA model writes)."""
+    return not is_lora_key(key)
 
 
 def _adaptable(name: str, module: torch.nn.Module) -> bool:

@@ -35,6 +35,7 @@ from shardwork.models.hf.keys import to_hf_key
 from shardwork.models.hf.moe_weights import load_hf_moe_weights, moe_hf_state_dict
 from shardwork.models.hf.registry import adapter_for_config
 from shardwork.models.hf.token_ids import read_token_ids, token_id_fields, write_generation_config
+from shardwork.models.lora import is_base_key, lora_modules, merge_lora, unmerge_lora
 from shardwork.models.module import to_empty_keep_meta
 from shardwork.models.pipeline.stage import build_stage
 from shardwork.models.token_ids import TokenIds
@@ -154,6 +155,18 @@ def _stage_on_meta(config, groups: ProcessGroups | None, uneven: dict[str, Any])
     return build_stage(config, groups, device="meta", **uneven)
 
 
+def _hf_tensors(model: GPTModel, *, group, dtype) -> dict[str, torch.Tensor]:
+    """HF-named full tensors of ``model``'s base weights (every rank and stage calls it)."""
+    adapter = adapter_for_config(model.config)
+    if adapter.weight_layout == "experts":
+        return moe_hf_state_dict(model, group=group, dtype=dtype)
+    if adapter.weight_layout == "converted":
+        return converted_hf_state_dict(model, group=group, dtype=dtype)
+    full = full_state_dict(model, group=group, dtype=dtype, keys=is_base_key)
+    rules = adapter.key_rules()
+    return {to_hf_key(k, rules): v.contiguous() for k, v in full.items()}
+
+
 def save_pretrained(
     model: GPTModel,
     folder: str | Path,
@@ -165,21 +178,23 @@ def save_pretrained(
 ) -> None:
     """Write ``model`` (all its ranks and stages, which must all call this) as a HF folder.
 
+    A model with LoRA adapters is written merged (``W + scaling·B A``, what it computes); its
+    base shards are restored bit-exactly afterwards.
+
     ``token_ids`` (default ``model.token_ids``) go into ``config.json`` and
     ``generation_config.json`` (see :mod:`~shardwork.models.hf.token_ids`); a model without
     ids gets neither the fields nor the file, so transformers' defaults apply.
     """
     token_ids = model.token_ids if token_ids is None else token_ids
     hf = hf_config_from_gpt(model.config, dtype=dtype) | token_id_fields(token_ids)
-    adapter = adapter_for_config(model.config)
-    if adapter.weight_layout == "experts":
-        tensors = moe_hf_state_dict(model, group=group, dtype=dtype)
-    elif adapter.weight_layout == "converted":
-        tensors = converted_hf_state_dict(model, group=group, dtype=dtype)
-    else:
-        full = full_state_dict(model, group=group, dtype=dtype)
-        rules = adapter.key_rules()
-        tensors = {to_hf_key(k, rules): v.contiguous() for k, v in full.items()}
+    adapted = next(lora_modules(model), None) is not None
+    if adapted:  # LoRA: export the merged weights, then give the model back its exact base
+        merge_lora(model)
+    try:
+        tensors = _hf_tensors(model, group=group, dtype=dtype)
+    finally:
+        if adapted:
+            unmerge_lora(model)
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     if rank != 0:
         return

@@ -27,6 +27,7 @@ from shardwork.models.full_state import full_state_dict
 from shardwork.models.hf.files import weight_files
 from shardwork.models.hf.keys import to_hf_key
 from shardwork.models.hf.registry import adapter_for_config
+from shardwork.models.lora import is_base_key
 from shardwork.models.moe.state import moe_routers
 
 __all__ = ["converted_hf_state_dict", "load_converted_state_dict", "load_converted_weights"]
@@ -101,7 +102,7 @@ def load_converted_weights(model, folder: str | Path):
 def converted_hf_state_dict(model, *, group=None, dtype=None) -> dict[str, torch.Tensor]:
     """HF-named full tensors of ``model`` (every rank and stage calls it)."""
     adapter = adapter_for_config(model.config)
-    state = dict(full_state_dict(model, group=group, dtype=dtype))
+    state = dict(full_state_dict(model, group=group, dtype=dtype, keys=is_base_key))
     out = adapter.convert_to_hf(state, model.config)  # pops the keys it converts
     rules = adapter.key_rules()
     out.update({to_hf_key(key, rules): tensor.contiguous() for key, tensor in state.items()})

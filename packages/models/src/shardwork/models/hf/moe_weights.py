@@ -30,6 +30,7 @@ from shardwork.models.full_state import full_state_dict
 from shardwork.models.hf.files import weight_files
 from shardwork.models.hf.keys import to_hf_key
 from shardwork.models.hf.registry import adapter_for_config
+from shardwork.models.lora import is_base_key
 from shardwork.models.moe.state import moe_routers
 
 __all__ = [
@@ -203,7 +204,7 @@ def moe_hf_state_dict(
     """
     cfg = model.config
     rules = adapter_for_config(cfg).key_rules()
-    full = full_state_dict(model, group=group, dtype=dtype)
+    full = full_state_dict(model, group=group, dtype=dtype, keys=is_base_key)
     out = {hf_name(k, rules, cfg.num_layers): v.contiguous() for k, v in full.items()}
     for copy, main in mtp_shared_copies(cfg).items():  # as DeepSeek-V3 checkpoints store them
         out[copy] = out[main].clone()  # own storage: safetensors refuses shared memory

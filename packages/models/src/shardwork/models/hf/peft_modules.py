@@ -96,7 +96,9 @@ def is_routed_experts(prefix: str) -> bool:
 def weight_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     """Global shape of every checkpoint key of ``config``'s model (built on the meta device)."""
     check_peft_family(config)
-    model = GPTModel(config, None, device="meta")  # keys and global shapes only, no memory
+    # Keys and global shapes only, no memory; they do not depend on the layout, so a config
+    # trained with sequence parallelism (which needs tp > 1) is built here without it.
+    model = GPTModel(config.replace(sequence_parallel=False), None, device="meta")
     return {key: tuple(st.global_shape) for key, st in model.sharded_state_dict().items()}
 
 

@@ -306,6 +306,10 @@ class PeftSection:
     target_modules: tuple[str, ...] | str = ("linear_qkv", "linear_proj", "fc1", "fc2")
     """Module-name suffixes (a list, like PEFT's) or one regular expression over full module
     names (a string), e.g. ["linear_qkv", "fc2"] or 'decoder\\.layers\\.[01]\\..*fc1'."""
+    export: str | None = None
+    """A new or empty directory: a finished run writes its adapters there as a Hugging Face
+    PEFT folder (adapter_config.json + adapter_model.safetensors) for the model of
+    ``checkpoint.hf_init`` (needed). ``checkpoint.hf_export`` writes the merged model."""
 
 
 @dataclass(kw_only=True)

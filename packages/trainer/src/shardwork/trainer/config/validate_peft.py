@@ -4,13 +4,18 @@ Checked: the method, each LoRA option (shardwork.models' ``LoRAConfig`` does the
 its messages are renamed to the ``peft.*`` keys), the targets against the model's modules (a
 world-size-1 model built on the meta device, so nothing is allocated: a target that matches
 no module is named with the module-name suffixes that exist), and combinations the LoRA path
-does not serve: experts adapted under expert tensor parallelism (etp > 1), the Muon
-optimizer, and ``checkpoint.hf_export`` (it would drop the adapters).
+does not serve: experts adapted under expert tensor parallelism (etp > 1) and the Muon
+optimizer. ``checkpoint.hf_export`` of a LoRA run writes the merged model. ``peft.export``
+(a PEFT folder of the adapters) needs ``checkpoint.hf_init`` (the base it attaches to), a new
+or empty directory, one model chunk per rank, and a PEFT counterpart for every adapted linear.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from shardwork.models import GPTConfig, GPTModel, LoRAConfig
+from shardwork.models.hf.peft_modules import is_routed_experts, peft_linears
 from shardwork.models.lora import lora_target_names
 from shardwork.parallel_state import ProcessGroups
 
@@ -49,13 +54,12 @@ def check_peft(config, model: GPTConfig | None, expert_tp: int, problems: list[s
         problems.append(str(exc))
         return
     if lora is None:
+        if p.export is not None:
+            problems.append(
+                f"peft.export={p.export!r} needs peft.method='lora' (there are no adapters to "
+                "export); set method='lora' or leave export unset"
+            )
         return
-    if config.checkpoint.hf_export is not None:
-        problems.append(
-            f"peft.method='lora' with checkpoint.hf_export={config.checkpoint.hf_export!r} is "
-            "not supported: the Hugging Face export writes base weights only and would drop the "
-            "adapters; leave hf_export unset (the run's checkpoints hold the adapters)"
-        )
     if config.optimizer.name == "muon":
         problems.append(
             "peft.method='lora' with optimizer.name='muon' is not supported: Muon orthogonalises "
@@ -77,4 +81,37 @@ def check_peft(config, model: GPTConfig | None, expert_tp: int, problems: list[s
             f"peft.target_modules adapts experts ({experts[0]}, ...) but parallel.etp="
             f"{expert_tp}: LoRA on experts needs etp=1 (set parallel.etp=1 or leave the "
             "experts out of target_modules)"
+        )
+    if p.export is not None:
+        _check_export(config, model, lora, names, problems)
+
+
+def _check_export(config, model: GPTConfig, lora: LoRAConfig, names, problems) -> None:
+    """``peft.export``: where it goes, and that PEFT has a module for every adapted linear."""
+    where = f"peft.export={config.peft.export!r}"
+    path = Path(config.peft.export)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        problems.append(f"{where}: exists and is not an empty directory; valid: a new path")
+    if config.checkpoint.hf_init is None:
+        problems.append(
+            f"{where} needs checkpoint.hf_init: a PEFT adapter attaches to a Hugging Face base "
+            "model, and the run's base must be that model"
+        )
+    if config.parallel.vpp is not None and config.parallel.vpp > 1:
+        problems.append(f"{where} with parallel.vpp={config.parallel.vpp}: leave vpp unset")
+    try:
+        linears = peft_linears(model.replace(sequence_parallel=False))
+    except ValueError as exc:
+        problems.append(f"{where}: {exc}")
+        return
+    missing = [n for n in names if n not in linears and not is_routed_experts(n)]
+    if missing:
+        problems.append(
+            f"{where}: PEFT has no module for {missing[:3]} ({len(missing)} adapted linears); "
+            f"exportable targets: {sorted({n.rsplit('.', 1)[-1] for n in linears})}"
+        )
+    if lora.dropout and any(is_routed_experts(n) for n in names):
+        problems.append(
+            f"{where} with adapted experts needs peft.dropout=0 (PEFT refuses dropout on "
+            f"expert parameters), got {lora.dropout}"
         )

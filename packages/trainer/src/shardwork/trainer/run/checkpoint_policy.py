@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from shardwork.trainer.config.sections import TrainConfig
-from shardwork.trainer.run.hf import export_hf
+from shardwork.trainer.config.validate_peft import lora_config_of
+from shardwork.trainer.run.hf import export_adapters, export_hf
 
 
 def interval_save_due(config: TrainConfig, step: int, *, stopping: bool) -> bool:
@@ -51,7 +52,8 @@ class CheckpointPolicy:
 
     def final(self, step: int, result) -> None:
         """The end-of-run (or stop) checkpoint, committed, and the Hugging Face export; sets
-        ``result.checkpoint`` and ``result.hf_export`` (``result``: the run's RunResult)."""
+        ``result.checkpoint``, ``result.hf_export`` and ``result.peft_export`` (``result``: the
+        run's RunResult)."""
         c = self.config.checkpoint
         if result.stopped_by is not None or c.save_at_end:
             with self.phase(f"checkpoint save at step {step}", ("world",)):
@@ -62,3 +64,8 @@ class CheckpointPolicy:
             with self.phase("Hugging Face export", ("world",)):
                 export_hf(self.modules, c.hf_export, c.hf_init)
             result.hf_export = c.hf_export
+        lora, target = lora_config_of(self.config), self.config.peft.export
+        if lora is not None and target is not None and result.stopped_by is None:
+            with self.phase("PEFT adapter export", ("world",)):
+                export_adapters(self.modules, target, lora, c.hf_init)
+            result.peft_export = target

@@ -16,9 +16,18 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from shardwork.dist_checkpoint import CheckpointManager
-from shardwork.models.hf import load_hf_weights, read_hf_config, read_token_ids, save_pretrained
+from shardwork.models.full_state import full_state_dict
+from shardwork.models.hf import (
+    export_peft,
+    load_hf_weights,
+    read_hf_config,
+    read_token_ids,
+    save_pretrained,
+)
+from shardwork.models.lora import is_lora_key
 
 
 def will_resume(config) -> bool:
@@ -51,3 +60,14 @@ def export_hf(modules, folder: str, hf_init: str | None = None) -> None:
     (module,) = modules  # validation rejects virtual pipeline stages with hf_export
     token_ids = None if hf_init is None else read_token_ids(hf_init, read_hf_config(hf_init))
     save_pretrained(module, folder, token_ids=token_ids)
+
+
+def export_adapters(modules, folder: str, lora, hf_init: str) -> None:
+    """Write the run's LoRA adapters as a PEFT folder for the ``hf_init`` model: every rank
+    assembles the full adapter tensors (one all-reduce each, the adapters only; validation
+    rejects virtual pipeline stages), the first rank writes."""
+    (module,) = modules
+    adapters = full_state_dict(module, keys=is_lora_key)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    export_peft(adapters, lora, module.config, folder, base_model_name_or_path=hf_init)

@@ -73,6 +73,8 @@ class RunResult:
     checkpoint: str | None = None
     hf_export: str | None = None
     """The Hugging Face folder written at the end (checkpoint.hf_export), if any."""
+    peft_export: str | None = None
+    """The PEFT adapter folder written at the end (peft.export), if any."""
     run_dir: str | None = None
     stopped_by: str | None = None
     skipped_steps: int = 0
@@ -439,6 +441,8 @@ class Trainer:
             lines.append(f"sample:     shardwork-generate {result.checkpoint} --prompt 'The '")
         if result.hf_export:
             lines.append(f"hf export:  {result.hf_export} (transformers loads it)")
+        if result.peft_export:
+            lines.append(f"peft export: {result.peft_export} (peft loads it onto hf_init)")
         for line in lines:
             print(line, file=self.stream, flush=True)
 
