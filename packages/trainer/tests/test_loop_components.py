@@ -148,6 +148,7 @@ def _eval_config(*, interval, train_steps=6, at_end=False):
     return SimpleNamespace(
         eval=SimpleNamespace(interval=interval, at_end=at_end),
         schedule=SimpleNamespace(train_steps=train_steps),
+        peft=SimpleNamespace(method="none", export=None),
     )
 
 
