@@ -148,7 +148,6 @@ def _eval_config(*, interval, train_steps=6, at_end=False):
     return SimpleNamespace(
         eval=SimpleNamespace(interval=interval, at_end=at_end),
         schedule=SimpleNamespace(train_steps=train_steps),
-        peft=SimpleNamespace(method="none", export=None),
     )
 
 
@@ -270,6 +269,7 @@ def _ckpt_config(*, interval=3, train_steps=7, save_at_end=True, hf_export=None)
         checkpoint=SimpleNamespace(interval=interval, save_at_end=save_at_end, hf_export=hf_export),
         schedule=SimpleNamespace(train_steps=train_steps),
     )
+        peft=SimpleNamespace(method="none", export=None),
 
 
 def test_interval_save_decision_table():
