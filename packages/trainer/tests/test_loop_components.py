@@ -268,8 +268,8 @@ def _ckpt_config(*, interval=3, train_steps=7, save_at_end=True, hf_export=None)
     return SimpleNamespace(
         checkpoint=SimpleNamespace(interval=interval, save_at_end=save_at_end, hf_export=hf_export),
         schedule=SimpleNamespace(train_steps=train_steps),
-    )
         peft=SimpleNamespace(method="none", export=None),
+    )
 
 
 def test_interval_save_decision_table():
