@@ -81,7 +81,9 @@ def megatron_state_dict(folder: str | Path, config: GPTConfig) -> dict[str, torc
     heads = config.num_attention_heads
     groups = config.num_query_groups or heads
     head_dim = config.head_dim or config.hidden_size // heads
-    state, unknown = megatron_to_shardwork(tensors, heads=heads, groups=groups, head_dim=head_dim)
+    state, unknown = megatron_to_shardwork(
+        tensors, heads=heads, groups=groups, head_dim=head_dim, hidden=config.hidden_size
+    )
     return _check(state, unknown, _expected_shapes(config), source)
 
 

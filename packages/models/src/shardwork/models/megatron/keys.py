@@ -58,8 +58,16 @@ RULES: list[tuple[str, str]] = [
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 
 
-def _split_qkv(t: torch.Tensor, heads: int, groups: int, head_dim: int) -> dict[str, torch.Tensor]:
+def _split_qkv(t: torch.Tensor, key: str, attn: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    heads, groups, head_dim, hidden = attn
     per = heads // groups
+    expected = (groups * (per + 2) * head_dim, hidden)[: t.dim()]
+    if tuple(t.shape) != expected:
+        raise ValueError(
+            f"Megatron {key!r} has shape {tuple(t.shape)} in the checkpoint, but the config "
+            f"gives {expected} ({groups} query groups of {per} query heads + key + value, "
+            f"head_dim {head_dim}, hidden_size {hidden})"
+        )
     blocks = t.reshape(groups, (per + 2) * head_dim, *t.shape[1:])
     q, k, v = blocks.split([per * head_dim, head_dim, head_dim], dim=1)
     flat = (lambda x: x.reshape(-1, *t.shape[1:])) if t.dim() > 1 else (lambda x: x.reshape(-1))
@@ -73,7 +81,7 @@ def _split_fc1(t: torch.Tensor, key: str) -> dict[str, torch.Tensor]:
     return {"gate": gate, "up": up}
 
 
-def _layer_entries(rest: str, t: torch.Tensor, attn: tuple[int, int, int], full_key: str):
+def _layer_entries(rest: str, t: torch.Tensor, attn: tuple[int, ...], full_key: str):
     """``(shardwork suffix, tensor)`` pairs of one per-layer Megatron tensor; None if unknown."""
     for pattern, repl in TE_RENAMES:
         rest = re.sub(f"^{pattern}$", repl, rest)
@@ -82,7 +90,7 @@ def _layer_entries(rest: str, t: torch.Tensor, attn: tuple[int, int, int], full_
         if m is None:
             continue
         if target == "qkv":
-            parts = _split_qkv(t, *attn)
+            parts = _split_qkv(t, full_key, attn)
             return [(f"self_attention.linear_qkv.{m[1]}.{p}", x) for p, x in parts.items()]
         if target == "fc1":
             return [(f"mlp.fc1.weight.{p}", x) for p, x in _split_fc1(t, full_key).items()]
@@ -97,7 +105,7 @@ def _layer_entries(rest: str, t: torch.Tensor, attn: tuple[int, int, int], full_
 
 
 def megatron_to_shardwork(
-    tensors: dict[str, torch.Tensor], *, heads: int, groups: int, head_dim: int
+    tensors: dict[str, torch.Tensor], *, heads: int, groups: int, head_dim: int, hidden: int
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """``({shardwork key: tensor}, [Megatron keys with no mapping])`` of per-layer-indexed keys."""
     out: dict[str, torch.Tensor] = {}
@@ -107,7 +115,9 @@ def megatron_to_shardwork(
             out[_TOP[key]] = t
             continue
         m = _LAYER.fullmatch(key)
-        entries = None if m is None else _layer_entries(m[2], t, (heads, groups, head_dim), key)
+        entries = (
+            None if m is None else _layer_entries(m[2], t, (heads, groups, head_dim, hidden), key)
+        )
         if entries is None:
             unknown.append(key)
             continue

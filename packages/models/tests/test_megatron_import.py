@@ -1,0 +1,182 @@
+"""Megatron-Core checkpoint import against checkpoints and logits megatron-core 0.19.2 wrote.
+
+The fixtures in ``data/megatron/`` come from ``tools/megatron_checkpoint_fixture.py`` (run in a
+scratch venv with megatron-core; see its docstring): tiny Llama-style models saved in the
+torch_dist format at world 1 (TE-spec and local-spec norm names), TP=2 x PP=2 and EP=2 (MoE),
+plus the logits Megatron's own forward computed on fixed tokens.
+
+Tolerance: fp32, 2-4 layers. Measured max |shardwork - Megatron| at world 1 is 4.2e-7 to
+5.4e-7 with max |logits| 1.5-1.8, i.e. <= 2.6 fp32 epsilons (1.19e-7) of the logits' scale;
+the tests allow 16 epsilons of that scale (other CPUs pick other BLAS kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardwork.dist_checkpoint import load
+from shardwork.dist_checkpoint.cli import main as ckpt_main
+from shardwork.models import GPTModel, gather_logits
+from shardwork.models.megatron import (
+    NotAMegatronCheckpointError,
+    import_megatron,
+    load_megatron_weights,
+    megatron_state_dict,
+)
+from shardwork.models.megatron.cli import config_with_changes
+from shardwork.models.pipeline import build_stage, pipeline_logits
+from shardwork.parallel_state import ParallelConfig, init_process_groups
+from shardwork.parallel_state.testing import run_on_ranks
+
+pytestmark = pytest.mark.golden
+
+DATA = Path(__file__).parent / "data" / "megatron"
+CASES = ("llama_w1_te", "llama_w1_local", "llama_tp2pp2", "moe_ep2")
+
+
+def _fixture(name: str) -> dict:
+    return torch.load(DATA / "logits.pt")["cases"][name]
+
+
+def _changes(name: str) -> tuple[str, dict]:
+    """The preset and changes that describe fixture ``name``'s architecture."""
+    hyper = _fixture(name)["config"]
+    changes = {
+        "num_layers": hyper["num_layers"],
+        "vocab_size": hyper["vocab_size"],
+        "ffn_hidden_size": hyper["ffn_hidden_size"],
+        "rope_theta": float(hyper["rotary_base"]),
+    }
+    if "experts" in hyper:
+        return "tiny-mixtral-8x7b", changes | {"moe.router.num_experts": hyper["experts"]}
+    return "tiny-llama3-8b", changes
+
+
+def _config(name: str, **overrides):
+    preset_name, changes = _changes(name)
+    return config_with_changes(preset_name, changes).replace(**overrides)
+
+
+def _assert_logits(got: torch.Tensor, ref: torch.Tensor) -> None:
+    tol = 16 * torch.finfo(torch.float32).eps * ref.abs().max().item()
+    torch.testing.assert_close(got, ref, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_world1_logits_equal_megatron(name):
+    fx = _fixture(name)
+    model = load_megatron_weights(GPTModel(_config(name)), DATA / name).eval()
+    with torch.no_grad():
+        logits = gather_logits(model(fx["tokens"]), tp_group=None, vocab_size=128)
+    _assert_logits(logits, fx["logits"])
+
+
+def test_te_and_local_names_give_the_same_keys():
+    te = megatron_state_dict(DATA / "llama_w1_te", _config("llama_w1_te"))
+    local = megatron_state_dict(DATA / "llama_w1_local", _config("llama_w1_local"))
+    assert sorted(te) == sorted(local)
+    assert te.keys() == GPTModel(_config("llama_w1_te"), device="meta").sharded_state_dict().keys()
+
+
+def _layout_logits(name, parallel):
+    groups = init_process_groups(ParallelConfig(**parallel))
+    model = build_stage(_config(name), groups)
+    load_megatron_weights(model, DATA / name).eval()
+    return pipeline_logits(model, groups, _fixture(name)["tokens"])
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(
+    "name,parallel",
+    [("llama_tp2pp2", {"tp": 2}), ("llama_tp2pp2", {"pp": 2}), ("moe_ep2", {"ep": 2})],
+    ids=["tp2", "pp2", "ep2"],
+)
+def test_layouts_give_megatron_logits(name, parallel):
+    results = run_on_ranks(_layout_logits, 2, args=(name, parallel))
+    last = [r for r in results if r is not None]
+    assert last, "no rank returned logits"
+    for logits in last:
+        _assert_logits(logits, _fixture(name)["logits"])
+
+
+def test_cli_import_writes_a_checkpoint_that_loads(tmp_path, capsys):
+    dst = tmp_path / "imported"
+    preset_name, changes = _changes("moe_ep2")
+    sets = [f"--set={k}={v}" for k, v in changes.items()]
+    argv = ["import-megatron", str(DATA / "moe_ep2"), str(dst), "--preset", preset_name, *sets]
+    assert ckpt_main(argv) == 0
+    assert "imported" in capsys.readouterr().out
+    model = GPTModel(_config("moe_ep2"))
+    load(model.sharded_state_dict(), dst)
+    fx = _fixture("moe_ep2")
+    with torch.no_grad():
+        logits = gather_logits(model.eval()(fx["tokens"]), tp_group=None, vocab_size=128)
+    _assert_logits(logits, fx["logits"])
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    argv = ["import-megatron", str(tmp_path), str(tmp_path / "out"), "--preset", "tiny-llama3-8b"]
+    assert ckpt_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardwork-ckpt: ") and "not a Megatron-Core checkpoint" in err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+    argv = ["import-megatron", str(DATA / "llama_w1_te"), str(tmp_path / "o"), "--preset", "x"]
+    assert ckpt_main(argv) == 2
+    assert "unknown preset 'x'" in capsys.readouterr().err
+    argv[-1:] = ["tiny-llama3-8b", "--set", "hidden_sise=3"]
+    assert ckpt_main(argv) == 2
+    assert "no field 'hidden_sise'" in capsys.readouterr().err
+
+
+def test_shardwork_checkpoint_and_random_folder_are_not_megatron(tmp_path):
+    ours = tmp_path / "ours"
+    import_megatron(DATA / "llama_w1_te", ours, _config("llama_w1_te"))
+    with pytest.raises(NotAMegatronCheckpointError, match="no metadata.json"):
+        megatron_state_dict(ours, _config("llama_w1_te"))
+    (tmp_path / "random").mkdir()
+    (tmp_path / "random" / "metadata.json").write_text('{"sharded_backend": "zarr"}')
+    with pytest.raises(NotAMegatronCheckpointError, match="sharded_backend='zarr'"):
+        megatron_state_dict(tmp_path / "random", _config("llama_w1_te"))
+
+
+def test_wrong_hidden_size_names_key_and_both_shapes():
+    config = _config("llama_w1_te", hidden_size=128)
+    with pytest.raises(ValueError) as err:
+        megatron_state_dict(DATA / "llama_w1_te", config)
+    msg = str(err.value)
+    assert "'decoder.layers.0.self_attention.linear_qkv.weight' has shape (128, 64)" in msg
+    assert "the config gives (256, 128)" in msg
+
+
+def test_wrong_vocab_names_key_and_both_shapes():
+    with pytest.raises(ValueError) as err:
+        megatron_state_dict(DATA / "llama_w1_te", _config("llama_w1_te", vocab_size=160))
+    msg = str(err.value)
+    assert "'embedding.word_embeddings.weight' has shape (128, 64)" in msg
+    assert "the config gives (160, 64)" in msg
+
+
+def test_missing_layers_are_named():
+    with pytest.raises(ValueError, match=r"tensors this config does not.*decoder\.layers\.1\."):
+        megatron_state_dict(DATA / "llama_w1_te", _config("llama_w1_te", num_layers=1))
+
+
+def test_megatron_lm_args_are_checked(tmp_path):
+    src = tmp_path / "with_args"
+    shutil.copytree(DATA / "llama_w1_te", src)
+    args = argparse.Namespace(
+        num_layers=2, hidden_size=64, num_attention_heads=4, group_query_attention=True,
+        num_query_groups=2, ffn_hidden_size=80, norm_epsilon=1e-5, kv_channels=None,
+    )  # fmt: skip
+    torch.save({"args": args}, src / "common.pt")
+    with pytest.raises(ValueError, match="ffn_hidden_size: checkpoint args 80, config 64"):
+        megatron_state_dict(src, _config("llama_w1_te"))
+    args.ffn_hidden_size = 64
+    torch.save({"args": args}, src / "common.pt")
+    # embedding, final norm, head + per layer: 2 norms, q, k, v, proj, gate, up, fc2
+    assert len(megatron_state_dict(src, _config("llama_w1_te"))) == 3 + 2 * 9
