@@ -136,7 +136,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
 def test_shardwork_checkpoint_and_random_folder_are_not_megatron(tmp_path):
     ours = tmp_path / "ours"
     import_megatron(DATA / "llama_w1_te", ours, _config("llama_w1_te"))
-    with pytest.raises(NotAMegatronCheckpointError, match="no metadata.json"):
+    with pytest.raises(NotAMegatronCheckpointError, match=r"no metadata\.json"):
         megatron_state_dict(ours, _config("llama_w1_te"))
     (tmp_path / "random").mkdir()
     (tmp_path / "random" / "metadata.json").write_text('{"sharded_backend": "zarr"}')
