@@ -26,6 +26,7 @@ from shardwork.models.megatron import (
     NotAMegatronCheckpointError,
     import_megatron,
     load_megatron_weights,
+    check_megatron_checkpoint,
     megatron_state_dict,
 )
 from shardwork.models.megatron.cli import config_with_changes
@@ -72,7 +73,9 @@ def test_world1_logits_equal_megatron(name):
     fx = _fixture(name)
     model = load_megatron_weights(GPTModel(_config(name)), DATA / name).eval()
     with torch.no_grad():
-        logits = gather_logits(model(fx["tokens"]), tp_group=None, vocab_size=128)
+        logits = gather_logits(
+            model(fx["tokens"]), tp_group=None, vocab_size=fx["logits"].shape[-1]
+        )
     _assert_logits(logits, fx["logits"])
 
 
@@ -115,7 +118,9 @@ def test_cli_import_writes_a_checkpoint_that_loads(tmp_path, capsys):
     load(model.sharded_state_dict(), dst)
     fx = _fixture("moe_ep2")
     with torch.no_grad():
-        logits = gather_logits(model.eval()(fx["tokens"]), tp_group=None, vocab_size=128)
+        logits = gather_logits(
+            model.eval()(fx["tokens"]), tp_group=None, vocab_size=fx["logits"].shape[-1]
+        )
     _assert_logits(logits, fx["logits"])
 
 
@@ -155,7 +160,7 @@ def test_wrong_hidden_size_names_key_and_both_shapes():
 
 def test_wrong_vocab_names_key_and_both_shapes():
     with pytest.raises(ValueError) as err:
-        megatron_state_dict(DATA / "llama_w1_te", _config("llama_w1_te", vocab_size=160))
+        megatron_state_dict(DATA / "llama_w1_local", _config("llama_w1_local", vocab_size=160))
     msg = str(err.value)
     assert "'embedding.word_embeddings.weight' has shape (128, 64)" in msg
     assert "the config gives (160, 64)" in msg
@@ -180,3 +185,28 @@ def test_megatron_lm_args_are_checked(tmp_path):
     torch.save({"args": args}, src / "common.pt")
     # embedding, final norm, head + per layer: 2 norms, q, k, v, proj, gate, up, fc2
     assert len(megatron_state_dict(src, _config("llama_w1_te"))) == 3 + 2 * 9
+
+
+def test_megatron_vocab_padding_rows_are_dropped():
+    """A checkpoint of 128 rows read for a 100-token vocabulary (Megatron pads to 128s): the
+    logits are Megatron's first 100 columns. 260 rows (not a multiple of 128) are no padding."""
+    fx = _fixture("llama_w1_local")
+    model = GPTModel(_config("llama_w1_local", vocab_size=100))
+    load_megatron_weights(model, DATA / "llama_w1_local").eval()
+    tokens = fx["tokens"].clamp(max=99)  # other inputs: compare with a model of all 128 rows
+    full = load_megatron_weights(GPTModel(_config("llama_w1_local")), DATA / "llama_w1_local")
+    with torch.no_grad():
+        got = gather_logits(model(tokens), tp_group=None, vocab_size=100)
+        want = gather_logits(full.eval()(tokens), tp_group=None, vocab_size=128)[..., :100]
+    _assert_logits(got, want)  # a matmul of other width may sum in another order
+    with pytest.raises(ValueError, match=r"has shape \(260, 64\).*gives \(200, 64\)"):
+        megatron_state_dict(DATA / "llama_w1_te", _config("llama_w1_te", vocab_size=200))
+
+
+def test_index_only_check_finds_the_same_mistakes():
+    for name in CASES:
+        check_megatron_checkpoint(DATA / name, _config(name))
+    with pytest.raises(ValueError, match=r"linear_qkv\.weight' has shape \(128, 64\)"):
+        check_megatron_checkpoint(DATA / "llama_w1_te", _config("llama_w1_te", hidden_size=128))
+    with pytest.raises(ValueError, match=r"decoder\.layers\.1\."):
+        check_megatron_checkpoint(DATA / "moe_ep2", _config("moe_ep2", num_layers=1))

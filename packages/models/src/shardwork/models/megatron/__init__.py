@@ -9,6 +9,7 @@
 """
 
 from shardwork.models.megatron.convert import (
+    check_megatron_checkpoint,
     import_megatron,
     load_megatron_weights,
     megatron_state_dict,
@@ -21,6 +22,7 @@ from shardwork.models.megatron.reader import (
 
 __all__ = [
     "NotAMegatronCheckpointError",
+    "check_megatron_checkpoint",
     "import_megatron",
     "load_megatron_weights",
     "megatron_state_dict",

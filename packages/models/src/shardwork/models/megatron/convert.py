@@ -9,8 +9,10 @@
 - :func:`import_megatron` writes a shardwork dist-checkpoint folder (global coordinates, so it
   loads at any TP/PP/EP layout), built at world 1.
 
-Megatron-LM pads the vocabulary (``--make-vocab-size-divisible-by`` times TP); shardwork's
-checkpoints hold the real rows only, so extra embedding/output rows are dropped.
+Megatron-LM pads the vocabulary to a multiple of ``--make-vocab-size-divisible-by`` (128) times
+TP; shardwork's checkpoints hold the real rows only, so extra embedding/output rows are dropped
+when they look like that padding (a multiple of 128 rows, fewer than 1024 = 128 x TP 8 extra);
+any other row count is a shape mismatch.
 """
 
 from __future__ import annotations
@@ -28,8 +30,14 @@ from shardwork.models.megatron.reader import read_megatron_args, read_megatron_t
 from shardwork.models.module import to_empty_keep_meta
 from shardwork.models.moe.state import moe_routers
 
-__all__ = ["import_megatron", "load_megatron_weights", "megatron_state_dict"]
+__all__ = [
+    "check_megatron_checkpoint",
+    "import_megatron",
+    "load_megatron_weights",
+    "megatron_state_dict",
+]
 
+_PAD_MULTIPLE = 128  # Megatron-LM's default --make-vocab-size-divisible-by
 _VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
@@ -39,6 +47,11 @@ def _expected_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     return {k: tuple(st.global_shape) for k, st in model.sharded_state_dict().items()}
 
 
+def _is_vocab_padding(tensor: torch.Tensor, vocab: int) -> bool:
+    rows = tensor.shape[0]
+    return rows > vocab and rows % _PAD_MULTIPLE == 0 and rows - vocab < _PAD_MULTIPLE * 8
+
+
 def _check(state: dict, unknown: list[str], expected: dict, source: str) -> dict:
     if unknown:
         raise ValueError(
@@ -46,8 +59,8 @@ def _check(state: dict, unknown: list[str], expected: dict, source: str) -> dict
             "(shared experts, MLA, MTP and biases other than QKV's are not imported)"
         )
     for key in _VOCAB_KEYS:
-        if key in state and key in expected and state[key].shape[0] > expected[key][0]:
-            state[key] = state[key][: expected[key][0]]  # Megatron's vocabulary padding
+        if key in state and key in expected and _is_vocab_padding(state[key], expected[key][0]):
+            state[key] = state[key][: expected[key][0]]
     missing = sorted(set(expected) - set(state))
     if missing:
         raise ValueError(
@@ -71,10 +84,19 @@ def _check(state: dict, unknown: list[str], expected: dict, source: str) -> dict
     return state
 
 
-def megatron_state_dict(folder: str | Path, config: GPTConfig) -> dict[str, torch.Tensor]:
-    """``{shardwork key: full tensor}`` of the Megatron checkpoint ``folder`` for ``config``."""
+def check_megatron_checkpoint(folder: str | Path, config: GPTConfig) -> None:
+    """Every check of :func:`megatron_state_dict` (folder, args, keys, shapes) from the
+    checkpoint's index alone: no weight is read (for validating a run's config)."""
+    megatron_state_dict(folder, config, meta=True)
+
+
+def megatron_state_dict(
+    folder: str | Path, config: GPTConfig, *, meta: bool = False
+) -> dict[str, torch.Tensor]:
+    """``{shardwork key: full tensor}`` of the Megatron checkpoint ``folder`` for ``config``
+    (meta-device tensors with ``meta=True``)."""
     source = f"Megatron checkpoint {str(folder)!r}"
-    tensors = read_megatron_tensors(folder)
+    tensors = read_megatron_tensors(folder, meta=meta)
     args = read_megatron_args(folder)
     if args is not None:
         check_against_args(config, args, source)

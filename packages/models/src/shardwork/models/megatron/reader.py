@@ -27,7 +27,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-__all__ = ["NotAMegatronCheckpointError", "read_megatron_args", "read_megatron_tensors"]
+__all__ = [
+    "NotAMegatronCheckpointError",
+    "check_megatron_folder",
+    "read_megatron_args",
+    "read_megatron_tensors",
+]
 
 # A stacked key: ``decoder.layers.`` (or ``...local_experts.``) not followed by an index.
 _STACKED = re.compile(
@@ -39,7 +44,8 @@ class NotAMegatronCheckpointError(ValueError):
     """The folder is not a Megatron-Core ``torch_dist`` checkpoint."""
 
 
-def _check_folder(folder: Path) -> None:
+def check_megatron_folder(folder: Path) -> None:
+    """Raise NotAMegatronCheckpointError unless ``folder`` is a torch_dist checkpoint."""
     info = folder / "metadata.json"
     if not folder.is_dir():
         raise NotAMegatronCheckpointError(f"{str(folder)!r} is not a directory")
@@ -73,17 +79,26 @@ def _unstack(key: str, tensor: torch.Tensor, out: dict[str, torch.Tensor]) -> No
         _unstack(f"{match['head']}.{index}.{match['tail']}", piece, out)
 
 
-def read_megatron_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
-    """``{Megatron key with layer/expert indices: whole tensor}`` of the checkpoint."""
+def read_megatron_tensors(folder: str | Path, *, meta: bool = False) -> dict[str, torch.Tensor]:
+    """``{Megatron key with layer/expert indices: whole tensor}`` of the checkpoint.
+
+    ``meta=True`` reads only the index: meta-device tensors of the right shapes and dtypes (a
+    cheap check of keys and shapes before any process group or weight read).
+    """
     folder = Path(folder)
-    _check_folder(folder)
+    check_megatron_folder(folder)
     reader = dcp.FileSystemReader(str(folder))
     metadata = reader.read_metadata()
     state = {
-        key: torch.empty(meta.size, dtype=meta.properties.dtype)
-        for key, meta in metadata.state_dict_metadata.items()
-        if isinstance(meta, TensorStorageMetadata)
+        key: torch.empty(info.size, dtype=info.properties.dtype, device="meta" if meta else "cpu")
+        for key, info in metadata.state_dict_metadata.items()
+        if isinstance(info, TensorStorageMetadata)
     }
+    if meta:
+        out: dict[str, torch.Tensor] = {}
+        for key, tensor in state.items():
+            _unstack(key, tensor, out)
+        return out
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, storage_reader=reader, no_dist=True)
