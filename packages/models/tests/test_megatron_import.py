@@ -24,9 +24,9 @@ from shardwork.dist_checkpoint.cli import main as ckpt_main
 from shardwork.models import GPTModel, gather_logits
 from shardwork.models.megatron import (
     NotAMegatronCheckpointError,
+    check_megatron_checkpoint,
     import_megatron,
     load_megatron_weights,
-    check_megatron_checkpoint,
     megatron_state_dict,
 )
 from shardwork.models.megatron.cli import config_with_changes
