@@ -6,7 +6,7 @@ torch_dist format at world 1 (TE-spec and local-spec norm names), TP=2 x PP=2 an
 plus the logits Megatron's own forward computed on fixed tokens.
 
 Tolerance: fp32, 2-4 layers. Measured max |shardwork - Megatron| at world 1 is 4.2e-7 to
-5.4e-7 with max |logits| 1.5-1.8, i.e. <= 2.6 fp32 epsilons (1.19e-7) of the logits' scale;
+5.4e-7 with max |logits| 1.4-1.8, i.e. <= 2.8 fp32 epsilons (1.19e-7) of the logits' scale;
 the tests allow 16 epsilons of that scale (other CPUs pick other BLAS kernels).
 """
 
