@@ -13,11 +13,14 @@ the tests allow 16 epsilons of that scale (other CPUs pick other BLAS kernels).
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from shardwork.dist_checkpoint import load
 from shardwork.dist_checkpoint.cli import main as ckpt_main
@@ -28,6 +31,7 @@ from shardwork.models.megatron import (
     import_megatron,
     load_megatron_weights,
     megatron_state_dict,
+    read_megatron_tensors,
 )
 from shardwork.models.megatron.cli import config_with_changes
 from shardwork.models.pipeline import build_stage, pipeline_logits
@@ -210,3 +214,33 @@ def test_index_only_check_finds_the_same_mistakes():
         check_megatron_checkpoint(DATA / "llama_w1_te", _config("llama_w1_te", hidden_size=128))
     with pytest.raises(ValueError, match=r"decoder\.layers\.1\."):
         check_megatron_checkpoint(DATA / "moe_ep2", _config("moe_ep2", num_layers=1))
+
+
+def _rewrite_per_layer(src: Path, dst: Path) -> None:
+    """``src`` re-saved with per-layer keys (``non_homogeneous_layers``) and TE's grouped-GEMM
+    expert names (``mlp.experts.linear_fc1.weight<e>``), as Megatron writes for those specs."""
+    renamed = {}
+    for key, tensor in read_megatron_tensors(src).items():
+        key = re.sub(
+            r"mlp\.experts\.experts\.(\d+)\.linear_(fc[12])\.weight",
+            r"mlp.experts.linear_\2.weight\1",
+            key,
+        )
+        renamed[key] = tensor.clone()
+    dcp.save(renamed, storage_writer=dcp.FileSystemWriter(str(dst)), no_dist=True)
+    (dst / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+
+
+@pytest.mark.parametrize("name", ["llama_w1_te", "moe_ep2"])
+def test_per_layer_and_grouped_gemm_names_import_alike(tmp_path, name):
+    _rewrite_per_layer(DATA / name, tmp_path / "per_layer")
+    index = dcp.FileSystemReader(str(tmp_path / "per_layer")).read_metadata().state_dict_metadata
+    assert "decoder.layers.1.self_attention.linear_qkv.weight" in index
+    assert ("decoder.layers.1.mlp.experts.linear_fc1.weight3" in index) == (name == "moe_ep2")
+    fx = _fixture(name)
+    model = load_megatron_weights(GPTModel(_config(name)), tmp_path / "per_layer").eval()
+    with torch.no_grad():
+        logits = gather_logits(
+            model(fx["tokens"]), tp_group=None, vocab_size=fx["logits"].shape[-1]
+        )
+    _assert_logits(logits, fx["logits"])
