@@ -3,7 +3,12 @@
 Run with the scratch Megatron-Core venv (a development aid, never a dependency, not run by CI;
 see /work/shared/ENVIRONMENT.md, "Megatron-Core as a side-by-side reference")::
 
-    /work/scratch/mcore-venv/bin/python tools/megatron_checkpoint_fixture.py
+    /work/scratch/mcore-venv/bin/python tools/megatron_checkpoint_fixture.py [CASE ...]
+    /work/scratch/mcore-venv/bin/python tools/megatron_checkpoint_fixture.py check-export CASE DIR
+
+The second form loads DIR (a folder ``shardwork.models.megatron.export_megatron`` wrote from the
+import of case CASE) into Megatron's model of that case at its layout and prints how far its
+logits are from the stored ones (the export check; a development aid, like the fixtures).
 
 Every checkpoint is written by megatron-core 0.19.2's own ``GPTModel.sharded_state_dict()`` and
 ``megatron.core.dist_checkpointing.save`` (the ``torch_dist`` format) from a tiny Llama-style
@@ -170,7 +175,9 @@ def _forward(model, case: dict, tokens: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-def _worker(rank: int, name: str, case: dict, store_dir: str, ckpt_dir: str, q) -> None:
+def _worker(
+    rank: int, name: str, case: dict, store_dir: str, ckpt_dir: str, q, check: bool = False
+) -> None:
     _shim_cpu()
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
@@ -183,11 +190,17 @@ def _worker(rank: int, name: str, case: dict, store_dir: str, ckpt_dir: str, q) 
         expert_model_parallel_size=case["ep"],
     )
     model = _build(case)
+    if check:  # load a folder (shardwork's export) into Megatron's model instead of saving
+        state = dist_checkpointing.load(model.sharded_state_dict(), ckpt_dir, strict="log_all")
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        assert not [k for k in missing if "_extra_state" not in k], missing
+        assert not unexpected, unexpected
     tokens = torch.randint(
         0, BASE["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(7)
     )
     logits = _forward(model, case, tokens)
-    dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir)
+    if not check:
+        dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir)
     if logits is not None and ps.get_tensor_model_parallel_rank() == 0 and q is not None:
         q.put((tokens, logits.detach().clone()))
     dist.barrier()
@@ -217,9 +230,32 @@ def _run(name: str, case: dict) -> dict:
     return {"tokens": tokens, "logits": logits, "config": BASE | hyper}
 
 
+def check_export(name: str, folder: str) -> None:
+    """Load ``folder`` (written by shardwork.models.megatron.export_megatron) into Megatron's
+    model of case ``name`` at that case's layout and compare its logits with the stored ones."""
+    case = CASES[name]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [
+            ctx.Process(target=_worker, args=(r, name, case, tmp, folder, q, True))
+            for r in range(case["world"])
+        ]
+        for p in procs:
+            p.start()
+        _, logits = q.get(timeout=600)
+        for p in procs:
+            p.join()
+    want = torch.load(OUT / "logits.pt")["cases"][name]["logits"]
+    print(f"{name}: Megatron's logits from {folder} differ by {(logits - want).abs().max():.3e}")
+
+
 def main() -> None:
     import megatron.core
 
+    if sys.argv[1:2] == ["check-export"]:
+        check_export(sys.argv[2], sys.argv[3])
+        return
     names = sys.argv[1:] or list(CASES)
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / "logits.pt"

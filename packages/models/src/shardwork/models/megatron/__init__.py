@@ -14,6 +14,7 @@ from shardwork.models.megatron.convert import (
     load_megatron_weights,
     megatron_state_dict,
 )
+from shardwork.models.megatron.export import export_megatron
 from shardwork.models.megatron.reader import (
     NotAMegatronCheckpointError,
     read_megatron_args,
@@ -23,6 +24,7 @@ from shardwork.models.megatron.reader import (
 __all__ = [
     "NotAMegatronCheckpointError",
     "check_megatron_checkpoint",
+    "export_megatron",
     "import_megatron",
     "load_megatron_weights",
     "megatron_state_dict",
