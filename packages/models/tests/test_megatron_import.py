@@ -13,6 +13,7 @@ the tests allow 16 epsilons of that scale (other CPUs pick other BLAS kernels).
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import re
 import shutil
@@ -268,3 +269,19 @@ def test_export_gives_back_the_tensors_megatron_wrote(tmp_path, name):
         assert torch.equal(got[key], want[key]), key
     with pytest.raises(ValueError, match="exists and is not empty"):
         export_megatron(got, config, tmp_path / "out")
+
+
+def test_args_in_the_in_checkpoint_common_state_are_checked(tmp_path):
+    """Megatron-Core 0.15+ keeps the common state (Megatron-LM's ``args``) in the folder."""
+    args = argparse.Namespace(num_layers=3, hidden_size=64, num_attention_heads=4)
+    common = io.BytesIO()
+    torch.save([{"args": args}], common)
+    state = {k: v.clone() for k, v in read_megatron_tensors(DATA / "llama_w1_te").items()}
+    dcp.save(
+        state | {"common_state/shard_0_1": common},
+        storage_writer=dcp.FileSystemWriter(str(tmp_path / "c")),
+        no_dist=True,
+    )
+    (tmp_path / "c" / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    with pytest.raises(ValueError, match="num_layers: checkpoint args 3, config 2"):
+        megatron_state_dict(tmp_path / "c", _config("llama_w1_te"))

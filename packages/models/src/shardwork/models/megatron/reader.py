@@ -3,7 +3,8 @@
 A Megatron-Core distributed checkpoint is a ``torch.distributed.checkpoint`` folder
 (``.metadata`` plus ``__<rank>_<n>.distcp`` files) with ``metadata.json`` naming the backend
 (``{"sharded_backend": "torch_dist", ...}``) and, for checkpoints Megatron-LM writes,
-``common.pt`` (its ``args`` among the non-sharded state). Tensors are stored in global
+its ``args`` among the non-sharded state: in ``common.pt`` (older releases) or inside the
+folder as the object ``common_state``. Tensors are stored in global
 coordinates whatever TP/PP/EP layout wrote them, so one process reads them whole with
 ``torch.distributed.checkpoint.load(..., no_dist=True)``: no process group is needed.
 
@@ -17,6 +18,7 @@ entries (Transformer Engine's FP8 metadata, the common state) are skipped.
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import warnings
@@ -38,6 +40,9 @@ __all__ = [
 _STACKED = re.compile(
     r"^(?P<head>.*?\b(?:layers|local_experts|experts\.experts))\.(?P<tail>[^\d].*)$"
 )
+
+
+_COMMON_KEY = "common_state/shard_0_1"  # Megatron's ShardedObject("common_state", (1,), (0,))
 
 
 class NotAMegatronCheckpointError(ValueError):
@@ -108,12 +113,32 @@ def read_megatron_tensors(folder: str | Path, *, meta: bool = False) -> dict[str
     return out
 
 
-def read_megatron_args(folder: str | Path) -> dict[str, Any] | None:
-    """Megatron-LM's ``args`` from ``common.pt`` as a dict, or None when it holds none."""
-    path = Path(folder) / "common.pt"
-    if not path.is_file():
+def _common_state(folder: Path) -> Any:
+    """The common (non-sharded) state Megatron-Core 0.15+ keeps inside the torch_dist folder
+    as the object ``common_state`` (a one-item list), or None when the index has none."""
+    reader = dcp.FileSystemReader(str(folder))
+    if _COMMON_KEY not in reader.read_metadata().state_dict_metadata:
         return None
-    # common.pt pickles an argparse.Namespace (and possibly other plain objects): not weights_only.
-    common = torch.load(path, map_location="cpu", weights_only=False)
+    state: dict[str, Any] = {_COMMON_KEY: io.BytesIO()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    loaded = state[_COMMON_KEY]
+    if isinstance(loaded, io.BytesIO):  # stored as raw bytes: a torch.save of the list
+        loaded.seek(0)
+        loaded = torch.load(loaded, map_location="cpu", weights_only=False)
+    return loaded[0] if isinstance(loaded, list) and loaded else None
+
+
+def read_megatron_args(folder: str | Path) -> dict[str, Any] | None:
+    """Megatron-LM's ``args`` as a dict, from the legacy ``common.pt`` or the in-checkpoint
+    common state; None when neither holds them."""
+    folder = Path(folder)
+    path = folder / "common.pt"
+    if path.is_file():
+        # common.pt pickles an argparse.Namespace (and possibly other plain objects).
+        common = torch.load(path, map_location="cpu", weights_only=False)
+    else:
+        common = _common_state(folder)
     args = common.get("args") if isinstance(common, dict) else None
     return None if args is None else dict(vars(args))
