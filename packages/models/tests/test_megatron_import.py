@@ -17,6 +17,8 @@ import io
 import json
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -285,3 +287,19 @@ def test_args_in_the_in_checkpoint_common_state_are_checked(tmp_path):
     (tmp_path / "c" / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
     with pytest.raises(ValueError, match="num_layers: checkpoint args 3, config 2"):
         megatron_state_dict(tmp_path / "c", _config("llama_w1_te"))
+
+
+def test_console_script_finds_the_subcommand(tmp_path):
+    """``shardwork-ckpt`` as installed: the entry point registers import-megatron, and a
+    folder that is no checkpoint is one line on stderr, exit 2."""
+    script = Path(sys.executable).parent / "shardwork-ckpt"
+    out = tmp_path / "o"
+    argv = [str(script), "import-megatron", str(tmp_path), str(out), "--preset", "tiny-llama3-8b"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == (
+        f"shardwork-ckpt: {str(tmp_path)!r} is not a Megatron-Core checkpoint: it has no "
+        "metadata.json (expected the folder megatron.core.dist_checkpointing.save wrote in the "
+        "torch_dist format, e.g. iter_0001000/ of a Megatron-LM run)\n"
+    )
+    assert not out.exists()
