@@ -4,6 +4,12 @@
   it was saved at, total size, and per key: kind, dtype, global shape, number of chunks. For a
   `CheckpointManager` root it lists the steps (complete or interrupted) and inspects the latest.
 - ``shardwork-ckpt verify PATH``: re-checksums every file.
+- More subcommands come from installed packages through the entry-point group
+  ``shardwork_ckpt.commands`` (:data:`PLUGIN_GROUP`): each entry point is a function
+  ``register(subparsers)`` that adds its parser and sets ``run=callable(args) -> int``. This
+  package imports nothing of them (dist-checkpoint depends on torch only); e.g.
+  shardwork-models registers ``import-megatron``. A plugin's ``ValueError`` is a user mistake
+  (exit 2, one line).
 
 Exit status: 0 success; 1 the checkpoint is corrupt (a checksum, size or metadata file does not
 match: one ``CORRUPT:`` paragraph naming the files); 2 a usage error or a path that is not a
@@ -18,6 +24,7 @@ import argparse
 import json
 import math
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +34,10 @@ from shardwork.dist_checkpoint import metadata as md
 from shardwork.dist_checkpoint.layout import LAYOUT_FIELDS
 from shardwork.dist_checkpoint.verify import verify
 
-__all__ = ["main"]
+__all__ = ["PLUGIN_GROUP", "main"]
+
+PLUGIN_GROUP = "shardwork_ckpt.commands"
+"""Entry-point group of extra ``shardwork-ckpt`` subcommands."""
 
 
 def _human(n: float) -> str:
@@ -124,6 +134,15 @@ def _verify(path: Path) -> int:
     return 0
 
 
+def _run_plugin(args: argparse.Namespace) -> int:
+    """Run a plugin subcommand; its ValueError is a user mistake (one line, exit 2)."""
+    try:
+        return args.run(args)
+    except ValueError as exc:
+        print(f"shardwork-ckpt: {exc}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="shardwork-ckpt", description="Inspect and verify shardwork checkpoints."
@@ -134,7 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     p_inspect.add_argument("--json", action="store_true", help="print shardwork.json")
     p_verify = sub.add_parser("verify", help="re-checksum every file")
     p_verify.add_argument("path", type=Path)
+    for plugin in entry_points(group=PLUGIN_GROUP):
+        plugin.load()(sub)
     args = parser.parse_args(argv)
+    if getattr(args, "run", None) is not None:
+        return _run_plugin(args)
     try:
         if args.command == "inspect":
             return _inspect(args.path, args.json)

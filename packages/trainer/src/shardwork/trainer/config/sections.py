@@ -234,6 +234,12 @@ class CheckpointConfig:
     model.preset and the model dimensions unset, or equal to it; other [model] keys may change
     fields that keep every tensor's shape, e.g. dropout) and its weights are imported at this
     run's layout before step 0. A run that resumes a shardwork checkpoint loads that instead."""
+    megatron_init: str | None = None
+    """A Megatron-Core ``torch_dist`` checkpoint folder (e.g. Megatron-LM's ``iter_0001000``;
+    GPT/Llama-style, TE or local layer names, MoE experts) to start from: the architecture is
+    the ``[model]`` table's (preset and fields, which must match the checkpoint's tensors) and
+    the weights are imported at this run's layout before step 0. Not with ``hf_init``, nor with
+    ``resume`` naming a checkpoint; a run that resumes its own checkpoint (``auto``) loads that."""
     hf_export: str | None = None
     """When training finishes (not when stopped by a signal), write the model as a Hugging Face
     folder here (config.json + safetensors, loadable by transformers); a new or empty directory."""

@@ -32,6 +32,7 @@ from shardwork.trainer.config.validate_hf import (
     check_hf_shapes,
     hf_dimensions,
 )
+from shardwork.trainer.config.validate_megatron import check_megatron_init
 from shardwork.trainer.config.validate_peft import check_peft
 from shardwork.trainer.data.tokenizer import load_tokenizer
 from shardwork.trainer.model_factory import gpt_config, hf_config, preset_fields
@@ -322,6 +323,7 @@ def validate_config(config: TrainConfig, *, world_size: int) -> TrainConfig:
     dp = _check_parallel(resolved, world_size, problems)
     model = _check_model(resolved, problems) if model_ok else None
     check_hf_export(resolved, problems, model=model)
+    check_megatron_init(resolved, problems, model=model)
     _check_optimizer(resolved, problems)
     _check_schedule(resolved, dp, problems)
     _check_rest(resolved, problems)

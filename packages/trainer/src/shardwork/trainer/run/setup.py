@@ -34,7 +34,7 @@ from shardwork.trainer.config.sections import TrainConfig
 from shardwork.trainer.config.validate import parallel_config
 from shardwork.trainer.config.validate_peft import lora_config_of
 from shardwork.trainer.model_factory import build_model_chunks, gpt_config
-from shardwork.trainer.run import hf
+from shardwork.trainer.run import hf, megatron
 from shardwork.trainer.run.optimizers import build_optimizer, uses_zero_shards
 
 
@@ -96,10 +96,15 @@ class Assembly:
 
 
 def build_assembly(
-    config: TrainConfig, runtime: Runtime, *, hf_init: str | None = None
+    config: TrainConfig,
+    runtime: Runtime,
+    *,
+    hf_init: str | None = None,
+    megatron_init: str | None = None,
 ) -> Assembly:
-    """Model chunks, DDP wrappers and optimizer; ``hf_init``: a Hugging Face folder whose weights
-    the chunks get before DDP and the optimizer see them (:mod:`.hf`)."""
+    """Model chunks, DDP wrappers and optimizer; ``hf_init``: a Hugging Face folder
+    (:mod:`.hf`), ``megatron_init``: a Megatron-Core checkpoint (:mod:`.megatron`), whose weights
+    the chunks get before DDP and the optimizer see them."""
     model_config = gpt_config(config)
     modules = build_model_chunks(
         model_config,
@@ -111,6 +116,8 @@ def build_assembly(
     )
     if hf_init is not None:
         hf.import_hf_weights(modules, hf_init)  # looked up at call time: tests replace it
+    if megatron_init is not None:
+        megatron.import_megatron_weights(modules, megatron_init)
     lora = lora_config_of(config)
     if lora is not None:
         # After the base weights are final and before DDP: its buffers then hold only the

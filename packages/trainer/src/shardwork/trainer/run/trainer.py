@@ -293,10 +293,15 @@ class Trainer:
         if hf_init is not None and will_resume(config) and config.peft.method != "lora":
             self.say(f"checkpoint.hf_init={hf_init!r} not read: the run resumes a checkpoint")
             hf_init = None
+        megatron_init = config.checkpoint.megatron_init
+        if megatron_init is not None and will_resume(config):
+            self.say(f"checkpoint.megatron_init={megatron_init!r} not read: the run resumes")
+            megatron_init = None
         with self._phase("start-up (model and optimizer build)", ("world",)):
-            assembly = build_assembly(config, runtime, hf_init=hf_init)
-        if hf_init is not None:
-            self.say(f"imported the Hugging Face checkpoint {hf_init} at this layout")
+            assembly = build_assembly(config, runtime, hf_init=hf_init, megatron_init=megatron_init)
+        for source, what in ((hf_init, "Hugging Face"), (megatron_init, "Megatron-Core")):
+            if source is not None:
+                self.say(f"imported the {what} checkpoint {source} at this layout")
         # Resume before anything is written: a bad checkpoint stops the run with the run
         # directory (config.toml, metrics) untouched.
         checkpointer = Checkpointer(config, runtime, assembly)

@@ -1,0 +1,86 @@
+"""Starting a run from a Megatron-Core checkpoint (``checkpoint.megatron_init``) on one process,
+and the validation of the option before any work.
+
+The checkpoint is the fixture megatron-core 0.19.2 wrote (packages/models/tests/data/megatron,
+see tools/megatron_checkpoint_fixture.py), whose import shardwork.models' tests compare with
+Megatron's own logits; here the run's step-0 loss must be that imported model's loss on the
+run's first batch.
+"""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardwork.models import GPTModel
+from shardwork.models.megatron import load_megatron_weights
+from shardwork.trainer.config.load import ConfigError
+from shardwork.trainer.config.validate import validate_config
+from shardwork.trainer.model_factory import gpt_config
+from shardwork.trainer.run.trainer import train
+from shardwork.trainer.testing import first_global_batch, tiny_config
+
+SOURCE = Path(__file__).parents[2] / "models/tests/data/megatron/llama_w1_te"
+MODEL = {
+    "preset": "tiny-llama3-8b",
+    "vocab_size": 260,  # the checkpoint's; the byte tokenizer's 257 ids fit
+    "ffn_hidden_size": 64,
+    "rope_theta": 10000.0,
+}
+
+
+@pytest.fixture(autouse=True)
+def _corpus_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("SHARDWORK_CACHE", str(tmp_path_factory.getbasetemp() / "corpus"))
+
+
+def _config(run_dir, **checkpoint):
+    return tiny_config(
+        run_dir,
+        model=MODEL,
+        schedule={"train_steps": 2, "warmup_steps": 1},
+        eval={"interval": None, "at_end": False},
+        checkpoint={"megatron_init": str(SOURCE), **checkpoint},
+    )
+
+
+def test_step0_trains_the_imported_megatron_weights(tmp_path):
+    config = _config(tmp_path / "run")
+    result = train(config)
+    model = load_megatron_weights(GPTModel(gpt_config(config)), SOURCE).eval()
+    rows = torch.cat(first_global_batch(config))
+    with torch.no_grad():
+        loss_sum, count = model(input_ids=rows[:, :-1], labels=rows[:, 1:])
+    assert result.train_losses[0] == pytest.approx(float(loss_sum) / int(count), rel=1e-5)
+
+
+def _problems(config) -> str:
+    with pytest.raises(ConfigError) as err:
+        validate_config(config, world_size=1)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("case", ["with-hf", "with-resume-path", "not-megatron", "shape"])
+def test_megatron_init_is_validated_before_any_work(tmp_path, case):
+    base = _config(tmp_path / "run")
+    c = base.checkpoint
+    if case == "with-hf":
+        config = dataclasses.replace(base, checkpoint=dataclasses.replace(c, hf_init=str(SOURCE)))
+        want = "both set the initial weights; valid: one of them"
+    elif case == "with-resume-path":
+        resume = str(tmp_path / "other" / "step_000000002")
+        config = dataclasses.replace(base, checkpoint=dataclasses.replace(c, resume=resume))
+        want = f"with checkpoint.resume={resume!r}: resuming another run"
+    elif case == "not-megatron":
+        (tmp_path / "empty").mkdir()
+        folder = str(tmp_path / "empty")
+        config = dataclasses.replace(base, checkpoint=dataclasses.replace(c, megatron_init=folder))
+        want = "is not a Megatron-Core checkpoint: it has no metadata.json"
+    else:
+        model = dataclasses.replace(base.model, settings={**base.model.settings, "num_layers": 3})
+        config = dataclasses.replace(base, model=model)
+        want = "missing keys for this config: ['decoder.layers.2."
+    problems = _problems(config)
+    assert want in problems, problems
+    assert not (tmp_path / "run").exists()  # nothing started
