@@ -8,15 +8,19 @@ run's first batch.
 """
 
 import dataclasses
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from shardwork.models import GPTModel
+from shardwork.models.lora import apply_lora, load_lora_state
 from shardwork.models.megatron import load_megatron_weights
 from shardwork.trainer.config.load import ConfigError
 from shardwork.trainer.config.validate import validate_config
+from shardwork.trainer.config.validate_peft import lora_config_of
+from shardwork.trainer.inference import load_for_inference
 from shardwork.trainer.model_factory import gpt_config
 from shardwork.trainer.run.trainer import train
 from shardwork.trainer.testing import first_global_batch, tiny_config
@@ -84,3 +88,40 @@ def test_megatron_init_is_validated_before_any_work(tmp_path, case):
     problems = _problems(config)
     assert want in problems, problems
     assert not (tmp_path / "run").exists()  # nothing started
+
+
+def test_lora_on_a_megatron_base_resumes_and_generates_from_that_base(tmp_path):
+    """A LoRA run's checkpoints hold adapters only, so its frozen base is re-imported from
+    megatron_init on resume (equal to the uninterrupted run's losses) and by
+    load_for_inference (equal to the trained model's logits, computed here from the importer,
+    the adapters of the final checkpoint and the LoRA forward)."""
+    ckpt = tmp_path / "ckpt"
+    common = dict(
+        model=MODEL,
+        schedule={"train_steps": 5, "warmup_steps": 1},
+        eval={"interval": None, "at_end": False},
+        checkpoint={
+            "megatron_init": str(SOURCE),
+            "dir": str(ckpt),
+            "interval": 3,
+            "save_at_end": True,
+            "resume": "auto",
+        },
+        peft={"method": "lora", "rank": 4, "alpha": 8.0, "target_modules": ("linear_qkv",)},
+    )
+    full = train(tiny_config(tmp_path / "full", **common))
+    final = str(ckpt / "step_000000005")
+    model, config, _ = load_for_inference(final)
+    reference = load_megatron_weights(GPTModel(gpt_config(config)), SOURCE)
+    apply_lora(reference, lora_config_of(config))
+    trained = dict(model.sharded_state_dict())
+    load_lora_state(reference, {k: st.data for k, st in trained.items() if ".lora_" in k})
+    ids = torch.randint(0, 260, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), reference.eval()(ids), rtol=0, atol=0)
+
+    shutil.rmtree(final)  # the newest complete checkpoint is now step 3
+    resumed = train(tiny_config(tmp_path / "resumed", **common))
+    assert sorted(resumed.train_losses) == [3, 4]
+    for step in (3, 4):
+        assert resumed.train_losses[step] == full.train_losses[step], step

@@ -27,6 +27,7 @@ from shardwork.trainer.errors import CheckpointError
 from shardwork.trainer.model_factory import build_model_chunks, gpt_config
 from shardwork.trainer.run.checkpointing import locate_checkpoint
 from shardwork.trainer.run.hf import import_hf_weights
+from shardwork.trainer.run.megatron import import_megatron_weights
 
 
 def load_for_inference(checkpoint: str | Path):
@@ -64,16 +65,21 @@ def load_for_inference(checkpoint: str | Path):
 
 def _lora_base(model, config, path) -> None:
     """A LoRA run's checkpoint holds adapters only: its frozen base is ``checkpoint.hf_init``
-    again (the seed's init, rebuilt by ``build_model_chunks``, when the run had none)."""
-    folder = config.checkpoint.hf_init
+    or ``checkpoint.megatron_init`` again (the seed's init, rebuilt by ``build_model_chunks``,
+    when the run had neither)."""
+    c = config.checkpoint
+    field, folder = ("hf_init", c.hf_init) if c.hf_init else ("megatron_init", c.megatron_init)
     if folder is None:
         return
     if not Path(folder).is_dir():
         raise CheckpointError(
-            f"{path} holds LoRA adapters only and its base model, checkpoint.hf_init="
+            f"{path} holds LoRA adapters only and its base model, checkpoint.{field}="
             f"{folder!r}, is no longer there: restore that folder to load the adapters"
         )
-    import_hf_weights([model], folder)
+    if field == "hf_init":
+        import_hf_weights([model], folder)
+    else:
+        import_megatron_weights([model], folder)
 
 
 @torch.no_grad()

@@ -289,12 +289,13 @@ class Trainer:
         with self._phase("start-up (evaluation size broadcast)", ("pp",)):
             eval_micro = _eval_micro_batches_of_first_stage(eval_micro, runtime)
         hf_init = config.checkpoint.hf_init
-        # A LoRA run's checkpoints hold adapters only: its frozen base comes from hf_init again.
+        # A LoRA run's checkpoints hold adapters only: its frozen base comes from hf_init (or
+        # megatron_init) again.
         if hf_init is not None and will_resume(config) and config.peft.method != "lora":
             self.say(f"checkpoint.hf_init={hf_init!r} not read: the run resumes a checkpoint")
             hf_init = None
         megatron_init = config.checkpoint.megatron_init
-        if megatron_init is not None and will_resume(config):
+        if megatron_init is not None and will_resume(config) and config.peft.method != "lora":
             self.say(f"checkpoint.megatron_init={megatron_init!r} not read: the run resumes")
             megatron_init = None
         with self._phase("start-up (model and optimizer build)", ("world",)):
