@@ -5,6 +5,7 @@ elements, checkpoints hold only adapters and resume to the uninterrupted run's l
 """
 
 import dataclasses
+import os
 import re
 import shutil
 
@@ -15,14 +16,14 @@ from torch.distributed.checkpoint import FileSystemReader
 import shardwork.trainer.run.trainer as trainer_module
 from shardwork.models import GPTConfig, GPTModel
 from shardwork.models.full_state import full_state_dict
-from shardwork.models.hf import save_pretrained
+from shardwork.models.hf import gpt_config_from_hf, import_peft, read_hf_config, save_pretrained
 from shardwork.models.lora import is_lora_key
 from shardwork.parallel_state.testing import run_on_ranks
 from shardwork.trainer.config.load import ConfigError
 from shardwork.trainer.config.validate import validate_config
 from shardwork.trainer.inference import load_for_inference
 from shardwork.trainer.run.trainer import train
-from shardwork.trainer.testing import tiny_config
+from shardwork.trainer.testing import first_global_batch, tiny_config
 
 VOCAB = 260
 LORA = {"method": "lora", "rank": 4, "alpha": 8.0, "target_modules": ("linear_qkv", "fc2")}
@@ -178,6 +179,8 @@ def test_peft_refuses_muon_and_exports_it_cannot_write(tmp_path):
     (tmp_path / "adapter" / "old.txt").write_text("x")
     taken = dataclasses.replace(base, peft=dataclasses.replace(lora, export=target))
     assert "exists and is not an empty directory" in _problems(taken)
+    no_base_init = dataclasses.replace(base, peft=dataclasses.replace(lora, init=target))
+    assert f"peft.init={target!r} needs checkpoint.hf_init" in _problems(no_base_init)
     assert not (tmp_path / "run").exists()  # nothing written
 
 
@@ -299,3 +302,59 @@ def test_tp2_lora_fine_tune_exports_merged_model_and_peft_adapter(
     # training moved them by 0.38 (a lost or mis-scaled adapter fails by orders of magnitude).
     assert (adapted - base).abs().max() > 0.05
     torch.testing.assert_close(merged, adapted, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.multirank
+def test_lora_run_starts_from_a_peft_folder(tmp_path, folder):
+    """peft.init: adapters that peft itself made (independent A per projection, q and v but not
+    k, so shardwork holds them as a rank-2r block) start the run: step 0's loss equals the
+    cross entropy of the PeftModel's logits on the run's first batch, on one process and at
+    PP=2. Validation names the LoRA
+    options to write when the section's differ from the folder's."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    made = peft.LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
+        init_lora_weights=False,  # random B: a zero B would hide a lost adapter
+    )
+    with_adapter = peft.get_peft_model(hf, made).eval()
+    with_adapter.save_pretrained(tmp_path / "adapter")
+    common = dict(
+        schedule={"train_steps": 1, "warmup_steps": 1},
+        eval={"interval": None, "at_end": False},
+        checkpoint={"hf_init": folder, "save_at_end": False},
+    )
+    wrong = dict(LORA, init=str(tmp_path / "adapter"))
+    with pytest.raises(ConfigError, match=r"holds adapters with other LoRA options \(rank, alpha"):
+        tiny_config(tmp_path / "bad", **common, peft=wrong)
+    _, found = import_peft(tmp_path / "adapter", gpt_config_from_hf(read_hf_config(folder)))
+    assert found.rank == 8  # q and v: two independent A's, one rank-2r block
+    section = {
+        "method": "lora",
+        "init": str(tmp_path / "adapter"),
+        "rank": found.rank,
+        "alpha": found.alpha,
+        "target_modules": found.target_modules,
+    }
+    config = tiny_config(tmp_path / "run", **common, peft=section)
+    result = train(config)
+    # Two pipeline stages: each reads the folder and keeps its own layer's adapters.
+    cache = os.environ["SHARDWORK_CACHE"]
+    staged = dict(common, peft=section, parallel={"pp": 2})
+    (pp_losses, _) = run_on_ranks(
+        _train_lora, 2, args=(str(tmp_path / "pp2"), staged, cache), timeout=300
+    )
+    rows = torch.cat(first_global_batch(config))
+    with torch.no_grad():
+        logits = with_adapter(rows[:, :-1]).logits
+        with with_adapter.disable_adapter():  # the same modules with the adapters off
+            base_logits = with_adapter(rows[:, :-1]).logits
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten())
+    base = torch.nn.functional.cross_entropy(base_logits.flatten(0, 1), rows[:, 1:].flatten())
+    assert abs(float(expected) - float(base)) > 1e-3  # the adapters change the loss
+    assert result.train_losses[0] == pytest.approx(float(expected), rel=1e-5)
+    assert pp_losses[0] == pytest.approx(float(expected), rel=1e-5)

@@ -312,6 +312,11 @@ class PeftSection:
     target_modules: tuple[str, ...] | str = ("linear_qkv", "linear_proj", "fc1", "fc2")
     """Module-name suffixes (a list, like PEFT's) or one regular expression over full module
     names (a string), e.g. ["linear_qkv", "fc2"] or 'decoder\\.layers\\.[01]\\..*fc1'."""
+    init: str | None = None
+    """A Hugging Face PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) for the
+    model of ``checkpoint.hf_init``: the adapters start from it instead of PEFT's init. Its
+    rank, alpha, rsLoRA and targets (after shardwork's rank-k·r rule for separate q/k/v
+    adapters) must be the section's: validation says which values to write."""
     export: str | None = None
     """A new or empty directory: a finished run writes its adapters there as a Hugging Face
     PEFT folder (adapter_config.json + adapter_model.safetensors) for the model of

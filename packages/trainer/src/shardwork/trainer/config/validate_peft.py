@@ -8,6 +8,8 @@ does not serve: experts adapted under expert tensor parallelism (etp > 1) and th
 optimizer. ``checkpoint.hf_export`` of a LoRA run writes the merged model. ``peft.export``
 (a PEFT folder of the adapters) needs ``checkpoint.hf_init`` (the base it attaches to), a new
 or empty directory, one model chunk per rank, and a PEFT counterpart for every adapted linear.
+``peft.init`` (a PEFT folder to start the adapters from) needs ``checkpoint.hf_init`` and
+the folder's LoRA options written in the section.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from shardwork.models import GPTConfig, GPTModel, LoRAConfig
+from shardwork.models.hf.peft_import import import_peft
 from shardwork.models.hf.peft_modules import is_routed_experts, peft_linears
 from shardwork.models.lora import lora_target_names
 from shardwork.parallel_state import ProcessGroups
@@ -84,6 +87,29 @@ def check_peft(config, model: GPTConfig | None, expert_tp: int, problems: list[s
         )
     if p.export is not None:
         _check_export(config, model, lora, names, problems)
+    if p.init is not None:
+        _check_init(config, model, lora, problems)
+
+
+def _check_init(config, model: GPTConfig, lora: LoRAConfig, problems) -> None:
+    """``peft.init``: a PEFT folder for the hf_init model whose LoRA options are the section's."""
+    where = f"peft.init={config.peft.init!r}"
+    if config.checkpoint.hf_init is None:
+        problems.append(f"{where} needs checkpoint.hf_init: the Hugging Face model it adapts")
+        return
+    try:
+        _, found = import_peft(config.peft.init, model.replace(sequence_parallel=False))
+    except (ValueError, OSError) as exc:
+        problems.append(f"{where}: {exc}")
+        return
+    fields = ("rank", "alpha", "use_rslora", "target_modules")
+    differ = [f for f in fields if getattr(found, f) != getattr(lora, f)]
+    if differ:
+        want = ", ".join(f"{f} = {getattr(found, f)!r}" for f in fields)
+        problems.append(
+            f"{where} holds adapters with other LoRA options ({', '.join(differ)} differ): "
+            f"write in [peft]: {want}"
+        )
 
 
 def _check_export(config, model: GPTConfig, lora: LoRAConfig, names, problems) -> None:

@@ -22,12 +22,13 @@ from shardwork.dist_checkpoint import CheckpointManager
 from shardwork.models.full_state import full_state_dict
 from shardwork.models.hf import (
     export_peft,
+    import_peft,
     load_hf_weights,
     read_hf_config,
     read_token_ids,
     save_pretrained,
 )
-from shardwork.models.lora import is_lora_key
+from shardwork.models.lora import is_lora_key, load_lora_state, lora_state_dict
 
 
 def will_resume(config) -> bool:
@@ -71,3 +72,13 @@ def export_adapters(modules, folder: str, lora, hf_init: str) -> None:
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     export_peft(adapters, lora, module.config, folder, base_model_name_or_path=hf_init)
+
+
+@torch.no_grad()
+def import_peft_adapters(modules, folder: str) -> None:
+    """Fill every chunk's LoRA adapters from the PEFT folder ``folder`` (each rank reads the
+    whole, small adapter file and copies the slices of the keys its chunks hold)."""
+    for module in modules:
+        adapters, _ = import_peft(folder, module.config)
+        held = set(lora_state_dict(module))
+        load_lora_state(module, {k: v for k, v in adapters.items() if k in held})

@@ -101,10 +101,12 @@ def build_assembly(
     *,
     hf_init: str | None = None,
     megatron_init: str | None = None,
+    peft_init: str | None = None,
 ) -> Assembly:
     """Model chunks, DDP wrappers and optimizer; ``hf_init``: a Hugging Face folder
     (:mod:`.hf`), ``megatron_init``: a Megatron-Core checkpoint (:mod:`.megatron`), whose weights
-    the chunks get before DDP and the optimizer see them."""
+    the chunks get before DDP and the optimizer see them; ``peft_init``: a PEFT folder the LoRA
+    adapters start from."""
     model_config = gpt_config(config)
     modules = build_model_chunks(
         model_config,
@@ -125,6 +127,8 @@ def build_assembly(
         # are adapter-sized.
         for module in modules:
             apply_lora(module, lora, require_every_target=False)
+        if peft_init is not None:
+            hf.import_peft_adapters(modules, peft_init)
     o = config.optimizer
     ddp_config = DDPConfig(
         # bucket_size counts elements: MiB at 4 bytes (fp32 gradients) per element.

@@ -298,8 +298,14 @@ class Trainer:
         if megatron_init is not None and will_resume(config) and config.peft.method != "lora":
             self.say(f"checkpoint.megatron_init={megatron_init!r} not read: the run resumes")
             megatron_init = None
+        # A resumed LoRA run's adapters come from its checkpoint, not from peft.init.
+        peft_init = None if will_resume(config) else config.peft.init
         with self._phase("start-up (model and optimizer build)", ("world",)):
-            assembly = build_assembly(config, runtime, hf_init=hf_init, megatron_init=megatron_init)
+            assembly = build_assembly(
+                config, runtime, hf_init=hf_init, megatron_init=megatron_init, peft_init=peft_init
+            )
+        if peft_init is not None:
+            self.say(f"LoRA adapters start from the PEFT folder {peft_init}")
         for source, what in ((hf_init, "Hugging Face"), (megatron_init, "Megatron-Core")):
             if source is not None:
                 self.say(f"imported the {what} checkpoint {source} at this layout")
