@@ -191,14 +191,23 @@ class TopKRouter(torch.nn.Module):
                     f"{tuple(hidden.shape[:-1])} (hidden without its last dim)"
                 )
             padding_mask = padding_mask.reshape(-1).bool()
-        logits_TE = self.gating(self._jitter(hidden)).view(-1, cfg.num_experts)
-        if cfg.check_finite and not bool(torch.isfinite(logits_TE).all()):
+        logits_TE = self.logits(hidden).view(-1, cfg.num_experts)
+        return self.route(logits_TE, seq_len=seq_len, batch=batch, padding_mask=padding_mask)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Router logits [..., E] of ``hidden`` [..., H], any leading shape: input jitter
+        (training), the gate GEMM in the router dtype, the finite check, random logits
+        (``force_load_balancing``). ``forward`` is this followed by :meth:`route`; callers
+        whose tokens are not in [S, B] order reorder the logits in between."""
+        cfg = self.config
+        logits = self.gating(self._jitter(hidden))
+        if cfg.check_finite and not bool(torch.isfinite(logits).all()):
             raise FloatingPointError(
                 f"router logits contain NaN or Inf (layer_index={self.layer_index})"
             )
         if cfg.force_load_balancing:
-            logits_TE = StraightThroughRandom.apply(logits_TE, self.generator)
-        return self.route(logits_TE, seq_len=seq_len, batch=batch, padding_mask=padding_mask)
+            logits = StraightThroughRandom.apply(logits, self.generator)
+        return logits
 
     def route(
         self,
