@@ -160,14 +160,29 @@ class RouterConfig:
                     f"RouterConfig.group_top_k={self.group_top_k} is invalid: it must be <= "
                     f"num_groups={self.num_groups}"
                 )
-            per_group = self.num_experts // self.num_groups
+            self._check_group_split()
+        self._check_group_score()
+
+    def _check_group_split(self) -> None:
+        """Megatron's group score (``group_score_top_n=None``) takes ``top_k / group_top_k``
+        experts per group, so it needs a whole number; an explicit group score (transformers'
+        top-2 rule, e.g. DeepSeek-style top-6 of 4 kept groups) only needs enough eligible
+        experts for the top-k."""
+        per_group = self.num_experts // self.num_groups
+        if self.group_score_top_n is None:
             if self.top_k % self.group_top_k != 0 or self.top_k // self.group_top_k > per_group:
                 raise ValueError(
-                    f"RouterConfig.group_top_k={self.group_top_k} is invalid with top_k={self.top_k}: "
-                    f"top_k must be a multiple of group_top_k and top_k/group_top_k <= experts per "
-                    f"group ({per_group})"
+                    f"RouterConfig.group_top_k={self.group_top_k} is invalid with top_k="
+                    f"{self.top_k}: with group_score_top_n=None (Megatron's group score) top_k "
+                    f"must be a multiple of group_top_k and top_k/group_top_k <= experts per "
+                    f"group ({per_group}); or set group_score_top_n"
                 )
-        self._check_group_score()
+        elif self.top_k > self.group_top_k * per_group:
+            raise ValueError(
+                f"RouterConfig.top_k={self.top_k} is invalid: group_top_k={self.group_top_k} "
+                f"groups of {per_group} experts leave only {self.group_top_k * per_group} to "
+                "choose from"
+            )
 
     def _check_group_score(self) -> None:
         n = self.group_score_top_n
