@@ -102,7 +102,9 @@ def run(config: GPTConfig, rounds: int) -> dict:
             wall, cpu = side.step(ids)
             side.wall.append(wall)
             side.cpu.append(cpu)
-    med = {name: statistics.median(s.wall) for name, s in (("eager", eager), ("compiled", compiled))}
+    med = {
+        name: statistics.median(s.wall) for name, s in (("eager", eager), ("compiled", compiled))
+    }
     cpu = {name: statistics.median(s.cpu) for name, s in (("eager", eager), ("compiled", compiled))}
     diff = max(abs(a - b) / abs(b) for a, b in zip(compiled.losses, eager.losses))
     report = compile_report()

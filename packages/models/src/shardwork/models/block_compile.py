@@ -39,6 +39,7 @@ import torch._dynamo
 import torch._inductor.config
 from torch._dynamo.utils import counters
 
+from shardwork.models.config import GPTConfig
 from shardwork.models.moe.layer import MoELayer
 from shardwork.models.transformer_layer import TransformerLayer
 
@@ -55,14 +56,24 @@ def _cxx() -> str:
     return os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
 
 
-def compile_problem(device: torch.device | str, backend: str = "inductor") -> str | None:
+def compile_problem(
+    device: torch.device | str, backend: str = "inductor", *, config: GPTConfig | None = None
+) -> str | None:
     """Why ``torch.compile`` with ``backend`` cannot run on ``device`` here (None: it can).
 
     Checks what would otherwise fail minutes into the first step: a Python/torch build without
-    dynamo, inductor on CPU without a C++ compiler, inductor on CUDA without Triton.
+    dynamo, inductor on CPU without a C++ compiler, inductor on CUDA without Triton, and (with
+    the model's ``config``) Triton kernels on a CPU, which run in Triton's interpreter
+    (``TRITON_INTERPRET=1``) that dynamo cannot trace.
     """
     if backend not in BACKENDS:
         return f"backend={backend!r} is not supported; valid: {', '.join(BACKENDS)}"
+    device_type = torch.device(device).type
+    if config is not None and config.kernel_backend == "triton" and device_type == "cpu":
+        return (
+            "kernel_backend='triton' on a CPU runs Triton's interpreter, which torch.compile "
+            "cannot trace; use kernel_backend 'auto' or 'torch' (inductor compiles the torch ops)"
+        )
     if not torch._dynamo.is_dynamo_supported():
         return (
             f"torch.compile is not supported by this build (Python {sys.version.split()[0]}, "
@@ -70,7 +81,6 @@ def compile_problem(device: torch.device | str, backend: str = "inductor") -> st
         )
     if backend != "inductor":
         return None
-    device_type = torch.device(device).type
     if device_type == "cpu":
         cxx = _cxx()
         if shutil.which(cxx.split()[0]) is None:
@@ -103,7 +113,7 @@ def compile_blocks(model: torch.nn.Module, *, backend: str = "inductor") -> int:
     before touching the model if compilation cannot run here, or if no layer was found.
     """
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    problem = compile_problem(device, backend)
+    problem = compile_problem(device, backend, config=getattr(model, "config", None))
     if problem is not None:
         raise ValueError(f"compile_blocks: {problem}")
     layers = _layers(model)

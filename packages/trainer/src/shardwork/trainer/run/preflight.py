@@ -56,7 +56,7 @@ def preflight(config: TrainConfig) -> list[str]:
         if (problem := writable_dir_problem(field, path)) is not None
     ]
     if config.precision.compile:
-        problem = compile_problem(run_device_type(config))
+        problem = compile_problem(run_device_type(config), config=gpt_config(config))
         if problem is not None:
             problems.append(f"precision.compile=true: {problem}; or set precision.compile = false")
     if problems:
