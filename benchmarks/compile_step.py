@@ -7,7 +7,9 @@ batches with ``torch.optim.AdamW`` (forward, ``(loss_sum / tokens).backward()``,
 
 - compile time: the compiled model's first step minus its median later step (the first step
   traces and compiles the layer's forward and backward; one layer kind, so once), and the
-  first step's wall time itself;
+  first step's wall time itself. Inductor caches compiled graphs on disk, so a second run
+  would measure a cache hit: the run uses a fresh, empty ``TORCHINDUCTOR_CACHE_DIR`` (a cold
+  compile, as a first training run sees) unless ``--warm-cache`` keeps the user's cache;
 - speed: ``--rounds`` interleaved rounds after a warm-up step on each side, one step of each
   per round (order alternating), each timed; the ratio eager / compiled of the median step
   times (> 1: compiled is faster), and of process CPU time;
@@ -28,8 +30,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -144,8 +148,8 @@ def table(result: dict, args: argparse.Namespace) -> str:
         f"| first step (s) | {result['first_step_s']['eager']:.2f} | "
         f"{result['first_step_s']['compiled']:.2f} | |",
         "",
-        f"Compile time (first compiled step - median compiled step): {result['compile_s']:.1f} s "
-        f"for {result['compiled_layers']} layers. Max relative loss difference over "
+        f"Compile time (first compiled step - median compiled step), inductor cache "
+        f"{result['cache']}: {result['compile_s']:.1f} s for {result['compiled_layers']} layers. Max relative loss difference over "
         f"{args.rounds + 1} steps: {result['max_rel_loss_diff']:.1e}. dynamo: "
         f"{result['graphs']} graph(s), graph breaks: "
         + (", ".join(f"{k} x{v}" for k, v in result["graph_breaks"].items()) or "none")
@@ -159,10 +163,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--moe", action="store_true")
+    parser.add_argument("--warm-cache", action="store_true", help="keep inductor's disk cache")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    result = run(model_config(args.moe), args.rounds)
-    result.update(torch=torch.__version__, threads=args.threads, machine=machine_record())
+    with tempfile.TemporaryDirectory() as cache:
+        if not args.warm_cache:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # read by inductor when it compiles
+        result = run(model_config(args.moe), args.rounds)
+    cache_state = "warm (user's cache)" if args.warm_cache else "cold (fresh cache)"
+    result.update(
+        torch=torch.__version__, threads=args.threads, machine=machine_record(), cache=cache_state
+    )
     text = table(result, args)
     print(text)
     name = "compile_step_moe" if args.moe else "compile_step"
