@@ -1,7 +1,8 @@
 """`compile_blocks`: torch.compile per transformer layer, checked against the same model eager.
 
-The default tests trace with the ``aot_eager`` backend (dynamo + AOTAutograd, no generated
-code: seconds, not minutes); the ``slow`` one runs inductor's C++ backend. Each compares the
+The tests trace with the ``aot_eager`` backend (dynamo + AOTAutograd, no generated code:
+seconds, not minutes; the MoE and dropout ones ~13 s each, so ``slow``); the last one runs
+inductor's C++ backend (``slow``). Each compares the
 compiled model's loss and every gradient with an eager copy holding the same weights:
 
 - keys, parameter objects and hooks stay the same (DDP and checkpoints see one model);
@@ -20,6 +21,7 @@ import pytest
 import torch
 import torch._dynamo
 import torch._inductor.config
+from torch._dynamo.utils import counters
 
 from shardwork.models import GPTConfig, GPTModel, compile_blocks, compile_problem, compile_report
 from shardwork.models.presets import preset
@@ -40,6 +42,7 @@ DENSE = dict(
 def _fresh_dynamo():
     """Each test traces from scratch and counts only its own graph breaks."""
     torch._dynamo.reset()
+    counters.clear()
     fallback = torch._inductor.config.fallback_random
     yield
     torch._inductor.config.fallback_random = fallback
@@ -91,8 +94,12 @@ def test_compiled_layers_keep_keys_parameters_and_match_eager():
     _assert_same(model, eager, config)
     report = compile_report()
     assert report.graphs >= 1 and report.graph_breaks == {}
+    # Counts since an earlier report: nothing new after the graphs exist.
+    _assert_same(model, eager, config, steps=1)
+    assert compile_report(since=report) == type(report)(graphs=0, graph_breaks={}, frames=0)
 
 
+@pytest.mark.slow  # ~13 s of tracing on the 2-core machine
 def test_moe_mlp_runs_eagerly_inside_the_compiled_layer():
     config = preset("tiny-mixtral-8x7b").replace(num_layers=2)
     model, eager = _twins(config)
@@ -104,6 +111,7 @@ def test_moe_mlp_runs_eagerly_inside_the_compiled_layer():
     assert "torch.compiler.disable" in reason
 
 
+@pytest.mark.slow  # ~13 s of tracing on the 2-core machine
 def test_dropout_masks_match_eager_through_the_rng_tracker():
     config = GPTConfig(**DENSE, hidden_dropout=0.2, attention_dropout=0.1)
     model, eager = _twins(config)

@@ -19,6 +19,7 @@ import io
 import json
 
 import pytest
+import torch._dynamo
 import torch.distributed as dist
 
 from shardwork.models import compile_problem
@@ -106,6 +107,7 @@ def test_compile_flag_reaches_the_config(tmp_path):
 def test_compiled_run_matches_eager_for_20_steps_and_reports(tmp_path, cache):
     """One rank, 20 steps, then an evaluation (eval mode compiles once more)."""
     extra = {"eval": {"at_end": True}}
+    torch._dynamo.reset()  # this process may have compiled the same layer in another test
     eager = _train(str(tmp_path / "eager"), _sections(False, **extra), cache)
     compiled = _train(str(tmp_path / "compiled"), _sections(True, **extra), cache)
     _assert_same_losses(compiled[0], eager[0])

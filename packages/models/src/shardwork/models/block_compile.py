@@ -154,13 +154,18 @@ class CompileReport:
         return [head] + [f"  graph break x{n}: {why}" for why, n in self.graph_breaks.items()]
 
 
-def compile_report() -> CompileReport:
-    """The :class:`CompileReport` of this process from ``torch._dynamo``'s counters."""
+def compile_report(since: CompileReport | None = None) -> CompileReport:
+    """The :class:`CompileReport` of this process from ``torch._dynamo``'s counters.
+
+    The counters are process-wide and cumulative; ``since``: a report taken earlier, whose
+    counts are subtracted (what happened after it, e.g. during one run's first step).
+    """
     breaks: Counter[str] = Counter()
     for reason, count in counters["graph_break"].items():
         breaks[str(reason).strip().splitlines()[0]] += count
-    return CompileReport(
-        graphs=int(counters["stats"]["unique_graphs"]),
-        graph_breaks=dict(breaks.most_common()),
-        frames=int(counters["frames"]["total"]),
-    )
+    graphs, frames = int(counters["stats"]["unique_graphs"]), int(counters["frames"]["total"])
+    if since is not None:
+        breaks.subtract(since.graph_breaks)
+        graphs, frames = graphs - since.graphs, frames - since.frames
+    kept = {why: n for why, n in breaks.most_common() if n > 0}
+    return CompileReport(graphs=graphs, graph_breaks=kept, frames=frames)

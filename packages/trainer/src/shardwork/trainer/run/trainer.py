@@ -411,7 +411,7 @@ class Trainer:
     def _report_compile(self, p: RunParts, step: int, seconds: float) -> None:
         """Once, after the run's first step (which traced and compiled every layer kind): what
         torch.compile did on the logging rank, as lines and as a metrics event."""
-        report = compile_report()
+        report = compile_report(since=p.assembly.compile_baseline)
         self.say(
             f"torch.compile: {p.assembly.compiled_layers} transformer layer(s) compiled; step "
             f"{step} took {seconds:.1f} s including compilation"
