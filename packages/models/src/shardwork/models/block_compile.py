@@ -99,9 +99,12 @@ def _layers(model: torch.nn.Module) -> list[TransformerLayer]:
     return [m for m in model.modules() if isinstance(m, TransformerLayer)]
 
 
-def _has_dropout(model: torch.nn.Module) -> bool:
+def _config_of(model: torch.nn.Module) -> GPTConfig | None:
+    """The model's GPTConfig, also through a wrapper holding it as ``.module`` (DDP)."""
     config = getattr(model, "config", None)
-    return bool(config and (config.hidden_dropout or config.attention_dropout))
+    if config is None:
+        config = getattr(getattr(model, "module", None), "config", None)
+    return config if isinstance(config, GPTConfig) else None
 
 
 def compile_blocks(model: torch.nn.Module, *, backend: str = "inductor") -> int:
@@ -113,7 +116,8 @@ def compile_blocks(model: torch.nn.Module, *, backend: str = "inductor") -> int:
     before touching the model if compilation cannot run here, or if no layer was found.
     """
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    problem = compile_problem(device, backend, config=getattr(model, "config", None))
+    config = _config_of(model)
+    problem = compile_problem(device, backend, config=config)
     if problem is not None:
         raise ValueError(f"compile_blocks: {problem}")
     layers = _layers(model)
@@ -121,7 +125,7 @@ def compile_blocks(model: torch.nn.Module, *, backend: str = "inductor") -> int:
         raise ValueError(
             f"compile_blocks: {type(model).__name__} holds no TransformerLayer to compile"
         )
-    if _has_dropout(model):
+    if config is not None and (config.hidden_dropout or config.attention_dropout):
         # Without it inductor's own RNG draws the dropout masks, not torch's generator (the
         # compiled run's losses would then differ from eager from the first step).
         torch._inductor.config.fallback_random = True
@@ -135,7 +139,8 @@ def compile_blocks(model: torch.nn.Module, *, backend: str = "inductor") -> int:
 
 @dataclass
 class CompileReport:
-    """What dynamo did so far in this process (all compiled regions together)."""
+    """What dynamo did in this process (all compiled regions together), from its start or
+    since an earlier report (`compile_report`)."""
 
     graphs: int
     """Distinct graphs compiled (each layer kind's forward, split at graph breaks)."""
