@@ -11,6 +11,7 @@ pipeline and expert parallelism.
   :class:`LearnedPositionEmbedding`, :class:`TransformerLayer`, :class:`TransformerBlock`.
 - Composition: :class:`DecoderSpec` / :class:`LayerSpec` and :func:`spec_for` (which parts
   each layer has), :func:`register_mixer` / :func:`register_mlp` / :func:`register_norm` (new part kinds).
+- :func:`compile_blocks` (``torch.compile`` per transformer layer), :func:`compile_report`;
 - :class:`RNGTracker` and recompute :func:`checkpoint`; losses as (sum, count) with
   :func:`loss_for_backward` / :func:`reduce_loss`; context-parallel helpers.
 - Mixture of experts (:class:`MoEConfig`, :class:`MoELayer`, :func:`moe_finalize_kwargs`,
@@ -26,6 +27,12 @@ pipeline and expert parallelism.
 """
 
 from shardwork.models.attention import Attention, AttentionInputs
+from shardwork.models.block_compile import (
+    CompileReport,
+    compile_blocks,
+    compile_problem,
+    compile_report,
+)
 from shardwork.models.calculator import (
     MemoryEstimate,
     flops_per_token,
@@ -99,6 +106,7 @@ __all__ = [
     "AttentionInputs",
     "BuildContext",
     "ColumnParallelLinear",
+    "CompileReport",
     "DecoderSpec",
     "GPTConfig",
     "GPTModel",
@@ -137,6 +145,9 @@ __all__ = [
     "attention_mask",
     "check_sequence_length",
     "checkpoint",
+    "compile_blocks",
+    "compile_problem",
+    "compile_report",
     "expert_load",
     "flops_per_token",
     "gather_logits",

@@ -89,7 +89,7 @@ class ParallelSection:
 
 @dataclass(kw_only=True)
 class PrecisionConfig:
-    """Numeric formats and device."""
+    """Numeric formats, device, and how the layers execute (eager or compiled)."""
 
     dtype: Literal["fp32", "bf16", "fp16", "fp64"] = "fp32"
     """Parameter / activation dtype. bf16/fp16 keep fp32 master weights and optimizer state;
@@ -101,6 +101,12 @@ class PrecisionConfig:
     """Accumulate and reduce gradients in fp32 main_grad buffers."""
     initial_loss_scale: float = 65536.0
     """fp16 only: starting dynamic loss scale."""
+    compile: bool = False
+    """Compile each transformer layer with torch.compile (inductor: generated C++ on a CPU,
+    Triton on a GPU; shardwork.models.compile_blocks). The first step also compiles (seconds to
+    minutes); the trainer then logs the graphs and every graph break once. MoE dispatch runs
+    eagerly inside the layer; generation stays eager. On a CPU it needs a C++ compiler ($CXX,
+    else g++), checked before start-up."""
 
 
 @dataclass(kw_only=True)
