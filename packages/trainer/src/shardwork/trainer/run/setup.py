@@ -14,6 +14,9 @@
   DDP wraps them (:mod:`.hf`).
 - With ``peft.method = "lora"`` every chunk is frozen and gets its adapters after that, still
   before DDP.
+- With ``parallel.fsdp`` each chunk is wrapped in shardwork.dist_optimizer's
+  FullyShardedDataParallel instead (sharded by its transformer layers, :mod:`.fsdp`), and the
+  optimizer keeps AdamW state for the local rows.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from shardwork.trainer.config.validate import parallel_config
 from shardwork.trainer.config.validate_peft import lora_config_of
 from shardwork.trainer.model_factory import build_model_chunks, gpt_config
 from shardwork.trainer.run import hf, megatron
+from shardwork.trainer.run.fsdp import wrap_fsdp
 from shardwork.trainer.run.optimizers import build_optimizer, uses_zero_shards
 
 
@@ -129,6 +133,10 @@ def build_assembly(
             apply_lora(module, lora, require_every_target=False)
         if peft_init is not None:
             hf.import_peft_adapters(modules, peft_init)
+    if config.parallel.fsdp != "off":
+        chunks = wrap_fsdp(modules, config, runtime.groups)
+        optimizer = build_optimizer(config, runtime, chunks, model_config=model_config)
+        return Assembly(model_config, chunks, modules, optimizer, num_parameters(model_config))
     o = config.optimizer
     ddp_config = DDPConfig(
         # bucket_size counts elements: MiB at 4 bytes (fp32 gradients) per element.
