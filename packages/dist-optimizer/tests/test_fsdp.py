@@ -380,6 +380,35 @@ def _mixed_reference():
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
+# --- non-finite gradients -----------------------------------------------------------------
+
+
+def _nonfinite_step():
+    pg = init_process_groups(ParallelConfig())
+    net = Net(torch.float64)
+    model = FullyShardedDataParallel(net, blocks=list(net.blocks), process_groups=pg)
+    opt = FSDPOptimizer(model, adamw, config=OptimizerConfig(clip_grad=1.0), process_groups=pg)
+    before = {n: p.full_tensor().clone() for n, p in net.named_parameters()}
+    x = torch.randn(BATCH, IN, dtype=torch.float64)
+    if pg.rank("dp") == 1:
+        x[0, 0] = float("inf")  # one rank's gradient goes non-finite
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    result = opt.step()
+    after = {n: p.full_tensor() for n, p in net.named_parameters()}
+    return (
+        result.update_successful,
+        result.grad_norm,
+        all(torch.equal(before[n], after[n]) for n in before),
+    )
+
+
+@pytest.mark.multirank
+def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank():
+    for ok, norm, unchanged in run_on_ranks(_nonfinite_step, 2, timeout=120):
+        assert not ok and norm is None and unchanged
+
+
 # --- refusals -----------------------------------------------------------------------------
 
 

@@ -165,7 +165,10 @@ class FullyShardedDataParallel(nn.Module):
             if expert_dp_group is dp_group
             else _mesh(expert_dp_group, meshes[False].device_type)
         )
+        self.expert_units: list[FSDPModule] = []
+        """The units of expert containers (sharded over edp)."""
         self.units = self._shard(meshes)
+        """Every FSDP unit, bottom-up (the root last)."""
         self.params: list[nn.Parameter] = []
         """The sharded (DTensor) parameters, in registration order."""
         self.param_names: dict[int, str] = {}
@@ -200,7 +203,7 @@ class FullyShardedDataParallel(nn.Module):
         return MixedPrecisionPolicy(param_dtype=c.param_dtype, reduce_dtype=reduce_dtype)
 
     def _shard_unit(
-        self, target: nn.Module | list[nn.Module], mesh: DeviceMesh, params
+        self, target: nn.Module | list[nn.Module], mesh: DeviceMesh, params: list[nn.Parameter]
     ) -> FSDPModule:
         return fully_shard(
             target,
@@ -213,7 +216,6 @@ class FullyShardedDataParallel(nn.Module):
         """``fully_shard`` bottom-up: each block's expert containers, the block, then the same for
         the root. Returns the units (root last)."""
         units: list[FSDPModule] = []
-        self.expert_units: list[FSDPModule] = []
 
         def is_unit(m: nn.Module) -> bool:
             return isinstance(m, FSDPModule)
@@ -276,8 +278,8 @@ class FullyShardedDataParallel(nn.Module):
             p.grad = None
             p.main_grad = None
 
-    def expert_params(self, expert: bool) -> list[tuple[str, nn.Parameter]]:
-        """``(name, sharded parameter)`` of the expert (or dense) parameters."""
+    def sharded_params(self, *, expert: bool) -> list[tuple[str, nn.Parameter]]:
+        """``(name, sharded parameter)`` of the expert (``expert=True``) or dense parameters."""
         return [
             (self.param_names[id(p)], p)
             for p in self.params

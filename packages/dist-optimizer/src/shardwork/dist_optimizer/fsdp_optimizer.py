@@ -97,7 +97,7 @@ class FSDPOptimizer(LocalMastersOptimizer):
         )
         self.pieces: list[RowMaster] = []
         for m in self.models:
-            for name, p in m.expert_params(expert):
+            for name, p in m.sharded_params(expert=expert):
                 rows = row_shard(p)
                 assert rows is not None, name  # every parameter of the wrapper is sharded
                 if rows.stop == rows.start:
