@@ -26,6 +26,7 @@ from shardwork.trainer.config.load import ConfigError
 from shardwork.trainer.config.model_settings import read_settings
 from shardwork.trainer.config.sections import DEMO_MODEL, TrainConfig
 from shardwork.trainer.config.validate_data import check_data, check_tokenizer
+from shardwork.trainer.config.validate_fsdp import check_fsdp
 from shardwork.trainer.config.validate_hf import (
     check_hf_export,
     check_hf_init,
@@ -328,6 +329,7 @@ def validate_config(config: TrainConfig, *, world_size: int) -> TrainConfig:
     _check_schedule(resolved, dp, problems)
     _check_rest(resolved, problems)
     check_peft(resolved, model, _expert_tp(resolved), problems)
+    check_fsdp(resolved, world_size, problems)
     if problems:
         raise ConfigError(problems)
     return resolved

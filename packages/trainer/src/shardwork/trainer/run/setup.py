@@ -17,6 +17,10 @@
 - With ``precision.compile`` every transformer layer of every chunk is compiled in place
   (``shardwork.models.compile_blocks``) after the adapters exist and before DDP registers its
   hooks; compilation itself happens in the first forward.
+- With ``parallel.fsdp`` each chunk is wrapped in shardwork.dist_optimizer's
+  FullyShardedDataParallel instead (sharded by its transformer layers, :mod:`.fsdp`), and the
+  optimizer keeps AdamW state for the local rows. (``precision.compile`` with FSDP is refused
+  by validation.)
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from shardwork.trainer.config.validate import parallel_config
 from shardwork.trainer.config.validate_peft import lora_config_of
 from shardwork.trainer.model_factory import build_model_chunks, gpt_config
 from shardwork.trainer.run import hf, megatron
+from shardwork.trainer.run.fsdp import wrap_fsdp
 from shardwork.trainer.run.optimizers import build_optimizer, uses_zero_shards
 
 
@@ -137,6 +142,10 @@ def build_assembly(
             apply_lora(module, lora, require_every_target=False)
         if peft_init is not None:
             hf.import_peft_adapters(modules, peft_init)
+    if config.parallel.fsdp != "off":
+        chunks = wrap_fsdp(modules, config, runtime.groups)
+        optimizer = build_optimizer(config, runtime, chunks, model_config=model_config)
+        return Assembly(model_config, chunks, modules, optimizer, num_parameters(model_config))
     compiled, baseline = 0, None
     if config.precision.compile:
         baseline = compile_report()
