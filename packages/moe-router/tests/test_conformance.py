@@ -205,3 +205,25 @@ def test_unknown_case_names_are_refused():
         generate_cases(names=("softmax_post_top2", "topk_3"))
     (case,) = generate_cases(names=("z_loss",))
     assert isinstance(case.config, RouterConfig) and not case.grad_probs.any()
+
+
+def test_readme_conformance_example_runs():
+    """The README's conformance example, as written, reports every option agreeing."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Conformance kit", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    report = scope["report"]
+    assert report.all_agree and len(report.agreeing_options()) == len(generate_cases())
+    # the example reports no loss values: those checks are marked, not counted as agreeing
+    assert {r.check for r in report.results if r.skipped} == {
+        "loss:aux_loss",
+        "loss:seq_aux_loss",
+        "loss:global_aux_loss",
+        "loss:z_loss",
+    }
+    assert "not reported, not compared: loss:z_loss" in report.summary()

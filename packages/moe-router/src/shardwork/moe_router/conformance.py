@@ -28,7 +28,8 @@ correct fp32 implementations measured ≤ 2.8 ulp each from the exact result, do
 
 Losses: a candidate either returns them as differentiable tensors in ``RouterOutput.losses``
 (coefficient included; the kit adds them to the objective) or, like shardwork and Megatron-Core,
-injects their gradient in backward and reports values only in ``loss_values``. Loss cases use
+injects their gradient in backward and reports values only in ``loss_values`` (a value it does
+not report is marked "not reported, not compared"; its gradient is still checked). Loss cases use
 coefficient 1, aux-loss scale 1 and a zero upstream gradient, so their gradients are the loss's.
 Names: ``aux_loss``, ``seq_aux_loss``, ``global_aux_loss``, ``z_loss``.
 
@@ -81,6 +82,9 @@ class CheckResult:
     ``candidate`` when the candidate raised."""
     passed: bool
     detail: str
+    skipped: bool = False
+    """The candidate did not report this value (a loss it only injects in backward without
+    logging it): nothing was compared; its gradient is still checked."""
 
 
 @dataclass
@@ -108,6 +112,9 @@ class ConformanceReport:
             mine = [r for r in self.results if r.case == case]
             failed = [f"{r.check}: {r.detail}" for r in mine if not r.passed]
             verdict = "agrees" if not failed else "DIFFERS — " + "; ".join(failed)
+            unreported = [r.check for r in mine if r.skipped]
+            if unreported:
+                verdict += f" (not reported, not compared: {', '.join(unreported)})"
             lines.append(f"{case:20s} {mine[0].option:45s} {verdict}")
         return "\n".join(lines)
 
@@ -212,7 +219,7 @@ def check_case(
         got, want = actual["losses"].get(name), expected["losses"][name]
         if got is None:
             results.append(
-                CheckResult(case.name, case.option, f"loss:{name}", False, "not reported")
+                CheckResult(case.name, case.option, f"loss:{name}", True, "not reported", True)
             )
             continue
         results.append(
