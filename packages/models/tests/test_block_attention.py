@@ -67,10 +67,13 @@ def _rank_rows(total: int, cp: int, rank: int) -> list[int]:
     )
 
 
-def _reference(q, k, v, allowed, scale):
-    """Dense masked softmax; query head j reads kv head j // (nq / nkv)."""
+def _reference(q, k, v, allowed, scale, softcap=None):
+    """Dense masked softmax (of ``cap·tanh(scores / cap)`` with ``softcap``); query head j
+    reads kv head j // (nq / nkv)."""
     heads = [j * k.shape[1] // q.shape[1] for j in range(q.shape[1])]
     scores = (q @ k[:, heads].transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
     return probs @ v[:, heads]
 
@@ -81,11 +84,11 @@ def _qkv(total, *, dv=8, seed=0):
     return [torch.randn(s, dtype=torch.float64, generator=gen).requires_grad_() for s in shapes]
 
 
-def _check_against_reference(cp, cu, window, tile, *, fused, dv=8, mask_cu=None):
+def _check_against_reference(cp, cu, window, tile, *, fused, dv=8, mask_cu=None, softcap=None):
     """Every cp rank's output rows and the rank-summed q/k/v gradients equal the reference."""
     total, scale = cu[-1], 0.37
     q, k, v = _qkv(total, dv=dv)
-    ref = _reference(q, k, v, _allowed(cu, window), scale)
+    ref = _reference(q, k, v, _allowed(cu, window), scale, softcap)
     grad_out = torch.randn(
         ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(9)
     )
@@ -101,7 +104,7 @@ def _check_against_reference(cp, cu, window, tile, *, fused, dv=8, mask_cu=None)
             window=window,
             tile=tile,
         )
-        out = block_attention(q[:, :, rows], k, v, mask, scale=scale, fused=fused)
+        out = block_attention(q[:, :, rows], k, v, mask, scale=scale, fused=fused, softcap=softcap)
         assert_close_at_scale(out, ref[:, :, rows], name=f"rank {rank} output", **FP64)
         for total_grad, grad in zip(
             grads, torch.autograd.grad(out, (q, k, v), grad_out[:, :, rows])
@@ -137,6 +140,27 @@ def test_block_mask_rows_match_loops_and_keep_masks_small(cp, cu, window, tile):
 @pytest.mark.parametrize(("cp", "cu", "window", "tile"), LAYOUTS)
 def test_block_attention_matches_dense_masked_softmax(cp, cu, window, tile, fused):
     _check_against_reference(cp, cu, window, tile, fused=fused)
+
+
+@pytest.mark.parametrize(("cp", "cu", "window", "tile"), [LAYOUTS[2], LAYOUTS[3], LAYOUTS[7]])
+def test_softcapped_segments_match_dense_reference(cp, cu, window, tile):
+    """Explicit capped scores per segment, grouped-query heads broadcast (not repeated)."""
+    _check_against_reference(cp, cu, window, tile, fused=None, softcap=0.6)
+
+
+def test_bad_inputs_name_the_field():
+    with pytest.raises(ValueError, match=r"cu_seqlens\[-1\]=20 must equal .* length 24"):
+        build_block_mask(12, cp_size=2, cu_seqlens=torch.tensor([0, 5, 20]))
+    with pytest.raises(ValueError, match=r"cu_seqlens=\[0, 9, 5, 24\] must start at 0 and be"):
+        build_block_mask(24, cu_seqlens=torch.tensor([0, 9, 5, 24]))
+    with pytest.raises(ValueError, match="window=0 must be >= 1"):
+        build_block_mask(24, window=0)
+    q, k, v = _qkv(24)
+    mask = build_block_mask(24, cu_seqlens=torch.tensor([0, 9, 24]))
+    with pytest.raises(ValueError, match="fused=True needs CPU tensors, dropout_p=0"):
+        block_attention(q, k, v, mask, dropout_p=0.1, fused=True)
+    with pytest.raises(ValueError, match="block mask of 24 queries x 24 keys does not fit"):
+        block_attention(q[:, :, :12], k, v, mask)
 
 
 @pytest.mark.parametrize("dv", [5, 11])

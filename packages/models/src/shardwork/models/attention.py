@@ -170,12 +170,12 @@ class Attention(ShardedModule):
         return out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
 
     def _sdpa(self, q, k, v, mask, p):
-        if mask is not None:
+        if mask is not None:  # a BlockMask: packed documents, cp > 1 or a sliding window
             return block_attention(q, k, v, mask, scale=self.scale, dropout_p=p)
         # is_causal masks top-left aligned, correct only when queries and keys are the same
-        # positions 0..s-1; context parallel and packed sequences always bring a block mask.
+        # positions 0..s-1; context parallel and packed sequences always bring an explicit mask.
         return F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=p, scale=self.scale
+            q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=p, scale=self.scale
         )
 
     def _softcapped(self, q, k, v, mask, p):

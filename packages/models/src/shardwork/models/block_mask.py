@@ -99,7 +99,7 @@ class BlockMask:
     def __post_init__(self) -> None:
         covered = 0
         for seg in self.segments:
-            # Internal invariant: block_mask builds segments in query order, each non-empty and
+            # Internal invariant: build_block_mask makes segments in query order, each non-empty and
             # ending at or before its own last key.
             assert seg.start == covered and seg.stop > seg.start, self.segments
             assert 0 <= seg.key_start <= seg.position and seg.key_stop <= self.num_keys
@@ -138,7 +138,8 @@ def _checked_boundaries(cu_seqlens: torch.Tensor | None, total: int) -> list[int
 
 
 def _rank_ranges(local_len: int, cp_rank: int, cp_size: int) -> list[tuple[int, int]]:
-    """``(local start, global start)`` and length of the rank's contiguous query runs."""
+    """``(local start, global start)`` of each of the rank's contiguous query runs (one at
+    cp 1, two equal chunks at cp > 1)."""
     if cp_size == 1:
         return [(0, 0)]
     chunk = local_len // 2
