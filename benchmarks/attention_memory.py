@@ -114,16 +114,18 @@ def measure_point(case: str, s: int) -> dict:
     _step(case, 256 * cp, *_inputs(256 * cp, cp, gen))  # load and warm the kernels
     inputs = _inputs(s, cp, gen)
     before = _rss_bytes()
-    times = []
+    times, peak = [], None
     # The fastest of a few steps (up to TIME_BUDGET seconds in all) is the least disturbed by
-    # other load on a shared machine; the peak is the same step after step.
+    # other load on a shared machine. The peak is the first step's: later steps can only add
+    # the allocator's leftovers of the earlier ones.
     while not times or (len(times) < REPEATS and sum(times) < TIME_BUDGET):
         for t in inputs[:3]:
             t.grad = None
         start = time.perf_counter()
         _step(case, s, *inputs)
         times.append(time.perf_counter() - start)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+        if peak is None:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     seconds = min(times)
     pairs = score_pairs(case, s)
     return {
