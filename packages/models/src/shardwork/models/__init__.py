@@ -13,7 +13,9 @@ pipeline and expert parallelism.
   each layer has), :func:`register_mixer` / :func:`register_mlp` / :func:`register_norm` (new part kinds).
 - :func:`compile_blocks` (``torch.compile`` per transformer layer), :func:`compile_report`;
 - :class:`RNGTracker` and recompute :func:`checkpoint`; losses as (sum, count) with
-  :func:`loss_for_backward` / :func:`reduce_loss`; context-parallel helpers.
+  :func:`loss_for_backward` / :func:`reduce_loss`; context-parallel helpers; block masks
+  (:class:`BlockMask`, :func:`build_block_mask`) and :func:`block_attention` (packed documents,
+  context parallelism and sliding windows without an ``[s, s]`` mask).
 - Mixture of experts (:class:`MoEConfig`, :class:`MoELayer`, :func:`moe_finalize_kwargs`,
   :func:`expert_load`; more in :mod:`shardwork.models.moe`), multi-head latent attention
   (:class:`MLAConfig`, :class:`MLAttention`), multi-token prediction (:class:`MTPConfig`,
@@ -33,6 +35,7 @@ from shardwork.models.block_compile import (
     compile_problem,
     compile_report,
 )
+from shardwork.models.block_mask import BlockMask, build_block_mask
 from shardwork.models.calculator import (
     MemoryEstimate,
     flops_per_token,
@@ -48,7 +51,7 @@ from shardwork.models.calculator_memory import (
 from shardwork.models.calculator_moe import ParamCounts, moe_param_counts
 from shardwork.models.config import RECOMPUTE_MODES, GPTConfig, check_sequence_length
 from shardwork.models.context_parallel import (
-    attention_mask,
+    gather_in_position_order,
     local_positions,
     slice_for_context_parallel,
 )
@@ -72,6 +75,7 @@ from shardwork.models.lora_config import LoRAConfig, lora_key_names
 from shardwork.models.loss import loss_for_backward, reduce_loss, token_loss
 from shardwork.models.mamba import Mamba2Mixer, MambaState
 from shardwork.models.mamba_config import MambaConfig
+from shardwork.models.masked_attention import block_attention
 from shardwork.models.mla import MLAttention
 from shardwork.models.mla_config import MLAConfig
 from shardwork.models.mlp import SwiGLUMLP
@@ -104,6 +108,7 @@ __all__ = [
     "TENSOR_PARALLEL",
     "Attention",
     "AttentionInputs",
+    "BlockMask",
     "BuildContext",
     "ColumnParallelLinear",
     "CompileReport",
@@ -142,7 +147,8 @@ __all__ = [
     "TransformerLayer",
     "VocabParallelEmbedding",
     "apply_lora",
-    "attention_mask",
+    "block_attention",
+    "build_block_mask",
     "check_sequence_length",
     "checkpoint",
     "compile_blocks",
@@ -150,6 +156,7 @@ __all__ = [
     "compile_report",
     "expert_load",
     "flops_per_token",
+    "gather_in_position_order",
     "gather_logits",
     "is_lora_key",
     "kv_cache_bytes_per_token",
