@@ -26,7 +26,7 @@ from shardwork.fused_kernels.backend import (
     set_default_backend,
 )
 from shardwork.fused_kernels.cross_entropy_op import cross_entropy
-from shardwork.fused_kernels.linear_cross_entropy import linear_cross_entropy
+from shardwork.fused_kernels.linear_cross_entropy_op import linear_cross_entropy
 from shardwork.fused_kernels.norms import layer_norm, rms_norm
 from shardwork.fused_kernels.permute import permute_tokens, unpermute_tokens
 from shardwork.fused_kernels.rotary import apply_rotary
