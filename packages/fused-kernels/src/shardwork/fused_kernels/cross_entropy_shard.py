@@ -12,7 +12,7 @@ logits (a whole vocab shard, or a chunk of one), in float32 (float64 for float64
 - ``softcap``: the block holds raw logits ``z`` and the loss sees ``x = cap·tanh(z / cap)``
   (Gemma 2's final-logit soft-capping, Hugging Face's operation order); the gradient is then
   ``dz = dx·(1 - tanh²)``.
-- Single pass over memory: each step works on a cache-sized sub-block (``_BLOCK_ELEMENTS``)
+- One pass over memory: each step works on a cache-sized sub-block (``_BLOCK_ELEMENTS``)
   so max, exp and sum read it from cache instead of from RAM, and no float32 copy of a
   low-precision block larger than that is ever made. The label's gradient element is computed
   on its own in float32 (before an in-place write can overwrite its logit) and stored last, so
@@ -28,7 +28,7 @@ from shardwork.fused_kernels._checks import acc_dtype
 
 __all__ = ["combine_shard_stats", "shard_grad", "shard_stats"]
 
-_BLOCK_ELEMENTS = 1 << 16  # 256 KiB of float32: each step's temporaries stay in the L2 cache
+_BLOCK_ELEMENTS = 1 << 18  # 1 MiB of float32: a block and its temporaries stay in cache
 
 
 def _rows_per_block(cols: int) -> int:
