@@ -81,8 +81,9 @@ def _compare(ours, ref, *, ulps, dtype):
 @pytest.mark.parametrize("softcap", [None, 2.5])
 @pytest.mark.parametrize("grad_in_forward", [True, False])
 def test_float64_equals_materialised_logits(
-    grad_in_forward, softcap, smoothing, reduction, monkeypatch
+    grad_in_forward, softcap, smoothing, reduction, monkeypatch, poison
 ):
+    """``poison``: fresh buffers start NaN, so a gradient row or chunk left unwritten fails."""
     n, h, v, vocab = 23, 12, 40, 37  # 3 padding rows at the end of the vocabulary
     # 4 tokens per forward chunk (6 chunks, the last ragged); 7 columns per backward chunk.
     monkeypatch.setattr(lce_module, "_CHUNK_ELEMENTS", 4 * v + 3)

@@ -12,6 +12,8 @@ without the ``[N, V]`` logits or their gradient ever existing: at most one chunk
   complete) and ``dW += dzᵀ·h_c``. Backward only scales the saved ``dh``/``dW`` by the incoming
   scalar gradient (in place: one backward per forward). Holds ``dh`` and ``dW`` from forward to
   backward; ``dW`` accumulates in float32 for low-precision weights (twice a bf16 weight's size).
+  The logits' gradient is formed before the incoming gradient (e.g. an fp16 loss scale) is
+  known: for float16, whose small gradients need that scale, use ``grad_in_forward=False``.
 - ``grad_in_forward=False`` (4 GEMMs): the forward computes only the loss and keeps ``lse [N]``;
   backward recomputes the logits by *vocabulary* chunks (all tokens × a slice of the shard), so
   each ``dW`` row block is one GEMM written once in the weight's dtype, and ``dh`` accumulates
@@ -72,10 +74,16 @@ def _block_fns(impl: str):
     return shard_stats, shard_grad
 
 
-def _accumulate(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``dst += a @ b``; a low-precision product is rounded once per chunk, then summed in dst."""
+def _accumulate(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, first: bool) -> None:
+    """``dst = a @ b`` (first chunk) or ``dst += a @ b``; a low-precision product is rounded once
+    per chunk, then summed in ``dst``."""
     if dst.dtype == a.dtype:
-        dst.addmm_(a, b)
+        if first:
+            torch.mm(a, b, out=dst)
+        else:
+            dst.addmm_(a, b)
+    elif first:
+        dst.copy_(torch.mm(a, b))
     else:
         dst.add_(torch.mm(a, b))
 
@@ -102,7 +110,10 @@ def _token_pass(hidden, weight, local_labels, in_shard, valid, grad_rows, setup:
     dh = torch.empty_like(hidden) if setup.eager and setup.need_dh else None
     dw = None
     if setup.eager and setup.need_dw:
-        dw = torch.zeros(weight.shape, dtype=acc_dtype(weight), device=weight.device)
+        dw = torch.empty(weight.shape, dtype=acc_dtype(weight), device=weight.device)
+        # Padding rows get no gradient; the real rows are written by the first chunk (or stay 0
+        # when there are no tokens).
+        (dw[setup.num_valid :] if n else dw).zero_()
     _, grad_fn = _block_fns(setup.impl)
     # Rows per chunk from V_local (not num_valid, which differs on the rank holding the padding):
     # every TP rank must cut the same chunks, since each chunk runs collectives.
@@ -122,7 +133,7 @@ def _token_pass(hidden, weight, local_labels, in_shard, valid, grad_rows, setup:
         if dh is not None:
             torch.mm(dz, w_valid, out=dh[a:b])
         if dw is not None:
-            _accumulate(dw[: setup.num_valid], dz.t(), hidden[a:b])
+            _accumulate(dw[: setup.num_valid], dz.t(), hidden[a:b], first=a == 0)
     return losses, lse_all, dh, dw
 
 
@@ -133,7 +144,9 @@ def _vocab_pass(hidden, weight, local_labels, in_shard, lse, grad_rows, setup: _
     dw = torch.zeros_like(weight) if setup.need_dw else None  # padding rows stay 0
     dh_acc = None
     if setup.need_dh:
-        dh_acc = torch.zeros(n, h, dtype=acc_dtype(hidden), device=hidden.device)
+        dh_acc = torch.empty(n, h, dtype=acc_dtype(hidden), device=hidden.device)
+        if setup.num_valid == 0:  # no vocabulary chunk writes it
+            dh_acc.zero_()
     _, grad_fn = _block_fns(setup.impl)
     step = max(1, _CHUNK_ELEMENTS // max(n, 1))
     buf = torch.empty(n * min(step, setup.num_valid), dtype=hidden.dtype, device=hidden.device)
@@ -148,7 +161,7 @@ def _vocab_pass(hidden, weight, local_labels, in_shard, lse, grad_rows, setup: _
         if dw is not None:
             torch.mm(dz.t(), hidden, out=dw[c0:c1])
         if dh_acc is not None:
-            _accumulate(dh_acc, dz, w_c)
+            _accumulate(dh_acc, dz, w_c, first=c0 == 0)
     dh = None if dh_acc is None else dh_acc.to(hidden.dtype)
     return dh, dw
 
