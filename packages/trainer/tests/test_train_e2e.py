@@ -214,11 +214,7 @@ def test_checkpoint_reloads_the_trained_model_for_generation(tmp_path):
     from shardwork.trainer.inference import load_for_inference, sample
 
     result = train(
-        tiny_config(
-            tmp_path,
-            schedule={"train_steps": 2, "warmup_steps": 1},
-            checkpoint={"save_at_end": True},
-        )
+        tiny_config(tmp_path, schedule={"train_steps": 4}, checkpoint={"save_at_end": True})
     )
     model, config, tokenizer = load_for_inference(result.checkpoint)
     assert config.model.settings["hidden_size"] == 32
