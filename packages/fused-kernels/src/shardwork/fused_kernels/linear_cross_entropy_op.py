@@ -197,7 +197,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             )
         ctx.used = True
         dh, dw = ctx.saved_tensors
-        # Scale in place: a second logits-free buffer of dW's size would cost as much as dW.
+        # Scale in place: a scaled copy would be a second dW-sized buffer.
         if dh is not None:
             dh = dh.mul_(grad_total.to(dh.dtype))
         if dw is not None:
