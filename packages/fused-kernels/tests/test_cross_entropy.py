@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import shardwork.fused_kernels as fk
-from shardwork.fused_kernels import cross_entropy_op as ce_mod
+from shardwork.fused_kernels import cross_entropy_shard
 from shardwork.fused_kernels.launches import count_launches
 
 REDUCTIONS = ["mean", "sum", "none"]
@@ -35,7 +35,7 @@ def _loss_and_grad(fn, logits, labels, reduction, **kw):
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_torch_backend_matches_torch_functional(reduction, smoothing, monkeypatch):
-    monkeypatch.setattr(ce_mod, "_CHUNK_ELEMENTS", 3 * 50)  # force several row chunks
+    monkeypatch.setattr(cross_entropy_shard, "_BLOCK_ELEMENTS", 3 * 50)  # several row blocks
     logits, labels = _data(11, 50, torch.float64)
     ours = _loss_and_grad(
         fk.cross_entropy, logits, labels, reduction, label_smoothing=smoothing, backend="torch"

@@ -195,6 +195,27 @@ def test_activation_estimate_matches_saved_tensors(name, dtype, recompute):
     assert est.activations == estimate
 
 
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [
+        ("tiny-llama3-8b", torch.float32),
+        ("tiny-qwen3-8b", torch.bfloat16),
+        ("tiny-gemma2-9b", torch.float32),  # final-logit soft-capping: tanh's output too
+        ("tiny-deepseek-v3", torch.float32),  # MTP depths
+    ],
+)
+def test_activation_estimate_of_the_unfused_loss_matches_saved_tensors(name, dtype):
+    """``fused_linear_cross_entropy=False``: the logits (and their soft-capped copy) are saved."""
+    cfg = preset(name, params_dtype=dtype, fused_linear_cross_entropy=False)
+    measured = _saved_bytes(cfg, seq=32, batch=2)
+    estimate = stage_activation_bytes(cfg, seq_length=32, micro_batch_size=2)
+    assert estimate == pytest.approx(measured, rel=0.05)
+    fused = stage_activation_bytes(
+        cfg.replace(fused_linear_cross_entropy=True), seq_length=32, micro_batch_size=2
+    )
+    assert fused < estimate
+
+
 def _mixer_saved_bytes(cfg, *, seq: int, batch: int) -> dict[int, int]:
     """Global layer -> bytes of the storages its mixer is the first to save (params excluded).
     Every packed tensor is kept until the count is done, so that no storage is freed (a branch

@@ -93,6 +93,17 @@ def _flash_recomputed_scores(config, seq: int) -> int:
     return attention * 2 * seq * seq * config.num_attention_heads * config.kv_channels
 
 
+def _loss_recomputed_logits(config, seq: int) -> int:
+    """The fused loss's recomputed logits GEMM (``2·V·h`` per token) in each head that
+    recomputes instead of computing its gradient in the forward: every MTP depth, and the main
+    head of a low-precision model; recompute, so not in the calculator's model FLOPs."""
+    if not config.fused_linear_cross_entropy:
+        return 0
+    heads = len(spec_for(config).mtp)
+    heads += config.activation_dtype not in (torch.float32, torch.float64)
+    return heads * 2 * seq * config.vocab_size * config.hidden_size
+
+
 def _replay_skipped(config, seq: int) -> int:
     """Forward matmuls that a full-recompute replay never reruns.
 
@@ -191,7 +202,7 @@ def _assert_flops_match_counter(config):
         assert counted.get(torch.ops.aten._grouped_mm, 0) > 0
     full = recompute == "full"
     expected = flops_per_token(config, seq, causal=False, full_recompute=full) * seq
-    expected += _flash_recomputed_scores(config, seq)
+    expected += _flash_recomputed_scores(config, seq) + _loss_recomputed_logits(config, seq)
     if full:
         expected -= _replay_skipped(config, seq)
     assert counter.get_total_flops() == pytest.approx(expected, rel=1e-12)
@@ -251,8 +262,9 @@ def test_deltanet_model_forward_flops_match_torch_flop_counter():
     calculator's forward (a third of the training count) less the chunks' triangular solves,
     for which torch's counter has no formula. (Its backward is not compared: the solve's
     gradient is another solve plus matmuls, so the counter cannot see the whole of it; the
-    calculator keeps the 3x-forward convention there.)"""
-    config = preset("tiny-qwen3-next-80b-a3b")
+    calculator keeps the 3x-forward convention there.) A forward without labels multiplies the
+    padded vocabulary, which the calculator counts for the unfused loss."""
+    config = preset("tiny-qwen3-next-80b-a3b", fused_linear_cross_entropy=False)
     seq = 16
     ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
     mapping = {torch.ops.aten._grouped_mm: _grouped_mm_flops}

@@ -85,6 +85,13 @@ def test_model_flags_set_nested_fields_over_the_file(tmp_path):
     assert model.hidden_size == router.hidden_size == 32
 
 
+def test_the_fused_loss_is_on_by_default_and_a_model_flag_turns_it_off():
+    on = gpt_config(validate_config(config_from_dict({}), world_size=1))
+    config, _ = parse_train_args(["--model.fused_linear_cross_entropy", "false"])
+    off = gpt_config(validate_config(config, world_size=1))
+    assert on.fused_linear_cross_entropy is True and off.fused_linear_cross_entropy is False
+
+
 def test_a_moe_table_on_a_dense_model_builds_the_moe_config():
     table = {
         "model": {"num_layers": 2, "moe": {"ffn_hidden_size": 32, "router": {"num_experts": 4}}}

@@ -56,6 +56,20 @@ def test_loss_falls_and_beats_unigram(tmp_path):
     assert (tmp_path / "metrics.jsonl").is_file()
 
 
+def test_fused_and_unfused_loss_train_the_same(tmp_path):
+    """``[model] fused_linear_cross_entropy`` changes how the loss is computed, not what: two
+    steps (fp32: gradients computed in the forward) give the same losses either way."""
+    runs = {}
+    for fused in (True, False):
+        config = tiny_config(tmp_path / str(fused), schedule={"train_steps": 2, "warmup_steps": 1},
+                             eval={"interval": None, "at_end": False},
+                             model={"fused_linear_cross_entropy": fused})  # fmt: skip
+        runs[fused] = train(config).train_losses
+    assert sorted(runs[True]) == sorted(runs[False]) == [0, 1]
+    for step, loss in runs[False].items():
+        assert runs[True][step] == pytest.approx(loss, rel=1e-5), step
+
+
 def _record_step_inputs(monkeypatch) -> list[tuple[int, int]]:
     """``(consumed, global_batch_size)`` that the loop passes to each train_step call."""
     import shardwork.trainer.run.trainer as trainer_module

@@ -8,6 +8,8 @@ Ops (each differentiable, each with ``backend="auto"|"torch"|"triton"|"te"``):
   :func:`rotary_cos_sin` and :func:`packed_positions` — half-split or interleaved, partial.
 - :func:`cross_entropy` — optionally vocab-parallel over ``tp_group``, label smoothing,
   ignore index, per-token losses.
+- :func:`linear_cross_entropy` — output projection + cross entropy in chunks, never the
+  ``[N, V]`` logits: vocab-parallel, token weights, label smoothing, logit soft-capping.
 - :func:`router_topk` — MoE score function + (group-limited, biased) top-k + aux statistics.
 - :func:`permute_tokens` / :func:`unpermute_tokens` — group token rows by expert and back.
 
@@ -24,6 +26,7 @@ from shardwork.fused_kernels.backend import (
     set_default_backend,
 )
 from shardwork.fused_kernels.cross_entropy_op import cross_entropy
+from shardwork.fused_kernels.linear_cross_entropy_op import linear_cross_entropy
 from shardwork.fused_kernels.norms import layer_norm, rms_norm
 from shardwork.fused_kernels.permute import permute_tokens, unpermute_tokens
 from shardwork.fused_kernels.rotary import apply_rotary
@@ -51,6 +54,7 @@ __all__ = [
     "geglu",
     "get_default_backend",
     "layer_norm",
+    "linear_cross_entropy",
     "packed_positions",
     "permute_tokens",
     "resolve_backend",

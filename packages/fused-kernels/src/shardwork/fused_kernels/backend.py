@@ -53,6 +53,7 @@ OPS = (
     "geglu",
     "rotary",
     "cross_entropy",
+    "linear_cross_entropy",
     "router_topk",
     "permute",
     "unpermute",

@@ -2,16 +2,17 @@
 
 - ``logits [N, V_local]`` hold this rank's vocab shard; shards are equal and in
   rank order over ``tp_group`` (rank r owns ids ``[r*V_local, (r+1)*V_local)``).
-- Per token the backend computes four float32 statistics of its shard — max,
-  sum of ``exp(x - max)``, the label's logit (0 when the label is elsewhere) and
-  the sum of logits (for label smoothing) — then one MAX and one SUM all-reduce
-  combine them. Nothing logits-sized is materialised in float32: the torch
-  backend works in row chunks, the Triton backend streams the vocab.
+- Per token the backend computes float32 statistics of its shard (its logsumexp, or max and
+  sum of ``exp(x - max)``; the label's logit, 0 when the label is elsewhere; the sum of logits
+  for label smoothing), then one MAX and one SUM all-reduce combine them
+  (:mod:`~shardwork.fused_kernels.cross_entropy_shard`). Nothing logits-sized is materialised
+  in float32: the torch backend works on cache-sized row blocks (one pass over memory), the
+  Triton backend streams the vocab.
 - Loss per token: ``lse - (1-ε)·x_label - ε·mean_v(x_v)``, i.e. torch's
   ``F.cross_entropy(label_smoothing=ε)``; 0 at ``ignore_index`` tokens.
 - Backward recomputes ``softmax`` from the saved logits and ``lse``:
   ``dlogits = g · (softmax - (1-ε)·onehot - ε/V)``, written in the logits' dtype —
-  into the logits' own storage with ``inplace_backward=True`` (each chunk is read
+  into the logits' own storage with ``inplace_backward=True`` (each block is read
   before it is overwritten); no collective (the loss is replicated over the TP group).
 - Reductions are plain torch ops on the per-token losses, so their gradients are
   right by construction: ``"mean"`` divides by the number of non-ignored tokens
@@ -24,76 +25,21 @@ import torch
 import torch.distributed as dist
 
 from shardwork.fused_kernels import te_ops
-from shardwork.fused_kernels._checks import acc_dtype, check_float, check_same_device
+from shardwork.fused_kernels._checks import check_float, check_same_device
 from shardwork.fused_kernels.backend import resolve_backend
+from shardwork.fused_kernels.cross_entropy_shard import combine_shard_stats, shard_grad, shard_stats
 
 __all__ = ["cross_entropy", "cross_entropy_stats_torch"]
 
 _REDUCTIONS = ("mean", "sum", "none")
-_CHUNK_ELEMENTS = 1 << 24  # float32 scratch of the torch backend: 64 MiB per chunk
-
-
-def _rows_per_chunk(vocab: int) -> int:
-    return max(1, _CHUNK_ELEMENTS // max(vocab, 1))
 
 
 def cross_entropy_stats_torch(
     logits: torch.Tensor, local_labels: torch.Tensor, in_shard: torch.Tensor, *, smoothing: bool
 ) -> torch.Tensor:
-    """Per-row float32 ``[N, 4]``: (max, sum exp(x - max), label logit or 0, sum of x) of this shard."""
-    n, vocab = logits.shape
-    stats = torch.zeros(n, 4, dtype=acc_dtype(logits), device=logits.device)
-    step = _rows_per_chunk(vocab)
-    for a in range(0, n, step):
-        # Upcast one row chunk at a time: the float32 scratch stays bounded by _CHUNK_ELEMENTS.
-        xf = logits[a : a + step].to(stats.dtype)
-        m = xf.max(dim=-1).values
-        stats[a : a + step, 0] = m
-        stats[a : a + step, 1] = (xf - m.unsqueeze(-1)).exp_().sum(dim=-1)
-        if smoothing:
-            stats[a : a + step, 3] = xf.sum(dim=-1)
-    # clamp: an out-of-shard label would index out of range; its value is replaced by 0 below.
-    picked = logits.gather(1, local_labels.clamp(0, vocab - 1).unsqueeze(-1)).squeeze(-1)
-    stats[:, 2] = torch.where(in_shard, picked.to(stats.dtype), 0.0)
-    return stats
-
-
-def _grad_torch(logits, local_labels, in_shard, lse, grad_rows, *, smoothing, vocab_total, out):
-    n, vocab = logits.shape
-    grad = torch.empty_like(logits) if out is None else out
-    step = _rows_per_chunk(vocab)
-    rows = torch.arange(n, device=logits.device)
-    for a in range(0, n, step):
-        b = min(n, a + step)
-        # softmax recomputed from the saved logits and lse: exp(x - lse).
-        p = (logits[a:b].to(lse.dtype) - lse[a:b].unsqueeze(-1)).exp_()
-        if smoothing:
-            # Smoothed target (1-e)*onehot + e/V, V the whole vocab over all TP ranks.
-            p -= smoothing / vocab_total
-        hit = in_shard[a:b]
-        p[rows[a:b][hit] - a, local_labels[a:b][hit]] -= 1.0 - smoothing
-        p *= grad_rows[a:b].unsqueeze(-1)
-        grad[a:b] = p.to(logits.dtype)
-    return grad
-
-
-def _combine(stats: torch.Tensor, tp_group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Combine per-shard stats over ``tp_group``: (lse, label logit, sum of logits), each ``[N]``."""
-    m = stats[:, 0]
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        # MAX before SUM (every TP rank issues both in this order): the rescale below needs the
-        # global max. exp(m - M) * sum exp(x - m) = sum exp(x - M).
-        global_max = m.clone()
-        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
-        # One SUM for all three: sum exp, the label logit (nonzero on one rank only), sum of logits.
-        sums = stats[:, 1:].clone()
-        sums[:, 0] *= (m - global_max).exp()
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
-        m = global_max
-    else:
-        sums = stats[:, 1:]
-    # lse = M + log(sum exp(x - M)).
-    return m + sums[:, 0].log(), sums[:, 1], sums[:, 2]
+    """Per-row float32 ``[N, 4]`` statistics of this shard: (m, s, label logit or 0, Σx) with
+    ``logsumexp = m + log s`` (see :func:`~shardwork.fused_kernels.cross_entropy_shard.shard_stats`)."""
+    return shard_stats(logits, local_labels, in_shard, smoothing=smoothing)
 
 
 class _CrossEntropy(torch.autograd.Function):
@@ -114,10 +60,8 @@ class _CrossEntropy(torch.autograd.Function):
                 logits, local_labels, in_shard, smoothing=smoothing > 0
             )
         else:
-            stats = cross_entropy_stats_torch(
-                logits, local_labels, in_shard, smoothing=smoothing > 0
-            )
-        lse, target, total = _combine(stats, tp_group)
+            stats = shard_stats(logits, local_labels, in_shard, smoothing=smoothing > 0)
+        lse, target, total = combine_shard_stats(stats, tp_group)
         loss = lse - (1.0 - smoothing) * target
         if smoothing:
             loss = loss - smoothing * total / vocab_total
@@ -142,7 +86,7 @@ class _CrossEntropy(torch.autograd.Function):
                 logits, local_labels, in_shard, lse, grad_rows, **kwargs
             )
         else:
-            grad = _grad_torch(logits, local_labels, in_shard, lse, grad_rows, **kwargs)
+            grad = shard_grad(logits, local_labels, in_shard, lse, grad_rows, **kwargs)
         return grad, None, None, None, None, None, None
 
 

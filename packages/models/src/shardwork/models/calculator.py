@@ -15,15 +15,17 @@ Parameters (exact, matches the model's real rows):
              + n (final norm)``
 
 Training FLOPs per token (matmuls only, forward + backward = 3 × forward):
-  ``forward = 2·(L·(h·(q·a+2g)·d + a·d·h + m·h·f) + V_pad·h) + Σ_layers 4·a·d·k``
-  (``V_pad``: the padded vocabulary, the work actually done; biases, norms and the position
-  lookup are no matmuls and add nothing), where the last term is QKᵀ and AV
+  ``forward = 2·(L·(h·(q·a+2g)·d + a·d·h + m·h·f) + V_h·h) + Σ_layers 4·a·d·k``
+  (``V_h``: the columns the head multiplies, the work actually done: the real ``V`` with the
+  fused linear cross-entropy, which skips the padding, the padded ``V_pad`` without it; biases,
+  norms and the position lookup are no matmuls and add nothing), where the last term is QKᵀ and AV
   with ``k = s·c`` keys per query, ``c = 1/2`` for causal attention (only the lower triangle is
   useful work; the convention of FlashAttention/MFU reports), and ``k = W − W²/(2s)`` for a
   causal sliding-window layer with window ``W < s``
   (:func:`~shardwork.models.calculator_layers.attended_keys`; the MoE/MLA/hybrid calculator
   counts full causal attention in every layer). Full recompute
-  adds one more forward of the layers.
+  adds one more forward of the layers. The fused loss's own recomputed logits (MTP depths and
+  low-precision heads, ``2·V·h`` per head) are recompute too and not counted.
 
 Memory per GPU: :func:`memory_estimate`, formulas in :mod:`shardwork.models.calculator_memory`
 (exact local parameters of dense, MoE, MLA and MTP models at tp/pp/ep/etp; gradients in fp32;
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 
 from shardwork.models.calculator_layers import (
     attended_keys,
+    head_columns,
     mlp_bias_params,
     mlp_matrices,
     norm_params,
@@ -91,7 +94,7 @@ def flops_per_token(
     d, a, g, h = c.kv_channels, c.num_attention_heads, c.kv_heads, c.hidden_size
     qa, mlp = query_blocks(c) * a, mlp_matrices(c) * h * c.ffn_hidden_size
     matmul = c.num_layers * (h * (qa + 2 * g) * d + a * d * h + mlp)
-    head = c.padded_vocab_size * h
+    head = head_columns(c) * h
     # QKᵀ and AV: each 2·d FLOPs per attended key per query per head (a multiply-add per
     # element); sliding-window layers attend fewer keys.
     keys = sum(attended_keys(c, i, seq_length, causal) for i in range(c.num_layers))

@@ -19,6 +19,8 @@ FLOPs and memory formulas cannot disagree about them).
   (replicated).
 - :func:`position_params`: the learned position table, ``max_position_embeddings·h`` with
   ``position_embedding_type="learned_absolute"`` (replicated, first pipeline stage).
+- :func:`head_columns`: the vocabulary columns a training head multiplies: the real ``V`` with
+  ``fused_linear_cross_entropy`` (it skips the padding rows), else the padded ``V_pad``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from shardwork.models.layer_options import is_sliding_window_layer
 
 __all__ = [
     "attended_keys",
+    "head_columns",
     "mlp_bias_params",
     "mlp_matrices",
     "norm_params",
@@ -84,3 +87,8 @@ def position_params(config: GPTConfig) -> int:
     if config.position_embedding_type != "learned_absolute":
         return 0
     return config.max_position_embeddings * config.hidden_size
+
+
+def head_columns(config: GPTConfig) -> int:
+    """Vocabulary columns of the training head's GEMMs (see module docstring)."""
+    return config.vocab_size if config.fused_linear_cross_entropy else config.padded_vocab_size

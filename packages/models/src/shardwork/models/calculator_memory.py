@@ -54,10 +54,13 @@ arithmetic bytes (4, or 8 for float64). Per layer, recompute ``none``:
              experts like an MLP and their sigmoid gate ``Tn·(h + 1)·e`` (the shared output
              and the gate)
 ``selective`` keeps the core attention's inputs instead of its internals; ``full`` keeps only
-the layer input ``Tn·h·e``. The last stage adds the final norm, head input and fp32 logits
-``T·V_p/tp·4`` (once per MTP depth too), twice with ``final_logit_softcapping`` (tanh's
-output). Under 1F1B stage ``r`` holds ``min(pp − r, m)``
-micro-batches in flight. Not counted: aux-loss statistics (``O(T·E)`` when enabled), dropout
+the layer input ``Tn·h·e``. The last stage adds the final norm and the head input (once per MTP
+depth too) and what the loss keeps: with ``fused_linear_cross_entropy`` (default) no logits —
+the main head of a float32/float64 model its weight gradient computed in the forward
+``V_p/tp·h·c`` (its input gradient replaces the input), every other head ``T·(8 + 1 + 2c)``
+(labels, in-shard mask, lse, token weights); without it the logits ``T·V_p/tp·e`` (twice with
+``final_logit_softcapping``, tanh's output) plus ``T·14`` of labels, masks and losses. Under
+1F1B stage ``r`` holds ``min(pp − r, m)`` micro-batches in flight. Not counted: aux-loss statistics (``O(T·E)`` when enabled), dropout
 masks, the transient recompute of one layer in backward, fused kernels' smaller saves, and
 what does not grow with the batch: causal masks, ``A``, RoPE's cos/sin slices, the fp32 (or
 ``1 + w``) weight copies a norm makes.
@@ -476,6 +479,21 @@ def layer_activation_bytes(
     return out
 
 
+def _loss_bytes(cfg: GPTConfig, t: float, vocab: int, h: int, c: int, e: int, *, main: bool):
+    """What a head's loss saves for backward beyond its input (counted by ``_norm``)."""
+    if not cfg.fused_linear_cross_entropy:
+        loss = t * (vocab * e + 8 + 2 + 4)  # logits, labels, masks, per-token loss
+        if cfg.final_logit_softcapping is not None:
+            loss += t * vocab * e  # tanh's output, which its backward reads
+        return loss
+    if main and cfg.activation_dtype in (torch.float32, torch.float64):
+        # Gradients computed in the forward: d hidden (in place of the head input) and the
+        # float32/float64 d weight of this rank's vocabulary shard.
+        return vocab * h * c
+    # Recomputed in backward: labels, the in-shard mask, lse and the token weights.
+    return t * (8 + 1 + 2 * c)
+
+
 def stage_activation_bytes(
     config: GPTConfig,
     *,
@@ -508,16 +526,13 @@ def stage_activation_bytes(
     h, e = cfg.hidden_size, cfg.activation_dtype.itemsize
     c = 8 if cfg.activation_dtype == torch.float64 else 4
     vocab = cfg.padded_vocab_size // tp
-    loss = t * (vocab * e + 8 + 2 + 4)  # logits, labels, masks, per-token loss
-    if cfg.final_logit_softcapping is not None:
-        loss += t * vocab * e  # tanh's output, which its backward reads
     if pre:
         total += t * 8  # token ids
     if post:
-        total += _norm(tn, t, h, c, e) + loss
+        total += _norm(tn, t, h, c, e) + _loss_bytes(cfg, t, vocab, h, c, e, main=True)
         if cfg.mtp is not None:
             depth = t * 8 + tn * ((2 * h + 1) * c + (h + 1) * c) + t * 2 * h * e
-            depth += _norm(tn, t, h, c, e) + loss
+            depth += _norm(tn, t, h, c, e) + _loss_bytes(cfg, t, vocab, h, c, e, main=False)
             for k in range(cfg.mtp.num_layers):
                 total += depth + layer_activation_bytes(cfg, cfg.num_layers + k, **kw)
     return total

@@ -35,10 +35,12 @@ through) + attention scores``.
   routing) ``+ m·h·S [+ h gate]``.
 - The attention scores are ``2·s·n·(dq + dv)·c`` per layer. ``dq`` is the query/key head width,
   and ``c = 1/2`` for causal attention.
-- Each MTP depth adds ``2·2h·h`` (``eh_proj``) and one layer. The head, ``2·V_pad·h``, is counted
-  once per prediction depth (main + D).
+- Each MTP depth adds ``2·2h·h`` (``eh_proj``) and one layer. The head, ``2·V_h·h``, is counted
+  once per prediction depth (main + D); ``V_h`` is the real vocabulary with the fused linear
+  cross-entropy (it skips the padding), the padded one without.
 - Full recompute adds one more forward of the ``L`` decoder layers. The head, the embedding
-  and the MTP depths are not recomputed.
+  and the MTP depths are not recomputed (the fused loss's own recomputed logits, in MTP depths
+  and low-precision heads, are not counted either).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from dataclasses import dataclass
 
 from shardwork.models.calculator_deltanet import deltanet_forward_flops
 from shardwork.models.calculator_layers import (
+    head_columns,
     mlp_bias_params,
     mlp_matrices,
     norm_params,
@@ -229,8 +232,8 @@ def moe_flops_per_token(
     spec = spec_for(c)
     layers = sum(_layer_forward(c, layer, seq_length, causal) for layer in spec.layers)
     mtp = sum(2 * 2 * h * h + _layer_forward(c, layer, seq_length, causal) for layer in spec.mtp)
-    # The padded vocabulary: the head computes those columns too (real work, unlike parameters).
-    heads = (1 + len(spec.mtp)) * 2 * c.padded_vocab_size * h
+    # The columns the head multiplies (the padded vocabulary unless the fused loss skips them).
+    heads = (1 + len(spec.mtp)) * 2 * head_columns(c) * h
     return 3 * (layers + mtp + heads) + (layers if full_recompute else 0.0)
 
 

@@ -150,6 +150,11 @@ class GPTConfig:
     """Activation recompute: "none", "selective" (core attention) or "full" (whole layers)."""
     kernel_backend: str = "auto"
     """Backend of every fused-kernels op in this model: "auto", "torch", "triton" or "te"."""
+    fused_linear_cross_entropy: bool = True
+    """Training losses (a forward with labels, main head and MTP depths) go through
+    ``LMHead.token_loss``: the output projection and the cross entropy in chunks, never the
+    ``[tokens, vocab]`` logits or their gradient. False: the head's logits, then the vocab-parallel
+    cross entropy. A forward without labels (evaluation, sampling) returns logits either way."""
     moe: MoEConfig | None = None
     """Mixture of experts (``shardwork.models.moe.MoEConfig``); None: dense MLPs only."""
     mla: MLAConfig | None = None
@@ -225,6 +230,11 @@ class GPTConfig:
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(
                 f"GPTConfig.recompute={self.recompute!r} is invalid: valid are {RECOMPUTE_MODES}"
+            )
+        if not isinstance(self.fused_linear_cross_entropy, bool):
+            raise ValueError(
+                f"GPTConfig.fused_linear_cross_entropy={self.fused_linear_cross_entropy!r} is "
+                "invalid: it must be True or False"
             )
         if self.kernel_backend not in _BACKENDS:
             raise ValueError(

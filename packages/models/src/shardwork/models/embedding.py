@@ -10,10 +10,11 @@
   under SP). Output ``[s, b, h]``, times ``sqrt(h)`` with ``config.scale_embedding`` (Gemma:
   the factor rounded to float32, then to the weight's dtype, as transformers multiplies).
 - LMHead: column-parallel projection to ``[s, b, V_pad/tp]`` logits, soft-capped when
-  ``config.final_logit_softcapping`` is set (Gemma 2). ``LMHead.forward`` is the one place the
-  cap applies, so inference (``gather_logits``) and every loss (``token_loss``, MTP) see the
-  same capped logits; a fused linear cross-entropy that bypasses ``forward`` must apply
-  ``LMHead.final_logit_softcapping`` itself or fall back to this path. Tied on a stage that
+  ``config.final_logit_softcapping`` is set (Gemma 2). ``LMHead.forward`` gives the logits
+  (inference, ``gather_logits``, the unfused loss); ``LMHead.token_loss`` gives the training
+  loss without them (fused linear cross-entropy, :func:`~shardwork.models.loss.linear_token_loss`)
+  with the same cap and padding passed to the op, so both paths see the same capped logits
+  over the real vocabulary. Tied on a stage that
   also holds the embedding, it uses the embedding's weight; tied on a later pipeline stage
   (pp > 1) it owns a copy with the embedding's key (same init values, ``shared_embedding``
   in its ParamMeta, saved as a replica) that ``finalize_model_grads`` keeps in sync.
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 
 from shardwork.dist_checkpoint import ShardedTensor
 from shardwork.models.config import GPTConfig
+from shardwork.models.loss import linear_token_loss
 from shardwork.models.module import ShardedModule
 from shardwork.models.parallel_linear import ColumnParallelLinear
 from shardwork.models.sharding import describe_param, param_shards
@@ -157,6 +159,37 @@ class LMHead(ShardedModule):
             # and gradient for padded columns) and no inf enters the arithmetic.
             logits = logits.masked_fill(mask, torch.finfo(logits.dtype).min)
         return logits
+
+    def token_loss(
+        self,
+        hidden: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        weight: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
+        grad_in_forward: bool = True,
+        backend: str | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(loss_sum, num_tokens)`` of ``hidden [s(/tp), b, h]`` vs ``labels [b, s]``: what
+        ``token_loss(self(hidden, weight), labels, ...)`` gives, without the logits.
+
+        ``grad_in_forward``: compute the gradients during the forward (3 GEMMs; holds ``dW``
+        until backward) or recompute the logits chunk by chunk in backward (4 GEMMs).
+        """
+        w = self.linear.weight if weight is None else weight
+        x = self.linear.enter_tp_region(hidden)
+        return linear_token_loss(
+            x,
+            # Cast on the fly, as the linear does (fp32 params, bf16 activations).
+            w.to(x.dtype),
+            labels,
+            vocab_size=self.vocab_size,
+            loss_mask=loss_mask,
+            tp_group=self.groups.tp,
+            softcap=self.final_logit_softcapping,
+            grad_in_forward=grad_in_forward,
+            backend=backend,
+        )
 
     def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
         if self.linear.weight is None:

@@ -22,7 +22,10 @@
   positions RoPE would use.
 - Outputs: hidden states (not ``post_process``), vocab-split logits ``[s, b, V_pad/tp]`` (no
   labels), or ``(loss_sum, num_tokens)`` over this rank's tokens (labels given); see
-  :mod:`shardwork.models.loss` for the dp×cp reduction.
+  :mod:`shardwork.models.loss` for the dp×cp reduction. With labels and
+  ``config.fused_linear_cross_entropy`` (the default) the loss comes from
+  ``LMHead.token_loss`` and no logits exist; the MTP loss then joins backward through the
+  head's input instead of the logits.
 - The layers come from a :class:`~shardwork.models.spec.DecoderSpec` (``spec=``; default
   :func:`~shardwork.models.spec.spec_for` of the config): each layer's mixer and MLP are built
   by the kinds registered in :mod:`shardwork.models.layer_kinds`, with no family branch here.
@@ -322,35 +325,57 @@ class GPTModel(ShardedModule):
         if not self.post_process:
             return hidden
         tied = self.embedding.weight if self.output_layer.linear.weight is None else None
-        logits = self.output_layer(hidden, tied)
         if labels is None:
-            return logits
+            return self.output_layer(hidden, tied)
+        head_input = hidden
         if self.mtp is not None:
-            if input_ids is None:
-                raise ValueError("input_ids is required on the last stage of a model with MTP")
-            emb = (
-                self.embedding.weight
-                if self.embedding is not None
-                else self.output_layer.linear.weight
-            )
-            mtp_loss = self.mtp(
+            # The MTP loss joins backward through the head's input (fused) or logits (unfused);
+            # the returned loss is unchanged.
+            mtp_loss = self._mtp_loss(hidden, input_ids, labels, loss_mask, cu_seqlens, inputs)
+            head_input = attach_aux_loss(hidden, mtp_loss, self.mtp_loss_scale)
+        return self._head_loss(head_input, tied, labels, loss_mask)
+
+    def _mtp_loss(self, hidden, input_ids, labels, loss_mask, cu_seqlens, inputs):
+        """The MTP depths' loss ``loss_coeff / D · Σ_k loss_sum_k`` (0-d, with gradient)."""
+        if input_ids is None:
+            raise ValueError("input_ids is required on the last stage of a model with MTP")
+        emb = (
+            self.embedding.weight if self.embedding is not None else self.output_layer.linear.weight
+        )
+        tied = self.embedding.weight if self.output_layer.linear.weight is None else None
+        return self.mtp(
+            hidden,
+            input_ids=input_ids,
+            labels=labels,
+            loss_mask=loss_mask,
+            cu_seqlens=cu_seqlens,
+            inputs=inputs,
+            embedding_weight=emb,
+            head=self.output_layer,
+            head_weight=tied,
+        )
+
+    def _head_loss(self, hidden, tied, labels, loss_mask):
+        """``(loss_sum, num_tokens)`` of the main head: fused (no logits) or from the logits."""
+        cfg = self.config
+        if cfg.fused_linear_cross_entropy:
+            return self.output_layer.token_loss(
                 hidden,
-                input_ids=input_ids,
-                labels=labels,
+                labels,
+                weight=tied,
                 loss_mask=loss_mask,
-                cu_seqlens=cu_seqlens,
-                inputs=inputs,
-                embedding_weight=emb,
-                head=self.output_layer,
-                head_weight=tied,
+                # 3 GEMMs with dW held until backward when it accumulates in the weight's own
+                # (fp32/fp64) dtype; low precision recomputes instead (no fp32 copy of dW).
+                grad_in_forward=cfg.activation_dtype in (torch.float32, torch.float64),
+                backend=cfg.kernel_backend,
             )
-            # The MTP loss joins backward through the main logits' graph; the returned loss is
-            # unchanged.
-            logits = attach_aux_loss(logits, mtp_loss, self.mtp_loss_scale)
+        logits = self.output_layer(hidden, tied)
         return token_loss(
             logits,
             labels,
             loss_mask=loss_mask,
-            tp_group=g.tp,
+            tp_group=self.groups.tp,
+            # The logits are this call's own: their storage can take their gradient.
+            inplace_backward=True,
             backend=cfg.kernel_backend,
         )

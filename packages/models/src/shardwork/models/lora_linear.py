@@ -147,8 +147,8 @@ class LoRAColumnParallelLinear(LoRALinearMixin, ColumnParallelLinear):
         # The adapter's r-wide activation enters the TP region like the input does (see the
         # module docstring): gathering h instead of x keeps A's input this rank's own tokens.
         h = self.lora_A(self.lora_input(x, stream))
-        h = self._enter_tp_region(h)
-        x = self._enter_tp_region(x)
+        h = self.enter_tp_region(h)
+        x = self.enter_tp_region(x)
         b = None if self.bias is None else self.bias.to(x.dtype)
         y = F.linear(x, self.weight.to(x.dtype), b)
         y = y + self.lora_scaling * self.lora_B(h)

@@ -3,10 +3,12 @@
 - :func:`token_loss`: vocab-parallel cross entropy (``shardwork.fused_kernels.cross_entropy``
   over the TP group) of ``[s, b, V/tp]`` logits against ``[b, s]`` labels, returning the sum
   over this rank's counted tokens and their number. The logits are ``LMHead.forward``'s,
-  already soft-capped when ``final_logit_softcapping`` is set (the one place it applies); a
-  fused linear cross-entropy that skips ``LMHead.forward`` must apply
-  ``LMHead.final_logit_softcapping`` itself or fall back to this path. Tokens with label -100 or loss_mask 0
-  are not counted.
+  already soft-capped when ``final_logit_softcapping`` is set (the one place it applies to
+  logits). Tokens with label -100 or loss_mask 0 are not counted.
+- :func:`linear_token_loss`: the same ``(loss_sum, num_tokens)`` from the head's *input*
+  ``[s, b, h]`` and weight through ``shardwork.fused_kernels.linear_cross_entropy``: the
+  logits are never materialised; the soft-cap and the vocabulary padding are passed to the
+  op (``LMHead.token_loss`` calls it with the head's own settings).
 - :func:`loss_for_backward`: ``loss_sum / N_global`` where ``N_global`` is the token count
   all-reduced (no gradient) over ``group`` (dp×cp). Backpropagating it on every rank and
   *summing* gradients over dp×cp gives exactly the gradient of the global mean, whatever the
@@ -19,10 +21,30 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardwork.fused_kernels import cross_entropy
+from shardwork.fused_kernels import cross_entropy, linear_cross_entropy
 from shardwork.parallel_state import group_size
 
-__all__ = ["loss_for_backward", "reduce_loss", "token_loss"]
+__all__ = ["linear_token_loss", "loss_for_backward", "reduce_loss", "token_loss"]
+
+
+def _flat_targets(labels, loss_mask, s: int, b: int):
+    """``labels [b, s]`` and ``loss_mask [b, s]`` in the ``[s*b]`` order of flattened
+    sequence-first activations (mask None when not given)."""
+    if tuple(labels.shape) != (b, s):
+        raise ValueError(
+            f"labels.shape={tuple(labels.shape)} must be [b, s] = {(b, s)} to match the logits"
+        )
+    # [b, s] -> [s, b] -> [s*b]: the token order of the sequence-first activations flattened.
+    lab = labels.transpose(0, 1).reshape(-1)
+    if loss_mask is None:
+        return lab, None
+    if tuple(loss_mask.shape) != (b, s):
+        raise ValueError(f"loss_mask.shape={tuple(loss_mask.shape)} must be [b, s] = {(b, s)}")
+    return lab, loss_mask.transpose(0, 1).reshape(-1)
+
+
+def _weight_dtype(hidden: torch.Tensor) -> torch.dtype:
+    return torch.float64 if hidden.dtype == torch.float64 else torch.float32
 
 
 def token_loss(
@@ -32,35 +54,78 @@ def token_loss(
     loss_mask: torch.Tensor | None = None,
     tp_group=None,
     ignore_index: int = -100,
+    inplace_backward: bool = False,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss_sum, num_tokens)`` of ``logits [s, b, V_local]`` vs ``labels [b, s]``.
 
     ``loss_sum`` is a 0-d float tensor (float32, or float64 for float64 logits) with gradient;
-    ``num_tokens`` a 0-d int64 tensor.
+    ``num_tokens`` a 0-d int64 tensor. ``inplace_backward=True`` lets the loss write the logits'
+    gradient over the logits (for logits nothing else reads, as in the model's training path).
     """
     s, b = logits.shape[0], logits.shape[1]
-    if tuple(labels.shape) != (b, s):
-        raise ValueError(
-            f"labels.shape={tuple(labels.shape)} must be [b, s] = {(b, s)} to match the logits"
-        )
-    # [b, s] -> [s, b] -> [s*b]: the same token order as the sequence-first logits flattened below.
-    lab = labels.transpose(0, 1).reshape(-1)
-    # bf16/fp16 logits go in as they are: the op computes in fp32 per row chunk without a
+    lab, mask = _flat_targets(labels, loss_mask, s, b)
+    # bf16/fp16 logits go in as they are: the op computes in fp32 per row block without a
     # full-vocab fp32 copy, and its per-token losses come back in fp32.
     # [s, b, V/tp] -> [s*b, V/tp].
     flat = logits.reshape(s * b, logits.shape[-1])
     losses = cross_entropy(
-        flat, lab, tp_group=tp_group, ignore_index=ignore_index, reduction="none", backend=backend
+        flat,
+        lab,
+        tp_group=tp_group,
+        ignore_index=ignore_index,
+        reduction="none",
+        inplace_backward=inplace_backward,
+        backend=backend,
     )
     counted = lab != ignore_index
-    if loss_mask is not None:
-        if tuple(loss_mask.shape) != (b, s):
-            raise ValueError(f"loss_mask.shape={tuple(loss_mask.shape)} must be [b, s] = {(b, s)}")
-        m = loss_mask.transpose(0, 1).reshape(-1)
-        counted = counted & (m != 0)
-        losses = losses * m.to(losses.dtype)
+    if mask is not None:
+        counted = counted & (mask != 0)
+        losses = losses * mask.to(losses.dtype)
     return losses.sum(), counted.sum()
+
+
+def linear_token_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    vocab_size: int,
+    loss_mask: torch.Tensor | None = None,
+    tp_group=None,
+    softcap: float | None = None,
+    ignore_index: int = -100,
+    grad_in_forward: bool = True,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss_sum, num_tokens)`` as :func:`token_loss` gives for the logits
+    ``softcap(hidden · weightᵀ)``, computed without them.
+
+    ``hidden [s, b, h]``: the head's input inside the TP region (the same on every TP rank; its
+    gradient is this rank's partial, summed by the caller's region function); ``weight
+    [V_pad/tp, h]`` in ``hidden``'s dtype; ``vocab_size`` the real vocabulary (rows past it are
+    padding: no logit, zero gradient).
+    """
+    s, b = hidden.shape[0], hidden.shape[1]
+    lab, mask = _flat_targets(labels, loss_mask, s, b)
+    loss_sum = linear_cross_entropy(
+        hidden.reshape(s * b, hidden.shape[-1]),
+        weight,
+        lab,
+        # The mask as constant per-token weights (bool/int masks become 0/1 floats).
+        token_weights=None if mask is None else mask.to(_weight_dtype(hidden)),
+        tp_group=tp_group,
+        vocab_size=vocab_size,
+        ignore_index=ignore_index,
+        softcap=softcap,
+        reduction="sum",
+        grad_in_forward=grad_in_forward,
+        backend=backend,
+    )
+    counted = lab != ignore_index
+    if mask is not None:
+        counted = counted & (mask != 0)
+    return loss_sum, counted.sum()
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:

@@ -19,9 +19,10 @@ the main model's output after its final norm) with the embedding of token ``i+k`
   end), so no prediction crosses a document boundary. Context parallelism is refused (rolling
   would cross chunk boundaries).
 - Loss: ``mtp_loss = loss_coeff / D · Σ_k loss_sum_k`` (sums over counted tokens, like the
-  main loss) reaches backward through moe-router's :func:`attach_aux_loss` on the main
-  logits, multiplied by ``model.mtp_loss_scale`` (the trainer sets it to its main-loss
-  backward factor, e.g. ``1/N_global`` when it backprops ``loss_sum / N_global``); the model's
+  main loss; each depth through the head's fused linear cross-entropy, recomputing in backward,
+  unless ``fused_linear_cross_entropy=False``) reaches backward through moe-router's
+  :func:`attach_aux_loss` on the main head's input, multiplied by ``model.mtp_loss_scale``
+  (the trainer sets it to its main-loss backward factor, e.g. ``1/N_global`` when it backprops ``loss_sum / N_global``); the model's
   return value is unchanged. :class:`MTPLossTracker` (``model.mtp.tracker``, last stage) keeps
   each depth's (loss sum, token count); :func:`reduce_mtp_losses` (every rank) gives the
   per-depth means for logging.
@@ -300,10 +301,30 @@ class MultiTokenPrediction(ShardedModule):
             )
             embedded = _embed(emb_w, ids_k, self.groups, cfg.sequence_parallel).to(hidden.dtype)
             hidden, normed = depth(hidden, embedded, inputs)
-            logits = head(normed, head_weight)
-            loss_sum, n = token_loss(
-                logits, lab_k, loss_mask=mask_k, tp_group=self.groups.tp, backend=cfg.kernel_backend
-            )
+            loss_sum, n = self._depth_loss(head, normed, head_weight, lab_k, mask_k)
             self.tracker.record(k - 1, loss_sum, n)
             total = loss_sum if total is None else total + loss_sum
         return total * (cfg.mtp.loss_coeff / cfg.mtp.num_layers)
+
+    def _depth_loss(self, head, normed, head_weight, labels, loss_mask):
+        """``(loss_sum, num_tokens)`` of one depth through the shared head."""
+        cfg = self.config
+        if cfg.fused_linear_cross_entropy:
+            # Recomputed in backward: a depth holds no dW from its forward to its backward, so
+            # the depths and the main head never hold theirs at the same time.
+            return head.token_loss(
+                normed,
+                labels,
+                weight=head_weight,
+                loss_mask=loss_mask,
+                grad_in_forward=False,
+                backend=cfg.kernel_backend,
+            )
+        return token_loss(
+            head(normed, head_weight),
+            labels,
+            loss_mask=loss_mask,
+            tp_group=self.groups.tp,
+            inplace_backward=True,
+            backend=cfg.kernel_backend,
+        )

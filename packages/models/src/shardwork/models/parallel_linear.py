@@ -95,12 +95,12 @@ class ColumnParallelLinear(ShardedModule):
         ``weight`` overrides the own weight (a tied LM head passes the embedding's).
         """
         w = self.weight if weight is None else weight
-        x = self._enter_tp_region(x)
+        x = self.enter_tp_region(x)
         b = None if self.bias is None else self.bias.to(x.dtype)
         # Cast on the fly: params may be fp32 (params_dtype) while activations run in bf16.
         return self._leave_tp_region(F.linear(x, w.to(x.dtype), b))
 
-    def _enter_tp_region(self, x: torch.Tensor) -> torch.Tensor:
+    def enter_tp_region(self, x: torch.Tensor) -> torch.Tensor:
         """The input every TP rank multiplies: gathered along the sequence under SP."""
         tp = self.groups.tp
         if self.sequence_parallel:

@@ -10,7 +10,10 @@ full gradient agree to ``rtol``.
   marked ``sequence_parallel`` summed over TP, everything summed over dp×cp, and backward
   started from ``loss_sum / global token count``.
 - The loss goes through the model's own (fused, vocab-parallel) path, or with
-  ``oracle_loss=True`` through plain ``F.cross_entropy`` on TP-gathered logits.
+  ``oracle_loss=True`` through plain ``F.cross_entropy`` on TP-gathered logits;
+  ``oracle_reference=True`` uses that oracle for the world-1 reference only, so the layout
+  model's own loss (e.g. the fused linear cross-entropy) is checked against materialised
+  logits.
 """
 
 from __future__ import annotations
@@ -104,6 +107,7 @@ def compare_with_single_rank(
     batch: int = 2,
     cu_seqlens: torch.Tensor | list[int] | None = None,
     oracle_loss: bool = False,
+    oracle_reference: bool = False,
     prepare: Callable[[GPTModel], None] | None = None,
     **overrides: Any,
 ) -> float:
@@ -121,7 +125,7 @@ def compare_with_single_rank(
     ref = GPTModel(cfg.replace(sequence_parallel=False), single)
     if prepare is not None:
         prepare(ref)
-    ref_loss = _step(ref, single, ids, labels, cu_seqlens, oracle_loss)
+    ref_loss = _step(ref, single, ids, labels, cu_seqlens, oracle_loss or oracle_reference)
     ref_grads = full_state_dict(ref, grads=True, group=dist.new_group([dist.get_rank()]))
     ref_params = full_state_dict(ref, group=dist.new_group([dist.get_rank()]))
     model = GPTModel(cfg, groups)

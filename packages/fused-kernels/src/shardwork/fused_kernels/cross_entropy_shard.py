@@ -1,0 +1,173 @@
+"""Cross entropy on one block of a vocabulary shard: torch statistics, gradient, and the TP combine.
+
+The math both :func:`~shardwork.fused_kernels.cross_entropy` and
+:func:`~shardwork.fused_kernels.linear_cross_entropy` run on a ``[rows, cols]`` block of
+logits (a whole vocab shard, or a chunk of one), in float32 (float64 for float64 logits):
+
+- :func:`shard_stats`: per row ``[N, 4]`` = (``m``, ``s``, label logit or 0, Σx) with
+  ``lse_shard = m + log s``. The torch path stores ``(logsumexp, 1)``; the Triton kernel
+  ``(max, Σexp(x - max))``: :func:`combine_shard_stats` reads both the same way.
+- :func:`shard_grad`: ``g·(exp(x - lse) - ε/V - (1-ε)·[v = label])``, written in the logits'
+  dtype, into ``out`` (the logits themselves for an in-place backward).
+- ``softcap``: the block holds raw logits ``z`` and the loss sees ``x = cap·tanh(z / cap)``
+  (Gemma 2's final-logit soft-capping, Hugging Face's operation order); the gradient is then
+  ``dz = dx·(1 - tanh²)``.
+- One pass over memory: each step works on a cache-sized sub-block (``_BLOCK_ELEMENTS``)
+  so max, exp and sum read it from cache instead of from RAM, and no float32 copy of a
+  low-precision block larger than that is ever made. The label's gradient element is computed
+  on its own in float32 (before an in-place write can overwrite its logit) and stored last, so
+  the sub-blocks are purely elementwise.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from shardwork.fused_kernels._checks import acc_dtype
+
+__all__ = ["combine_shard_stats", "shard_grad", "shard_stats"]
+
+_BLOCK_ELEMENTS = 1 << 18  # 1 MiB of float32: a block and its temporaries stay in cache
+
+
+def _rows_per_block(cols: int) -> int:
+    return max(1, _BLOCK_ELEMENTS // max(cols, 1))
+
+
+def _capped(x: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    # Hugging Face's order (divide, tanh, multiply), as models.softcap.soft_cap does.
+    return x if softcap is None else torch.tanh(x / softcap) * softcap
+
+
+def shard_stats(
+    logits: torch.Tensor,
+    local_labels: torch.Tensor,
+    in_shard: torch.Tensor,
+    *,
+    smoothing: bool,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Per-row float32 ``[N, 4]``: (logsumexp, 1, label logit or 0, Σx) of this block.
+
+    ``local_labels`` index the block's columns where ``in_shard`` is set (elsewhere ignored).
+    """
+    n, cols = logits.shape
+    acc = acc_dtype(logits)
+    stats = torch.zeros(n, 4, dtype=acc, device=logits.device)
+    stats[:, 1] = 1.0  # s = 1: slot 0 already holds the whole logsumexp
+    step = _rows_per_block(cols)
+    for a in range(0, n, step):
+        x = _capped(logits[a : a + step].to(acc), softcap)
+        # logsumexp of an empty shard (all columns padding) is -inf: it adds exp(-inf) = 0.
+        stats[a : a + step, 0] = torch.logsumexp(x, dim=-1)
+        if smoothing:
+            stats[a : a + step, 3] = x.sum(dim=-1)
+    if cols > 0:
+        # clamp: an out-of-block label would index out of range; its value is replaced by 0.
+        picked = logits.gather(1, local_labels.clamp(0, cols - 1).unsqueeze(-1)).squeeze(-1)
+        stats[:, 2] = torch.where(in_shard, _capped(picked.to(acc), softcap), 0.0)
+    return stats
+
+
+def _label_grads(logits, hit_rows, hit_cols, lse, grad_rows, *, smoothing, vocab_total, softcap):
+    """The gradient at each hit row's label column, in float32 from the logit itself."""
+    z = logits[hit_rows, hit_cols].to(lse.dtype)
+    x = _capped(z, softcap)
+    g = grad_rows[hit_rows] * (
+        (x - lse[hit_rows]).exp() - smoothing / vocab_total - (1 - smoothing)
+    )
+    if softcap is not None:
+        t = torch.tanh(z / softcap)
+        g = g * (1 - t * t)
+    return g
+
+
+def _block_grad(block, dst, lse, grad_rows, *, uniform: float, softcap: float | None) -> None:
+    """``dst = g·(exp(x - lse) - uniform)`` (times ``1 - tanh²`` when capped) for one block."""
+    acc = lse.dtype
+    x = block.to(acc)
+    t = None
+    if softcap is not None:
+        t = torch.tanh(x / softcap)
+        x = t * softcap
+    # Write straight into dst when it already has the arithmetic dtype (in place is safe: each
+    # element is read before it is written).
+    direct = dst.dtype == acc
+    p = torch.sub(x, lse.unsqueeze(-1), out=dst if direct else None)
+    p.exp_()
+    if uniform:
+        p.sub_(uniform)
+    p.mul_(grad_rows.unsqueeze(-1))
+    if t is not None:
+        p.mul_(t.mul_(t).neg_().add_(1.0))
+    if not direct:
+        dst.copy_(p)
+
+
+def shard_grad(
+    logits: torch.Tensor,
+    local_labels: torch.Tensor,
+    in_shard: torch.Tensor,
+    lse: torch.Tensor,
+    grad_rows: torch.Tensor,
+    *,
+    smoothing: float,
+    vocab_total: int,
+    softcap: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Gradient of ``Σ grad_rows·loss`` w.r.t. this block, in ``logits.dtype``.
+
+    ``lse [N]`` and ``grad_rows [N]`` are float32 (float64 for float64 logits); ``vocab_total``
+    the number of real classes over all shards (the ε/V of label smoothing). ``out``: write
+    there (it may be ``logits`` itself).
+    """
+    n, cols = logits.shape
+    grad = torch.empty_like(logits) if out is None else out
+    hit_rows = in_shard.nonzero().squeeze(-1)
+    hit_cols = local_labels[hit_rows]
+    label_grads = _label_grads(
+        logits,
+        hit_rows,
+        hit_cols,
+        lse,
+        grad_rows,
+        smoothing=smoothing,
+        vocab_total=vocab_total,
+        softcap=softcap,
+    )
+    uniform = smoothing / vocab_total
+    step = _rows_per_block(cols)
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        _block_grad(
+            logits[a:b], grad[a:b], lse[a:b], grad_rows[a:b], uniform=uniform, softcap=softcap
+        )
+    grad[hit_rows, hit_cols] = label_grads.to(grad.dtype)
+    return grad
+
+
+def combine_shard_stats(
+    stats: torch.Tensor, tp_group
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Combine per-shard stats ``[N, 4]`` over ``tp_group``: (lse, label logit, Σx), each ``[N]``.
+
+    Two all-reduces when the group has more than one rank (MAX, then one SUM of three columns);
+    every rank of the group must call it for the same rows.
+    """
+    m = stats[:, 0]
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        # MAX before SUM (every TP rank issues both in this order): the rescale below needs the
+        # global max. exp(m - M) * sum exp(x - m) = sum exp(x - M).
+        global_max = m.clone()
+        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
+        # One SUM for all three: sum exp, the label logit (nonzero on one rank only), sum of logits.
+        sums = stats[:, 1:].clone()
+        sums[:, 0] *= (m - global_max).exp()
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
+        m = global_max
+    else:
+        sums = stats[:, 1:]
+    # lse = M + log(sum exp(x - M)).
+    return m + sums[:, 0].log(), sums[:, 1], sums[:, 2]
