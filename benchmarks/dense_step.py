@@ -49,8 +49,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+# As shardwork-train does: on a shared CPU, OpenMP's default spin-waiting slows every side's
+# small blocks ~10x (measured on the 2-core machine); OpenMP reads this once, when torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import machine_record
@@ -268,11 +272,22 @@ def megatron_llama(shape: dict, hf_model, dtype: torch.dtype, device: torch.devi
     return model.to(device).train(), mask
 
 
-def shardwork_llama(folder: Path, backend: str, dtype: torch.dtype, device: torch.device):
-    """shardwork's GPTModel at world 1 from the transformers folder."""
+def shardwork_llama(folder: Path, variant: str, dtype: torch.dtype, device: torch.device):
+    """shardwork's GPTModel at world 1 from the transformers folder. ``variant`` is a kernel
+    backend, optionally ``:unfused-loss`` (materialised logits + cross entropy instead of the
+    default fused linear cross-entropy)."""
     from shardwork.models.hf import from_pretrained
 
-    model = from_pretrained(folder, device=device, params_dtype=dtype, kernel_backend=backend)
+    backend, _, option = variant.partition(":")
+    if option not in ("", "unfused-loss"):
+        raise ValueError(f"--backends {variant!r}: the option after ':' must be 'unfused-loss'")
+    model = from_pretrained(
+        folder,
+        device=device,
+        params_dtype=dtype,
+        kernel_backend=backend,
+        fused_linear_cross_entropy=option != "unfused-loss",
+    )
     return model.train()
 
 
@@ -416,7 +431,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--backends",
         nargs="+",
         default=["auto"],
-        help="shardwork kernel backends to run (auto, torch, triton)",
+        help="shardwork variants to run: a kernel backend (auto, torch, triton), optionally "
+        "with ':unfused-loss' (e.g. auto:unfused-loss)",
     )
     parser.add_argument("--peers", nargs="*", default=["transformers", "torchtitan", "megatron"])
     parser.add_argument(
