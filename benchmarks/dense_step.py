@@ -53,8 +53,8 @@ from pathlib import Path
 # small blocks ~10x (measured on the 2-core machine); OpenMP reads this once, when torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import machine_record
