@@ -15,6 +15,10 @@ from shardwork.fused_kernels import backend as backend_mod
 from shardwork.fused_kernels import te_support
 from shardwork.fused_kernels.launches import count_launches
 
+# Where the Triton backend runs in these tests: CUDA where present; otherwise the CPU, through
+# the interpreter that the conftest turns on only when there is no CUDA.
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 @pytest.fixture
 def restore_default():
@@ -46,12 +50,12 @@ def test_default_backend_is_read_at_each_call(restore_default):
     assert fk.get_default_backend() == "torch"
     assert fk.resolve_backend("swiglu", None, "cpu") == "torch"
     fk.set_default_backend("triton")
-    assert fk.resolve_backend("swiglu", None, "cpu") == "triton"  # interpreter is on in tests
-    assert fk.resolve_backend("swiglu", "torch", "cpu") == "torch"  # the call wins
+    assert fk.resolve_backend("swiglu", None, TRITON_DEVICE) == "triton"
+    assert fk.resolve_backend("swiglu", "torch", TRITON_DEVICE) == "torch"  # the call wins
 
 
 def test_same_request_same_answer():
-    answers = {fk.resolve_backend("cross_entropy", "triton", "cpu") for _ in range(5)}
+    answers = {fk.resolve_backend("cross_entropy", "triton", TRITON_DEVICE) for _ in range(5)}
     assert answers == {"triton"}
 
 
@@ -120,8 +124,9 @@ def test_te_on_cpu_tensor_is_refused(monkeypatch):
 def test_choice_is_logged(caplog):
     backend_mod._log_choice.cache_clear()
     with caplog.at_level(logging.INFO, logger="shardwork.fused_kernels"):
-        fk.resolve_backend("geglu", "triton", "cpu")
-    assert any("geglu on cpu: backend 'triton' -> triton" in r.getMessage() for r in caplog.records)
+        fk.resolve_backend("geglu", "triton", TRITON_DEVICE)
+    message = f"geglu on {TRITON_DEVICE}: backend 'triton' -> triton"
+    assert any(message in r.getMessage() for r in caplog.records)
 
 
 def test_launch_counter_sees_triton_and_not_torch(triton_device):

@@ -90,7 +90,10 @@ def test_triton_matches_reference(dtype, n, v, smoothing, triton_device, tol, po
 
 
 def _vocab_parallel(backend, reduction, smoothing, n, v):
-    if backend == "triton":
+    # Triton runs on the GPU where there is one (every rank on it; gloo reduces CUDA tensors),
+    # else on the CPU through the interpreter.
+    device = torch.device("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
+    if backend == "triton" and device.type == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
     import torch.distributed as dist
 
@@ -100,18 +103,18 @@ def _vocab_parallel(backend, reduction, smoothing, n, v):
     groups = init_process_groups(ParallelConfig(tp=world))
     rank = groups.rank("tp")
     logits, labels = _data(n, v, torch.float32, seed=7)
-    shard = logits.chunk(world, dim=1)[rank].contiguous().requires_grad_(True)
+    shard = logits.chunk(world, dim=1)[rank].to(device).contiguous().requires_grad_(True)
     loss = fk.cross_entropy(
         shard,
-        labels,
+        labels.to(device),
         tp_group=groups.tp,
         reduction=reduction,
         label_smoothing=smoothing,
         backend=backend,
     )
-    gy = torch.rand(loss.shape, generator=torch.Generator().manual_seed(3))
+    gy = torch.rand(loss.shape, generator=torch.Generator().manual_seed(3)).to(device)
     (grad,) = torch.autograd.grad(loss, [shard], gy)
-    return loss.detach(), grad
+    return loss.detach().cpu(), grad.cpu()
 
 
 @pytest.mark.multirank

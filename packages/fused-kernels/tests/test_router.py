@@ -32,23 +32,32 @@ def _route_and_grad(logits, backend, grad_probs, grad_aux, **kw):
     "case", range(len(MCORE_CASES)), ids=lambda i: str(MCORE_CASES[i]["config"])
 )
 def test_matches_megatron_core(case, backend, request):
+    device = torch.device("cpu")
     if backend == "triton":
-        request.getfixturevalue("triton_device")
+        # CUDA where present (the interpreter is only on without CUDA), else the interpreter.
+        device = request.getfixturevalue("triton_device")
         request.getfixturevalue("poison")
-    _check_against_fixture(MCORE_CASES[case], backend)
+    _check_against_fixture(MCORE_CASES[case], backend, device=device)
 
 
-def _check_against_fixture(c: dict, backend: str, *, logit_scale=1.0, aux_sign=1.0, **changes):
-    """Route the fixture's logits (optionally with a planted bug) and compare with Megatron:
-    map and counts exactly, floats at 8 fp32 ulp of each tensor's max|ref| + rtol 1e-6."""
+def _check_against_fixture(
+    c: dict, backend: str, *, device=None, logit_scale=1.0, aux_sign=1.0, **changes
+):
+    """Route the fixture's logits (optionally with a planted bug) on ``device`` and compare
+    with Megatron on the CPU: map and counts exactly, floats at 8 fp32 ulp of each tensor's
+    max|ref| + rtol 1e-6."""
+    device = device or torch.device("cpu")
+    bias = c["expert_bias"]
     out, grad = _route_and_grad(
-        c["logits"] * logit_scale,
+        (c["logits"] * logit_scale).to(device),
         backend,
-        c["grad_probs"],
-        c["grad_aux"] * aux_sign,
-        expert_bias=c["expert_bias"],
+        c["grad_probs"].to(device),
+        (c["grad_aux"] * aux_sign).to(device),
+        expert_bias=None if bias is None else bias.to(device),
         **{**c["config"], **changes},
     )
+    out = type(out)(*(t.cpu() for t in out))
+    grad = grad.cpu()
     assert torch.equal(out.routing_map, c["routing_map"])
     assert torch.equal(out.tokens_per_expert, c["tokens_per_expert"].long())
     # Measured against the fixture (2026-11-24, ulp of max|ref|; torch backend with AVX-512,

@@ -14,17 +14,62 @@ another convention.
 
 from __future__ import annotations
 
+import importlib.metadata
+import re
+
 import torch
 
 from shardwork.models.scan_kernels import OptionalKernel
 
-__all__ = ["FLA_GATED_DELTA_RULE", "fla_arguments", "gated_delta_rule_kernel"]
+__all__ = [
+    "FLA_GATED_DELTA_RULE",
+    "fla_arguments",
+    "fla_device_refusal",
+    "gated_delta_rule_kernel",
+    "hopper_triton_refusal",
+]
+
+# Triton versions whose code for fla's gated backward (``chunk_bwd_dqkwg``) is wrong on
+# Hopper (compute capability 9.x): fla 0.6.0 raises a RuntimeError in the first backward
+# there (its issue #640). Seen on an H200 with Triton 3.6.0, 2026-11-27.
+BAD_TRITON_ON_HOPPER = ((3, 4, 0), (3, 7, 1))
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    """``"3.6.0+git1a2b"`` -> ``(3, 6, 0)``: the leading dotted integers."""
+    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
+def hopper_triton_refusal(capability: tuple[int, int], triton_version: str) -> str | None:
+    """Why fla's gated kernel must not run on a GPU of ``capability`` with this Triton, or
+    None (see ``BAD_TRITON_ON_HOPPER``)."""
+    low, high = BAD_TRITON_ON_HOPPER
+    if capability[0] == 9 and low <= _version_tuple(triton_version) < high:
+        return (
+            f"Triton {triton_version} on a compute-capability {capability[0]}.{capability[1]} "
+            "(Hopper) GPU miscompiles flash-linear-attention's gated backward, which fla refuses "
+            "to run (fla issue #640; Triton >= 3.7.1 is fine)"
+        )
+    return None
+
+
+def fla_device_refusal(device: torch.device) -> str | None:
+    """:func:`hopper_triton_refusal` for a CUDA ``device`` and the installed Triton."""
+    if device.type != "cuda":
+        return None
+    try:
+        version = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return hopper_triton_refusal(torch.cuda.get_device_capability(device), version)
+
 
 FLA_GATED_DELTA_RULE = OptionalKernel(
     owner="GatedDeltaNetConfig",
     distribution="flash-linear-attention",
     module="fla.ops.gated_delta_rule",
     function="chunk_gated_delta_rule",
+    device_refusal=fla_device_refusal,
 )
 
 

@@ -68,6 +68,9 @@ class OptionalKernel:
     """The pip distribution that provides it."""
     module: str
     function: str
+    device_refusal: Callable[[torch.device], str | None] | None = None
+    """Why the kernel must not run on a device although it imports (a known-bad combination of
+    GPU and compiler that the package itself refuses mid-run), or None."""
 
     def unavailable_reason(self) -> str | None:
         """None when the kernel imports here, else why not (imports it on first call)."""
@@ -110,13 +113,22 @@ class OptionalKernel:
                     f"{self.owner}.kernel_backend='triton' does not take float64 inputs; use "
                     "kernel_backend='auto' or 'torch'"
                 )
+            refusal = self._refusal(x.device)
+            if refusal is not None:
+                raise ValueError(
+                    f"{self.owner}.kernel_backend='triton' cannot run here: {refusal}; use "
+                    "kernel_backend='auto' (falls back to the torch scan) or 'torch'"
+                )
             return True
         if model_backend == "torch" or x.device.type != "cuda" or x.dtype == torch.float64:
             return False
-        reason = self.unavailable_reason()
+        reason = self.unavailable_reason() or self._refusal(x.device)
         if reason is not None:
             _log_fallback(self.function, reason)
         return reason is None
+
+    def _refusal(self, device: torch.device) -> str | None:
+        return None if self.device_refusal is None else self.device_refusal(device)
 
 
 @functools.cache
