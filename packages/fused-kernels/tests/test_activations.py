@@ -77,6 +77,33 @@ def test_torch_backend_equals_reference_bit_for_bit(name, weights, dtype):
 
 
 @pytest.mark.parametrize("name", list(OPS))
+@pytest.mark.parametrize("weighted", [False, True])
+def test_inplace_backward_writes_the_gradient_into_the_input(name, weighted):
+    # x is a projection's output (not a leaf): its storage receives dL/dx, bit for bit the
+    # reference's gradient; a second backward through the spent graph is refused.
+    op = OPS[name][0]
+    gen = torch.Generator().manual_seed(5)
+    leaf = torch.randn(6, 7, 128, generator=gen, requires_grad=True)
+    tw = torch.rand(6, 7, generator=gen, requires_grad=True) if weighted else None
+    gy = torch.randn(6, 7, 64, generator=gen)
+    x = leaf * 1.5
+    seen = {}
+    x.register_hook(lambda g: seen.setdefault("grad", g))
+    y = op(x, token_weights=tw, inplace_backward=True, backend="torch")
+    inputs = [leaf] if tw is None else [leaf, tw]
+    grads = torch.autograd.grad(y, inputs, gy, retain_graph=True)
+    assert seen["grad"].data_ptr() == x.data_ptr()
+    x_ref = leaf.detach() * 1.5
+    want = _forward_backward(REFERENCES[name], x_ref.requires_grad_(True), tw, gy)
+    assert torch.equal(y, want[0])
+    assert torch.equal(grads[0], 1.5 * want[1])
+    if weighted:
+        assert torch.equal(grads[1], want[2])
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(y, inputs, gy)
+
+
+@pytest.mark.parametrize("name", list(OPS))
 @pytest.mark.parametrize(("lead", "inter"), SHAPES)
 def test_torch_backend_matches_reference_at_ragged_widths(name, lead, inter, poison):
     # Widths that leave a scalar tail per row: the row-slice writes may round differently from

@@ -24,7 +24,9 @@ def _grads(y, inputs, seed=1):
 def test_reference_matches_torch_functional():
     x = torch.randn(6, 40, dtype=torch.float64)
     w, b = torch.randn(40, dtype=torch.float64), torch.randn(40, dtype=torch.float64)
-    torch.testing.assert_close(rms_norm_reference(x, w, eps=1e-6), F.rms_norm(x, (40,), w, eps=1e-6))
+    torch.testing.assert_close(
+        rms_norm_reference(x, w, eps=1e-6), F.rms_norm(x, (40,), w, eps=1e-6)
+    )
     torch.testing.assert_close(
         layer_norm_reference(x, w, b, eps=1e-5), F.layer_norm(x, (40,), w, b, eps=1e-5)
     )

@@ -72,9 +72,18 @@ def _validate(x: torch.Tensor, token_weights: torch.Tensor | None) -> None:
 
 
 def swiglu(
-    x: torch.Tensor, *, token_weights: torch.Tensor | None = None, backend: str | None = None
+    x: torch.Tensor,
+    *,
+    token_weights: torch.Tensor | None = None,
+    inplace_backward: bool = False,
+    backend: str | None = None,
 ) -> torch.Tensor:
-    """SwiGLU of the fused projection ``x [..., 2*I]`` -> ``[..., I]``, times ``token_weights`` if given."""
+    """SwiGLU of the fused projection ``x [..., 2*I]`` -> ``[..., I]``, times ``token_weights`` if given.
+
+    ``inplace_backward=True``: the torch backend writes the input gradient into ``x``'s own
+    storage (for an ``x`` nothing else reads, e.g. an MLP's fc1 output; one backward only).
+    The other backends allocate the gradient as usual; results are the same.
+    """
     _validate(x, token_weights)
     chosen = resolve_backend("swiglu", backend, x.device, dtype=x.dtype)
     if chosen == "triton":
@@ -83,7 +92,7 @@ def swiglu(
         return triton_activations.glu(x, token_weights, kind="swiglu")
     if chosen == "te":
         return te_ops.glu(x, token_weights, kind="swiglu")
-    return eager_activations.glu(x, token_weights, kind="swiglu")
+    return eager_activations.glu(x, token_weights, kind="swiglu", inplace_backward=inplace_backward)
 
 
 def geglu(
@@ -91,9 +100,13 @@ def geglu(
     *,
     token_weights: torch.Tensor | None = None,
     approximate: str = "tanh",
+    inplace_backward: bool = False,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """GeGLU of the fused projection ``x [..., 2*I]`` -> ``[..., I]``, times ``token_weights`` if given."""
+    """GeGLU of the fused projection ``x [..., 2*I]`` -> ``[..., I]``, times ``token_weights`` if given.
+
+    ``inplace_backward``: as for :func:`swiglu`.
+    """
     _validate(x, token_weights)
     if approximate not in _APPROXIMATE:
         raise ValueError(f"approximate={approximate!r}; valid: {', '.join(_APPROXIMATE)}")
@@ -108,4 +121,4 @@ def geglu(
             raise ValueError("backend='te' offers GeGLU with approximate='tanh' only")
         return te_ops.glu(x, token_weights, kind="geglu")
     kind = "geglu_tanh" if approximate == "tanh" else "geglu_erf"
-    return eager_activations.glu(x, token_weights, kind=kind)
+    return eager_activations.glu(x, token_weights, kind=kind, inplace_backward=inplace_backward)

@@ -68,13 +68,17 @@ def unpermute(
     """Sum each token's expert outputs back into token order, weighted by ``probs_N`` if given.
 
     With probabilities the products are formed in the probabilities' dtype (fp32 when the
-    router runs in fp32) and the sum is cast back to ``permuted_NH``'s dtype.
+    router runs in fp32) and the sum is cast back to ``permuted_NH``'s dtype; without them,
+    bf16/fp16 rows are summed in fp32 as well.
     """
     dtype = permuted_NH.dtype
     x = permuted_NH
     if probs_N is not None:
         # Type promotion: the product is in the probabilities' dtype (fp32 for a bf16 activation).
         x = x * probs_N.unsqueeze(-1)
+    elif dtype in (torch.bfloat16, torch.float16):
+        # Outputs the experts already weighted: their K copies per token are summed in fp32 too.
+        x = x.float()
     out = x.new_zeros((num_tokens, *x.shape[1:]))
     # index_add sums the K copies of each token; tokens dropped for every expert stay zero.
     out = out.index_add(0, sorted_indices_N, x)

@@ -18,8 +18,10 @@ Legend: E experts, L = E/ep local experts, H hidden, F expert ffn width, f = F/e
   ``shardwork.models.sharding``'s ``param_shards``/``init_from_shards``.
 - GEMMs: torch's grouped matmul (``torch.nn.functional.grouped_mm``) over contiguous row
   blocks when the dtype and strides allow it, else a padded batched ``bmm``; never a loop
-  over tokens. The SwiGLU is ``shardwork.fused_kernels.swiglu`` on the fused ``[gate | up]``;
-  the squared ReLU is elementwise on fc1's output.
+  over tokens. The SwiGLU is ``shardwork.fused_kernels.swiglu`` on the fused ``[gate | up]``
+  (``inplace_backward``: its gradient overwrites fc1's output, which nothing else reads); the
+  squared ReLU is elementwise on fc1's output. Routing probabilities, when passed, scale the
+  activation (SwiGLU's per-row ``token_weights``), not the ``[N, H]`` output.
 - With ETP > 1 the output is a partial sum over this rank's ffn slice; the dispatcher's
   combine reduces it over the etp group.
 """
@@ -248,18 +250,28 @@ class GroupedExperts(ShardedModule):
             **kw,
         )
 
-    def forward(self, tokens_NH: torch.Tensor, tokens_per_expert_L: torch.Tensor) -> torch.Tensor:
-        """Rows grouped by local expert (counts ``tokens_per_expert_L``) -> ``[N, H]``."""
+    def forward(
+        self,
+        tokens_NH: torch.Tensor,
+        tokens_per_expert_L: torch.Tensor,
+        probs_N: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Rows grouped by local expert (counts ``tokens_per_expert_L``) -> ``[N, H]``, each
+        row's output scaled by ``probs_N`` when given."""
         if tokens_per_expert_L.numel() != self.num_local_experts:
             raise ValueError(
                 f"tokens_per_expert has {tokens_per_expert_L.numel()} entries, expected "
                 f"{self.num_local_experts} local experts"
             )
         # [N, H] -> fc1 [N, 2f] ([gate | up]) -> swiglu [N, f], or fc1 [N, f] -> relu² [N, f];
-        # then fc2 [N, H] (partial over etp).
+        # times probs (fc2 is linear per row, so scaling its input scales its output); then fc2
+        # [N, H] (partial over etp).
         h = self.linear_fc1(tokens_NH, tokens_per_expert_L, self.mode)
         if self.activation == "swiglu":
-            h = swiglu(h, backend=self.backend)
+            # fc1's output feeds only the activation, so its backward may overwrite it.
+            h = swiglu(h, token_weights=probs_N, inplace_backward=True, backend=self.backend)
         else:
             h = torch.relu(h).square()
+            if probs_N is not None:
+                h = h * probs_N.unsqueeze(-1).to(h.dtype)
         return self.linear_fc2(h, tokens_per_expert_L, self.mode)
