@@ -10,8 +10,9 @@
 - GeGLU uses the tanh approximation of GELU by default (as Megatron and TE do);
   ``approximate="none"`` gives the erf form.
 - Backends: ``torch`` runs :mod:`~shardwork.fused_kernels.eager_activations` (eager ops, a
-  hand-written backward with no concatenation); ``swiglu_reference`` / ``geglu_reference``
-  are the plain autograd formulas the tests hold every backend to.
+  hand-written backward with no concatenation), or under ``torch.compile`` the plain formula
+  (inductor fuses it); ``swiglu_reference`` / ``geglu_reference`` are the plain autograd
+  formulas the tests hold every backend to.
 """
 
 from __future__ import annotations
@@ -92,6 +93,10 @@ def swiglu(
         return triton_activations.glu(x, token_weights, kind="swiglu")
     if chosen == "te":
         return te_ops.glu(x, token_weights, kind="swiglu")
+    if torch.compiler.is_compiling():
+        # Traced by torch.compile: the plain formula, which inductor fuses (the hand-written
+        # backward's out= views into one buffer would break the graph).
+        return swiglu_reference(x, token_weights=token_weights)
     return eager_activations.glu(x, token_weights, kind="swiglu", inplace_backward=inplace_backward)
 
 
@@ -120,5 +125,7 @@ def geglu(
         if approximate != "tanh":
             raise ValueError("backend='te' offers GeGLU with approximate='tanh' only")
         return te_ops.glu(x, token_weights, kind="geglu")
+    if torch.compiler.is_compiling():  # as in swiglu
+        return geglu_reference(x, token_weights=token_weights, approximate=approximate)
     kind = "geglu_tanh" if approximate == "tanh" else "geglu_erf"
     return eager_activations.glu(x, token_weights, kind=kind, inplace_backward=inplace_backward)

@@ -8,8 +8,8 @@
 - The torch references are differentiable by autograd and are what tests hold every backend
   to; the Triton backend has its own forward and backward kernels (``triton_norms``). The
   torch backend runs RMSNorm through :mod:`~shardwork.fused_kernels.eager_norms` (the
-  reference's forward, a closed-form backward with fewer passes) and LayerNorm through the
-  reference.
+  reference's forward, a closed-form backward with fewer passes; the reference itself under
+  ``torch.compile``, which fuses it) and LayerNorm through the reference.
 """
 
 from __future__ import annotations
@@ -98,6 +98,8 @@ def rms_norm(
         )
     if chosen == "te":
         return te_ops.rms_norm(x, weight, eps=eps, zero_centered_gamma=zero_centered_gamma)
+    if torch.compiler.is_compiling():  # traced: the plain formula, which inductor fuses
+        return rms_norm_reference(x, weight, eps=eps, zero_centered_gamma=zero_centered_gamma)
     return eager_norms.rms_norm(x, weight, eps=eps, zero_centered_gamma=zero_centered_gamma)
 
 

@@ -20,8 +20,8 @@ Legend: E experts, L = E/ep local experts, H hidden, F expert ffn width, f = F/e
   blocks when the dtype and strides allow it, else a padded batched ``bmm``; never a loop
   over tokens. The SwiGLU is ``shardwork.fused_kernels.swiglu`` on the fused ``[gate | up]``
   (``inplace_backward``: its gradient overwrites fc1's output, which nothing else reads); the
-  squared ReLU is elementwise on fc1's output. Routing probabilities, when passed, scale the
-  activation (SwiGLU's per-row ``token_weights``), not the ``[N, H]`` output.
+  squared ReLU is elementwise on fc1's output. SwiGLU experts take the rows' routing
+  probabilities and scale their activation (``token_weights``), not the ``[N, H]`` output.
 - With ETP > 1 the output is a partial sum over this rank's ffn slice; the dispatcher's
   combine reduces it over the etp group.
 """
@@ -218,6 +218,10 @@ class GroupedExperts(ShardedModule):
         self.num_local_experts = L
         self.first_expert = groups.rank("ep") * L
         self.mode, self.backend, self.activation = grouped_gemm, kernel_backend, activation
+        self.scales_by_probs = activation == "swiglu"
+        """Whether ``forward`` takes the rows' routing probabilities (SwiGLU folds them into its
+        ``token_weights``; squared ReLU would need one more saved ``[N, f]`` tensor, so its
+        probabilities stay with the combine)."""
         common = dict(
             first_expert=self.first_expert,
             ffn_size=ffn_hidden_size,
@@ -257,7 +261,7 @@ class GroupedExperts(ShardedModule):
         probs_N: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Rows grouped by local expert (counts ``tokens_per_expert_L``) -> ``[N, H]``, each
-        row's output scaled by ``probs_N`` when given."""
+        row's output scaled by ``probs_N`` when given (``scales_by_probs`` experts only)."""
         if tokens_per_expert_L.numel() != self.num_local_experts:
             raise ValueError(
                 f"tokens_per_expert has {tokens_per_expert_L.numel()} entries, expected "
@@ -271,7 +275,10 @@ class GroupedExperts(ShardedModule):
             # fc1's output feeds only the activation, so its backward may overwrite it.
             h = swiglu(h, token_weights=probs_N, inplace_backward=True, backend=self.backend)
         else:
-            h = torch.relu(h).square()
             if probs_N is not None:
-                h = h * probs_N.unsqueeze(-1).to(h.dtype)
+                raise ValueError(
+                    "squared-ReLU experts do not scale by routing probabilities (scales_by_probs "
+                    "is False): let the dispatcher's combine apply them"
+                )
+            h = torch.relu(h).square()
         return self.linear_fc2(h, tokens_per_expert_L, self.mode)
