@@ -17,10 +17,14 @@ backward) and nothing else:
   ``flops_per_token``: causal attention, no recompute, against the datasheet's dense bf16 peak
   of the device) and the peak memory of one step.
 
-Peers are benchmark-only: transformers is in the workspace's dev group; TorchTitan 0.3.0 is
-installed beside it with ``uv pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3
-einops`` into any folder on ``--peer-path`` (default ``$SHARDWORK_PEERS``). A peer that cannot
-be imported is recorded with the reason, which counts as a goal not met, never as a pass.
+Peers are benchmark-only: transformers is in the workspace's dev group; TorchTitan 0.3.0
+(``uv pip install --no-deps --target DIR torchtitan==0.3.0 spmd_types==0.2.3 einops tyro
+docstring-parser typeguard shtab``) and megatron-core 0.19.2 (its wheel is tagged cp312 but
+its Python code runs on 3.11: unzip the wheel into DIR) go into a folder given as
+``--peer-path`` (default ``$SHARDWORK_PEERS``). Megatron-Core runs its GPTModel with the local
+layer spec (no Transformer Engine), in a one-rank process group, with two CPU shims (the CUDA
+device query and the CUDA RNG fork). A peer that cannot be imported is recorded with the
+reason, which counts as a goal not met, never as a pass.
 shardwork runs once per kernel backend asked for (``--backends``; "auto" picks the Triton
 kernels on a GPU).
 
@@ -33,6 +37,7 @@ Writes benchmarks/results/dense_step-<device>.json and .md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -179,6 +184,90 @@ def titan_llama(shape: dict, hf_model, dtype: torch.dtype, device: torch.device)
     return model.train()
 
 
+def megatron_state_from_hf(hf_state: dict, shape: dict) -> dict:
+    """transformers Llama tensors under Megatron-Core's local-spec names: Q|K|V fused and
+    interleaved per query group (each group's query heads, then its key, then its value),
+    ``linear_fc1`` = [gate; up]. Megatron's RoPE rotates halves as transformers' does."""
+    heads, groups = shape["heads"], shape["kv_heads"]
+    d = shape["hidden"] // heads
+    state = {"embedding.word_embeddings.weight": hf_state["model.embed_tokens.weight"],
+             "decoder.final_layernorm.weight": hf_state["model.norm.weight"]}  # fmt: skip
+    if not shape["tied"]:
+        state["output_layer.weight"] = hf_state["lm_head.weight"]
+    for i in range(shape["layers"]):
+        hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
+        q = hf_state[hf + "self_attn.q_proj.weight"].view(groups, heads // groups * d, -1)
+        k = hf_state[hf + "self_attn.k_proj.weight"].view(groups, d, -1)
+        v = hf_state[hf + "self_attn.v_proj.weight"].view(groups, d, -1)
+        state[mc + "self_attention.linear_qkv.weight"] = torch.cat([q, k, v], 1).flatten(0, 1)
+        state[mc + "self_attention.linear_proj.weight"] = hf_state[hf + "self_attn.o_proj.weight"]
+        state[mc + "input_layernorm.weight"] = hf_state[hf + "input_layernorm.weight"]
+        state[mc + "pre_mlp_layernorm.weight"] = hf_state[hf + "post_attention_layernorm.weight"]
+        gate_up = [hf_state[hf + "mlp.gate_proj.weight"], hf_state[hf + "mlp.up_proj.weight"]]
+        state[mc + "mlp.linear_fc1.weight"] = torch.cat(gate_up, 0)
+        state[mc + "mlp.linear_fc2.weight"] = hf_state[hf + "mlp.down_proj.weight"]
+    return state
+
+
+def start_megatron(device: torch.device, folder: Path) -> None:
+    """A one-rank process group and Megatron's parallel state (plus, on a CPU, the shims
+    ENVIRONMENT.md lists: Megatron asks CUDA for the current device and forks a CUDA RNG)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    if device.type == "cpu":
+        torch.cuda.current_device = lambda: torch.device("cpu")
+        tensor_parallel.random.CudaRNGStatesTracker.fork = (
+            lambda self, name=None: contextlib.nullcontext()  # dropout is 0: no draws
+        )
+    if not dist.is_initialized():
+        store = dist.FileStore(str(folder / "megatron-store"), 1)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    if device.type == "cuda":
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+
+
+def megatron_llama(shape: dict, hf_model, dtype: torch.dtype, device: torch.device, folder):
+    """Megatron-Core's GPTModel, local layer spec (its non-Transformer-Engine modules), with
+    the transformers weights; returns the model and the causal mask its forward takes."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    start_megatron(device, folder)
+    config = TransformerConfig(
+        num_layers=shape["layers"], hidden_size=shape["hidden"],
+        num_attention_heads=shape["heads"], num_query_groups=shape["kv_heads"],
+        ffn_hidden_size=shape["ffn"], normalization="RMSNorm", layernorm_epsilon=1e-5,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype,
+        bf16=dtype == torch.bfloat16, use_cpu_initialization=device.type == "cpu",
+    )  # fmt: skip
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.sharded_state_dict_keys_map = {}  # module names, not TE checkpoint names
+    with torch.device(device):
+        model = GPTModel(
+            config=config, transformer_layer_spec=spec, vocab_size=shape["vocab"],
+            max_sequence_length=shape["seq"], position_embedding_type="rope",
+            rotary_base=int(rope_theta(hf_model.config)),
+            share_embeddings_and_output_weights=shape["tied"],
+        )  # fmt: skip
+    hf_state = {k: v.detach() for k, v in hf_model.state_dict().items()}
+    missing, unexpected = model.load_state_dict(
+        megatron_state_from_hf(hf_state, shape), strict=False
+    )
+    if unexpected or any("_extra_state" not in k for k in missing):
+        raise RuntimeError(
+            f"Megatron state dict mismatch: missing {missing}, unexpected {unexpected}"
+        )
+    # True = masked out (Megatron's own default mask is made on "cuda").
+    s = shape["seq"]
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), diagonal=1)[None, None]
+    return model.to(device).train(), mask
+
+
 def shardwork_llama(folder: Path, backend: str, dtype: torch.dtype, device: torch.device):
     """shardwork's GPTModel at world 1 from the transformers folder."""
     from shardwork.models.hf import from_pretrained
@@ -220,7 +309,26 @@ def make_sides(args, shape, dtype, device, ids, labels, folder) -> tuple[list[Si
             sides.append(Side("torchtitan", titan_loss, list(titan.parameters())))
         except Exception as err:
             skipped["torchtitan"] = f"{type(err).__name__}: {err}"
+    if "megatron" in args.peers:
+        try:
+            sides.append(megatron_side(shape, hf, dtype, device, ids, labels, folder))
+        except Exception as err:
+            skipped["megatron"] = f"{type(err).__name__}: {err}"
     return sides, skipped
+
+
+def megatron_side(shape, hf, dtype, device, ids, labels, folder) -> Side:
+    """Megatron's GPTModel returns per-token losses ``[b, s]`` (vocab-parallel cross entropy in
+    fp32); it has no ignore index, so the last position gets label 0 and is left out."""
+    model, mask = megatron_llama(shape, hf, dtype, device, folder)
+    positions = torch.arange(shape["seq"], device=device).expand_as(ids)
+    targets = labels.clamp(min=0)
+
+    def loss():
+        losses = model(ids, positions, attention_mask=mask, labels=targets)
+        return losses[:, :-1].float().mean()
+
+    return Side("megatron", loss, list(model.parameters()))
 
 
 def synchronize(device: torch.device) -> None:
@@ -310,7 +418,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=["auto"],
         help="shardwork kernel backends to run (auto, torch, triton)",
     )
-    parser.add_argument("--peers", nargs="*", default=["transformers", "torchtitan"])
+    parser.add_argument("--peers", nargs="*", default=["transformers", "torchtitan", "megatron"])
     parser.add_argument(
         "--peer-path",
         default=os.environ.get("SHARDWORK_PEERS"),

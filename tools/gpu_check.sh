@@ -41,7 +41,7 @@ fi
 PYTHONPATH=$(ls -d "$PWD"/packages/*/src | paste -sd:):$SITE
 export PYTHONPATH
 
-stage "dense training step: shardwork vs transformers and TorchTitan (1B, bf16)"
+stage "dense training step: shardwork vs transformers, TorchTitan and Megatron-Core (1B, bf16)"
 limited 170 python3 benchmarks/dense_step.py --shape 1b --device cuda --backends auto torch \
     --rounds 5 --steps 3 --peer-path "$SITE"
 keep

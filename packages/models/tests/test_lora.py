@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwork.models import GPTModel, preset
+from shardwork.models import AttentionInputs, GPTModel, preset
 from shardwork.models.full_state import full_state_dict
 from shardwork.models.lora import (
     apply_lora,
@@ -19,6 +19,7 @@ from shardwork.models.lora import (
     unmerge_lora,
 )
 from shardwork.models.lora_config import LoRAConfig
+from shardwork.models.rng import REPLICATED, TENSOR_PARALLEL
 from shardwork.models.testing import random_batch, randomize_lora_b
 from shardwork.parallel_state.testing import assert_close_at_scale
 
@@ -29,6 +30,11 @@ def _model(name, targets, **lora):
     apply_lora(model, LoRAConfig(rank=4, alpha=8.0, target_modules=targets, **lora))
     randomize_lora_b(model)
     return model, dict(model.named_sharded_modules())
+
+
+_MAMBA = "decoder.layers.0.self_attention"  # the mixer of a hybrid layer
+_DELTANET = "decoder.layers.0.self_attention"
+_DELTANET_BLOCKS = (".q", ".k", ".v", ".z", ".b", ".a")
 
 
 def _cat(full, prefix, blocks):
@@ -44,8 +50,23 @@ def _cat(full, prefix, blocks):
         ("tiny-llama3-8b", "decoder.layers.1.mlp.fc2", (), {}),
         ("tiny-deepseek-v3", "decoder.layers.0.self_attention.linear_q_up_proj", (), {}),
         ("tiny-deepseek-v3", "decoder.layers.0.self_attention.linear_kv_down_proj", (), {}),
+        ("tiny-nemotron-h-8b", _MAMBA + ".in_proj", (".z", ".x", ".B", ".C", ".dt"), {}),
+        ("tiny-nemotron-h-8b", _MAMBA + ".out_proj", (), {}),
+        ("tiny-qwen3-next-80b-a3b", _DELTANET + ".in_proj", _DELTANET_BLOCKS, {}),
+        ("tiny-qwen3-next-80b-a3b", _DELTANET + ".out_proj", (), {}),
     ],
-    ids=["qkv", "proj", "fc1-gate-up-rslora", "fc2", "mla-q-up", "mla-kv-down-replicated"],
+    ids=[
+        "qkv",
+        "proj",
+        "fc1-gate-up-rslora",
+        "fc2",
+        "mla-q-up",
+        "mla-kv-down-replicated",
+        "mamba-in",
+        "mamba-out",
+        "deltanet-in",
+        "deltanet-out",
+    ],
 )
 def test_forward_is_base_plus_scaled_ba(name, module, blocks, lora):
     model, modules = _model(name, (module,), **lora)
@@ -62,6 +83,43 @@ def test_forward_is_base_plus_scaled_ba(name, module, blocks, lora):
     assert_close_at_scale(actual, expected, dtype=torch.float64, name=module)
     # The adapter really contributes (B is random, not PEFT's zero init).
     assert (actual - x @ w.T).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("module", "blocks", "stream"),
+    [
+        ("decoder.layers.0.self_attention.linear_qkv", (".q", ".k", ".v"), REPLICATED),
+        ("decoder.layers.1.mlp.fc2", (), TENSOR_PARALLEL),
+    ],
+    ids=["column-qkv", "row-fc2"],
+)
+def test_dropout_masks_the_adapter_input_only(module, blocks, stream):
+    """Training mode: ``W x + scaling · B A (x ⊙ mask / (1 - p))``, the base path undropped, the
+    mask drawn from the model's RNG stream for that input (replicated for a column-parallel
+    input without SP, per TP rank for a row-parallel one); eval mode drops nothing."""
+    p = 0.5
+    model, modules = _model("tiny-llama3-8b", (module,), dropout=p)
+    full = full_state_dict(model)
+    w = _cat(full, module + ".weight", blocks)
+    a = full[module + ".lora_A.weight"]
+    b = _cat(full, module + ".lora_B.weight", blocks)
+    x = torch.randn(
+        6, 2, w.shape[1], dtype=torch.float64, generator=torch.Generator().manual_seed(4)
+    )
+    layer = modules[module].train()
+    tracker = model.rng_tracker
+    states = tracker.get_states()
+    dropped = layer(x)
+    tracker.set_states(states)
+    with tracker.fork(stream):  # the same draws: a Bernoulli(1 - p) keep mask of x's shape
+        keep = torch.empty_like(x).bernoulli_(1 - p)
+    assert 0 < int(keep.sum()) < keep.numel()
+    expected = x @ w.T + 2.0 * ((x * keep / (1 - p)) @ a.T) @ b.T
+    assert_close_at_scale(dropped, expected, dtype=torch.float64, name="dropped")
+    whole = x @ w.T + 2.0 * (x @ a.T) @ b.T
+    assert (dropped - whole).abs().max() > 1e-3  # the mask really changed the adapter's path
+    with torch.no_grad():
+        assert_close_at_scale(layer.eval()(x), whole, dtype=torch.float64, name="eval")
 
 
 @pytest.mark.parametrize("fc", ["linear_fc1", "linear_fc2"])
@@ -86,6 +144,38 @@ def test_expert_forward_uses_each_experts_own_adapter(fc):
         rows.append(xe @ w.T + 2.0 * (xe @ a.T) @ b.T)
         start += n
     assert_close_at_scale(actual, torch.cat(rows), dtype=torch.float64, name=prefix)
+
+
+@pytest.mark.parametrize(
+    ("name", "mixer"),
+    [("tiny-nemotron-h-8b", _MAMBA), ("tiny-qwen3-next-80b-a3b", _DELTANET)],
+    ids=["mamba", "deltanet"],
+)
+def test_mixer_step_runs_the_adapters(name, mixer):
+    """Token-by-token generation of a Mamba-2 / Gated DeltaNet mixer with adapters on its
+    ``in_proj`` and ``out_proj`` equals the forward of the same mixer with the adapters merged
+    into its weights (``W + scaling · B A``), which differs from the base mixer's."""
+    model, modules = _model(name, (f"{mixer}.in_proj", f"{mixer}.out_proj"))
+    layer = modules[mixer]
+    x = torch.randn(9, 2, model.config.hidden_size, dtype=torch.float64)
+    whole = AttentionInputs(cos=torch.empty(0), sin=torch.empty(0), mask=None)
+    with torch.no_grad():
+        state, steps = layer.init_state(2), []
+        for t in range(x.shape[0]):
+            out, state = layer.step(x[t], state)
+            steps.append(out)
+        merge_lora(model)
+        merged = layer(x, whole)
+        unmerge_lora(model)
+        unmerged = layer(x, whole)
+        for m in (layer.in_proj, layer.out_proj):
+            m.lora_B.weight.zero_()
+        without = layer(x, whole)
+    # The step sums in another order than the chunked forward: measured at most 3 fp64 ulps
+    # (Mamba) of the output's scale in the mixers' own step tests; bound as theirs.
+    assert_close_at_scale(torch.stack(steps), merged, rtol=0, ulps=256, name="steps")
+    assert_close_at_scale(unmerged, merged, rtol=0, ulps=256, name="unmerged forward")
+    assert (merged - without).abs().max() > 1e-3
 
 
 def test_only_adapters_train_and_their_count_follows_the_shapes():

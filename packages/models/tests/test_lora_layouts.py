@@ -51,7 +51,11 @@ def _expert_prepare(model):
     _with_lora(("experts.linear_fc1", "experts.linear_fc2", "linear_qkv"))(model)
 
 
-PREPARE = {"dense": _dense_prepare, "mla": _mla_prepare}
+def _hybrid_prepare(model):
+    _with_lora(("in_proj", "out_proj", "linear_qkv", "fc1", "fc2"))(model)
+
+
+PREPARE = {"dense": _dense_prepare, "mla": _mla_prepare, "hybrid": _hybrid_prepare}
 
 
 def _compare(name, kwargs, prepare):
@@ -66,8 +70,9 @@ def _compare(name, kwargs, prepare):
         ("tiny-llama3-8b", {"tp": 2, "sequence_parallel": True}, "dense"),
         ("tiny-deepseek-v2-lite", {"tp": 2, "sequence_parallel": True}, "mla"),
         ("tiny-llama3-8b", {"tp": 2, "sequence_parallel": True, "recompute": "full"}, "dense"),
+        ("tiny-nemotron-h-8b", {"tp": 2, "sequence_parallel": True}, "hybrid"),
     ],
-    ids=["tp2", "tp2-sp", "mla-tp2-sp", "tp2-sp-full-recompute"],
+    ids=["tp2", "tp2-sp", "mla-tp2-sp", "tp2-sp-full-recompute", "mamba-tp2-sp"],
 )
 def test_lora_layout_matches_single_rank(name, kwargs, prepare):
     losses = run_on_ranks(_compare, 2, args=(name, kwargs | {"rtol": RTOL64}, prepare))
@@ -78,7 +83,11 @@ def _moe(kwargs):
     return compare_moe_layout("tiny-mixtral-8x7b", prepare=_expert_prepare, rtol=RTOL64, **kwargs)
 
 
-@pytest.mark.parametrize("kwargs", [{"ep": 2, "etp": 1}, {"pp": 2}], ids=["ep2", "pp2"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"ep": 2, "etp": 1}, {"pp": 2}, {"tp": 2, "etp": 1}],
+    ids=["ep2", "pp2", "tp2-etp1"],
+)
 def test_lora_experts_match_single_rank(kwargs):
     run_on_ranks(_moe, 2, args=(kwargs,))
 

@@ -95,8 +95,9 @@ def test_te_and_local_names_give_the_same_keys():
 
 
 def _layout_logits(name, parallel):
+    sp = parallel.pop("sequence_parallel", False)  # a model option, not a group
     groups = init_process_groups(ParallelConfig(**parallel))
-    model = build_stage(_config(name), groups)
+    model = build_stage(_config(name, sequence_parallel=sp), groups)
     load_megatron_weights(model, DATA / name).eval()
     return pipeline_logits(model, groups, _fixture(name)["tokens"])
 
@@ -104,8 +105,13 @@ def _layout_logits(name, parallel):
 @pytest.mark.multirank
 @pytest.mark.parametrize(
     "name,parallel",
-    [("llama_tp2pp2", {"tp": 2}), ("llama_tp2pp2", {"pp": 2}), ("moe_ep2", {"ep": 2})],
-    ids=["tp2", "pp2", "ep2"],
+    [
+        ("llama_tp2pp2", {"tp": 2}),
+        ("llama_tp2pp2", {"tp": 2, "sequence_parallel": True}),
+        ("llama_tp2pp2", {"pp": 2}),
+        ("moe_ep2", {"ep": 2}),
+    ],
+    ids=["tp2", "tp2-sp", "pp2", "ep2"],
 )
 def test_layouts_give_megatron_logits(name, parallel):
     results = run_on_ranks(_layout_logits, 2, args=(name, parallel))

@@ -82,6 +82,31 @@ def test_router_matches_formula_for_each_n(n):
     assert torch.equal(ref[1], want_map)
 
 
+@pytest.mark.golden
+def test_top_k_not_a_multiple_of_group_top_k_with_an_explicit_group_score():
+    """transformers' rule lets DeepSeek-style configs keep 4 groups for a top-6: allowed when
+    the group score is explicit, refused under Megatron's rule, which needs top_k / group_top_k."""
+    gk = 4
+    cfg = dict(num_experts=E, hidden_size=H, top_k=K, score_function="sigmoid", num_groups=G,
+               group_top_k=gk, top_k_scaling_factor=2.5, enable_expert_bias=True,
+               load_balancing_type="none")  # fmt: skip
+    with pytest.raises(ValueError, match=r"top_k=6: with group_score_top_n=None"):
+        RouterConfig(**cfg)
+    with pytest.raises(ValueError, match=r"top_k=6 is invalid: group_top_k=1 groups of 4"):
+        RouterConfig(**{**cfg, "group_top_k": 1}, group_score_top_n=2)
+    torch.manual_seed(0)
+    router = TopKRouter(RouterConfig(**cfg, group_score_top_n=2))
+    with torch.no_grad():
+        router.weight.normal_(0, 1.0)
+        router.expert_bias.normal_(0, 0.1)
+    x = torch.randn(64, 2, H, generator=torch.Generator().manual_seed(5))
+    probs, routing_map = router(x)
+    scores = torch.sigmoid(x.reshape(-1, H) @ router.weight.detach().T)
+    want_map, want_probs = formula_route(scores, router.expert_bias, 2, group_top_k=gk)
+    assert torch.equal(routing_map, want_map)
+    torch.testing.assert_close(probs.detach(), want_probs, rtol=0, atol=PROB_ATOL)
+
+
 def test_gradient_flows_with_top2_rule():
     router = make_router(2)
     x = torch.randn(32, 1, H, generator=torch.Generator().manual_seed(2))

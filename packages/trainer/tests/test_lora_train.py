@@ -5,9 +5,13 @@ elements, checkpoints hold only adapters and resume to the uninterrupted run's l
 """
 
 import dataclasses
+import math
 import os
 import re
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +26,7 @@ from shardwork.parallel_state.testing import run_on_ranks
 from shardwork.trainer.config.load import ConfigError
 from shardwork.trainer.config.validate import validate_config
 from shardwork.trainer.inference import load_for_inference
+from shardwork.trainer.observe.metrics import read_metrics
 from shardwork.trainer.run.trainer import train
 from shardwork.trainer.testing import first_global_batch, tiny_config
 
@@ -244,6 +249,66 @@ def test_lora_tp2_sp_run_matches_one_process_and_resumes_at_world_1(
         assert again[step] == pytest.approx(ref[step], rel=2e-4, abs=2e-4), step
 
 
+def _rank_training_sizes(run_dir, sections, cache):
+    """Train on this rank, then return its trainable elements and what training allocated for
+    them: DDP buffer elements, fp32 master elements and AdamW state bytes."""
+    os.environ["SHARDWORK_CACHE"] = cache
+    seen = []
+    build = trainer_module.build_assembly
+
+    def recording(*args, **kwargs):
+        seen.append(build(*args, **kwargs))
+        return seen[-1]
+
+    trainer_module.build_assembly = recording  # a pooled worker: restored below
+    try:
+        train(tiny_config(run_dir, world_size=torch.distributed.get_world_size(), **sections))
+    finally:
+        trainer_module.build_assembly = build
+    ((module,), (chunk,)) = seen[0].modules, seen[0].chunks
+    parts = getattr(seen[0].optimizer, "parts", [seen[0].optimizer])
+    moments = [
+        t
+        for part in parts
+        if part.optimizer is not None
+        for state in part.optimizer.state.values()
+        for t in state.values()
+        if torch.is_tensor(t) and t.dim() > 0
+    ]
+    return {
+        "trainable": sum(p.numel() for p in module.parameters() if p.requires_grad),
+        "buffers": sum(p.numel() for buf in chunk.buffers.values() for p in buf.params),
+        "masters": sum(m.master.numel() for part in parts for m in part.masters),
+        "adam_bytes": sum(t.numel() * t.element_size() for t in moments),
+    }
+
+
+@pytest.mark.multirank
+def test_lora_training_state_per_rank_is_adapter_sized_at_tp2(tmp_path, tmp_path_factory):
+    """At TP=2+SP each rank's DDP buffers, fp32 masters and AdamW moments hold exactly its own
+    adapter shards, counted here from the shapes: column-parallel ``linear_qkv`` keeps the
+    whole ``A [r, h]`` and half of ``B [qkv_out, r]``, row-parallel ``fc2`` half of
+    ``A [r, ffn]`` and the whole ``B [h, r]``; AdamW keeps two fp32 moments per element."""
+    cache = str(tmp_path_factory.getbasetemp() / "corpus")
+    sections = _multirank_sections()
+    sections["schedule"] = {"train_steps": 1, "warmup_steps": 1}
+    sections["checkpoint"] = {"save_at_end": False}
+    sections["parallel"] = {"tp": 2, "sequence_parallel": True}
+    sizes = run_on_ranks(
+        _rank_training_sizes, 2, args=(str(tmp_path / "run"), sections, cache), timeout=300
+    )
+    layers, h, ffn, r = 4, 32, 64, LORA["rank"]
+    qkv_out = (4 + 2 * 2) * (h // 4)
+    per_rank = layers * (r * h + qkv_out // 2 * r + r * ffn // 2 + h * r)
+    for rank_sizes in sizes:
+        assert rank_sizes == {
+            "trainable": per_rank,
+            "buffers": per_rank,
+            "masters": per_rank,  # DP=1: nothing to shard
+            "adam_bytes": 2 * 4 * per_rank,
+        }
+
+
 def test_resume_refuses_a_checkpoint_of_other_lora_options(tmp_path):
     """Checked from the checkpoint's recorded LoRA options before any tensor is read."""
     from shardwork.trainer.run.checkpointing import ResumeError
@@ -358,3 +423,41 @@ def test_lora_run_starts_from_a_peft_folder(tmp_path, folder):
     assert abs(float(expected) - float(base)) > 1e-3  # the adapters change the loss
     assert result.train_losses[0] == pytest.approx(float(expected), rel=1e-5)
     assert pp_losses[0] == pytest.approx(float(expected), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_lora_example_runs_under_torchrun(tmp_path):
+    """examples/cpu/tiny-lora.toml (TP=2+SP) on 2 processes through torch.distributed.run,
+    shortened to 3 steps: it exits 0, logs finite losses, and its final checkpoint holds the
+    adapters of the four targeted linears and no base weight."""
+    example = Path(__file__).resolve().parents[3] / "examples" / "cpu" / "tiny-lora.toml"
+    assert re.search(r"^# world_size = 2$", example.read_text(), re.M)
+    run_dir = tmp_path / "run"
+    overrides = {
+        "schedule.train_steps": "3",
+        "schedule.warmup_steps": "1",
+        "eval.interval": "3",
+        "eval.steps": "1",
+        "logging.interval": "1",
+        "logging.run_dir": str(run_dir),
+        "logging.plot": "false",
+        "logging.tensorboard": "false",
+    }
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "2", "-m", "shardwork.trainer", "--config", str(example)]
+    command += [part for key, value in overrides.items() for part in (f"--{key}", value)]
+    env = {**os.environ, "SHARDWORK_CACHE": str(tmp_path / "cache")}
+    out = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "(tp=2 pp=1 cp=1 ep=1 dp=1)" in out.stderr
+    train_records = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in train_records] == [1, 2, 3]
+    assert all(math.isfinite(r["loss"]) for r in train_records)
+    final = run_dir / "checkpoints" / "step_000000003"
+    keys = FileSystemReader(str(final)).read_metadata().state_dict_metadata
+    model_keys = {k for k in keys if k.startswith(("decoder.", "embedding.", "output_layer."))}
+    adapted = {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in model_keys}
+    assert model_keys and all(is_lora_key(k) for k in model_keys), sorted(model_keys)[:4]
+    assert adapted == {"linear_qkv", "linear_proj", "fc1", "fc2"}

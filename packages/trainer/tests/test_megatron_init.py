@@ -17,6 +17,7 @@ import torch
 from shardwork.models import GPTModel
 from shardwork.models.lora import apply_lora, load_lora_state
 from shardwork.models.megatron import load_megatron_weights
+from shardwork.parallel_state.testing import run_on_ranks
 from shardwork.trainer.config.load import ConfigError
 from shardwork.trainer.config.validate import validate_config
 from shardwork.trainer.config.validate_peft import lora_config_of
@@ -39,10 +40,12 @@ def _corpus_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("SHARDWORK_CACHE", str(tmp_path_factory.getbasetemp() / "corpus"))
 
 
-def _config(run_dir, **checkpoint):
+def _config(run_dir, world_size=1, parallel=None, **checkpoint):
     return tiny_config(
         run_dir,
+        world_size=world_size,
         model=MODEL,
+        parallel=parallel or {},
         schedule={"train_steps": 2, "warmup_steps": 1},
         eval={"interval": None, "at_end": False},
         checkpoint={"megatron_init": str(SOURCE), **checkpoint},
@@ -57,6 +60,32 @@ def test_step0_trains_the_imported_megatron_weights(tmp_path):
     with torch.no_grad():
         loss_sum, count = model(input_ids=rows[:, :-1], labels=rows[:, 1:])
     assert result.train_losses[0] == pytest.approx(float(loss_sum) / int(count), rel=1e-5)
+
+
+def _train_at_layout(run_dir, parallel, cache):
+    import os
+
+    os.environ["SHARDWORK_CACHE"] = cache
+    config = _config(run_dir, world_size=2, parallel=parallel, save_at_end=False)
+    return train(config).train_losses
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(
+    "parallel", [{"tp": 2, "sequence_parallel": True}, {"pp": 2}], ids=["tp2-sp", "pp2"]
+)
+def test_step0_at_a_layout_trains_the_imported_weights(tmp_path, tmp_path_factory, parallel):
+    """Each rank imports its own slices (TP: q/k/v and gate/up rows of the interleaved QKV and
+    fused fc1; PP: its layers): step 0's loss equals the one-process imported model's."""
+    config = _config(tmp_path / "one")
+    model = load_megatron_weights(GPTModel(gpt_config(config)), SOURCE).eval()
+    rows = torch.cat(first_global_batch(config))
+    with torch.no_grad():
+        loss_sum, count = model(input_ids=rows[:, :-1], labels=rows[:, 1:])
+    cache = str(tmp_path_factory.getbasetemp() / "corpus")
+    losses = run_on_ranks(_train_at_layout, 2, args=(str(tmp_path / "run"), parallel, cache))
+    for rank_losses in losses:
+        assert rank_losses[0] == pytest.approx(float(loss_sum) / int(count), rel=1e-5)
 
 
 def _problems(config) -> str:

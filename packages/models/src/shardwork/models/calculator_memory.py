@@ -32,13 +32,16 @@ arithmetic bytes (4, or 8 for float64). Per layer, recompute ``none``:
              ``T·(a/tp)·d·e``, k ``T·cp·(g/tp)·d·e``, v a view of the fused qkv output (which
              stays alive whole, ``T·(a+2g)/tp·d·e``; gathered over cp instead a new
              ``T·cp·(g/tp)·d·e``), the output ``T·(a/tp)·d·e`` and the log-sum-exp
-             ``T·(a/tp)·4``; with ``attn_logit_softcapping`` the explicit path's k and v
-             repeated over the groups ``2·T·cp·(a/tp)·d·e`` and its tanh and softmax outputs
-             ``T·(a/tp)·s·(e + c [+ e])`` instead of v's view and the log-sum-exp; what SDPA
-             saves beyond that with a sliding-window mask is not modelled, +1.2% measured on a
-             tiny Llama with window 8);
+             ``T·(a/tp)·4``; with ``attn_logit_softcapping`` the explicit path (grouped heads
+             broadcast, k and v as above) keeps its tanh and softmax outputs
+             ``T·(a/tp)·s·(e + c [+ e])`` instead of the log-sum-exp, an upper bound with
+             packing or a window, where each query segment scores only its key span);
+             sliding-window, packed and cp > 1 layers save no mask (block masks are rebuilt in
+             backward: a tiny Llama with window 8 measures equal to one without);
              math SDPA (MLA, widths differ): ``q, k, v`` plus ``T·(n/tp)·s·e``
-             probabilities and the output projection's input. Without RoPE (``none`` or
+             probabilities and the output projection's input (packed or cp > 1 MLA runs the
+             block-mask path instead: ``v`` and the output padded to the query width, a
+             log-sum-exp, no probabilities; not modelled). Without RoPE (``none`` or
              ``learned_absolute``) and QK-norm, q and k are views of the fused qkv output too;
              QK-norm adds its x̂ and rstd ``T·(a+g)/tp·(d+1)·c``; the output gate adds
              ``2·T·(n/tp)·d·e`` (its sigmoid and the gated output) and widens the kept qkv
@@ -370,11 +373,10 @@ def _attention_bytes(cfg: GPTConfig, t, tp, cp, seq, recompute, c, e) -> float:
         # Without RoPE (none, or learned positions added at the embedding) and QK-norm, q and k
         # reach SDPA (or the checkpoint) as views of qkv.
         q_view = cfg.position_embedding_type != "rope" and not cfg.qk_layernorm
-        softcap = cfg.attn_logit_softcapping is not None and recompute != "selective"
-        # v not gathered over cp reaches SDPA (or the checkpoint) as a view of the fused qkv
-        # output, and an unrotated q does too: either keeps it (gate block included) alive
-        # whole. The soft-capped path keeps repeated copies of k and v instead.
-        pinned = q_view or (cp == 1 and not softcap)
+        # v not gathered over cp reaches SDPA, the soft-capped matmuls or the checkpoint as a
+        # view of the fused qkv output, and an unrotated q does too: either keeps it (gate block
+        # included) alive whole.
+        pinned = q_view or cp == 1
         extra = t * (n + 2 * g + gate) * d * e if pinned else 0.0
         if cfg.qk_layernorm:  # normalised q and k and their 1/rms, in float32
             extra += t * (n + g) * (d + 1) * c
@@ -383,12 +385,12 @@ def _attention_bytes(cfg: GPTConfig, t, tp, cp, seq, recompute, c, e) -> float:
         # k (rotated or normalised, or gathered over cp); a view of qkv when neither
         kk = 0 if q_view and cp == 1 else t * cp * g * d
         kv_ = 0 if cp == 1 else t * cp * g * d  # v gathered over cp
-        if softcap:
-            # Explicit soft-capped attention instead of SDPA's log-sum-exp: q, k and v repeated
-            # over the GQA groups; tanh's output (e), softmax's (c) and, when c != e, the
-            # probabilities cast back for the AV matmul (e), each over the gathered ``seq`` keys.
+        if cfg.attn_logit_softcapping is not None and recompute != "selective":
+            # Explicit soft-capped attention (grouped heads broadcast, no copies of k and v)
+            # instead of SDPA's log-sum-exp: tanh's output (e), softmax's (c) and, when c != e,
+            # the probabilities cast back for the AV matmul (e), each over the ``seq`` keys.
             probs = t * n * seq * (e + c + (0 if c == e else e))
-            return extra + (kq + 2 * t * cp * n * d) * e + t * n * d * e + probs
+            return extra + (kq + kk + kv_) * e + t * n * d * e + probs
         # SDPA keeps q, k, v grouped (enable_gqa) and its output (linear_proj's input), plus the
         # log-sum-exp; selective recompute keeps the core's inputs and output only.
         lse = 0 if recompute == "selective" else t * n * 4

@@ -43,7 +43,7 @@ from shardwork.models.module import ShardedModule
 from shardwork.models.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from shardwork.models.sharding import UniformInit, describe_param
 from shardwork.models.ssd import ssd_chunked, ssd_step
-from shardwork.parallel_state import ParamMeta, ProcessGroups, reduce_from_tp_region
+from shardwork.parallel_state import ParamMeta, ProcessGroups
 
 __all__ = ["Mamba2Mixer", "MambaState"]
 
@@ -205,19 +205,21 @@ class Mamba2Mixer(ShardedModule):
 
     def step(self, hidden_t: torch.Tensor, state: MambaState) -> tuple[torch.Tensor, MambaState]:
         """One token per sequence: ``hidden_t [b, h]`` (whole, on every TP rank) ->
-        ``(out [b, h], next state)``; the same as ``forward`` at that position."""
-        w = self.in_proj.weight
-        bias = None if self.in_proj.bias is None else self.in_proj.bias.to(hidden_t.dtype)
-        z, xbc, dt = self._split_projection(F.linear(hidden_t, w.to(hidden_t.dtype), bias))
+        ``(out [b, h], next state)``; the same as ``forward`` at that position.
+
+        ``in_proj`` and ``out_proj`` are called as modules (a one-token sequence), so what
+        their forward adds (LoRA adapters) is in the step too."""
+        if self.in_proj.sequence_parallel:
+            raise ValueError(
+                "Mamba2Mixer.step is one token per sequence and cannot be split along the "
+                "sequence: build the model with sequence_parallel=False for generation"
+            )
+        z, xbc, dt = self._split_projection(self.in_proj(hidden_t.unsqueeze(0))[0])
         window = torch.cat([state.conv.to(xbc.dtype), xbc[:, :, None]], dim=-1)  # [b, ch, k]
         x, B, C = self._split_conv_output(F.silu(self.conv1d.last(window)))
         y, ssm = ssd_step(state.ssm, x, self._time_step(dt), self._decay_rate(x.dtype), B, C)
         out = self._output(y, x, z)
-        partial = F.linear(out, self.out_proj.weight.to(out.dtype))
-        # Each rank's heads give a partial sum of the output: the same reduction as out_proj's.
-        full = reduce_from_tp_region(partial, self.groups.tp)
-        if self.out_proj.bias is not None:
-            full = full + self.out_proj.bias.to(full.dtype)
+        full = self.out_proj(out.unsqueeze(0))[0]  # row-parallel: reduced over TP, bias once
         return full, MambaState(conv=window[:, :, 1:].to(state.conv.dtype), ssm=ssm)
 
 

@@ -42,8 +42,11 @@ _VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
 def _expected_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
-    """Global shapes of every key of a world-1 model of ``config`` (built on meta: no memory)."""
-    model = GPTModel(config, device="meta")
+    """Global shapes of every key of a world-1 model of ``config`` (built on meta: no memory).
+
+    Sequence parallelism changes no shape and needs tp > 1, so the world-1 model is built
+    without it (a TP=2+SP model's config imports like any other)."""
+    model = GPTModel(config.replace(sequence_parallel=False), device="meta")
     return {k: tuple(st.global_shape) for k, st in model.sharded_state_dict().items()}
 
 
@@ -128,7 +131,7 @@ def import_megatron(src: str | Path, dst: str | Path, config: GPTConfig) -> dict
     coordinates. Returns ``{"tensors": n, "parameters": numel}``.
     """
     state = megatron_state_dict(src, config)  # every error before anything is written
-    model = GPTModel(config, device="meta")
+    model = GPTModel(config.replace(sequence_parallel=False), device="meta")  # world 1
     to_empty_keep_meta(model, "cpu")
     with torch.no_grad():
         for key, st in model.sharded_state_dict().items():
