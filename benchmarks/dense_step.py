@@ -378,18 +378,21 @@ def peak_memory(side: Side, device: torch.device) -> float | None:
     return (torch.cuda.max_memory_allocated() - before) / 2**30
 
 
-def time_rounds(sides: list[Side], device: torch.device, rounds: int, steps: int) -> dict:
-    """Median seconds per step of each side, interleaved round by round."""
+def time_rounds(
+    sides: list[Side], device: torch.device, rounds: int, steps: int, clock=time.perf_counter
+) -> dict:
+    """Median seconds per step of each side, interleaved round by round (``clock``: wall time,
+    or ``time.process_time`` for the CPU time of this process)."""
     times: dict[str, list[float]] = {side.name: [] for side in sides}
     for r in range(rounds):
         order = sides if r % 2 == 0 else sides[::-1]  # no side always runs first
         for side in order:
             synchronize(device)
-            start = time.perf_counter()
+            start = clock()
             for _ in range(steps):
                 side.step()
             synchronize(device)
-            times[side.name].append((time.perf_counter() - start) / steps)
+            times[side.name].append((clock() - start) / steps)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -441,6 +444,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="folder holding peers installed beside the project (TorchTitan)",
     )
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall time, or this process's CPU time (CPU only; on a shared, loaded machine "
+        "other processes stretch wall time but not what the sides cost; use with --threads 1)",
+    )
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--steps", type=int, default=3, help="steps per side per round")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -472,7 +483,7 @@ def markdown(result: dict) -> str:
         "",
         f"{result['dtype']}, tokens per step {result['tokens_per_step']}, "
         f"AdamW on every side; median of {result['rounds']} interleaved rounds of "
-        f"{result['steps']} steps. ratio = side's step time / shardwork's (> 1: shardwork "
+        f"{result['steps']} steps, {result['clock']} time, {result['threads']} thread(s). ratio = side's step time / shardwork's (> 1: shardwork "
         "faster). MFU: model FLOPs (shardwork's calculator, causal) / datasheet dense bf16 peak.",
         "",
         "| side | step-0 loss | step ms | tokens/s | ratio | MFU % | peak GiB |",
@@ -503,6 +514,8 @@ def main(argv=None) -> dict:
     if cuda and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch.cuda.is_available() is False here")
     device = torch.device("cuda" if cuda else "cpu")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     shape_name = args.shape or ("1b" if cuda else "cpu-small")
     shape = SHAPES[shape_name]
     dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
@@ -520,7 +533,8 @@ def main(argv=None) -> dict:
     for side in sides:
         for _ in range(args.warmup):
             side.step()
-    times = time_rounds(sides, device, args.rounds, args.steps)
+    clock = time.process_time if args.clock == "cpu" and not cuda else time.perf_counter
+    times = time_rounds(sides, device, args.rounds, args.steps, clock)
     name = device_name(device)
     result = {
         "benchmark": "dense_step", "shape_name": shape_name, "shape": shape,
@@ -528,6 +542,8 @@ def main(argv=None) -> dict:
         "tokens_per_step": shape["seq"] * shape["batch"], "model_flops_per_step": flops,
         "peak_flops": peak_flops(name) if cuda else None, "rounds": args.rounds,
         "steps": args.steps, "torch": torch.__version__, "machine": machine_record(),
+        "clock": "cpu" if clock is time.process_time else "wall",
+        "threads": torch.get_num_threads(),
         "torchtitan_import": TITAN_IMPORT.get("how"),
         "rows": rows_for(times, losses, memory, skipped, flops,
                          peak_flops(name) if cuda else None, shape),

@@ -10,6 +10,7 @@ import torch
 
 import shardwork.fused_kernels as fk
 from shardwork.fused_kernels.launches import count_launches
+from shardwork.fused_kernels.rotary import apply_rotary_reference
 
 # Golden / cross-implementation: CI reruns these with other CPU kernels (.ci/run).
 pytestmark = pytest.mark.golden
@@ -136,6 +137,7 @@ def test_half_split_matches_transformers_apply():
     q = torch.randn(2, 7, 4, 16, dtype=torch.float64)  # [b, s, h, d]
     cos, sin = fk.rotary_cos_sin(torch.arange(7), fk.rotary_inv_freq(16), dtype=torch.float64)
     hf_q, _ = apply_rotary_pos_emb(q, q, cos[None], sin[None], unsqueeze_dim=2)
+    torch.testing.assert_close(apply_rotary_reference(q, cos, sin), hf_q)
     torch.testing.assert_close(fk.apply_rotary(q, cos, sin, backend="torch"), hf_q)
 
 
@@ -150,6 +152,7 @@ def test_interleaved_is_complex_multiplication_and_partial_passes_through():
         * torch.polar(torch.ones_like(angles), angles)[:, None]
     )
     expect = torch.cat((torch.view_as_real(rot).reshape(6, 3, 12), x[..., 12:]), dim=-1)
+    torch.testing.assert_close(apply_rotary_reference(x, cos, sin, interleaved=True), expect)
     torch.testing.assert_close(
         fk.apply_rotary(x, cos, sin, interleaved=True, backend="torch"), expect
     )
@@ -186,9 +189,36 @@ def test_triton_matches_reference(
     with count_launches() as launches:
         y, g = run("triton")
     assert launches["rotary_fwd"] == 1 and launches["rotary_bwd"] == 1
-    y_ref, g_ref = run("torch")
+    y_ref = apply_rotary_reference(x, cos, sin, interleaved=interleaved)
+    g_ref = torch.autograd.grad(y_ref, [x], gy)[0]
     torch.testing.assert_close(y.float(), y_ref.float(), **tol(dtype))
     torch.testing.assert_close(g.float(), g_ref.float(), **tol(dtype))
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize(("lead", "heads", "head_dim", "rdim"), [*CASES, ((256, 4), 8, 64, 64)])
+def test_torch_backend_equals_reference_bit_for_bit(
+    interleaved, dtype, lead, heads, head_dim, rdim, poison
+):
+    # Same products and one add/subtract per element as the reference: outputs and input
+    # gradients equal exactly (partial rotary included: pass-through channels are copied).
+    # ``poison`` makes unwritten output channels NaN, which torch.equal rejects.
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(*lead, heads, head_dim, generator=gen).to(dtype).requires_grad_(True)
+    pos = torch.randint(0, 4096, lead[:1], generator=gen)
+    cos, sin = fk.rotary_cos_sin(pos, fk.rotary_inv_freq(rdim), interleaved=interleaved)
+    if len(lead) == 2:
+        cos, sin = cos[:, None], sin[:, None]  # [s, 1, R]: broadcast over the batch dim
+    # A non-symmetric table (cos halves differ) so a swapped sine in backward would show.
+    sin = sin * torch.linspace(0.5, 1.5, rdim)
+    gy = torch.randn(x.shape, generator=gen).to(dtype)
+    y = fk.apply_rotary(x, cos, sin, interleaved=interleaved, backend="torch")
+    (g,) = torch.autograd.grad(y, [x], gy)
+    y_ref = apply_rotary_reference(x, cos, sin, interleaved=interleaved)
+    (g_ref,) = torch.autograd.grad(y_ref, [x], gy)
+    assert y.dtype == dtype and g.dtype == dtype
+    assert torch.equal(y, y_ref) and torch.equal(g, g_ref)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -205,7 +235,7 @@ def test_in_place_on_a_strided_slice_with_autograd(backend, triton_device, tol):
     h.backward(gy)
 
     ref_leaf = qkv.detach().clone().requires_grad_(True)
-    rotated = fk.apply_rotary(ref_leaf[:, :, :5], cos, sin, backend="torch")
+    rotated = apply_rotary_reference(ref_leaf[:, :, :5], cos, sin)
     ref = torch.cat((rotated, ref_leaf[:, :, 5:]), dim=2)
     ref.backward(gy)
     torch.testing.assert_close(h.detach(), ref.detach(), **tol(torch.float32))

@@ -1,5 +1,6 @@
 """Dispatchers at EP=2, EP=4, EP=2×ETP=2 and (slow, 8 ranks) EP=4×ETP=2 (dropless and padded to capacity, and with a
-TP-replicated input) on real gloo ranks.
+TP-replicated input) on real gloo ranks; also with the probabilities sent along with the rows
+(``with_probs``) and applied by the experts instead of the combine.
 
 Every rank holds different tokens (as with sequence parallelism); the MoE block's outputs and
 gradients must equal the single-process dense computation of the same experts over all ranks'
@@ -64,7 +65,21 @@ def _reference(world: int, top_k: int, cfg: RouterConfig):
     return out.detach(), x.grad, {k: v.grad for k, v in w.items()}, router.weight.grad
 
 
-def _run_block(dispatcher: str, ep: int, etp: int, top_k: int, padded: bool = False):
+def _forward(block, x, with_probs: bool):
+    """The block's forward; ``with_probs``: the rows' probabilities travel with them and scale
+    the expert outputs, and the combine only sums (the MoE layer of shardwork.models)."""
+    if not with_probs:
+        return block(x)
+    probs_TE, map_TE = block.router(x)
+    dispatched, handle = block.dispatcher.dispatch(x, probs_TE, map_TE, with_probs=True)
+    out = block.experts(dispatched.tokens, dispatched.tokens_per_expert)
+    out = out * dispatched.probs.unsqueeze(-1)
+    return block.dispatcher.combine(out, handle, apply_probs=False)
+
+
+def _run_block(
+    dispatcher: str, ep: int, etp: int, top_k: int, padded: bool = False, with_probs: bool = False
+):
     world, rank = dist.get_world_size(), dist.get_rank()
     pg = ps.init_process_groups(ps.ParallelConfig(tp=etp, ep=ep, etp=etp))
     cfg = _config(top_k, padded)
@@ -86,7 +101,7 @@ def _run_block(dispatcher: str, ep: int, etp: int, top_k: int, padded: bool = Fa
         )
         block.experts.load_state_dict(shard.state_dict())
     x = d["x"][rank].clone().requires_grad_(True)
-    out = block(x)
+    out = _forward(block, x, with_probs)
     (out * d["grad"][rank]).sum().backward()
     router_grad = block.router.weight.grad.clone()
     dist.all_reduce(router_grad)  # each rank saw its own tokens; the sum is the full gradient
@@ -119,8 +134,29 @@ LAYOUTS = [
 @pytest.mark.multirank
 @pytest.mark.parametrize("dispatcher,ep,etp,top_k,padded", LAYOUTS)
 def test_block_equals_single_rank(dispatcher, ep, etp, top_k, padded):
+    _check_against_reference(dispatcher, ep, etp, top_k, padded, with_probs=False)
+
+
+# Probabilities exchanged with the rows: the router's gradient (through the probabilities) and
+# every output must still equal the dense reference, with and without an ETP all-gather.
+PROBS_LAYOUTS = [
+    pytest.param("alltoall", 2, 2, 2, False, id="a2a-ep2-etp2"),
+    pytest.param("alltoall", 2, 2, 2, True, id="a2a-ep2-etp2-padded"),
+    pytest.param("allgather", 2, 2, 2, False, id="ag-ep2-etp2"),
+]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("dispatcher,ep,etp,top_k,padded", PROBS_LAYOUTS)
+def test_probs_sent_with_rows_equal_single_rank(dispatcher, ep, etp, top_k, padded):
+    _check_against_reference(dispatcher, ep, etp, top_k, padded, with_probs=True)
+
+
+def _check_against_reference(dispatcher, ep, etp, top_k, padded, *, with_probs):
     world = ep * etp
-    results = testing.run_on_ranks(_run_block, world, args=(dispatcher, ep, etp, top_k, padded))
+    results = testing.run_on_ranks(
+        _run_block, world, args=(dispatcher, ep, etp, top_k, padded, with_probs)
+    )
     out, x_grad, w_grads, router_grad = _reference(world, top_k, _config(top_k, padded))
     tol = {"rtol": 1e-10, "atol": 1e-12}
     L, f = E // ep, F // etp

@@ -65,6 +65,36 @@ def test_gradients_exact():
     assert torch.autograd.gradcheck(f, (x.requires_grad_(), probs.requires_grad_()))
 
 
+def test_unweighted_unpermute_gradient_exact_and_low_precision_sums_in_fp32():
+    x, probs, rmap = _routing(T=10, E=4)
+    permuted, _, idx, _ = permute(x, rmap, probs_TE=probs)
+    rows = permuted.detach().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda r: unpermute(torch.sin(r), idx, num_tokens=10), (rows,))
+    # bf16 copies of a token are summed in fp32 and rounded once (a bf16 running sum would
+    # round after every add): the result equals the fp32 sum rounded to bf16.
+    low = permuted.to(torch.bfloat16)
+    out = unpermute(low, idx, num_tokens=10)
+    expect = torch.zeros(10, 5).index_add_(0, idx, low.float()).to(torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expect)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_unpermute_saves_no_row_sized_product(weighted):
+    # Backward keeps the index (and, weighted, the rows and probabilities), never x * p.
+    x, probs, rmap = _routing(T=12, E=4)
+    permuted, pprobs, idx, _ = permute(x, rmap, probs_TE=probs)
+    rows = permuted.detach().requires_grad_(True)
+    p = pprobs.detach().requires_grad_(True) if weighted else None
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        unpermute(rows, idx, num_tokens=12, probs_N=p)
+    pointers = {t.untyped_storage().data_ptr() for t in saved}
+    expected = {idx.untyped_storage().data_ptr()}
+    if weighted:
+        expected |= {rows.untyped_storage().data_ptr(), p.untyped_storage().data_ptr()}
+    assert pointers == expected
+
+
 def test_pad_routing_map():
     _, _, rmap = _routing(T=30, E=5)
     padded = pad_routing_map(rmap, 4)

@@ -9,6 +9,10 @@
   token weights' dtype.
 - GeGLU uses the tanh approximation of GELU by default (as Megatron and TE do);
   ``approximate="none"`` gives the erf form.
+- Backends: ``torch`` runs :mod:`~shardwork.fused_kernels.eager_activations` (eager ops, a
+  hand-written backward with no concatenation), or under ``torch.compile`` the plain formula
+  (inductor fuses it); ``swiglu_reference`` / ``geglu_reference`` are the plain autograd
+  formulas the tests hold every backend to.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shardwork.fused_kernels import te_ops
+from shardwork.fused_kernels import eager_activations, te_ops
 from shardwork.fused_kernels._checks import acc_dtype, check_float, check_same_device
 from shardwork.fused_kernels.backend import resolve_backend
 
@@ -69,9 +73,18 @@ def _validate(x: torch.Tensor, token_weights: torch.Tensor | None) -> None:
 
 
 def swiglu(
-    x: torch.Tensor, *, token_weights: torch.Tensor | None = None, backend: str | None = None
+    x: torch.Tensor,
+    *,
+    token_weights: torch.Tensor | None = None,
+    inplace_backward: bool = False,
+    backend: str | None = None,
 ) -> torch.Tensor:
-    """SwiGLU of the fused projection ``x [..., 2*I]`` -> ``[..., I]``, times ``token_weights`` if given."""
+    """SwiGLU of the fused projection ``x [..., 2*I]`` -> ``[..., I]``, times ``token_weights`` if given.
+
+    ``inplace_backward=True``: the torch backend writes the input gradient into ``x``'s own
+    storage (for an ``x`` nothing else reads, e.g. an MLP's fc1 output; one backward only).
+    The other backends allocate the gradient as usual; results are the same.
+    """
     _validate(x, token_weights)
     chosen = resolve_backend("swiglu", backend, x.device, dtype=x.dtype)
     if chosen == "triton":
@@ -80,7 +93,11 @@ def swiglu(
         return triton_activations.glu(x, token_weights, kind="swiglu")
     if chosen == "te":
         return te_ops.glu(x, token_weights, kind="swiglu")
-    return swiglu_reference(x, token_weights=token_weights)
+    if torch.compiler.is_compiling():
+        # Traced by torch.compile: the plain formula, which inductor fuses (the hand-written
+        # backward's out= views into one buffer would break the graph).
+        return swiglu_reference(x, token_weights=token_weights)
+    return eager_activations.glu(x, token_weights, kind="swiglu", inplace_backward=inplace_backward)
 
 
 def geglu(
@@ -88,9 +105,13 @@ def geglu(
     *,
     token_weights: torch.Tensor | None = None,
     approximate: str = "tanh",
+    inplace_backward: bool = False,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """GeGLU of the fused projection ``x [..., 2*I]`` -> ``[..., I]``, times ``token_weights`` if given."""
+    """GeGLU of the fused projection ``x [..., 2*I]`` -> ``[..., I]``, times ``token_weights`` if given.
+
+    ``inplace_backward``: as for :func:`swiglu`.
+    """
     _validate(x, token_weights)
     if approximate not in _APPROXIMATE:
         raise ValueError(f"approximate={approximate!r}; valid: {', '.join(_APPROXIMATE)}")
@@ -104,4 +125,7 @@ def geglu(
         if approximate != "tanh":
             raise ValueError("backend='te' offers GeGLU with approximate='tanh' only")
         return te_ops.glu(x, token_weights, kind="geglu")
-    return geglu_reference(x, token_weights=token_weights, approximate=approximate)
+    if torch.compiler.is_compiling():  # as in swiglu
+        return geglu_reference(x, token_weights=token_weights, approximate=approximate)
+    kind = "geglu_tanh" if approximate == "tanh" else "geglu_erf"
+    return eager_activations.glu(x, token_weights, kind=kind, inplace_backward=inplace_backward)

@@ -5,15 +5,18 @@
   bf16/fp16 activations; their gradients come back in their own dtype.
 - ``zero_centered_gamma=True`` stores the scale as ``weight`` with the effective
   scale ``1 + weight`` (weight initialised at zero, decayed towards zero).
-- The torch reference is differentiable by autograd; the Triton backend has its
-  own forward and backward kernels (``triton_norms``).
+- The torch references are differentiable by autograd and are what tests hold every backend
+  to; the Triton backend has its own forward and backward kernels (``triton_norms``). The
+  torch backend runs RMSNorm through :mod:`~shardwork.fused_kernels.eager_norms` (the
+  reference's forward, a closed-form backward with fewer passes; the reference itself under
+  ``torch.compile``, which fuses it) and LayerNorm through the reference.
 """
 
 from __future__ import annotations
 
 import torch
 
-from shardwork.fused_kernels import te_ops
+from shardwork.fused_kernels import eager_norms, te_ops
 from shardwork.fused_kernels._checks import (
     acc_dtype,
     check_float,
@@ -95,7 +98,9 @@ def rms_norm(
         )
     if chosen == "te":
         return te_ops.rms_norm(x, weight, eps=eps, zero_centered_gamma=zero_centered_gamma)
-    return rms_norm_reference(x, weight, eps=eps, zero_centered_gamma=zero_centered_gamma)
+    if torch.compiler.is_compiling():  # traced: the plain formula, which inductor fuses
+        return rms_norm_reference(x, weight, eps=eps, zero_centered_gamma=zero_centered_gamma)
+    return eager_norms.rms_norm(x, weight, eps=eps, zero_centered_gamma=zero_centered_gamma)
 
 
 def layer_norm(

@@ -11,14 +11,19 @@
   only needs one table row per token.
 - ``inplace=True`` writes the result into ``x`` (safe for the rotation itself: its
   backward needs only cos/sin); refuse on a leaf that requires grad.
-- Gradients flow to ``x`` only in the Triton backend (cos/sin are tables); the torch
-  reference also differentiates cos/sin. No TE backend (see ``te_support``).
+- Gradients flow to ``x`` only (cos/sin are tables) in both backends: the torch backend runs
+  :mod:`~shardwork.fused_kernels.eager_rotary` (no concatenation, a hand-written backward,
+  the reference's values bit for bit; under ``torch.compile`` the reference itself, which
+  inductor fuses); ``apply_rotary_reference`` is the autograd formula tests hold every
+  backend to, and it also differentiates cos/sin. No TE backend (see
+  ``te_support``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from shardwork.fused_kernels import eager_rotary
 from shardwork.fused_kernels._checks import acc_dtype, check_float, check_same_device
 from shardwork.fused_kernels.backend import resolve_backend
 
@@ -98,7 +103,12 @@ def apply_rotary(
         from shardwork.fused_kernels import triton_rotary
 
         return triton_rotary.rotary(x, cos, sin, interleaved=interleaved, inplace=inplace)
-    out = apply_rotary_reference(x, cos, sin, interleaved=interleaved)
+    if torch.compiler.is_compiling():
+        # Traced: the plain formula, which inductor fuses (the eager function's out= views
+        # into one buffer would break the graph).
+        out = apply_rotary_reference(x, cos, sin, interleaved=interleaved)
+    else:
+        out = eager_rotary.rotary(x, cos, sin, interleaved=interleaved)
     if inplace:
         x.copy_(out)
         return x

@@ -14,11 +14,13 @@ rank, ``d`` head dim.
   ``shardwork.fused_kernels.apply_rotary`` with half-split pairing (the HF convention) on the
   first ``cos.shape[-1]`` channels of each head (``rotary_percent`` < 1 leaves the rest as
   they are). With ``position_embedding_type="none"`` nothing is rotated.
-- Core attention is torch SDPA. The plain causal case uses ``is_causal``; packed sequences,
-  context parallelism and sliding windows bring a :class:`~shardwork.models.block_mask.BlockMask`
-  (query segments over contiguous key ranges, never an ``[s, s]`` tensor) that
-  :func:`~shardwork.models.masked_attention.block_attention` runs exactly with memory linear in
-  ``s``. The scale is ``head_dim^-0.5`` or ``query_pre_attn_scalar^-0.5`` (Gemma). With
+- Core attention is torch SDPA on strided views of q/k/v (no layout copies) with
+  ``enable_gqa`` (K/V are not repeated per query head). The plain causal case uses
+  ``is_causal``; packed sequences, context parallelism and sliding windows bring a
+  :class:`~shardwork.models.block_mask.BlockMask` (query segments over contiguous key ranges,
+  never an ``[s, s]`` tensor) that :func:`~shardwork.models.masked_attention.block_attention`
+  runs exactly with memory linear in ``s`` (grouped K/V too). The scale is ``head_dim^-0.5`` or
+  ``query_pre_attn_scalar^-0.5`` (Gemma). With
   ``attn_logit_softcapping`` (Gemma 2) the scores are capped (:mod:`shardwork.models.softcap`)
   before the mask, which SDPA cannot do: those layers compute ``softmax(cap(q·kᵀ·scale)) v``
   explicitly (per segment of the block mask), softmax in at least float32 like transformers'
@@ -149,13 +151,11 @@ class Attention(ShardedModule):
 
     def _core(self, q, k, v, mask):
         """Attention of ``q [s, b, nq, d]``, ``k/v [sk, b, nkv, d]`` -> ``[s, b, nq·d]``."""
-        # Query head j uses kv head j // groups: repeat_interleave (not repeat) matches HF's
-        # repeat_kv.
-        groups = self.num_heads // self.num_kv_heads
-        # [s, b, n, d] -> [b, n, s, d], SDPA's layout.
+        # [s, b, n, d] -> [b, n, s, d], SDPA's layout: strided views, no copies (SDPA reads
+        # strides). GQA stays grouped: query head j uses kv head j // (nq / nkv).
         q = q.permute(1, 2, 0, 3)
-        k = k.permute(1, 2, 0, 3).repeat_interleave(groups, dim=1)
-        v = v.permute(1, 2, 0, 3).repeat_interleave(groups, dim=1)
+        k = k.permute(1, 2, 0, 3)
+        v = v.permute(1, 2, 0, 3)
         p = self.dropout if self.training else 0.0
         attend = self._softcapped if self.softcap is not None else self._sdpa
         if p > 0:
@@ -174,12 +174,22 @@ class Attention(ShardedModule):
             return block_attention(q, k, v, mask, scale=self.scale, dropout_p=p)
         # is_causal masks top-left aligned, correct only when queries and keys are the same
         # positions 0..s-1; context parallel and packed sequences always bring an explicit mask.
+        # enable_gqa (torch >= 2.5): each kv head serves its group of query heads inside the
+        # kernel, instead of a repeat_interleave copy of K and V (and the sum over each group
+        # in backward).
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=p, scale=self.scale
+            q,
+            k,
+            v,
+            is_causal=True,
+            dropout_p=p,
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
         )
 
     def _softcapped(self, q, k, v, mask, p):
-        """``softmax(cap·tanh(q·kᵀ·scale / cap) masked) v`` on ``[b, n, s, d]`` tensors."""
+        """``softmax(cap·tanh(q·kᵀ·scale / cap) masked) v`` of ``q [b, nq, s, d]``, ``k/v [b, nkv,
+        sk, d]``."""
         scale = self.head_dim**-0.5 if self.scale is None else self.scale
         if mask is not None:
             return block_attention(q, k, v, mask, scale=scale, dropout_p=p, softcap=self.softcap)

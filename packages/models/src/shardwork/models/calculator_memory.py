@@ -20,39 +20,44 @@ Bytes: weights ``P·bytes(params_dtype)``; gradients ``P·4`` (fp32 ``main_grad`
 (ZeRO-1: fp32 master + two Adam moments = 12 bytes a parameter) ``12·(P_dense/(dp·cp) +
 P_expert/edp)`` — dense state shards over dp×cp, expert state over edp (bucket padding ignored).
 
-Activations: bytes saved for backward by this implementation's reference (torch) kernels,
-per micro-batch, counted tensor by tensor (:func:`layer_activation_bytes`; docs/models-moe.md
+Activations: bytes saved for backward by this implementation's torch-backend kernels, per
+micro-batch, counted tensor by tensor (:func:`layer_activation_bytes`; docs/models-moe.md
 lists every term). ``T = s·b/cp`` local tokens, ``Tn`` the tokens a norm sees (``T/tp`` under
 sequence parallelism, else ``T``), ``e`` the activation bytes, ``c`` the norm/SwiGLU
 arithmetic bytes (4, or 8 for float64). Per layer, recompute ``none``:
-  norms      ``Tn·(2h+1)·c + T·h·e`` each (x, rstd, x·rstd; the next matmul's input);
-             LayerNorm the same (x − mean, rstd, their product; the bias add saves nothing); a
-             sandwich post-norm ``Tn·(2h+1)·c``
-  attention  flash-style SDPA (query and value head widths equal): ``T·(a/tp)·d·e·(2 + 2·cp)
-             + T·(a/tp)·4`` (q, GQA-expanded k and v over the cp-gathered keys, output,
-             log-sum-exp; with ``attn_logit_softcapping`` the explicit path's tanh and
-             softmax outputs ``T·(a/tp)·s·(e + c [+ e])`` instead of the log-sum-exp, an upper
-             bound with packing or a window, where each query segment scores only its key
-             span); sliding-window, packed and cp > 1 layers save no mask (block masks are
-             rebuilt in backward: a tiny Llama with window 8 measures equal to one without);
+  norms      RMSNorm ``Tn·(h+1)·c + T·h·e`` each (x̂ and rstd of the closed-form backward; the
+             next matmul's input); LayerNorm ``Tn·(2h+1)·c + T·h·e`` (x − mean, rstd, their
+             product; the bias add saves nothing); a sandwich post-norm without the matmul term
+  attention  flash-style SDPA with ``enable_gqa`` (query and value head widths equal): q
+             ``T·(a/tp)·d·e``, k ``T·cp·(g/tp)·d·e``, v a view of the fused qkv output (which
+             stays alive whole, ``T·(a+2g)/tp·d·e``; gathered over cp instead a new
+             ``T·cp·(g/tp)·d·e``), the output ``T·(a/tp)·d·e`` and the log-sum-exp
+             ``T·(a/tp)·4``; with ``attn_logit_softcapping`` the explicit path (grouped heads
+             broadcast, k and v as above) keeps its tanh and softmax outputs
+             ``T·(a/tp)·s·(e + c [+ e])`` instead of the log-sum-exp, an upper bound with
+             packing or a window, where each query segment scores only its key span);
+             sliding-window, packed and cp > 1 layers save no mask (block masks are rebuilt in
+             backward: a tiny Llama with window 8 measures equal to one without);
              math SDPA (MLA, widths differ): ``q, k, v`` plus ``T·(n/tp)·s·e``
              probabilities and the output projection's input (packed or cp > 1 MLA runs the
              block-mask path instead: ``v`` and the output padded to the query width, a
              log-sum-exp, no probabilities; not modelled). Without RoPE (``none`` or
-             ``learned_absolute``) and QK-norm, q
-             is a view of the fused qkv output and keeps all of it, ``T·(n+2g)/tp·d·e``
-             instead of q; the output gate adds ``2·T·(n/tp)·d·e`` (its sigmoid and the gated
-             output) and widens the kept qkv output by its block
+             ``learned_absolute``) and QK-norm, q and k are views of the fused qkv output too;
+             QK-norm adds its x̂ and rstd ``T·(a+g)/tp·(d+1)·c``; the output gate adds
+             ``2·T·(n/tp)·d·e`` (its sigmoid and the gated output) and widens the kept qkv
+             output by its block. RoPE (the torch backend) keeps only its tables
   MLA        ``q_down → norm → q_up`` and ``kv_down → latent norm → kv_up`` intermediates
   Mamba-2,   the convolution, scan or delta rule and gated norm, tensor by tensor in
   DeltaNet   :mod:`shardwork.models.calculator_memory_hybrid` (terms over the sequence rounded
              up to whole chunks where the chunked scan pads it)
   MLP        SwiGLU ``T·(3f/tp·c + f/tp·e)``; squared ReLU ``2·T·f/tp·e`` (relu's output, which
-             the square also keeps, and the square); GELU the same (its input and output); MoE: router scores and indices, and for
-             ``R = T·k·etp/tp`` routed rows (expected, uniform load) ``R·(h·e + 3F/etp·c +
-             F/etp·e)`` (squared ReLU: ``R·(h·e + 2F/etp·e)``) in the experts plus ``(T·k/tp)·(2h·e + e + 8)`` to unpermute, shared
-             experts like an MLP and their sigmoid gate ``Tn·(h + 1)·e`` (the shared output
-             and the gate)
+             the square also keeps, and the square); GELU the same (its input and output); MoE:
+             router scores and indices, and for ``R = T·k·etp/tp`` routed rows (expected,
+             uniform load) ``R·(h·e + 3F/etp·c + F/etp·e + c)`` in SwiGLU experts (the row's
+             probability is their token weight) plus ``(T·k/tp)·16`` to unpermute (two
+             indices); squared ReLU ``R·(h·e + 2F/etp·e)`` plus ``(T·k/tp)·(h·e + e + 16)``
+             (the combine weights the rows); shared experts like an MLP and their sigmoid gate
+             ``Tn·(h + 1)·e`` (the shared output and the gate)
 ``selective`` keeps the core attention's inputs instead of its internals; ``full`` keeps only
 the layer input ``Tn·h·e``. The last stage adds the final norm and the head input (once per MTP
 depth too) and what the loss keeps: with ``fused_linear_cross_entropy`` (default) no logits —
@@ -351,48 +356,56 @@ def _part(table: dict, kind: str):
     return table[kind]
 
 
-def _norm(tn: float, t: float, width: int, c: int, e: int) -> float:
-    """RMSNorm (x, rstd, x·rstd on ``tn`` tokens) plus the following matmul's input."""
-    return tn * (2 * width + 1) * c + t * width * e
+def _norm_saved(cfg: GPTConfig, tn: float, width: int, c: int) -> float:
+    """What one norm over ``width`` saves for ``tn`` tokens: RMSNorm (the torch backend's closed
+    form) x̂ and rstd; LayerNorm (the autograd reference) x - mean, rstd and their product."""
+    per_token = width + 1 if cfg.normalization == "rmsnorm" else 2 * width + 1
+    return tn * per_token * c
+
+
+def _norm(cfg: GPTConfig, tn: float, t: float, width: int, c: int, e: int) -> float:
+    """A norm (:func:`_norm_saved`) plus the following matmul's input."""
+    return _norm_saved(cfg, tn, width, c) + t * width * e
 
 
 def _attention_bytes(cfg: GPTConfig, t, tp, cp, seq, recompute, c, e) -> float:
     n = cfg.num_attention_heads // tp
     if cfg.mla is None:
         d, g = cfg.kv_channels, cfg.kv_heads // tp
-        dq = dv = d
         gate = n if cfg.attention_output_gate else 0
         # Without RoPE (none, or learned positions added at the embedding) and QK-norm, q and k
         # reach SDPA (or the checkpoint) as views of qkv.
         q_view = cfg.position_embedding_type != "rope" and not cfg.qk_layernorm
-        kq, kk, kv_ = t * n * d, t * cp * n * d, t * cp * n * d  # q; k, v expanded over GQA
-        kq = 0 if q_view else kq
-        # q/k-norm (float32 compute), selective recompute's v (cp = 1) and an unrotated q save
-        # views of the fused qkv output (gate block included), which then stays alive whole
-        qkv_pinned = (cfg.qk_layernorm and c == e) or (recompute == "selective" and cp == 1)
-        extra = t * (n + 2 * g + gate) * d * e if qkv_pinned or q_view else 0.0
-        if cfg.qk_layernorm:
-            extra += t * (n + g) * (d * c + c) + (0 if c == e else t * (n + g) * d * c)
+        # v not gathered over cp reaches SDPA, the soft-capped matmuls or the checkpoint as a
+        # view of the fused qkv output, and an unrotated q does too: either keeps it (gate block
+        # included) alive whole.
+        pinned = q_view or cp == 1
+        extra = t * (n + 2 * g + gate) * d * e if pinned else 0.0
+        if cfg.qk_layernorm:  # normalised q and k and their 1/rms, in float32
+            extra += t * (n + g) * (d + 1) * c
         extra += 2 * t * gate * d * e  # sigmoid(gate) and the gated output (linear_proj's input)
-        if recompute == "selective":  # checkpoint keeps q, k and v before GQA expansion
-            v_keep = 0 if cp == 1 else t * cp * g * d * e
-            k_keep = 0 if q_view and cp == 1 else t * cp * g * d * e
-            return extra + kq * e + k_keep + v_keep + t * n * d * e
-        if cfg.attn_logit_softcapping is not None:
-            # Explicit soft-capped attention instead of SDPA's log-sum-exp: tanh's output (e),
-            # softmax's (c) and, when c != e, the probabilities cast back for the AV matmul (e),
-            # each over the gathered ``seq`` keys.
+        kq = 0 if q_view else t * n * d  # q (rotated or normalised)
+        # k (rotated or normalised, or gathered over cp); a view of qkv when neither
+        kk = 0 if q_view and cp == 1 else t * cp * g * d
+        kv_ = 0 if cp == 1 else t * cp * g * d  # v gathered over cp
+        if cfg.attn_logit_softcapping is not None and recompute != "selective":
+            # Explicit soft-capped attention (grouped heads broadcast, no copies of k and v)
+            # instead of SDPA's log-sum-exp: tanh's output (e), softmax's (c) and, when c != e,
+            # the probabilities cast back for the AV matmul (e), each over the ``seq`` keys.
             probs = t * n * seq * (e + c + (0 if c == e else e))
             return extra + (kq + kk + kv_) * e + t * n * d * e + probs
-        return extra + (kq + kk + kv_) * e + t * n * d * e + t * n * 4
+        # SDPA keeps q, k, v grouped (enable_gqa) and its output (linear_proj's input), plus the
+        # log-sum-exp; selective recompute keeps the core's inputs and output only.
+        lse = 0 if recompute == "selective" else t * n * 4
+        return extra + (kq + kk + kv_) * e + t * n * d * e + lse
     m = cfg.mla
     dq, dv = m.qk_head_dim, m.v_head_dim
     proj = 0.0
+    # Each latent RMSNorm keeps x̂ and 1/rms (c), and its output is the up projection's input.
     if m.q_lora_rank is not None:
-        proj += t * (2 * m.q_lora_rank + 1) * c + t * m.q_lora_rank * e
-    rkv, dr = m.kv_lora_rank, m.qk_rope_head_dim
-    latent = t * (rkv + dr) * e + t * (rkv + 1) * c if c == e else t * (2 * rkv + 1) * c
-    proj += latent + t * rkv * e
+        proj += t * (m.q_lora_rank + 1) * c + t * m.q_lora_rank * e
+    rkv = m.kv_lora_rank
+    proj += t * (rkv + 1) * c + t * rkv * e
     math = dq != dv  # torch's SDPA takes its math path (on CPU in float32 arithmetic)
     qkv_b = c if math and recompute != "selective" else e
     core = (t * n * dq + t * cp * n * (dq + dv)) * qkv_b + t * n * dv * e  # q, k, v, proj in
@@ -429,8 +442,12 @@ def _moe_bytes(cfg: GPTConfig, t, tn, tp, etp, c, e) -> float:
     relu2 = cfg.mlp_activation == "relu2"
     # per row: fc1's input, then SwiGLU's fp32 intermediates and output, or relu's output and
     # the square (fc2's input)
-    act = 2 * f * e if relu2 else 3 * f * c + f * e
-    out = router + rows * (h * e + act) + sent * (2 * h * e + e + 16)
+    # SwiGLU experts also keep each row's probability (their token weight, c); the combine then
+    # keeps only the two int64 indices. Squared-ReLU experts leave the probabilities to the
+    # combine, which also keeps the rows and the probabilities.
+    act = 2 * f * e if relu2 else 3 * f * c + f * e + c
+    combine = h * e + e + 16 if relu2 else 16
+    out = router + rows * (h * e + act) + sent * combine
     if m.shared_expert_ffn_hidden_size is not None:
         s = m.shared_expert_ffn_hidden_size // tp
         out += t * (2 * s * e if relu2 else 3 * s * c + s * e)
@@ -467,9 +484,9 @@ def layer_activation_bytes(
     spec = spec_for(cfg)
     part = spec.layers[layer] if layer < cfg.num_layers else spec.mtp[layer - cfg.num_layers]
     out = 0.0
-    # A sandwich (post-)norm saves x, rstd and x·rstd; its output goes to the residual add,
+    # A sandwich (post-)norm saves what a norm saves; its output goes to the residual add,
     # which saves nothing.
-    norms = _norm(tn, t, h, c, e) + (norms_per_part(cfg) - 1) * tn * (2 * h + 1) * c
+    norms = _norm(cfg, tn, t, h, c, e) + (norms_per_part(cfg) - 1) * _norm_saved(cfg, tn, h, c)
     if part.mixer is not None:
         mixer = _part(MIXER_MEMORY, part.mixer)
         out += norms + mixer.activations(cfg, t, tp, cp, seq_length, recompute, c, e)
@@ -529,10 +546,11 @@ def stage_activation_bytes(
     if pre:
         total += t * 8  # token ids
     if post:
-        total += _norm(tn, t, h, c, e) + _loss_bytes(cfg, t, vocab, h, c, e, main=True)
+        total += _norm(cfg, tn, t, h, c, e) + _loss_bytes(cfg, t, vocab, h, c, e, main=True)
         if cfg.mtp is not None:
-            depth = t * 8 + tn * ((2 * h + 1) * c + (h + 1) * c) + t * 2 * h * e
-            depth += _norm(tn, t, h, c, e) + _loss_bytes(cfg, t, vocab, h, c, e, main=False)
+            # token ids, the embedding and hidden norms, eh_proj's [2h] input
+            depth = t * 8 + 2 * _norm_saved(cfg, tn, h, c) + t * 2 * h * e
+            depth += _norm(cfg, tn, t, h, c, e) + _loss_bytes(cfg, t, vocab, h, c, e, main=False)
             for k in range(cfg.mtp.num_layers):
                 total += depth + layer_activation_bytes(cfg, cfg.num_layers + k, **kw)
     return total

@@ -186,7 +186,8 @@ def deltanet_bytes(cfg: GPTConfig, t, tp, cp, seq, recompute, c, e) -> float:
     # state needs no queries unless they are one padded tensor); the masked scores
     out += chunks * nv * (dk * dv + chunk * dv) * c + tpad * nv * (chunk + dk) * c
     out += (tpad - batch * chunk if strided else tpad) * nv * dk * c
-    # gated norm: its input (the rule's padded output itself, or a cast copy), normed, 1/rms
-    out += (tpad if c == e else t) * nv * dv * c + t * nv * (dv + 1) * c
+    # gated norm (the torch backend's RMSNorm keeps only its normed values and 1/rms, not its
+    # input)
+    out += t * nv * (dv + 1) * c
     out += t * width * e  # silu(z) keeps the whole in_proj output alive
     return out + 3 * t * nv * dv * e  # norm output, silu(z), out_proj's input

@@ -64,4 +64,7 @@ class SwiGLUMLP(ShardedModule):
         """``[s(/tp), b, h]`` -> same shape."""
         # fc1 -> [s, b, 2f/tp] ([gate_local | up_local]) -> swiglu/geglu -> [s, b, f/tp] -> fc2
         # -> [s(/tp), b, h].
-        return self.fc2(self.activation(self.fc1(hidden), backend=self.backend))
+        # fc1's output feeds only the activation, so the activation's backward writes its
+        # gradient into that buffer (inplace_backward) instead of allocating another.
+        h = self.activation(self.fc1(hidden), inplace_backward=True, backend=self.backend)
+        return self.fc2(h)

@@ -10,6 +10,13 @@ Both dispatchers have the same two calls::
     expert_out_NH = experts(dispatched.tokens, dispatched.tokens_per_expert)
     out = dispatcher.combine(expert_out_NH, handle)     # probs applied here
 
+  or, with experts that weight their own outputs (Megatron's ``per_token_scale``: the probs
+  multiply an ``[N, F]`` activation inside the expert instead of an ``[N, H]`` output)::
+
+    dispatched, handle = dispatcher.dispatch(hidden, probs_TE, routing_map_TE, with_probs=True)
+    expert_out_NH = experts(dispatched.tokens, dispatched.tokens_per_expert, dispatched.probs)
+    out = dispatcher.combine(expert_out_NH, handle, apply_probs=False)
+
 - ``AllGatherDispatcher``: all-gather tokens, probs and map over ETP then EP, keep the rows for
   local experts; combine = unpermute then reduce-scatter over EP then ETP (which also sums the
   ETP partial outputs). Simple, static shapes; moves every token to every rank.
@@ -49,6 +56,10 @@ class Dispatched:
     """[N, H] token copies, grouped by local expert (expert-major)."""
     tokens_per_expert: torch.Tensor
     """[L] int64 rows per local expert (on CPU)."""
+    probs: torch.Tensor | None = None
+    """[N] routing probability of each row, aligned with ``tokens`` (``dispatch(...,
+    with_probs=True)``; None otherwise): for experts that weight their own outputs, after which
+    ``combine(..., apply_probs=False)`` must not weight them again."""
 
 
 @dataclass
@@ -116,9 +127,15 @@ class AllGatherDispatcher(_Dispatcher):
     """All-gather based dispatch over ETP × EP (see module docstring)."""
 
     def dispatch(
-        self, hidden: torch.Tensor, probs_TE: torch.Tensor, routing_map_TE: torch.Tensor
+        self,
+        hidden: torch.Tensor,
+        probs_TE: torch.Tensor,
+        routing_map_TE: torch.Tensor,
+        *,
+        with_probs: bool = False,
     ) -> tuple[Dispatched, DispatchHandle]:
-        """Gather all tokens of the ETP×EP ranks and keep those routed to local experts."""
+        """Gather all tokens of the ETP×EP ranks and keep those routed to local experts
+        (``with_probs``: also return each row's probability, ``Dispatched.probs``)."""
         h, probs_TE, map_TE = self._flatten(hidden, probs_TE, routing_map_TE)
         # Gather ETP then EP: rows end up [ep][etp][T], the order combine's reduce-scatters (EP then
         # ETP) undo, so each rank gets back exactly its own tokens.
@@ -130,7 +147,8 @@ class AllGatherDispatcher(_Dispatcher):
         local = slice(self.local_start, self.local_start + self.num_local_experts)
         permuted, pprobs, idx, counts = permute(h, map_TE[:, local], probs_TE=probs_TE[:, local])
         handle = DispatchHandle(hidden.shape, h.shape[0], idx, pprobs)
-        return Dispatched(permuted, counts.cpu()), handle
+        # The gathered rows are permuted here, so the permuted probs are already row-aligned.
+        return Dispatched(permuted, counts.cpu(), pprobs if with_probs else None), handle
 
     def combine(
         self, expert_out_NH: torch.Tensor, handle: DispatchHandle, *, apply_probs: bool = True
@@ -159,16 +177,22 @@ class AllToAllDispatcher(_Dispatcher):
         return c.view(self.ep_size, self.etp_size, self.num_experts).cpu()
 
     def dispatch(
-        self, hidden: torch.Tensor, probs_TE: torch.Tensor, routing_map_TE: torch.Tensor
+        self,
+        hidden: torch.Tensor,
+        probs_TE: torch.Tensor,
+        routing_map_TE: torch.Tensor,
+        *,
+        with_probs: bool = False,
     ) -> tuple[Dispatched, DispatchHandle]:
-        """Send each token copy to the EP rank of its expert, share rows across ETP."""
+        """Send each token copy to the EP rank of its expert, share rows across ETP
+        (``with_probs``: the rows' probabilities travel with them, ``Dispatched.probs``)."""
         h, probs_TE, map_TE = self._flatten(hidden, probs_TE, routing_map_TE)
         permuted, pprobs, idx, counts_E = permute(h, map_TE, probs_TE=probs_TE)
         handle = DispatchHandle(hidden.shape, h.shape[0], idx, pprobs)
         L = self.num_local_experts
         # Nothing to exchange: the permuted rows are already this rank's expert inputs.
         if self.ep_size == 1 and self.etp_size == 1:
-            return Dispatched(permuted, counts_E.cpu()), handle
+            return Dispatched(permuted, counts_E.cpu(), pprobs if with_probs else None), handle
         C = self._counts(counts_E)  # [ep, etp, E]
         local = C[:, :, self.local_start : self.local_start + L]  # [ep, etp, L]
         # permute's output is expert-major, so the rows for each EP rank's L experts are contiguous.
@@ -177,23 +201,29 @@ class AllToAllDispatcher(_Dispatcher):
         handle.ep_output_sizes = local[:, self.etp_rank].sum(-1).tolist()
         # Rows each ETP rank got from its all-to-all, the block sizes of the uneven all-gather.
         handle.etp_sizes = local.sum(dim=(0, 2)).tolist()
-        x = all_to_all_rows(
-            permuted,
-            self.ep_group,
-            output_sizes=handle.ep_output_sizes,
-            input_sizes=handle.ep_input_sizes,
-        )
-        x = all_gather_rows(x, self.etp_group, handle.etp_sizes)
         # Rows arrive as chunks ordered (src etp, src ep, local expert); reorder to
         # (local expert, src etp, src ep) with one stable sort of a per-row key.
         sizes_iJl = local.permute(1, 0, 2).reshape(-1)
         new_order = torch.arange(sizes_iJl.numel()).view(self.etp_size, self.ep_size, L)
         chunk_key = _rank_of(new_order.permute(2, 0, 1).reshape(-1))
         row_key = torch.repeat_interleave(chunk_key, sizes_iJl)
-        order = torch.argsort(row_key, stable=True).to(x.device)
-        handle.row_order = order
-        x = x.index_select(0, order)
-        return Dispatched(x, local.sum(dim=(0, 1))), handle
+        handle.row_order = torch.argsort(row_key, stable=True).to(permuted.device)
+        x = self._exchange(permuted, handle)
+        # [N] -> [N, 1] -> exchanged exactly like the token rows (differentiable) -> [N].
+        probs = self._exchange(pprobs.unsqueeze(-1), handle).squeeze(-1) if with_probs else None
+        return Dispatched(x, local.sum(dim=(0, 1)), probs), handle
+
+    def _exchange(self, rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Permuted rows -> this rank's expert rows: all-to-all over EP, all-gather over ETP,
+        sorted by local expert (``handle``'s sizes and order)."""
+        x = all_to_all_rows(
+            rows,
+            self.ep_group,
+            output_sizes=handle.ep_output_sizes,
+            input_sizes=handle.ep_input_sizes,
+        )
+        x = all_gather_rows(x, self.etp_group, handle.etp_sizes)
+        return x.index_select(0, handle.row_order)
 
     def combine(
         self, expert_out_NH: torch.Tensor, handle: DispatchHandle, *, apply_probs: bool = True

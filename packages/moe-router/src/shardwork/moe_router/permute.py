@@ -7,8 +7,9 @@ Legend: T tokens, H hidden, E experts, N routed (token, expert) pairs = routing_
   to capacity (padded slots are just extra True entries with zero probability).
 - ``unpermute``: scatter-adds each copy back to its token, optionally weighted by its
   probability (computed in the probabilities' dtype, result cast back).
-- Both are index_select / index_add, so autograd gives exact gradients (no approximations,
-  no custom backward).
+- Both are index_select / index_add with exact gradients: permute through autograd,
+  unpermute through a small hand-written backward (the same operations autograd would run)
+  that keeps no row-sized product alive for backward.
 - ``pad_routing_map`` rounds each expert's count up to a multiple (FP8/FP4 GEMM alignment)
   by marking the earliest unrouted tokens as zero-probability slots.
 """
@@ -58,6 +59,43 @@ def permute(
     return permuted, permuted_probs, sorted_indices, map_ET.sum(dim=1)
 
 
+class _Unpermute(torch.autograd.Function):
+    """``out[t] = Σ_rows of t (x_n · p_n)``: index_add forward; backward gathers the output
+    gradient per row (and its dot with the row for ``p``). Saves the index (and, with
+    probabilities, the rows and probabilities), never a row-sized product."""
+
+    @staticmethod
+    def forward(ctx, rows_NH, index_N, probs_N, num_tokens, acc_dtype):
+        x = rows_NH if probs_N is None else rows_NH * probs_N.unsqueeze(-1)
+        out = torch.zeros((num_tokens, *rows_NH.shape[1:]), dtype=acc_dtype, device=x.device)
+        # index_add sums the K copies of each token; tokens dropped for every expert stay zero.
+        out.index_add_(0, index_N, x.to(acc_dtype))
+        ctx.rows_dtype, ctx.acc_dtype = rows_NH.dtype, acc_dtype
+        keep = probs_N is not None and ctx.needs_input_grad[2]
+        ctx.save_for_backward(index_N, rows_NH if keep else None, probs_N)
+        return out.to(rows_NH.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_TH):
+        index_N, rows_NH, probs_N = ctx.saved_tensors
+        # What autograd did through index_add: each row receives its token's gradient (in the
+        # summation dtype), times its probability; the probability gets the row's dot with it.
+        g_NH = grad_TH.to(ctx.acc_dtype).index_select(0, index_N)
+        grad_probs = None
+        if rows_NH is not None:
+            grad_probs = (g_NH * rows_NH).sum(dim=-1).to(probs_N.dtype)
+        grad_rows = g_NH if probs_N is None else g_NH * probs_N.unsqueeze(-1)
+        return grad_rows.to(ctx.rows_dtype), None, grad_probs, None, None
+
+
+def _acc(rows: torch.Tensor, probs_N: torch.Tensor | None) -> torch.dtype:
+    """The summation dtype: the product's (type promotion with the probabilities), or float32
+    for bf16/fp16 rows without probabilities."""
+    if probs_N is not None:
+        return torch.promote_types(rows.dtype, probs_N.dtype)
+    return torch.float32 if rows.dtype in (torch.bfloat16, torch.float16) else rows.dtype
+
+
 def unpermute(
     permuted_NH: torch.Tensor,
     sorted_indices_N: torch.Tensor,
@@ -68,17 +106,12 @@ def unpermute(
     """Sum each token's expert outputs back into token order, weighted by ``probs_N`` if given.
 
     With probabilities the products are formed in the probabilities' dtype (fp32 when the
-    router runs in fp32) and the sum is cast back to ``permuted_NH``'s dtype.
+    router runs in fp32) and summed there; without them, bf16/fp16 rows are summed in fp32.
+    The result has ``permuted_NH``'s dtype. Backward saves only the index (plus the rows and
+    probabilities when the probabilities need a gradient).
     """
-    dtype = permuted_NH.dtype
-    x = permuted_NH
-    if probs_N is not None:
-        # Type promotion: the product is in the probabilities' dtype (fp32 for a bf16 activation).
-        x = x * probs_N.unsqueeze(-1)
-    out = x.new_zeros((num_tokens, *x.shape[1:]))
-    # index_add sums the K copies of each token; tokens dropped for every expert stay zero.
-    out = out.index_add(0, sorted_indices_N, x)
-    return out.to(dtype)
+    acc = _acc(permuted_NH, probs_N)
+    return _Unpermute.apply(permuted_NH, sorted_indices_N, probs_N, num_tokens, acc)
 
 
 def pad_routing_map(routing_map_TE: torch.Tensor, multiple: int) -> torch.Tensor:

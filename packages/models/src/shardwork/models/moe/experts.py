@@ -18,8 +18,10 @@ Legend: E experts, L = E/ep local experts, H hidden, F expert ffn width, f = F/e
   ``shardwork.models.sharding``'s ``param_shards``/``init_from_shards``.
 - GEMMs: torch's grouped matmul (``torch.nn.functional.grouped_mm``) over contiguous row
   blocks when the dtype and strides allow it, else a padded batched ``bmm``; never a loop
-  over tokens. The SwiGLU is ``shardwork.fused_kernels.swiglu`` on the fused ``[gate | up]``;
-  the squared ReLU is elementwise on fc1's output.
+  over tokens. The SwiGLU is ``shardwork.fused_kernels.swiglu`` on the fused ``[gate | up]``
+  (``inplace_backward``: its gradient overwrites fc1's output, which nothing else reads); the
+  squared ReLU is elementwise on fc1's output. SwiGLU experts take the rows' routing
+  probabilities and scale their activation (``token_weights``), not the ``[N, H]`` output.
 - With ETP > 1 the output is a partial sum over this rank's ffn slice; the dispatcher's
   combine reduces it over the etp group.
 """
@@ -223,6 +225,10 @@ class GroupedExperts(ShardedModule):
         self.num_local_experts = L
         self.first_expert = groups.rank("ep") * L
         self.mode, self.backend, self.activation = grouped_gemm, kernel_backend, activation
+        self.scales_by_probs = activation == "swiglu"
+        """Whether ``forward`` takes the rows' routing probabilities (SwiGLU folds them into its
+        ``token_weights``; squared ReLU would need one more saved ``[N, f]`` tensor, so its
+        probabilities stay with the combine)."""
         common = dict(
             first_expert=self.first_expert,
             ffn_size=ffn_hidden_size,
@@ -255,18 +261,31 @@ class GroupedExperts(ShardedModule):
             **kw,
         )
 
-    def forward(self, tokens_NH: torch.Tensor, tokens_per_expert_L: torch.Tensor) -> torch.Tensor:
-        """Rows grouped by local expert (counts ``tokens_per_expert_L``) -> ``[N, H]``."""
+    def forward(
+        self,
+        tokens_NH: torch.Tensor,
+        tokens_per_expert_L: torch.Tensor,
+        probs_N: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Rows grouped by local expert (counts ``tokens_per_expert_L``) -> ``[N, H]``, each
+        row's output scaled by ``probs_N`` when given (``scales_by_probs`` experts only)."""
         if tokens_per_expert_L.numel() != self.num_local_experts:
             raise ValueError(
                 f"tokens_per_expert has {tokens_per_expert_L.numel()} entries, expected "
                 f"{self.num_local_experts} local experts"
             )
         # [N, H] -> fc1 [N, 2f] ([gate | up]) -> swiglu [N, f], or fc1 [N, f] -> relu² [N, f];
-        # then fc2 [N, H] (partial over etp).
+        # times probs (fc2 is linear per row, so scaling its input scales its output); then fc2
+        # [N, H] (partial over etp).
         h = self.linear_fc1(tokens_NH, tokens_per_expert_L, self.mode)
         if self.activation == "swiglu":
-            h = swiglu(h, backend=self.backend)
+            # fc1's output feeds only the activation, so its backward may overwrite it.
+            h = swiglu(h, token_weights=probs_N, inplace_backward=True, backend=self.backend)
         else:
+            if probs_N is not None:
+                raise ValueError(
+                    "squared-ReLU experts do not scale by routing probabilities (scales_by_probs "
+                    "is False): let the dispatcher's combine apply them"
+                )
             h = torch.relu(h).square()
         return self.linear_fc2(h, tokens_per_expert_L, self.mode)

@@ -12,6 +12,10 @@ Shapes: hidden ``[s(/tp under SP), b, h]`` in and out, like the dense MLP it rep
   dispatcher is given the TP group: each TP rank dispatches 1/tp of the tokens and the outputs
   are all-gathered back, so no token is computed twice.
 - Experts: :class:`~shardwork.models.moe.experts.GroupedExperts` (grouped GEMM, EP × ETP).
+  SwiGLU experts get each row's routing probability from the dispatcher (exchanged with the
+  rows) and scale their activation by it, and the combine only sums each token's copies: no
+  ``[N, h]`` product pass, and the probability's gradient comes out of the activation's
+  backward. Squared-ReLU experts leave the probabilities to the combine.
 - Shared experts: a dense tensor-parallel MLP (``mlp.shared_experts``; SwiGLU, or squared
   ReLU when ``GPTConfig.mlp_activation == "relu2"`` as in Nemotron-H) on every token,
   optionally scaled by ``sigmoid(x · w_gate)`` (``mlp.shared_experts_gate.weight [1, h]``,
@@ -149,9 +153,17 @@ class MoELayer(ShardedModule):
         """``[s(/tp), b, h]`` -> same shape."""
         probs_TE, map_TE = self.router(hidden)
         self.last_routing_map = map_TE.detach()
-        dispatched, handle = self.dispatcher.dispatch(hidden, probs_TE, map_TE)
-        expert_out = self.experts(dispatched.tokens, dispatched.tokens_per_expert)
-        out = self.dispatcher.combine(expert_out, handle).to(hidden.dtype)
+        # SwiGLU experts weight their rows by the routing probabilities themselves (on the
+        # [N, f] activation, Megatron's per_token_scale), and then combine only sums the copies.
+        in_experts = self.experts.scales_by_probs
+        dispatched, handle = self.dispatcher.dispatch(
+            hidden, probs_TE, map_TE, with_probs=in_experts
+        )
+        expert_out = self.experts(
+            dispatched.tokens, dispatched.tokens_per_expert, probs_N=dispatched.probs
+        )
+        out = self.dispatcher.combine(expert_out, handle, apply_probs=not in_experts)
+        out = out.to(hidden.dtype)
         if self.shared_experts is not None:
             shared = self.shared_experts(hidden)
             if self.shared_experts_gate is not None:
