@@ -297,6 +297,11 @@ def test_vocab_parallel_equals_single_rank_materialised(
     concatenate to the world-1 ``d weight``."""
     if backend == "triton":
         pytest.importorskip("triton")
+        if torch.cuda.is_available():
+            # gloo ranks hold CPU tensors, which only Triton's interpreter runs; the CUDA
+            # machine's interpreter fails under its numpy 2.5, and the CUDA kernel itself is
+            # compared with the materialised path in test_triton_matches_materialised_path
+            pytest.skip("Triton on gloo ranks needs the CPU interpreter (a CPU-only host)")
     args = (vocab, backend, grad_in_forward, softcap, smoothing, dtype)
     _check_against_single_rank(world, args)
 
