@@ -62,6 +62,7 @@ what does not grow with the batch: causal masks, ``A``, RoPE's cos/sin slices, t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -117,6 +118,20 @@ class LocalParams:
     @property
     def total(self) -> int:
         return self.dense + self.expert
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_spec(config: GPTConfig):
+    return spec_for(config)
+
+
+def _spec(config: GPTConfig):
+    """``spec_for(config)``, cached: the estimate asks for it once per layer and per rank, and
+    the layout planner prices thousands of layouts of one model (the spec is immutable)."""
+    try:
+        return _cached_spec(config)
+    except TypeError:  # a config holding a list-valued option cannot be hashed
+        return spec_for(config)
 
 
 def _check_layout(config: GPTConfig, *, tp: int, ep: int, etp: int) -> None:
@@ -189,21 +204,36 @@ def _stage_layout(
     pp: int,
     pp_rank: int,
     vpp: int | None,
-    first: int | None = None,
-    last: int | None = None,
+    split: dict,
+    vp_chunk: int | None = None,
 ):
-    """(global layer indices, holds the embedding, holds head/final norm/MTP).
+    """(global layer indices, holds the embedding, holds head/final norm/MTP) of rank
+    ``pp_rank``'s chunks, or of its chunk ``vp_chunk`` alone.
 
-    ``first``/``last``: layers on the first/last pipeline rank (an uneven split, as the
-    trainer's ``parallel.first_stage_layers``/``last_stage_layers``); None: an even split.
+    ``split``: the uneven ends of :func:`shardwork.models.pipeline.layer_split` (the trainer's
+    ``parallel.first_stage_layers`` ... ``last_virtual_stage_layers``); empty: an even split.
     """
     if isinstance(pp_rank, bool) or not isinstance(pp_rank, int) or not 0 <= pp_rank < pp:
         raise ValueError(f"pp_rank={pp_rank!r} is invalid: it must be in [0, pp={pp})")
-    split = layer_split(
-        config.num_layers, pp, vpp=vpp, first_stage_layers=first, last_stage_layers=last
+    chunks = layer_split(config.num_layers, pp, vpp=vpp, **split)[pp_rank]
+    if vp_chunk is None:
+        return [i for chunk in chunks for i in chunk], pp_rank == 0, pp_rank == pp - 1
+    last = len(chunks) - 1
+    if isinstance(vp_chunk, bool) or not isinstance(vp_chunk, int) or not 0 <= vp_chunk <= last:
+        raise ValueError(f"vp_chunk={vp_chunk!r} is invalid: it must be in [0, vpp={last + 1})")
+    first_stage, last_stage = pp_rank == 0 and vp_chunk == 0, pp_rank == pp - 1 and vp_chunk == last
+    return list(chunks[vp_chunk]), first_stage, last_stage
+
+
+def _split(first, last, first_virtual, last_virtual) -> dict:
+    """The uneven-ends keywords of ``layer_split`` that are set."""
+    ends = dict(
+        first_stage_layers=first,
+        last_stage_layers=last,
+        first_virtual_stage_layers=first_virtual,
+        last_virtual_stage_layers=last_virtual,
     )
-    layers = [i for chunk in split[pp_rank] for i in chunk]
-    return layers, pp_rank == 0, pp_rank == pp - 1
+    return {k: v for k, v in ends.items() if v is not None}
 
 
 def local_parameters(
@@ -217,19 +247,26 @@ def local_parameters(
     vpp: int | None = None,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
+    first_virtual_stage_layers: int | None = None,
+    last_virtual_stage_layers: int | None = None,
 ) -> LocalParams:
     """Exact parameter elements on a rank of pipeline rank ``pp_rank`` (all its vpp chunks).
 
     Every tp/ep/etp rank of a stage holds the same shapes, so only ``pp_rank`` matters.
     ``etp`` defaults to ``tp`` (as ``ParallelConfig``). ``first_stage_layers`` /
-    ``last_stage_layers``: an uneven pipeline split (``shardwork.models.pipeline.layer_split``).
+    ``last_stage_layers`` (per rank) or ``first_virtual_stage_layers`` /
+    ``last_virtual_stage_layers``: an uneven pipeline split
+    (``shardwork.models.pipeline.layer_split``).
     """
     etp = tp if etp is None else etp
     _check_layout(config, tp=tp, ep=ep, etp=etp)
     c, h = config, config.hidden_size
-    layers, pre, post = _stage_layout(c, pp, pp_rank, vpp, first_stage_layers, last_stage_layers)
+    split = _split(
+        first_stage_layers, last_stage_layers, first_virtual_stage_layers, last_virtual_stage_layers
+    )
+    layers, pre, post = _stage_layout(c, pp, pp_rank, vpp, split)
     vocab = c.padded_vocab_size // tp * h
-    spec = spec_for(c)
+    spec = _spec(c)
     dense = expert = 0
     for layer in layers:
         d, e = _layer_params(c, spec.layers[layer], tp=tp, ep=ep, etp=etp)
@@ -345,9 +382,27 @@ def _part(table: dict, kind: str):
     return table[kind]
 
 
-def _norm(tn: float, t: float, width: int, c: int, e: int) -> float:
-    """RMSNorm (x, rstd, x·rstd on ``tn`` tokens) plus the following matmul's input."""
-    return tn * (2 * width + 1) * c + t * width * e
+def fused_kernels(config: GPTConfig) -> bool:
+    """True when the model runs this package's Triton kernels (``kernel_backend="triton"``,
+    which ``"auto"`` resolves to on CUDA): the norms and gated MLPs then save less."""
+    return config.kernel_backend == "triton"
+
+
+def _norm_saves(tn: float, width: int, c: int, e: int, fused: bool) -> float:
+    """What one RMSNorm/LayerNorm saves on ``tn`` tokens: the reference its fp32 x, rstd and
+    x·rstd; the Triton kernel its input and fp32 mean and rstd (``triton_norms._Norm``)."""
+    return tn * (width * e + 8) if fused else tn * (2 * width + 1) * c
+
+
+def _norm(tn: float, t: float, width: int, c: int, e: int, fused: bool = False) -> float:
+    """A norm's saves (:func:`_norm_saves`) plus the following matmul's input."""
+    return _norm_saves(tn, width, c, e, fused) + t * width * e
+
+
+def _glu_saves(t: float, f: float, c: int, e: int, fused: bool) -> float:
+    """A SwiGLU/GeGLU on ``t`` rows of width ``f`` and the down projection's input: the
+    reference's fp32 gate, up and activation; the Triton kernel its ``[gate | up]`` input."""
+    return t * (2 * f * e + f * e) if fused else t * (3 * f * c + f * e)
 
 
 def _attention_bytes(cfg: GPTConfig, t, tp, cp, seq, recompute, c, e) -> float:
@@ -363,11 +418,18 @@ def _attention_bytes(cfg: GPTConfig, t, tp, cp, seq, recompute, c, e) -> float:
         kq = 0 if q_view else kq
         # q/k-norm (float32 compute), selective recompute's v (cp = 1) and an unrotated q save
         # views of the fused qkv output (gate block included), which then stays alive whole
-        qkv_pinned = (cfg.qk_layernorm and c == e) or (recompute == "selective" and cp == 1)
+        fused = fused_kernels(cfg)
+        qkv_pinned = (cfg.qk_layernorm and c == e and not fused) or (
+            recompute == "selective" and cp == 1
+        )
         extra = t * (n + 2 * g + gate) * d * e if qkv_pinned or q_view else 0.0
-        if cfg.qk_layernorm:
+        if cfg.qk_layernorm and fused:  # the kernel saves a contiguous copy of q and k
+            extra += _norm_saves(t * (n + g), d, c, e, fused=True)
+        elif cfg.qk_layernorm:
             extra += t * (n + g) * (d * c + c) + (0 if c == e else t * (n + g) * d * c)
         extra += 2 * t * gate * d * e  # sigmoid(gate) and the gated output (linear_proj's input)
+        if fused:  # the Triton rotary saves cos and sin expanded per token, for q and for k
+            extra += 4 * t * cfg.rotary_dim * e
         if recompute == "selective":  # checkpoint keeps q, k and v before GQA expansion
             v_keep = 0 if cp == 1 else t * cp * g * d * e
             k_keep = 0 if q_view and cp == 1 else t * cp * g * d * e
@@ -381,12 +443,20 @@ def _attention_bytes(cfg: GPTConfig, t, tp, cp, seq, recompute, c, e) -> float:
         return extra + (kq + kk + kv_) * e + t * n * d * e + t * n * 4
     m = cfg.mla
     dq, dv = m.qk_head_dim, m.v_head_dim
-    proj = 0.0
-    if m.q_lora_rank is not None:
-        proj += t * (2 * m.q_lora_rank + 1) * c + t * m.q_lora_rank * e
     rkv, dr = m.kv_lora_rank, m.qk_rope_head_dim
-    latent = t * (rkv + dr) * e + t * (rkv + 1) * c if c == e else t * (2 * rkv + 1) * c
-    proj += latent + t * rkv * e
+    if fused_kernels(cfg):
+        # the q_down output (the norm's input), its norm's mean and rstd and q_up's input; the
+        # latent norm's contiguous copy of its input (a slice of kv_down's output, which then
+        # stays unpinned) and its statistics; kv_up's input; and the Triton rotary's cos and
+        # sin per token, for q and for k
+        proj = _norm(t, t, m.q_lora_rank, c, e, True) if m.q_lora_rank is not None else 0.0
+        proj += _norm(t, t, rkv, c, e, True) + 4 * t * dr * e
+    else:
+        proj = 0.0
+        if m.q_lora_rank is not None:
+            proj += t * (2 * m.q_lora_rank + 1) * c + t * m.q_lora_rank * e
+        latent = t * (rkv + dr) * e + t * (rkv + 1) * c if c == e else t * (2 * rkv + 1) * c
+        proj += latent + t * rkv * e
     math = dq != dv  # torch's SDPA takes its math path (on CPU in float32 arithmetic)
     qkv_b = c if math and recompute != "selective" else e
     core = (t * n * dq + t * cp * n * (dq + dv)) * qkv_b + t * n * dv * e  # q, k, v, proj in
@@ -396,8 +466,7 @@ def _attention_bytes(cfg: GPTConfig, t, tp, cp, seq, recompute, c, e) -> float:
 
 
 def _swiglu_bytes(cfg: GPTConfig, t, tn, tp, etp, c, e) -> float:
-    f = cfg.ffn_hidden_size // tp
-    return t * (3 * f * c + f * e)
+    return _glu_saves(t, cfg.ffn_hidden_size // tp, c, e, fused_kernels(cfg))
 
 
 def _relu2_bytes(cfg: GPTConfig, t, tn, tp, etp, c, e) -> float:
@@ -410,10 +479,12 @@ def _moe_bytes(cfg: GPTConfig, t, tn, tp, etp, c, e) -> float:
     r = m.router
     k, experts = r.top_k, r.num_experts
     router_tokens = tn if cfg.sequence_parallel else t
+    fused = fused_kernels(cfg)
     router = k * (8 + c)  # top-k indices and probabilities
     if r.score_function != "softmax" or r.pre_softmax:
-        router += experts * c + c  # dense scores (and the renormalisation)
-    if r.num_groups is not None:  # group scores, kept groups, indices
+        # dense scores (the fused top-k keeps none) and the renormalisation
+        router += c if fused else experts * c + c
+    if r.num_groups is not None and not fused:  # group scores, kept groups, indices
         g, gk = r.num_groups, r.group_top_k
         router += experts * c + g * (8 + c) + gk * 8 + gk * experts // g * c + k * 8
     router *= router_tokens
@@ -423,11 +494,11 @@ def _moe_bytes(cfg: GPTConfig, t, tn, tp, etp, c, e) -> float:
     relu2 = cfg.mlp_activation == "relu2"
     # per row: fc1's input, then SwiGLU's fp32 intermediates and output, or relu's output and
     # the square (fc2's input)
-    act = 2 * f * e if relu2 else 3 * f * c + f * e
+    act = 2 * f * e if relu2 else _glu_saves(1, f, c, e, fused)
     out = router + rows * (h * e + act) + sent * (2 * h * e + e + 16)
     if m.shared_expert_ffn_hidden_size is not None:
         s = m.shared_expert_ffn_hidden_size // tp
-        out += t * (2 * s * e if relu2 else 3 * s * c + s * e)
+        out += 2 * t * s * e if relu2 else _glu_saves(t, s, c, e, fused)
         if m.shared_expert_gate:  # the shared output and its sigmoid gate (the gate's input
             out += tn * (h + 1) * e  # is the norm output, counted with the norm)
     return out
@@ -458,12 +529,15 @@ def layer_activation_bytes(
     h = cfg.hidden_size
     if recompute == "full" and layer < cfg.num_layers:
         return tn * h * e
-    spec = spec_for(cfg)
+    spec = _spec(cfg)
     part = spec.layers[layer] if layer < cfg.num_layers else spec.mtp[layer - cfg.num_layers]
     out = 0.0
     # A sandwich (post-)norm saves x, rstd and x·rstd; its output goes to the residual add,
     # which saves nothing.
-    norms = _norm(tn, t, h, c, e) + (norms_per_part(cfg) - 1) * tn * (2 * h + 1) * c
+    fused = fused_kernels(cfg)
+    norms = _norm(tn, t, h, c, e, fused) + (norms_per_part(cfg) - 1) * _norm_saves(
+        tn, h, c, e, fused
+    )
     if part.mixer is not None:
         mixer = _part(MIXER_MEMORY, part.mixer)
         out += norms + mixer.activations(cfg, t, tp, cp, seq_length, recompute, c, e)
@@ -487,10 +561,17 @@ def stage_activation_bytes(
     recompute: str | None = None,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
+    first_virtual_stage_layers: int | None = None,
+    last_virtual_stage_layers: int | None = None,
+    vp_chunk: int | None = None,
 ) -> float:
-    """Bytes one micro-batch's forward saves on pipeline rank ``pp_rank`` (see module doc)."""
+    """Bytes one micro-batch's forward saves on pipeline rank ``pp_rank`` (see module doc):
+    in all its chunks, or in chunk ``vp_chunk`` alone."""
     cfg = config
-    layers, pre, post = _stage_layout(cfg, pp, pp_rank, vpp, first_stage_layers, last_stage_layers)
+    split = _split(
+        first_stage_layers, last_stage_layers, first_virtual_stage_layers, last_virtual_stage_layers
+    )
+    layers, pre, post = _stage_layout(cfg, pp, pp_rank, vpp, split, vp_chunk)
     kw = dict(
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,
@@ -504,6 +585,7 @@ def stage_activation_bytes(
     tn = t / tp if cfg.sequence_parallel else t
     h, e = cfg.hidden_size, cfg.activation_dtype.itemsize
     c = 8 if cfg.activation_dtype == torch.float64 else 4
+    fused = fused_kernels(cfg)
     vocab = cfg.padded_vocab_size // tp
     loss = t * (vocab * e + 8 + 2 + 4)  # logits, labels, masks, per-token loss
     if cfg.final_logit_softcapping is not None:
@@ -511,10 +593,13 @@ def stage_activation_bytes(
     if pre:
         total += t * 8  # token ids
     if post:
-        total += _norm(tn, t, h, c, e) + loss
+        total += _norm(tn, t, h, c, e, fused) + loss
         if cfg.mtp is not None:
-            depth = t * 8 + tn * ((2 * h + 1) * c + (h + 1) * c) + t * 2 * h * e
-            depth += _norm(tn, t, h, c, e) + loss
+            # token ids, the two norms (the hidden one's input is kept already) and eh_proj's
+            # input
+            norms = tn * (h * e + 16) if fused else tn * ((2 * h + 1) * c + (h + 1) * c)
+            depth = t * 8 + norms + t * 2 * h * e
+            depth += _norm(tn, t, h, c, e, fused) + loss
             for k in range(cfg.mtp.num_layers):
                 total += depth + layer_activation_bytes(cfg, cfg.num_layers + k, **kw)
     return total
