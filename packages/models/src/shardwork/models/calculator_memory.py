@@ -22,7 +22,13 @@ P_expert/edp)`` — dense state shards over dp×cp, expert state over edp (bucke
 
 Activations: bytes saved for backward by this implementation's reference (torch) kernels,
 per micro-batch, counted tensor by tensor (:func:`layer_activation_bytes`; docs/models-moe.md
-lists every term). ``T = s·b/cp`` local tokens, ``Tn`` the tokens a norm sees (``T/tp`` under
+lists every term); with ``kernel_backend="triton"`` (what ``"auto"`` runs on CUDA,
+:func:`fused_kernels`) those of the fused Triton kernels where they differ: a norm saves its
+input (``e``) and fp32 mean and rstd (``Tn·(h·e + 8)``), a SwiGLU its ``[gate | up]`` input
+(``T·3f/tp·e`` with the down projection's input), the rotary its cos and sin expanded per
+token for q and for k (``4·T·r·e``, ``r`` the rotated width), QK-norm a contiguous copy of q
+and k, MLA's latent norm a copy of the latent, the MoE router's fused top-k no dense or group
+scores, MTP's two norms ``Tn·(h·e + 16)``. ``T = s·b/cp`` local tokens, ``Tn`` the tokens a norm sees (``T/tp`` under
 sequence parallelism, else ``T``), ``e`` the activation bytes, ``c`` the norm/SwiGLU
 arithmetic bytes (4, or 8 for float64). Per layer, recompute ``none``:
   norms      ``Tn·(2h+1)·c + T·h·e`` each (x, rstd, x·rstd; the next matmul's input);
@@ -54,8 +60,9 @@ arithmetic bytes (4, or 8 for float64). Per layer, recompute ``none``:
 the layer input ``Tn·h·e``. The last stage adds the final norm, head input and fp32 logits
 ``T·V_p/tp·4`` (once per MTP depth too), twice with ``final_logit_softcapping`` (tanh's
 output). Under 1F1B stage ``r`` holds ``min(pp − r, m)``
-micro-batches in flight. Not counted: aux-loss statistics (``O(T·E)`` when enabled), dropout
-masks, the transient recompute of one layer in backward, fused kernels' smaller saves, and
+micro-batches in flight (interleaved: ``shardwork.models.pipeline.peak_in_flight`` per chunk).
+Not counted: aux-loss statistics (``O(T·E)`` when enabled), dropout
+masks, the transient recompute of one layer in backward, and
 what does not grow with the batch: causal masks, ``A``, RoPE's cos/sin slices, the fp32 (or
 ``1 + w``) weight copies a norm makes.
 """
@@ -96,6 +103,7 @@ __all__ = [
     "LocalParams",
     "MixerMemory",
     "MlpMemory",
+    "fused_kernels",
     "kv_cache_bytes_per_token",
     "layer_activation_bytes",
     "local_parameters",

@@ -9,7 +9,7 @@ rather than restating them:
 - ``ParallelConfig(...).resolve(num_gpus)`` (sizes, vpp needs pp > 1),
 - ``GPTConfig.check_layout(parallel, seq_length=...)`` (heads, kv heads, ffn and vocabulary
   rows divisible by tp; experts by ep; ep·etp tiling tp·cp·dp; sequence vs 2·cp and tp),
-- ``shardwork.models.pipeline.layers_per_rank`` (the pp/vpp split, uneven ends included),
+- ``shardwork.models.pipeline.chunk_layer_counts`` (the pp/vpp split, uneven ends included),
 - the schedule rule: ``global_batch`` a multiple of ``micro_batch × dp``.
 
 Search space (what the planner chooses among; docs/planner.md says why):
