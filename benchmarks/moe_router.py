@@ -22,7 +22,7 @@ Writes benchmarks/results/moe_router[_<tag>].json and .md with the machine descr
 
 Usage (either interpreter):
     uv run python benchmarks/moe_router.py [--tokens 512 4096] [--hidden 256 2048]
-    /work/scratch/mcore-venv/bin/python benchmarks/moe_router.py   # adds Megatron-Core
+    $(uv run python tools/megatron_env.py) benchmarks/moe_router.py   # adds Megatron-Core
 """
 
 from __future__ import annotations

@@ -41,8 +41,12 @@
   new ones must run the next call too (:func:`_run_cell`). Under xdist every
   worker has its own pool: cells take a lock shared by the workers (one cell at a time), and
   ``xdist_group`` keeps them on one worker when pytest runs with ``--dist loadgroup``.
+- FSDP cells (``parallel.fsdp``): DP=2 (dense), the ZeRO-2-like mode (MoE) and EP=2 (experts
+  over a 1-rank edp) by default; DP=4, TP=2+SP×DP=2, PP=2×DP=2, PP=2×VPP=2×DP=2 (ZeRO-2-like),
+  CP=2×DP=2, EP=2×DP=4 (experts sharded over edp=2) and Nemotron-H at DP=2 (its MTP depth a
+  unit of its own) as slow.
 - Cells with 8 ranks, the costlier 4-rank cells and the hybrids' TP cells are marked
-  ``slow``; the default run covers the other 15 cells, the fp32 cell and the TP=2+SP
+  ``slow``; the default run covers the other 18 cells, the fp32 cell and the TP=2+SP
   per-rank-statistics cell.
 """
 
@@ -163,6 +167,18 @@ CELLS = [
     ("pp2", 2, {"pp": 2}, "qwen3-next", ()),
     ("ep2", 2, {"ep": 2}, "qwen3-next", ()),
     ("tp2-pp2", 4, {"tp": 2, "pp": 2}, "qwen3-next", (SLOW,)),
+    # fully sharded data parallelism (parallel.fsdp, issue 23): torch's FSDP2 per layer over the
+    # dp×cp group (experts over edp), composed with each other axis
+    ("fsdp-dp2", 2, {"fsdp": "full"}, "dense", ()),
+    ("fsdp-zero2-dp2", 2, {"fsdp": "zero2"}, "moe", ()),
+    ("fsdp-ep2", 2, {"fsdp": "full", "ep": 2}, "moe", ()),
+    ("fsdp-dp2", 2, {"fsdp": "full"}, "nemotron-h", (SLOW,)),
+    ("fsdp-dp4", 4, {"fsdp": "full"}, "dense", (SLOW,)),
+    ("fsdp-tp2-sp-dp2", 4, {"fsdp": "full", "tp": 2, "sequence_parallel": True}, "dense", (SLOW,)),
+    ("fsdp-pp2-dp2", 4, {"fsdp": "full", "pp": 2}, "dense", (SLOW,)),
+    ("fsdp-pp2-vpp2-dp2", 4, {"fsdp": "zero2", "pp": 2, "vpp": 2}, "moe", (SLOW,)),
+    ("fsdp-cp2-dp2", 4, {"fsdp": "full", "cp": 2}, "dense", (SLOW,)),
+    ("fsdp-ep2-dp4", 4, {"fsdp": "full", "ep": 2}, "moe", (SLOW,)),
 ]
 
 FP32_CELL = ("tp2-ep2-pp2", 4, {"tp": 2, "ep": 2, "etp": 1, "pp": 2}, "moe")

@@ -4,6 +4,10 @@ run whose rank was SIGKILLed restarts from its last complete checkpoint.
 - ``test_resume_reshards_across_layouts``: TP=2×PP=2 (4 ranks) saves at step 2, DP=2 resumes
   and saves at step 4, one process resumes and finishes; every resumed step's loss equals the
   uninterrupted one-process run (float64, rtol ``RTOL`` = 1e-9).
+- ``test_resume_between_fsdp_and_zero1``: FSDP at DP=2 saves at step 2, ZeRO-1 at PP=2
+  resumes and saves at step 4, FSDP again (the ZeRO-2-like mode) resumes and finishes; every
+  resumed step's loss equals the uninterrupted one-process run (rtol ``RTOL``). The
+  checkpoints are the same global-coordinate format whatever wrote them.
 - ``test_sigkill_during_training_and_async_write``: two real rank processes
   (``python -m shardwork.trainer`` with RANK/WORLD_SIZE set, as torchrun would) train with a
   checkpoint every 2 steps; rank 1 is SIGKILLed during training once a checkpoint has
@@ -85,6 +89,26 @@ def test_resume_reshards_across_layouts(tmp_path, corpus_cache):
     losses, text = _train(str(tmp_path / "c"), third, corpus_cache)
     _assert_curve(losses, reference, [4, 5])
     assert "re-derived" in text  # the RNG grid of 2 ranks does not fit 1
+
+
+def test_resume_between_fsdp_and_zero1(tmp_path, corpus_cache):
+    reference, _ = _train(str(tmp_path / "ref"), _sections({}), corpus_cache)
+    ckpt = {"interval": 2, "keep_last": 5}
+    first = _sections({"fsdp": "full"}, checkpoint=ckpt)
+    results = run_on_ranks(_train, 2, args=(str(tmp_path / "a"), first, corpus_cache), timeout=600)
+    for losses, _ in results:
+        _assert_curve(losses, reference, list(range(STEPS)))
+    step2 = tmp_path / "a" / "checkpoints" / "step_000000002"
+    second = _sections({"pp": 2}, checkpoint={**ckpt, "resume": str(step2)})
+    results = run_on_ranks(_train, 2, args=(str(tmp_path / "b"), second, corpus_cache), timeout=600)
+    for losses, _ in results:
+        _assert_curve(losses, reference, [2, 3, 4, 5])
+    step4 = tmp_path / "b" / "checkpoints" / "step_000000004"
+    third = _sections({"fsdp": "zero2"}, checkpoint={"resume": str(step4)})
+    results = run_on_ranks(_train, 2, args=(str(tmp_path / "c"), third, corpus_cache), timeout=600)
+    for losses, _ in results:
+        _assert_curve(losses, reference, [4, 5])
+    assert "re-derived" in results[0][1]  # another layout: the RNG grid does not fit
 
 
 def test_two_ranks_fall_back_from_a_corrupt_checkpoint(tmp_path, corpus_cache):

@@ -1,8 +1,9 @@
 """Write the Megatron-Core router fixture used by packages/fused-kernels/tests/test_router.py.
 
-Run with the scratch Megatron-Core venv (not a dependency, not run by CI)::
+Not a dependency, not run by CI. Run it with any interpreter: it re-executes itself in the
+scratch Megatron-Core environment ``tools/megatron_env.py`` builds::
 
-    /work/scratch/mcore-venv/bin/python tools/fused_kernels_mcore_router_fixture.py
+    uv run python tools/fused_kernels_mcore_router_fixture.py
 
 For each routing configuration it stores the logits (and expert bias), Megatron-Core
 0.19's ``topk_routing_with_score_function`` outputs (probs, routing map),
@@ -14,9 +15,13 @@ from __future__ import annotations
 
 import pathlib
 
-import megatron.core
-import torch
-from megatron.core.transformer.moe.moe_utils import (
+import megatron_env
+
+megatron_env.reexec_under_megatron()  # nothing when megatron.core is importable here
+
+import megatron.core  # noqa: E402
+import torch  # noqa: E402
+from megatron.core.transformer.moe.moe_utils import (  # noqa: E402
     compute_routing_scores_for_aux_loss,
     topk_routing_with_score_function,
 )

@@ -1,10 +1,11 @@
 """Write the Megatron-Core checkpoint fixtures of packages/models/tests/data/megatron/.
 
-Run with the scratch Megatron-Core venv (a development aid, never a dependency, not run by CI;
-see /work/shared/ENVIRONMENT.md, "Megatron-Core as a side-by-side reference")::
+A development aid, never a dependency, not run by CI. Run it with any interpreter: it
+re-executes itself in the scratch Megatron-Core environment that ``tools/megatron_env.py``
+builds from nothing (first run ~1 min; the same environment as ``tools/moe_router_golden.py``)::
 
-    /work/scratch/mcore-venv/bin/python tools/megatron_checkpoint_fixture.py [CASE ...]
-    /work/scratch/mcore-venv/bin/python tools/megatron_checkpoint_fixture.py check-export CASE DIR
+    uv run python tools/megatron_checkpoint_fixture.py [CASE ...]
+    uv run python tools/megatron_checkpoint_fixture.py check-export CASE DIR
 
 The second form loads DIR (a folder ``shardwork.models.megatron.export_megatron`` wrote from the
 import of case CASE) into Megatron's model of that case at its layout and prints how far its
@@ -49,6 +50,7 @@ import shutil
 import sys
 import tempfile
 
+import megatron_env
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -251,6 +253,7 @@ def check_export(name: str, folder: str) -> None:
 
 
 def main() -> None:
+    megatron_env.reexec_under_megatron()  # nothing when megatron.core is importable here
     import megatron.core
 
     if sys.argv[1:2] == ["check-export"]:

@@ -1,8 +1,9 @@
 """Write the RankLayout fixture from Megatron-Core's RankGenerator (development aid, not CI).
 
-Run with a Python that has megatron-core 0.19.2 (see ../shared/ENVIRONMENT.md):
+Run it with any interpreter: it re-executes itself in the scratch Megatron-Core 0.19.2
+environment ``tools/megatron_env.py`` builds:
 
-    /path/to/mcore-venv/bin/python tools/parallel_state_rank_fixture.py \
+    uv run python tools/parallel_state_rank_fixture.py \
         packages/parallel-state/tests/fixtures/megatron_rank_groups.json
 
 For each configuration it records the member ranks of every group, produced
@@ -13,7 +14,11 @@ builds them (dense: tp, ep=1, dp, pp, cp; expert: etp, ep, edp, pp, cp=1).
 import json
 import sys
 
-from megatron.core.parallel_state import RankGenerator
+import megatron_env
+
+megatron_env.reexec_under_megatron()  # nothing when megatron.core is importable here
+
+from megatron.core.parallel_state import RankGenerator  # noqa: E402
 
 CONFIGS = [
     # world, tp, pp, cp, ep, etp, order

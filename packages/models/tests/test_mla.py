@@ -24,15 +24,23 @@ def _rope_hf(x, cos_half, sin_half):
     return torch.cat((x1 * cos_half - x2 * sin_half, x2 * cos_half + x1 * sin_half), -1)
 
 
+def _allowed(s: int, cu: list[int] | None) -> torch.Tensor:
+    """Causal and, for packed documents, same-document ``[s, s]`` mask (double loop)."""
+    doc = [sum(i >= c for c in cu[1:-1]) for i in range(s)] if cu else [0] * s
+    return torch.tensor([[j <= i and doc[i] == doc[j] for j in range(s)] for i in range(s)])
+
+
+@pytest.mark.parametrize("cu", [None, [0, 3, 4, 10]], ids=["causal", "packed"])
 @pytest.mark.parametrize("name", ["tiny-deepseek-v3", "tiny-deepseek-v2-lite"])
-def test_mla_matches_plain_reference(name):
+def test_mla_matches_plain_reference(name, cu):
+    """Packed: value heads narrower than query/key heads through the block-mask path."""
     cfg = preset(name, params_dtype=torch.float64, mtp=None)
     model = GPTModel(cfg)
     attn = model.decoder.layers[0].self_attention
     m, eps = cfg.mla, cfg.norm_epsilon
     s, b, h, n = 10, 2, cfg.hidden_size, cfg.num_attention_heads
     x = torch.randn(s, b, h, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    inputs = model._attention_inputs(s, None, x.device)
+    inputs = model._attention_inputs(s, None if cu is None else torch.tensor(cu), x.device)
     out = attn(x, inputs)
 
     if m.q_lora_rank is None:
@@ -59,7 +67,7 @@ def test_mla_matches_plain_reference(name):
         mscale = 0.1 * cfg.rope_scaling.mscale_all_dim * math.log(cfg.rope_scaling.factor) + 1.0
         scale *= mscale * mscale
     scores = (qf @ kf.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    scores = scores.masked_fill(~_allowed(s, cu), float("-inf"))
     ctx = F.softmax(scores, -1) @ v.permute(1, 2, 0, 3)
     ref = ctx.permute(2, 0, 1, 3).reshape(s, b, -1) @ attn.linear_proj.weight.t()
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)

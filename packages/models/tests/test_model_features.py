@@ -67,14 +67,6 @@ def test_packed_sequences_equal_separate_documents():
     torch.testing.assert_close(packed, torch.cat(separate, dim=1), rtol=1e-10, atol=1e-12)
 
 
-def test_packed_with_context_parallel_is_rejected():
-    cfg = preset("tiny-llama3-8b")
-    groups = layout_groups(ParallelConfig(cp=2), 2, 0)
-    model = GPTModel(cfg, groups)
-    with pytest.raises(ValueError, match=r"packed sequences .* cp=2"):
-        model(torch.zeros(1, 8, dtype=torch.long), cu_seqlens=torch.tensor([0, 4, 8]))
-
-
 def test_padded_vocab_is_masked_and_not_saved():
     cfg = preset("tiny-llama3-8b")
     assert (cfg.vocab_size, cfg.padded_vocab_size) == (250, 256)

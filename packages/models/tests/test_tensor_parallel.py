@@ -1,4 +1,4 @@
-"""TP=2, TP=2+SP and CP=2: loss and every parameter's gradient equal the single-rank model's.
+"""TP=2, TP=2+SP and CP=2 (also with packed documents): loss and every parameter's gradient equal the single-rank model's.
 
 See ``shardwork.models.testing.compare_with_single_rank``: float64 at rtol 1e-9 (one case with
 a plain ``F.cross_entropy`` oracle loss instead of the fused vocab-parallel one) and one
@@ -37,6 +37,8 @@ def _compare(name, kwargs):
             "tiny-llama3-8b",
             {"tp": 2, "sequence_parallel": True, "batch": 1, "cu_seqlens": [0, 5, 11, 16]},
         ),
+        # Chunks of 6 tokens: documents cross the boundaries at 6, 12 and 18.
+        ("tiny-llama3-8b", {"cp": 2, "batch": 1, "seq": 24, "cu_seqlens": [0, 5, 13, 19, 24]}),
     ],
     ids=[
         "tp2",
@@ -47,6 +49,7 @@ def _compare(name, kwargs):
         "cp2",
         "cp2-tp2-sp",
         "tp2-sp-packed",
+        "cp2-packed",
     ],
 )
 def test_layout_matches_single_rank_fp64(name, kwargs):

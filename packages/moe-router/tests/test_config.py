@@ -67,6 +67,35 @@ BAD = [
     ({"input_jitter_eps": -0.1}, "input_jitter_eps=-0.1"),
     ({"expert_bias_update_rate": -1}, "expert_bias_update_rate=-1"),
     ({"fused_backend": "cuda"}, "fused_backend='cuda'"),
+    ({"load_balancing_type": "quantile_balancing", "aux_loss_coeff": 0.1}, "aux_loss_coeff=0.1"),
+    (
+        {"load_balancing_type": "quantile_balancing", "num_groups": 2, "group_top_k": 1},
+        "num_groups=2",
+    ),
+    (
+        {
+            "load_balancing_type": "quantile_balancing",
+            "score_function": "sigmoid",
+            "enable_expert_bias": True,
+        },
+        "enable_expert_bias=True",
+    ),
+    (
+        {"load_balancing_type": "quantile_balancing", "capacity_factor": 1.0},
+        "capacity_factor=1.0",
+    ),
+    ({"load_balancing_type": "quantile_balancing", "top_k": 8}, "top_k=8"),
+    pytest.param(
+        {"load_balancing_type": "quantile_balancing", "fused_backend": "torch"},
+        "fused_backend='torch'",
+        marks=NEEDS_FUSED,
+    ),
+    (
+        {"load_balancing_type": "quantile_balancing", "quantile_balancing_ema": 1.5},
+        "quantile_balancing_ema=1.5",
+    ),
+    ({"quantile_balancing_ema": 0.5}, "quantile_balancing_ema=0.5"),
+    ({"load_balancing_type": ("aux_loss", "quantile_balancing")}, "load_balancing_type="),
 ]
 
 
@@ -130,3 +159,16 @@ def test_wrong_hidden_size_and_mask_shape_rejected():
         router(torch.randn(4, 2, 8))
     with pytest.raises(ValueError, match="padding_mask"):
         router(torch.randn(4, 2, 16), padding_mask=torch.zeros(8, dtype=torch.bool))
+
+
+def test_quantile_balancing_refuses_padding_and_uneven_token_counts():
+    cfg = RouterConfig(**BASE, load_balancing_type="quantile_balancing")
+    router = TopKRouter(cfg)
+    with pytest.raises(ValueError, match="padding_mask is invalid"):
+        router(torch.randn(4, 2, 16), padding_mask=torch.zeros(4, 2, dtype=torch.bool))
+    # 3 tokens x top_k 2 = 6 assignments cannot split evenly over 8 experts
+    with pytest.raises(ValueError, match="num_experts=8"):
+        router(torch.randn(3, 1, 16))
+    router.eval()  # no quantile in eval: any token count routes
+    with torch.no_grad():
+        assert router(torch.randn(3, 1, 16))[1].sum() == 6

@@ -298,6 +298,39 @@ CASES = [
     ({"eval": {"interval": 0}}, 1, 'eval.interval=0: must be an integer >= 1 or "none"'),
     ({"reliability": {"max_consecutive_skips": 0}}, 1, "reliability.max_consecutive_skips=0"),
     ({"seed": -1}, 1, "seed=-1: must be an integer >= 0"),
+    ({"parallel": {"fsdp": "zero3"}}, 2, "parallel.fsdp='zero3': must be one of ['off', 'full'"),
+    ({"parallel": {"fsdp_prefetch": -1}}, 2, "parallel.fsdp_prefetch=-1: must be an integer >= 0"),
+    (
+        {"parallel": {"fsdp": "full"}, "optimizer": {"name": "muon"}},
+        2,
+        "parallel.fsdp='full' with optimizer.name='muon' is not supported: Muon orthogonalises "
+        "whole weight matrices",
+    ),
+    (
+        {"parallel": {"fsdp": "full"}, "peft": {"method": "lora"}},
+        2,
+        "parallel.fsdp='full' with peft.method='lora' is not supported",
+    ),
+    (
+        {"parallel": {"fsdp": "zero2"}, "precision": {"dtype": "fp16"}},
+        2,
+        "parallel.fsdp='zero2' with precision.dtype='fp16' is not supported: use 'bf16'",
+    ),
+    (
+        {"parallel": {"fsdp": "full"}},
+        1,
+        "parallel.fsdp='full' needs torch.distributed with at least 2 ranks (world size 1)",
+    ),
+    (
+        {"parallel": {"fsdp": "full"}, "precision": {"compile": True}},
+        2,
+        "parallel.fsdp='full' with precision.compile=true is not supported yet",
+    ),
+    (
+        {"parallel": {"fsdp": "full"}, "reliability": {"check_dp_params_interval": 10}},
+        2,
+        "reliability.check_dp_params_interval=10: under FSDP no two data-parallel ranks hold",
+    ),
 ]
 
 

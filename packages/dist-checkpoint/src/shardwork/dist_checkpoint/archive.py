@@ -31,12 +31,13 @@ import io
 import pickle
 import struct
 import sys
-import zlib
 from collections import OrderedDict
 from typing import Any
 
 import torch
 from torch.storage import _dtype_to_storage_type_map
+
+from shardwork.dist_checkpoint.checksum import crc32
 
 __all__ = ["write_tensor_archive"]
 
@@ -127,7 +128,7 @@ class _ArchiveWriter:
         if payload:
             crc = out.write_payload(memoryview(data))
         else:
-            crc = zlib.crc32(data)
+            crc = crc32(data)
             out.write(data)
         out.write(_DESCRIPTOR.pack(0x08074B50, crc, size, size))
         self.entries.append((name_bytes, offset, crc, size))

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import ctypes
 import os
-import zlib
 from pathlib import Path
 from typing import Any
 
+from shardwork.dist_checkpoint.checksum import crc32
 from shardwork.dist_checkpoint.crc import crc32_combine
 from shardwork.dist_checkpoint.faults import fault_armed, fault_point
 
@@ -77,7 +77,7 @@ class DataFile:
         if view.nbytes >= _COMBINE_FROM:
             self.write_payload(view)
             return
-        self.crc = zlib.crc32(view, self.crc)
+        self.crc = crc32(view, self.crc)
         self.size += view.nbytes
         self._pending += view
 
@@ -86,15 +86,15 @@ class DataFile:
         view = view.cast("B") if view.format != "B" else view
         self._flush_pending()
         if view.nbytes < _COMBINE_FROM:
-            crc = zlib.crc32(view)
-            self.crc = zlib.crc32(view, self.crc)
+            crc = crc32(view)
+            self.crc = crc32(view, self.crc)
             self._write_all(view)
             self.size += view.nbytes
             return crc
         crc = 0
         for start in range(0, view.nbytes, _SLICE):
             piece = view[start : start + _SLICE]
-            crc = zlib.crc32(piece, crc)
+            crc = crc32(piece, crc)
             self._write_all(piece)
             self._start_writeback(self.size + start + piece.nbytes)
         self.crc = crc32_combine(self.crc, crc, view.nbytes)

@@ -21,9 +21,9 @@ says whether the failure is explained by the file differing from its record.
 from __future__ import annotations
 
 import os
-import zlib
 from typing import Any
 
+from shardwork.dist_checkpoint.checksum import crc32
 from shardwork.dist_checkpoint.storage import file_crc32
 
 __all__ = ["FileCheck", "file_problem", "mismatch"]
@@ -75,7 +75,7 @@ class FileCheck:
         if offset > self._pos:
             self._read_gap(offset)
         # Fold only the part past the covered prefix.
-        self._crc = zlib.crc32(view[self._pos - offset :], self._crc)
+        self._crc = crc32(view[self._pos - offset :], self._crc)
         self._pos = end
 
     def finish(self) -> str | None:
@@ -85,7 +85,7 @@ class FileCheck:
             block = os.pread(self._fd, _GAP_SLICE, self._pos)
             if not block:
                 break
-            self._crc = zlib.crc32(block, self._crc)
+            self._crc = crc32(block, self._crc)
             self._pos += len(block)
         return mismatch(self.name, self._pos, self._crc, self._record)
 
@@ -94,5 +94,5 @@ class FileCheck:
             block = os.pread(self._fd, min(_GAP_SLICE, end - self._pos), self._pos)
             if not block:  # the file is shorter than the range being added: finish() says so
                 raise OSError(f"{self.name}: file ends at byte {self._pos}, expected {end}")
-            self._crc = zlib.crc32(block, self._crc)
+            self._crc = crc32(block, self._crc)
             self._pos += len(block)

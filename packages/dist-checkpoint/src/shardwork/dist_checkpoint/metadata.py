@@ -22,12 +22,13 @@ from __future__ import annotations
 import json
 import os
 import time
-import zlib
 from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from shardwork.dist_checkpoint.checksum import crc32
 
 __all__ = [
     "COMMIT_MARKER",
@@ -151,7 +152,7 @@ def write_commit(path: str | os.PathLike, info: dict[str, Any]) -> None:
     # Make the rename itself durable before the marker can exist.
     _fsync_dir(path)
     # The marker records shardwork.json's CRC-32, which read_info checks.
-    marker = {"committed": True, "time": time.time(), "info_crc32": zlib.crc32(text.encode())}
+    marker = {"committed": True, "time": time.time(), "info_crc32": crc32(text.encode())}
     _write_atomic(path / COMMIT_MARKER, json.dumps(marker))
     _fsync_dir(path)
 
@@ -182,10 +183,10 @@ def read_info(path: str | os.PathLike, *, require_commit: bool = True) -> dict[s
         raise IncompleteCheckpointError(f"{str(path)!r} has no {INFO_FILE}")
     raw = info_path.read_bytes()
     expected = _recorded_info_crc(path)
-    if expected is not None and zlib.crc32(raw) != expected:
+    if expected is not None and crc32(raw) != expected:
         raise CheckpointCorruptError(
             f"checkpoint {str(path)!r} is corrupt: {INFO_FILE}: checksum mismatch (crc32 "
-            f"{zlib.crc32(raw):08x}, recorded {expected:08x} in {COMMIT_MARKER})",
+            f"{crc32(raw):08x}, recorded {expected:08x} in {COMMIT_MARKER})",
             checkpoint=str(path),
             files=(INFO_FILE,),
         )

@@ -48,7 +48,6 @@ import itertools
 import math
 import os
 import threading
-import zlib
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -60,6 +59,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from shardwork.dist_checkpoint.blob import HEAD_BYTES, StoredTensor, parse_tensor_blob
+from shardwork.dist_checkpoint.checksum import crc32
 from shardwork.dist_checkpoint.confine import check_storage_ranges
 from shardwork.dist_checkpoint.decode import decode_metadata
 from shardwork.dist_checkpoint.integrity import FileCheck, file_problem, mismatch
@@ -192,7 +192,7 @@ class ShardworkReader(FileSystemReader):
         if self._metadata is None:
             raw = (Path(self.path) / DCP_METADATA_FILE).read_bytes()
             record = self._records.get(DCP_METADATA_FILE)
-            problem = record and mismatch(DCP_METADATA_FILE, len(raw), zlib.crc32(raw), record)
+            problem = record and mismatch(DCP_METADATA_FILE, len(raw), crc32(raw), record)
             if problem:
                 raise CheckpointCorruptError(
                     f"checkpoint {str(self.path)!r} is corrupt: {problem}",

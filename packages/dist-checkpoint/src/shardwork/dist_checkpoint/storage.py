@@ -23,7 +23,6 @@ import io
 import math
 import os
 import threading
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from shardwork.dist_checkpoint.archive import write_tensor_archive
+from shardwork.dist_checkpoint.checksum import crc32
 from shardwork.dist_checkpoint.datafile import DataFile
 from shardwork.dist_checkpoint.faults import fault_point
 
@@ -149,6 +149,6 @@ def file_crc32(path: str | os.PathLike) -> tuple[int, int]:
     crc, size = 0, 0
     with open(path, "rb") as f:
         while block := f.read(_READ_CHUNK):
-            crc = zlib.crc32(block, crc)
+            crc = crc32(block, crc)
             size += len(block)
     return size, crc

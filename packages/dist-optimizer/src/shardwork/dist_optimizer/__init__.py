@@ -7,6 +7,9 @@
 - :class:`ChainedOptimizer` — dense + expert optimizers stepping as one.
 - :class:`LayerWiseDistributedOptimizer` + :class:`Muon` — whole matrices updated on owner
   ranks (TP shards gathered first), broadcast back.
+- :class:`FullyShardedDataParallel` / :class:`FSDPConfig` + :class:`FSDPOptimizer` — torch's
+  FSDP2 per block over shardwork's dp×cp / edp groups: parameters, gradients and optimizer
+  state sharded by rows; ParamMeta carried onto the DTensor parameters.
 - :class:`ParamIndexMap` — the buffer/bucket/shard layout as pure computation.
 - :class:`AdamW` (bf16 moments option), :class:`DynamicLossScaler`, :class:`ConstantLossScaler`.
 - ``sharded_state_dict()`` on every optimizer: state in global parameter coordinates.
@@ -16,6 +19,8 @@ from shardwork.dist_optimizer.adamw import AdamW
 from shardwork.dist_optimizer.chained import ChainedOptimizer, build_optimizer
 from shardwork.dist_optimizer.ddp import DDPConfig, DistributedDataParallel
 from shardwork.dist_optimizer.distributed_optimizer import DistributedOptimizer
+from shardwork.dist_optimizer.fsdp import FSDPConfig, FullyShardedDataParallel
+from shardwork.dist_optimizer.fsdp_optimizer import FSDPOptimizer
 from shardwork.dist_optimizer.layerwise import LayerWiseDistributedOptimizer
 from shardwork.dist_optimizer.layout import BufferKey, BufferLayout, ParamIndexMap, ShardPiece
 from shardwork.dist_optimizer.local_masters import OptimizerConfig
@@ -36,6 +41,9 @@ __all__ = [
     "DistributedDataParallel",
     "DistributedOptimizer",
     "DynamicLossScaler",
+    "FSDPConfig",
+    "FSDPOptimizer",
+    "FullyShardedDataParallel",
     "LayerWiseDistributedOptimizer",
     "Muon",
     "OptimizerConfig",

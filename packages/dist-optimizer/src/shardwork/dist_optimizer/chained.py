@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from shardwork.dist_optimizer.distributed_optimizer import DistributedOptimizer
+from shardwork.dist_optimizer.fsdp import FullyShardedDataParallel
+from shardwork.dist_optimizer.fsdp_optimizer import FSDPOptimizer
 from shardwork.dist_optimizer.layerwise import LayerWiseDistributedOptimizer
 from shardwork.dist_optimizer.local_masters import OptimizerConfig, OptimizerFactory, as_models
 from shardwork.dist_optimizer.step_flow import StepResult, run_step
@@ -126,19 +128,26 @@ def build_optimizer(
     param_group_fn: Any = None,
     expert_optimizer_factory: OptimizerFactory | None = None,
 ) -> ChainedOptimizer:
-    """Dense + expert optimizers for DDP chunk(s) ``model``, chained.
+    """Dense + expert optimizers for DDP or FSDP chunk(s) ``model``, chained.
 
-    The kind follows the DDP config: :class:`DistributedOptimizer` (ZeRO-1) when it was built
-    with ``use_distributed_optimizer=True``, else :class:`LayerWiseDistributedOptimizer`.
+    The kind follows the chunks: :class:`FSDPOptimizer` for
+    :class:`FullyShardedDataParallel` chunks; for DDP chunks :class:`DistributedOptimizer`
+    (ZeRO-1) when built with ``use_distributed_optimizer=True``, else
+    :class:`LayerWiseDistributedOptimizer`.
     The expert part is always built (it may own nothing on this rank) so that every rank
     joins the same collectives. ``expert_optimizer_factory`` defaults to ``optimizer_factory``.
     """
-    models = as_models(model)
-    kind = (
-        DistributedOptimizer
-        if models[0].config.use_distributed_optimizer
-        else LayerWiseDistributedOptimizer
-    )
+    first = model[0] if isinstance(model, (list, tuple)) and model else model
+    if isinstance(first, FullyShardedDataParallel):
+        models = as_models(model, FullyShardedDataParallel)
+        kind: type = FSDPOptimizer
+    else:
+        models = as_models(model)
+        kind = (
+            DistributedOptimizer
+            if models[0].config.use_distributed_optimizer
+            else LayerWiseDistributedOptimizer
+        )
     common = {"config": config, "process_groups": process_groups, "param_group_fn": param_group_fn}
     parts = [
         kind(models, optimizer_factory, expert=False, **common),

@@ -141,6 +141,10 @@ class DistributedOptimizer(LocalMastersOptimizer):
     def masters(self) -> list[MasterPiece]:
         return self.pieces
 
+    def master_ranges(self):
+        for mp in self.pieces:
+            yield mp.name, mp.param, mp.master, mp.piece.param_start, mp.piece.param_end
+
     # ------------------------------------------------------------------ step phases
     def prepare_grads(self, inv_scale: float) -> None:
         """Finish gradient reduction and fill fp32 master gradients divided by the loss scale."""

@@ -111,6 +111,10 @@ class LayerWiseDistributedOptimizer(LocalMastersOptimizer):
     def masters(self) -> list[OwnedParam]:
         return self.owned
 
+    def master_ranges(self):
+        for op in self.owned:
+            yield op.name, op.param, op.master, 0, op.param.numel()
+
     @staticmethod
     def assign_owners(numels: Sequence[int], dp_size: int) -> list[int]:
         """Owner rank of each parameter: largest first onto the least-loaded rank."""

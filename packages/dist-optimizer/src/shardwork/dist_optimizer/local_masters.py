@@ -20,7 +20,7 @@ that) and ``zero_grad``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,16 +66,17 @@ class OptimizerConfig:
             raise ValueError(f"OptimizerConfig.clip_grad={self.clip_grad}; valid: >= 0 (0 = off)")
 
 
-def as_models(model: Any) -> list[DistributedDataParallel]:
-    """The DDP model chunks an optimizer was given (one, or a list per virtual pipeline chunk)
-    as a list, checked: each a `DistributedDataParallel`, none twice (ValueError naming the
-    index). Shared by the optimizers and `build_optimizer`, which both take either form."""
+def as_models(model: Any, wrapper: type = DistributedDataParallel) -> list[Any]:
+    """The model chunks an optimizer was given (one, or a list per virtual pipeline chunk) as a
+    list, checked: each a ``wrapper`` (default `DistributedDataParallel`), none twice
+    (ValueError naming the index). Shared by the optimizers and `build_optimizer`, which both
+    take either form."""
     models = list(model) if isinstance(model, (list, tuple)) else [model]
     seen: set[int] = set()
     for i, m in enumerate(models):
-        if not isinstance(m, DistributedDataParallel):
+        if not isinstance(m, wrapper):
             raise ValueError(
-                f"model[{i}] is a {type(m).__name__}; valid: a DistributedDataParallel "
+                f"model[{i}] is a {type(m).__name__}; valid: a {wrapper.__name__} "
                 "(or a list of them, one per virtual pipeline chunk)"
             )
         if id(m) in seen:
@@ -89,9 +90,12 @@ class LocalMastersOptimizer(ABC):
 
     ``sharded_grads``: whether the DDP chunks must reduce-scatter their gradients
     (``DDPConfig.use_distributed_optimizer=True``) or all-reduce them (False); ``why`` ends
-    the error raised for a chunk built the other way. Other arguments as documented on the
-    subclasses.
+    the error raised for a chunk built the other way. ``wrapper``: the class the chunks must
+    be (a subclass for FSDP chunks passes ``sharded_grads=None``: they have no DDP config).
+    Other arguments as documented on the subclasses.
     """
+
+    wrapper: type = DistributedDataParallel
 
     @property
     @abstractmethod
@@ -114,6 +118,11 @@ class LocalMastersOptimizer(ABC):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the models' gradient buffers and drop master grads that are copies."""
 
+    @abstractmethod
+    def master_ranges(self) -> Iterator[tuple[str, torch.nn.Parameter, torch.Tensor, int, int]]:
+        """``(name, param, master, a, b)`` per master: it holds elements ``[a, b)`` of the
+        row-major flattening of the (TP-local) parameter (what checkpoints place)."""
+
     def __init__(
         self,
         model: DistributedDataParallel | Sequence[DistributedDataParallel],
@@ -125,14 +134,14 @@ class LocalMastersOptimizer(ABC):
         stats_groups: Sequence[Any] | None,
         pp_rank: int | None,
         loss_scaler: Any,
-        sharded_grads: bool,
+        sharded_grads: bool | None,
         why: str,
     ) -> None:
-        self.models = as_models(model)
+        self.models = as_models(model, self.wrapper)
         self.config = config or OptimizerConfig()
         self.expert = expert
         for i, m in enumerate(self.models):
-            if m.config.use_distributed_optimizer != sharded_grads:
+            if sharded_grads is not None and m.config.use_distributed_optimizer != sharded_grads:
                 raise ValueError(
                     f"model[{i}] was built with DDPConfig(use_distributed_optimizer="
                     f"{m.config.use_distributed_optimizer}); valid: {sharded_grads} ({why})"

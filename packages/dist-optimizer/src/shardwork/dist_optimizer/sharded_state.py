@@ -132,7 +132,7 @@ def _ensure_state(optimizer: torch.optim.Optimizer | None, masters: Sequence[tor
 def _entries(opt: Any, prefix: str, param_rects: ParamRectsFn | None):
     """(path, ShardedTensor args, target tensor, selector) for every saved tensor piece."""
     tp_rank, tp_size = group_rank(opt.tp_group), group_size(opt.tp_group)
-    for item in _items(opt):
+    for item in opt.master_ranges():
         name, param, master, a, b = item
         rects = (
             param_rects(name, param)
@@ -153,15 +153,6 @@ def _entries(opt: Any, prefix: str, param_rects: ParamRectsFn | None):
                     selector,
                     (a, b) == (0, math.prod(shape) or 1),
                 )
-
-
-def _items(opt: Any):
-    if hasattr(opt, "pieces"):
-        for mp in opt.pieces:
-            yield mp.name, mp.param, mp.master, mp.piece.param_start, mp.piece.param_end
-    else:
-        for op in opt.owned:
-            yield op.name, op.param, op.master, 0, op.param.numel()
 
 
 def _build(opt: Any, prefix: str, param_rects: ParamRectsFn | None):

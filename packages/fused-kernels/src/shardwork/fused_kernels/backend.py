@@ -197,7 +197,10 @@ def resolve_backend(
         chosen = "triton"
     else:
         chosen = "torch"
-    _log_choice(op_name, requested, device.type, chosen)
+    # Logging inside a torch.compile trace is a graph break (dynamo cannot trace Logger calls);
+    # the eager call of the same op logs the choice.
+    if not torch.compiler.is_compiling():
+        _log_choice(op_name, requested, device.type, chosen)
     return chosen
 
 

@@ -11,8 +11,11 @@ pipeline and expert parallelism.
   :class:`LearnedPositionEmbedding`, :class:`TransformerLayer`, :class:`TransformerBlock`.
 - Composition: :class:`DecoderSpec` / :class:`LayerSpec` and :func:`spec_for` (which parts
   each layer has), :func:`register_mixer` / :func:`register_mlp` / :func:`register_norm` (new part kinds).
+- :func:`compile_blocks` (``torch.compile`` per transformer layer), :func:`compile_report`;
 - :class:`RNGTracker` and recompute :func:`checkpoint`; losses as (sum, count) with
-  :func:`loss_for_backward` / :func:`reduce_loss`; context-parallel helpers.
+  :func:`loss_for_backward` / :func:`reduce_loss`; context-parallel helpers; block masks
+  (:class:`BlockMask`, :func:`build_block_mask`) and :func:`block_attention` (packed documents,
+  context parallelism and sliding windows without an ``[s, s]`` mask).
 - Mixture of experts (:class:`MoEConfig`, :class:`MoELayer`, :func:`moe_finalize_kwargs`,
   :func:`expert_load`; more in :mod:`shardwork.models.moe`), multi-head latent attention
   (:class:`MLAConfig`, :class:`MLAttention`), multi-token prediction (:class:`MTPConfig`,
@@ -26,6 +29,13 @@ pipeline and expert parallelism.
 """
 
 from shardwork.models.attention import Attention, AttentionInputs
+from shardwork.models.block_compile import (
+    CompileReport,
+    compile_blocks,
+    compile_problem,
+    compile_report,
+)
+from shardwork.models.block_mask import BlockMask, build_block_mask
 from shardwork.models.calculator import (
     MemoryEstimate,
     flops_per_token,
@@ -41,7 +51,7 @@ from shardwork.models.calculator_memory import (
 from shardwork.models.calculator_moe import ParamCounts, moe_param_counts
 from shardwork.models.config import RECOMPUTE_MODES, GPTConfig, check_sequence_length
 from shardwork.models.context_parallel import (
-    attention_mask,
+    gather_in_position_order,
     local_positions,
     slice_for_context_parallel,
 )
@@ -65,6 +75,7 @@ from shardwork.models.lora_config import LoRAConfig, lora_key_names
 from shardwork.models.loss import loss_for_backward, reduce_loss, token_loss
 from shardwork.models.mamba import Mamba2Mixer, MambaState
 from shardwork.models.mamba_config import MambaConfig
+from shardwork.models.masked_attention import block_attention
 from shardwork.models.mla import MLAttention
 from shardwork.models.mla_config import MLAConfig
 from shardwork.models.mlp import SwiGLUMLP
@@ -97,8 +108,10 @@ __all__ = [
     "TENSOR_PARALLEL",
     "Attention",
     "AttentionInputs",
+    "BlockMask",
     "BuildContext",
     "ColumnParallelLinear",
+    "CompileReport",
     "DecoderSpec",
     "GPTConfig",
     "GPTModel",
@@ -134,11 +147,16 @@ __all__ = [
     "TransformerLayer",
     "VocabParallelEmbedding",
     "apply_lora",
-    "attention_mask",
+    "block_attention",
+    "build_block_mask",
     "check_sequence_length",
     "checkpoint",
+    "compile_blocks",
+    "compile_problem",
+    "compile_report",
     "expert_load",
     "flops_per_token",
+    "gather_in_position_order",
     "gather_logits",
     "is_lora_key",
     "kv_cache_bytes_per_token",

@@ -14,19 +14,22 @@ rank, ``d`` head dim.
   ``shardwork.fused_kernels.apply_rotary`` with half-split pairing (the HF convention) on the
   first ``cos.shape[-1]`` channels of each head (``rotary_percent`` < 1 leaves the rest as
   they are). With ``position_embedding_type="none"`` nothing is rotated.
-- Core attention is torch SDPA. The plain causal case uses ``is_causal``; packed sequences
-  and context parallelism pass an explicit boolean mask built from global positions. The
-  scale is ``head_dim^-0.5`` or ``query_pre_attn_scalar^-0.5`` (Gemma). With
+- Core attention is torch SDPA. The plain causal case uses ``is_causal``; packed sequences,
+  context parallelism and sliding windows bring a :class:`~shardwork.models.block_mask.BlockMask`
+  (query segments over contiguous key ranges, never an ``[s, s]`` tensor) that
+  :func:`~shardwork.models.masked_attention.block_attention` runs exactly with memory linear in
+  ``s``. The scale is ``head_dim^-0.5`` or ``query_pre_attn_scalar^-0.5`` (Gemma). With
   ``attn_logit_softcapping`` (Gemma 2) the scores are capped (:mod:`shardwork.models.softcap`)
   before the mask, which SDPA cannot do: those layers compute ``softmax(cap(q·kᵀ·scale)) v``
-  explicitly, softmax in at least float32 like transformers' eager path.
+  explicitly (per segment of the block mask), softmax in at least float32 like transformers'
+  eager path.
 - Sliding-window layers (``config.sliding_window``, chosen by ``sliding_window_pattern``) read
-  ``inputs.sliding``: their own mask (window on global positions, so it holds under context
-  parallelism and packing) and, with ``rope_local_theta``, their own RoPE table.
+  ``inputs.sliding``: their own block mask (window on global positions, so it holds under
+  context parallelism and packing) and, with ``rope_local_theta``, their own RoPE table.
 - ``add_qkv_bias`` / ``add_proj_bias``: biases on ``linear_qkv`` (split like its blocks) and
   ``linear_proj`` (replicated, added once after the TP reduction).
-- Context parallelism: K/V are all-gathered over the cp group with a differentiable gather
-  (backward reduce-scatters), queries stay local.
+- Context parallelism: K/V are all-gathered over the cp group in position order with a
+  differentiable gather (backward reduce-scatters), queries stay local.
 - Attention dropout draws from the model's TP-distinct RNG stream (heads are TP-sharded).
 """
 
@@ -38,15 +41,17 @@ import torch
 import torch.nn.functional as F
 
 from shardwork.fused_kernels import apply_rotary
+from shardwork.models.block_mask import BlockMask
 from shardwork.models.config import GPTConfig
+from shardwork.models.context_parallel import gather_in_position_order
 from shardwork.models.layer_options import is_sliding_window_layer
+from shardwork.models.masked_attention import block_attention, capped_attention
 from shardwork.models.module import ShardedModule
 from shardwork.models.norm import RMSNorm
 from shardwork.models.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from shardwork.models.recompute import checkpoint
 from shardwork.models.rng import TENSOR_PARALLEL, RNGTracker
-from shardwork.models.softcap import soft_cap
-from shardwork.parallel_state import ProcessGroups, gather_from_sequence_region
+from shardwork.parallel_state import ProcessGroups
 
 __all__ = ["Attention", "AttentionInputs"]
 
@@ -57,14 +62,15 @@ class AttentionInputs:
 
     ``cos``/``sin``: ``[s_local, 1, d_rot]`` for this rank's (global) query positions, or None
     when the model has no rotary table (``DecoderSpec.rotary`` None).
-    ``mask``: boolean ``[s_local, s_keys]`` (True = attend), or None for plain causal.
+    ``mask``: which keys each query attends (packed documents, context-parallel chunks, a
+    sliding window), or None for plain causal attention over the rank's own keys.
     ``sliding``: the inputs of sliding-window layers (their windowed mask and RoPE table), None
     in a model without them.
     """
 
     cos: torch.Tensor | None
     sin: torch.Tensor | None
-    mask: torch.Tensor | None
+    mask: BlockMask | None
     sliding: AttentionInputs | None = None
 
 
@@ -164,6 +170,8 @@ class Attention(ShardedModule):
         return out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
 
     def _sdpa(self, q, k, v, mask, p):
+        if mask is not None:  # a BlockMask: packed documents, cp > 1 or a sliding window
+            return block_attention(q, k, v, mask, scale=self.scale, dropout_p=p)
         # is_causal masks top-left aligned, correct only when queries and keys are the same
         # positions 0..s-1; context parallel and packed sequences always bring an explicit mask.
         return F.scaled_dot_product_attention(
@@ -173,17 +181,11 @@ class Attention(ShardedModule):
     def _softcapped(self, q, k, v, mask, p):
         """``softmax(cap·tanh(q·kᵀ·scale / cap) masked) v`` on ``[b, n, s, d]`` tensors."""
         scale = self.head_dim**-0.5 if self.scale is None else self.scale
-        scores = soft_cap(torch.matmul(q, k.transpose(-1, -2)) * scale, self.softcap)
-        if mask is None:
-            sq, sk = scores.shape[-2], scores.shape[-1]
-            mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~mask, float("-inf"))
-        # Softmax in at least float32 (transformers' eager attention does the same).
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        probs = torch.softmax(scores, dim=-1, dtype=acc).to(q.dtype)
-        if p > 0:
-            probs = F.dropout(probs, p=p, training=True)
-        return torch.matmul(probs, v)
+        if mask is not None:
+            return block_attention(q, k, v, mask, scale=scale, dropout_p=p, softcap=self.softcap)
+        sq, sk = q.shape[2], k.shape[2]
+        causal = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
+        return capped_attention(q, k, v, causal, scale=scale, softcap=self.softcap, dropout_p=p)
 
     def forward(self, hidden: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         """``hidden [s(/tp under SP), b, h]`` -> same shape."""
@@ -214,14 +216,11 @@ class Attention(ShardedModule):
         if self.rotate:
             q, k = self._rotary(q, k, inputs)
         if self.groups.size("cp") > 1:
-            # After RoPE, so every key carries its own global position. Backward reduce-scatters:
-            # every rank's queries contribute gradient to every key. All cp ranks issue k then v in
-            # this order.
-            k = gather_from_sequence_region(k, self.groups.cp, dim=0, grad_is_partial=True)
-            v = gather_from_sequence_region(v, self.groups.cp, dim=0, grad_is_partial=True)
+            # After RoPE, so every key carries its own global position; keys in position order,
+            # as the block mask indexes them. All cp ranks issue k then v in this order.
+            k = gather_in_position_order(k, self.groups.cp, dim=0)
+            v = gather_in_position_order(v, self.groups.cp, dim=0)
         mask = inputs.mask
-        if mask is not None:
-            mask = mask.to(q.device)
         # Selective recompute (Korthikanti et al. 2022): keep q/k/v, recompute the s x s scores,
         # softmax and dropout in backward; checkpoint replays the same dropout draws.
         if self.selective_recompute and self.training:

@@ -37,11 +37,14 @@ arithmetic bytes (4, or 8 for float64). Per layer, recompute ``none``:
   attention  flash-style SDPA (query and value head widths equal): ``T·(a/tp)·d·e·(2 + 2·cp)
              + T·(a/tp)·4`` (q, GQA-expanded k and v over the cp-gathered keys, output,
              log-sum-exp; with ``attn_logit_softcapping`` the explicit path's tanh and
-             softmax outputs ``T·(a/tp)·s·(e + c [+ e])`` instead of the log-sum-exp; what SDPA
-             saves beyond that with a sliding-window mask is not modelled, +1.2% measured on a
-             tiny Llama with window 8);
+             softmax outputs ``T·(a/tp)·s·(e + c [+ e])`` instead of the log-sum-exp, an upper
+             bound with packing or a window, where each query segment scores only its key
+             span); sliding-window, packed and cp > 1 layers save no mask (block masks are
+             rebuilt in backward: a tiny Llama with window 8 measures equal to one without);
              math SDPA (MLA, widths differ): ``q, k, v`` plus ``T·(n/tp)·s·e``
-             probabilities and the output projection's input. Without RoPE (``none`` or
+             probabilities and the output projection's input (packed or cp > 1 MLA runs the
+             block-mask path instead: ``v`` and the output padded to the query width, a
+             log-sum-exp, no probabilities; not modelled). Without RoPE (``none`` or
              ``learned_absolute``) and QK-norm, q
              is a view of the fused qkv output and keeps all of it, ``T·(n+2g)/tp·d·e``
              instead of q; the output gate adds ``2·T·(n/tp)·d·e`` (its sigmoid and the gated

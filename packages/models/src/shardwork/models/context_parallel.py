@@ -1,27 +1,31 @@
-"""Context parallelism: load-balanced sequence chunks, global positions and attention masks.
+"""Context parallelism: load-balanced sequence chunks, global positions and key/value exchange.
 
 - The sequence is cut into ``2·cp`` equal chunks; cp rank ``i`` holds chunks ``i`` and
   ``2cp-1-i`` (concatenated), so every rank gets the same amount of causal-attention work.
   :func:`slice_for_context_parallel` cuts a batch tensor that way (the data pipeline calls it
   for ids, labels and loss masks).
-- :func:`local_positions` gives the global positions of a rank's tokens: RoPE and the causal
-  mask use them (SDPA's ``is_causal`` would be wrong for these non-square blocks).
-- Keys/values are all-gathered over the cp group with a differentiable gather whose backward
-  reduce-scatters (every rank's queries contribute gradient to every key).
-- :func:`attention_mask` builds the boolean ``[sq, sk]`` mask (True = attend) from query and key
-  positions and, for packed sequences, document ids; a sliding window bounds ``q - k`` on the
-  same global positions, so it holds across chunk boundaries.
+- :func:`local_positions` gives the global positions of a rank's tokens (RoPE and learned
+  position embeddings use them).
+- :func:`gather_in_position_order` all-gathers keys/values over the cp group with a
+  differentiable gather whose backward reduce-scatters (every rank's queries contribute
+  gradient to every key) and puts the chunks back in position order, so that each query
+  segment of a :class:`~shardwork.models.block_mask.BlockMask` reads one contiguous slice of
+  keys. The gathered keys are linear in ``s``; attention never builds an ``[s_local, s]`` mask.
+- :func:`document_ids` gives the document index of every token of a packed sequence.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+
+from shardwork.parallel_state import gather_from_sequence_region, group_size
 
 __all__ = [
-    "attention_mask",
     "document_ids",
-    "gathered_positions",
+    "gather_in_position_order",
     "local_positions",
+    "position_order",
     "slice_for_context_parallel",
 ]
 
@@ -57,16 +61,24 @@ def local_positions(
     return torch.cat((first, second))
 
 
-def gathered_positions(
-    local_len: int, *, cp_size: int, device: torch.device | str | None = None
+def position_order(gathered: torch.Tensor, *, cp_size: int, dim: int = 0) -> torch.Tensor:
+    """Rank-order all-gathered chunks ``[r0c0, r0c(2cp-1), r1c1, ...]`` back in position order."""
+    if cp_size == 1:
+        return gathered
+    chunks = gathered.chunk(2 * cp_size, dim=dim)
+    # Global chunk c is rank c's first half when c < cp, else rank 2cp-1-c's second half.
+    order = [2 * c if c < cp_size else 2 * (2 * cp_size - 1 - c) + 1 for c in range(2 * cp_size)]
+    return torch.cat([chunks[i] for i in order], dim=dim)
+
+
+def gather_in_position_order(
+    x: torch.Tensor, group: dist.ProcessGroup | None, *, dim: int = 0
 ) -> torch.Tensor:
-    """Global positions of keys after an all-gather over cp (rank order)."""
-    return torch.cat(
-        [
-            local_positions(local_len, cp_rank=r, cp_size=cp_size, device=device)
-            for r in range(cp_size)
-        ]
-    )
+    """All-gather this cp rank's two chunks of ``x`` (sequence ``dim``) into the whole sequence
+    in position order; backward reduce-scatters the gradient (every rank's queries read every
+    key)."""
+    gathered = gather_from_sequence_region(x, group, dim=dim, grad_is_partial=True)
+    return position_order(gathered, cp_size=group_size(group), dim=dim)
 
 
 def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -78,27 +90,3 @@ def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
         )
     # right=True: a token at a document's end offset cu[i+1] already belongs to document i+1.
     return torch.bucketize(torch.arange(total, device=cu.device), cu[1:], right=True)
-
-
-def attention_mask(
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
-    *,
-    q_doc: torch.Tensor | None = None,
-    k_doc: torch.Tensor | None = None,
-    window: int | None = None,
-) -> torch.Tensor:
-    """Causal (and same-document) boolean mask ``[sq, sk]``; True where a query may attend.
-
-    ``window``: a sliding window, keys with ``q - k < window`` only (Hugging Face's rule). As
-    positions are global, the window cuts across context-parallel chunk boundaries correctly.
-    """
-    # [sq, 1] - [1, sk] -> [sq, sk]: distance back from each query to each key, on global
-    # positions (valid for any chunk layout).
-    back = q_pos.unsqueeze(1) - k_pos.unsqueeze(0)
-    mask = back >= 0
-    if window is not None:
-        mask = mask & (back < window)
-    if q_doc is not None:
-        mask = mask & (k_doc.unsqueeze(0) == q_doc.unsqueeze(1))
-    return mask

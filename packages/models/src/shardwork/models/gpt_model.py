@@ -13,8 +13,9 @@
 - Forward inputs are this rank's tokens ``[b, s_local]``: with cp > 1 the two load-balanced
   chunks from :func:`~shardwork.models.context_parallel.slice_for_context_parallel`.
   RoPE positions and the attention mask come from global positions. Packed sequences
-  (``cu_seqlens``, batch 1) get a document-causal mask and positions restarting per document;
-  packed + cp > 1 is rejected.
+  (``cu_seqlens``: the whole sequence's document boundaries, batch 1) get a document-causal
+  :class:`~shardwork.models.block_mask.BlockMask` and positions restarting per document, at
+  any cp (documents may cross cp chunks).
 - ``position_embedding_type="learned_absolute"``: the first stage adds the rows of a learned
   position table (:mod:`~shardwork.models.position_embedding`, key
   ``embedding.position_embeddings.weight``) to the word embedding, at the same global
@@ -37,13 +38,9 @@ import torch
 
 from shardwork.fused_kernels import packed_positions, rotary_cos_sin, rotary_inv_freq
 from shardwork.models.attention import AttentionInputs
+from shardwork.models.block_mask import build_block_mask
 from shardwork.models.config import GPTConfig, check_sequence_length
-from shardwork.models.context_parallel import (
-    attention_mask,
-    document_ids,
-    gathered_positions,
-    local_positions,
-)
+from shardwork.models.context_parallel import local_positions, slice_for_context_parallel
 from shardwork.models.embedding import LMHead, VocabParallelEmbedding
 from shardwork.models.layer_kinds import WHOLE_SEQUENCE_MIXERS, BuildContext, attach_model_state
 from shardwork.models.loss import token_loss
@@ -205,33 +202,28 @@ class GPTModel(ShardedModule):
     def _token_positions(
         self, local_len: int, cu_seqlens: torch.Tensor | None, device: torch.device
     ) -> torch.Tensor:
-        """Global positions ``[local_len]`` of this rank's tokens: restarting at 0 per packed
-        document, else the cp rank's two load-balanced chunks (RoPE and learned positions)."""
+        """Global positions ``[local_len]`` of this rank's tokens (RoPE and learned positions):
+        restarting at 0 per packed document, on the cp rank's two load-balanced chunks."""
         g = self.groups
+        cp, cp_rank = g.size("cp"), g.rank("cp")
         if cu_seqlens is None:
-            return local_positions(
-                local_len, cp_rank=g.rank("cp"), cp_size=g.size("cp"), device=device
-            )
+            return local_positions(local_len, cp_rank=cp_rank, cp_size=cp, device=device)
         positions = packed_positions(cu_seqlens.to(device))
-        if positions.numel() != local_len:
+        if positions.numel() != local_len * cp:
             raise ValueError(
-                f"cu_seqlens[-1]={positions.numel()} must equal the sequence length {local_len}"
+                f"cu_seqlens[-1]={positions.numel()} must equal the sequence length "
+                f"{local_len * cp} (the whole packed sequence: {local_len} tokens per rank x "
+                f"cp={cp})"
             )
-        return positions
+        return slice_for_context_parallel(positions, cp_rank=cp_rank, cp_size=cp, dim=0)
 
     def _attention_inputs(
         self, local_len: int, cu_seqlens: torch.Tensor | None, device: torch.device
     ) -> AttentionInputs:
+        """RoPE tables and block masks of this rank's ``local_len`` tokens (``cu_seqlens``: the
+        global document boundaries of a packed sequence)."""
         cfg, g = self.config, self.groups
-        cp = g.size("cp")
-        # (query index, key index, query doc, key doc) of the mask; None for plain causal.
-        mask_args = None
         if cu_seqlens is not None:
-            if cp > 1:
-                raise ValueError(
-                    f"packed sequences (cu_seqlens) with cp={cp} are not supported: use cp=1 or "
-                    "unpacked batches"
-                )
             scans = sorted(
                 {x.mixer for x in self.spec.layers + self.spec.mtp} & WHOLE_SEQUENCE_MIXERS
             )
@@ -241,42 +233,21 @@ class GPTModel(ShardedModule):
                     "layers: their scans run each row from a zero state and would carry state "
                     "across documents; pass unpacked batches"
                 )
-            positions = self._token_positions(local_len, cu_seqlens, device)
-            docs = document_ids(cu_seqlens.to(device), local_len)
-            index = torch.arange(local_len, device=device)
-            # RoPE positions restart per document (packed_positions), but causality follows the
-            # token's index in the packed row; the document ids forbid attention across documents.
-            mask_args = (index, index, docs, docs)
-        else:
-            positions = self._token_positions(local_len, None, device)
-            if cp > 1:
-                # Keys arrive all-gathered in cp-rank order, each rank's two chunks; is_causal
-                # cannot express this layout, so the mask is built from global positions.
-                keys = gathered_positions(local_len, cp_size=cp, device=device)
-                mask_args = (positions, keys, None, None)
-        mask = (
-            None
-            if mask_args is None
-            else attention_mask(*mask_args[:2], q_doc=mask_args[2], k_doc=mask_args[3])
-        )
+        positions = self._token_positions(local_len, cu_seqlens, device)
+        # Causality follows the token's index in the packed row (RoPE positions restart per
+        # document); document boundaries and cp chunks cut the block mask's query segments.
+        layout = dict(cp_rank=g.rank("cp"), cp_size=g.size("cp"), cu_seqlens=cu_seqlens)
+        mask = build_block_mask(local_len, **layout)
         cos, sin = self._rotary_table(positions, cfg.rope_theta, cfg.rope_scaling)
         sliding = None
         if cfg.sliding_window is not None:
-            sliding = self._sliding_inputs(positions, mask_args, cos, sin)
+            local_cos, local_sin = cos, sin
+            if cfg.rope_local_theta is not None:
+                # Sliding layers' own (unscaled) RoPE table.
+                local_cos, local_sin = self._rotary_table(positions, cfg.rope_local_theta, None)
+            sliding_mask = build_block_mask(local_len, window=cfg.sliding_window, **layout)
+            sliding = AttentionInputs(cos=local_cos, sin=local_sin, mask=sliding_mask)
         return AttentionInputs(cos=cos, sin=sin, mask=mask, sliding=sliding)
-
-    def _sliding_inputs(self, positions, mask_args, cos, sin) -> AttentionInputs:
-        """Sliding-window layers' inputs: the windowed mask and, with ``rope_local_theta``, their
-        own (unscaled) RoPE table."""
-        cfg = self.config
-        if mask_args is None:  # plain causal: queries and keys are positions 0..s-1
-            index = torch.arange(positions.numel(), device=positions.device)
-            mask_args = (index, index, None, None)
-        q, k, q_doc, k_doc = mask_args
-        mask = attention_mask(q, k, q_doc=q_doc, k_doc=k_doc, window=cfg.sliding_window)
-        if cfg.rope_local_theta is not None:
-            cos, sin = self._rotary_table(positions, cfg.rope_local_theta, None)
-        return AttentionInputs(cos=cos, sin=sin, mask=mask)
 
     def _rotary_table(self, positions, theta, scaling):
         """``(cos, sin)`` ``[s, 1, d_rot]`` of the spec's rotary table, None without one."""
@@ -312,7 +283,8 @@ class GPTModel(ShardedModule):
             labels: ``[b, s_local]`` target ids (-100 = ignored); with ``post_process`` the
                 result is ``(loss_sum, num_tokens)``.
             loss_mask: ``[b, s_local]`` 0/1 weights of tokens in the loss.
-            cu_seqlens: ``[num_docs + 1]`` boundaries of packed documents (batch size 1).
+            cu_seqlens: ``[num_docs + 1]`` boundaries of packed documents (batch size 1) over the
+                whole sequence (all cp ranks together).
             hidden_states: ``[s_local(/tp under SP), b, h]`` from the previous stage.
         """
         cfg, g = self.config, self.groups

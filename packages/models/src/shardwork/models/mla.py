@@ -20,16 +20,22 @@ Legend: ``n`` heads (``n/tp`` per rank), ``dn`` = qk_nope_head_dim, ``dr`` = qk_
   which leaves every attention score unchanged.
 - Softmax scale ``(dn+dr)^-1/2``, times ``YarnRopeScaling.softmax_scale_factor()`` under YaRN
   (DeepSeek's ``mscale_all_dim``); YaRN's cos/sin attention factor is in the tables.
-- Context parallelism: keys and values all-gathered over cp like :class:`Attention`.
+- Context parallelism: keys and values all-gathered over cp in position order like
+  :class:`Attention`; packed documents and cp run through the same
+  :func:`~shardwork.models.masked_attention.block_attention` (no ``[s, s]`` mask).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 
 from shardwork.fused_kernels import YarnRopeScaling, apply_rotary
 from shardwork.models.attention import AttentionInputs
+from shardwork.models.context_parallel import gather_in_position_order
+from shardwork.models.masked_attention import block_attention
 from shardwork.models.mla_config import MLAConfig
 from shardwork.models.module import ShardedModule
 from shardwork.models.norm import RMSNorm
@@ -132,12 +138,15 @@ class MLAttention(ShardedModule):
         # [s, b, n, d] -> [b, n, s, d], SDPA's layout.
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         p = self.dropout if self.training else 0.0
-        kw = dict(attn_mask=mask, is_causal=mask is None, dropout_p=p, scale=self.softmax_scale)
+        if mask is None:
+            attend = functools.partial(F.scaled_dot_product_attention, is_causal=True)
+        else:
+            attend = functools.partial(block_attention, mask=mask)
         if p > 0:
             with self.rng.fork(TENSOR_PARALLEL):
-                out = F.scaled_dot_product_attention(q, k, v, **kw)
+                out = attend(q, k, v, dropout_p=p, scale=self.softmax_scale)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, **kw)
+            out = attend(q, k, v, dropout_p=p, scale=self.softmax_scale)
         # [b, n, s, dv] -> [s, b, n·dv].
         return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
 
@@ -174,11 +183,11 @@ class MLAttention(ShardedModule):
         k = torch.cat((k_nope, k_rot.expand(s, b, self.num_heads, dr)), dim=-1)
         v = v.contiguous()
         if self.groups.size("cp") > 1:
-            # Same as Attention: keys after RoPE, gradient reduce-scattered; k then v on every cp
-            # rank.
-            k = gather_from_sequence_region(k, self.groups.cp, dim=0, grad_is_partial=True)
-            v = gather_from_sequence_region(v, self.groups.cp, dim=0, grad_is_partial=True)
-        mask = None if inputs.mask is None else inputs.mask.to(q.device)
+            # Same as Attention: keys after RoPE, in position order, gradient reduce-scattered; k
+            # then v on every cp rank.
+            k = gather_in_position_order(k, self.groups.cp, dim=0)
+            v = gather_in_position_order(v, self.groups.cp, dim=0)
+        mask = inputs.mask
         if self.selective_recompute and self.training:
             out = checkpoint(lambda q_, k_, v_: self._core(q_, k_, v_, mask), self.rng, q, k, v)
         else:

@@ -9,7 +9,11 @@
   the model's ``init_method_std``.
 - :func:`param_shards` turns one local parameter into the ShardedTensors that say where it sits
   in global coordinates: one per fused block (keys ``<name>.q`` ...), each a view of the
-  parameter, so a checkpoint load fills the parameter in place.
+  parameter, so a checkpoint load fills the parameter in place. A parameter sharded by FSDP
+  (a DTensor of rows of the TP-local tensor, ``shardwork.parallel_state.row_shard``) is
+  described by the same rules cut to its rows: every block's intersection with a row range is
+  again a box, so the pieces are plain rectangles, views of the local shard, with no data-
+  parallel replica.
 - :func:`init_from_shards` initialises a parameter from the same description. A key's global
   tensor is cut, along the one axis any layout splits it on (the TP axis; axis 0 otherwise),
   into blocks of ``INIT_BLOCK`` lines. Each block is drawn from its own generator, seeded by
@@ -20,15 +24,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from shardwork.dist_checkpoint import ShardedTensor
-from shardwork.parallel_state import ParamMeta, get_param_meta, set_param_meta
+from shardwork.parallel_state import ParamMeta, get_param_meta, row_shard, set_param_meta
 
 __all__ = [
     "INIT_BLOCK",
@@ -36,6 +42,7 @@ __all__ = [
     "ShardContext",
     "UniformInit",
     "describe_param",
+    "fsdp_rows",
     "init_from_shards",
     "key_seed",
     "normal_slice",
@@ -117,39 +124,72 @@ def param_blocks(param: torch.Tensor) -> tuple[str, ...] | None:
     return getattr(param, _BLOCKS, None)
 
 
-def _tp_blocks(param: torch.Tensor, ctx: ShardContext, source: torch.Tensor | None = None):
+def _tp_blocks(
+    param: torch.Tensor,
+    ctx: ShardContext,
+    source: torch.Tensor | None = None,
+    *,
+    first_row: int | None = None,
+):
     """Yield (suffix, local view, global shape, global offset, tp_split) for ``param``
-    (views of ``source`` instead when given)."""
+    (views of ``source`` instead when given).
+
+    ``first_row`` (not None): ``source`` holds only rows ``[first_row, first_row +
+    len(source))`` of the parameter (its FSDP shard); each block is then cut to those rows, and
+    its global offset moves with them (along the TP axis when it is axis 0, else along axis 0)."""
     meta = get_param_meta(param)
     blocks = getattr(param, _BLOCKS, None)
     shape = tuple(param.shape)
-    if source is not None:
-        assert tuple(source.shape) == shape, (tuple(source.shape), shape)
-        param = source
+    data = param if source is None else source
+    if first_row is None:
+        assert source is None or tuple(source.shape) == shape, (tuple(source.shape), shape)
+        first_row = 0
+    stop_row = first_row + (data.shape[0] if data.dim() else 1)
     if meta.tp_axis is None:
-        yield "", param, shape, (0,) * len(shape), False
+        off = [0] * len(shape)
+        if shape:
+            off[0] = first_row
+        yield "", data, shape, tuple(off), False
         return
     axis = meta.tp_axis
+    sizes = meta.tp_partition_sizes or (shape[axis] * ctx.tp_size,)
     if meta.tp_partition_sizes is None:
-        gshape = list(shape)
-        gshape[axis] = shape[axis] * ctx.tp_size
-        off = [0] * len(shape)
-        off[axis] = shape[axis] * ctx.tp_rank
-        yield "", param, tuple(gshape), tuple(off), True
-        return
-    names = blocks or tuple(f"part{i}" for i in range(len(meta.tp_partition_sizes)))
+        names: tuple[str, ...] = ("",)
+    else:
+        names = tuple(f".{n}" for n in (blocks or [f"part{i}" for i in range(len(sizes))]))
     local_start = 0
-    for name, size in zip(names, meta.tp_partition_sizes):
+    for suffix, size in zip(names, sizes):
         local = size // ctx.tp_size
-        view = param.narrow(axis, local_start, local)
         gshape = list(shape)
         gshape[axis] = size
         off = [0] * len(shape)
         # Each fused block is split on its own: this rank's slice of block q sits at q's tp_rank-th
         # slice, not at an offset into the concatenated [q | k | v] tensor.
         off[axis] = local * ctx.tp_rank
+        if axis == 0:
+            lo, hi = max(local_start, first_row), min(local_start + local, stop_row)
+            # No rows of this block on this FSDP rank: an empty view, skipped by the caller.
+            view = data.narrow(0, lo - first_row, hi - lo) if hi > lo else data.narrow(0, 0, 0)
+            off[0] += lo - local_start
+        else:
+            view = data.narrow(axis, local_start, local)
+            off[0] += first_row
         local_start += local
-        yield f".{name}", view, tuple(gshape), tuple(off), True
+        yield suffix, view, tuple(gshape), tuple(off), True
+
+
+def fsdp_rows(param: torch.Tensor, source: torch.Tensor | None) -> tuple[torch.Tensor, int] | None:
+    """``(local rows, first row)`` of an FSDP-sharded ``param`` (of ``source`` — a DTensor
+    gradient, or a tensor of the parameter's full shape — when given); None for a plain one."""
+    rows = row_shard(param)
+    if rows is None:
+        return None
+    if source is None:
+        return rows.local, rows.start
+    if isinstance(source, DTensor):
+        with torch.no_grad():
+            return source.to_local(), rows.start
+    return source.narrow(0, rows.start, rows.stop - rows.start), rows.start
 
 
 def _real_rows(view, gshape, goff, real_rows):
@@ -182,10 +222,16 @@ def param_shards(
     if custom is not None:  # e.g. stacked MoE experts: one key per expert
         return custom.param_shards(param, key, replica_offset=replica_offset, source=source)
     rows = getattr(param, _ROWS, None)
+    first_row = None
+    fsdp = fsdp_rows(param, source)
+    if fsdp is not None:
+        # FSDP: each data-parallel rank holds different rows, so none is a replica of another.
+        source, first_row = fsdp
+        ctx = dataclasses.replace(ctx, replica_rank=0)
     out = []
-    for suffix, view, gshape, goff, split in _tp_blocks(param, ctx, source):
+    for suffix, view, gshape, goff, split in _tp_blocks(param, ctx, source, first_row=first_row):
         clipped = _real_rows(view, gshape, goff, rows)
-        if clipped is None:
+        if clipped is None or (fsdp is not None and view.numel() == 0):
             continue
         view, gshape, goff = clipped
         rid = ctx.replica_id(split) + replica_offset

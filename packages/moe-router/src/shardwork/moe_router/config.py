@@ -14,7 +14,14 @@ import importlib.util
 from dataclasses import dataclass, field
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
-LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+LOAD_BALANCING_TYPES = (
+    "aux_loss",
+    "seq_aux_loss",
+    "global_aux_loss",
+    "sinkhorn",
+    "quantile_balancing",
+    "none",
+)
 AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
 DROP_POLICIES = ("probs", "position")
 ROUTER_DTYPES = (None, "fp32", "fp64")
@@ -62,8 +69,10 @@ class RouterConfig:
     load_balancing_type: str | tuple[str, ...] = "aux_loss"
     """``aux_loss`` (Switch/GShard over the micro-batch), ``seq_aux_loss`` (per sequence),
     ``global_aux_loss`` (token counts over data-parallel ranks and micro-batches),
-    ``sinkhorn`` (balanced assignment, no loss), ``none``, or a tuple of the three loss types
-    with one coefficient each in ``aux_loss_coeff`` (``moe_router_load_balancing_type``)."""
+    ``sinkhorn`` (balanced assignment, no loss), ``quantile_balancing`` (a per-expert offset
+    ``qb_beta`` from a quantile of the logits, updated by :func:`update_quantile_balancing`
+    once per step; no loss), ``none``, or a tuple of the three loss types with one coefficient
+    each in ``aux_loss_coeff`` (``moe_router_load_balancing_type``)."""
     aux_loss_coeff: float | tuple[float, ...] = 0.0
     """Coefficient of the load-balancing loss, or one per entry of ``load_balancing_type``
     when that is a tuple (``moe_aux_loss_coeff``). 0 disables the loss."""
@@ -95,6 +104,10 @@ class RouterConfig:
     expert_bias_update_rate: float = 1e-3
     """Step of the expert-bias update, ``bias += rate * sign(mean_count - count)``
     (``moe_router_bias_update_rate``)."""
+    quantile_balancing_ema: float = 0.0
+    """Quantile balancing only: memory of the ``qb_beta`` update, ``beta = ema * beta + (1 - ema)
+    * mean quantile`` once per step; 0 replaces the offset by the step's quantile, 1 freezes it
+    (``moe_router_quantile_balancing_ema``). A value from 0 to 1."""
     force_load_balancing: bool = False
     """Benchmarking only: replace the logits by standard-normal noise with straight-through
     gradients, giving balanced random routing (``moe_router_force_load_balancing``)."""
@@ -118,6 +131,7 @@ class RouterConfig:
         self._check_choices()
         self._check_losses()
         self._check_capacity()
+        self._check_quantile_balancing()
         coeffs: dict[str, float] = {}
         if isinstance(self.load_balancing_type, str):
             if self.load_balancing_type in AUX_LOSS_TYPES:
@@ -330,6 +344,44 @@ class RouterConfig:
             raise ValueError(
                 "RouterConfig.pad_to_capacity=True is invalid without capacity_factor: set a capacity"
             )
+
+    def _check_quantile_balancing(self) -> None:
+        ema = self.quantile_balancing_ema
+        if not _is_number(ema) or not 0 <= ema <= 1:
+            raise ValueError(
+                f"RouterConfig.quantile_balancing_ema={ema!r} is invalid: it must be a number "
+                "from 0 to 1"
+            )
+        if self.load_balancing_type != "quantile_balancing":
+            if ema != 0:
+                raise ValueError(
+                    f"RouterConfig.quantile_balancing_ema={ema!r} is invalid with "
+                    f"load_balancing_type={self.load_balancing_type!r}: it is used only with "
+                    "'quantile_balancing'; leave it 0"
+                )
+            return
+        refused = (
+            (self.aux_loss_coeff != 0, f"aux_loss_coeff={self.aux_loss_coeff!r}", "0 (no loss)"),
+            (self.num_groups is not None, f"num_groups={self.num_groups!r}", "None"),
+            (self.enable_expert_bias, "enable_expert_bias=True", "False"),
+            (self.fused_backend is not None, f"fused_backend={self.fused_backend!r}", "None"),
+            (
+                self.capacity_factor is not None,
+                f"capacity_factor={self.capacity_factor!r}",
+                "None (Megatron-Core refuses token dropping here too; the offset balances)",
+            ),
+            (
+                self.top_k >= self.num_experts,
+                f"top_k={self.top_k}",
+                f"< num_experts={self.num_experts} (the (top_k+1)-th expert sets the token's level)",
+            ),
+        )
+        for bad, setting, valid in refused:
+            if bad:
+                raise ValueError(
+                    f"RouterConfig.{setting} is invalid with load_balancing_type="
+                    f"'quantile_balancing': use {valid}"
+                )
 
     def aux_loss_coeff_for(self, loss_type: str) -> float:
         """Coefficient of ``loss_type`` (``aux_loss``, ``seq_aux_loss``, ``global_aux_loss``); 0 if unused."""

@@ -19,8 +19,11 @@ debugging (freeze routing while something else changes). The idea follows Megatr
   ``seek(i)`` makes micro-batch i's record the next one (activation recomputation, pipeline
   schedules that run micro-batches out of order).
 
-Indices are per token row in the router's [S, B] row-major order, so a replay needs the
-same token layout as the recording.
+Indices are per token row in the router's [S, B] row-major order (its local tokens). To
+replay under another parallel layout (records made at TP 2 with sequence parallelism,
+replayed at world 1 or with context parallelism), convert them with
+:mod:`shardwork.moe_router.replay_layout` (``gather_records`` / ``merge_record_shards`` to
+the global token order, ``shard_records`` to another rank's tokens).
 """
 
 from __future__ import annotations
@@ -35,10 +38,11 @@ def check_replay_supported(config, layer_index: int | None) -> None:
             f"layer_index={layer_index!r} is invalid with router replay: it keys the records, "
             "pass an integer >= 0"
         )
-    if config.load_balancing_type == "sinkhorn":
+    if config.load_balancing_type in ("sinkhorn", "quantile_balancing"):
         raise ValueError(
-            "RouterConfig.load_balancing_type='sinkhorn' is invalid with router replay: replay "
-            "needs top-k routing"
+            f"RouterConfig.load_balancing_type={config.load_balancing_type!r} is invalid with "
+            "router replay: replay forces the choices of plain top-k routing (Megatron-Core "
+            "ignores its replay for these types too)"
         )
     if config.fused_backend is not None:
         raise ValueError(
@@ -89,6 +93,11 @@ class RouterReplay:
         if not isinstance(entry, int) or isinstance(entry, bool) or entry < 0:
             raise ValueError(f"entry={entry!r} is invalid: pass a record number >= 0")
         self._cursor = dict.fromkeys(self._records, entry)
+
+    def records(self) -> dict[int, list[torch.Tensor]]:
+        """Every layer's records (``layer`` -> one [T, K] tensor per forward), for
+        :meth:`load` elsewhere or :mod:`.replay_layout`'s conversions between layouts."""
+        return {layer: list(entries) for layer, entries in self._records.items()}
 
     def indices(self, layer: int) -> list[torch.Tensor]:
         """The recorded [T, K] indices of ``layer``, one tensor per forward, in order."""

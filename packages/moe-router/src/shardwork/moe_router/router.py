@@ -9,7 +9,9 @@ Legend: S sequence, B batch, T = S*B tokens, H hidden, E experts, K top_k.
   :func:`attach_aux_loss` on the logits; both scale their gradient by ``loss_scale``.
   ``route`` is the sequence: z-loss, selection, dropping, load-balancing losses
   (:mod:`.router_losses`), expert-bias token counts (:mod:`.counts`); the bias itself moves
-  once per step in :func:`update_expert_bias`, outside the forward.
+  once per step in :func:`update_expert_bias`, outside the forward. Quantile balancing
+  (:mod:`.quantile_balancing`) selects on the logits minus ``qb_beta`` and accumulates the
+  quantile its step update (:func:`update_quantile_balancing`) consumes.
 - Groups, the tracker and the loss scale are constructor arguments: nothing global.
   ``tp_cp_group``: ranks sharing one micro-batch's tokens (sequence-parallel TP × CP);
   ``tp_dp_cp_group``: those plus data parallel (global aux loss).
@@ -30,6 +32,7 @@ from shardwork.moe_router.comm import group_size
 from shardwork.moe_router.config import RouterConfig
 from shardwork.moe_router.counts import routed_token_counts
 from shardwork.moe_router.gating import GatingLinear, StraightThroughRandom
+from shardwork.moe_router.quantile_balancing import quantile_balanced_topk
 from shardwork.moe_router.replay import RouterReplay, check_replay_supported, indices_from_map
 from shardwork.moe_router.router_losses import LossSite, apply_load_balancing, apply_z_loss
 from shardwork.moe_router.routing_fn import route_topk
@@ -41,6 +44,8 @@ _FP32_BUFFERS = (
     "local_tokens_per_expert",
     "global_tokens_per_expert",
     "global_aux_steps",
+    "qb_beta",
+    "qb_beta_accum",
 )
 _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -117,21 +122,40 @@ class TopKRouter(torch.nn.Module):
         else:
             self.global_tokens_per_expert = None
             self.global_aux_steps = None
+        if config.load_balancing_type == "quantile_balancing":
+            # qb_beta is state (saved); the accumulators live for one step.
+            self.register_buffer("qb_beta", torch.zeros(E, **f32))
+            self.register_buffer("qb_beta_accum", torch.zeros(E, **f32), persistent=False)
+            self.register_buffer(
+                "qb_beta_count", torch.zeros((), dtype=torch.int64, device=device), persistent=False
+            )
+        else:
+            self.qb_beta = self.qb_beta_accum = self.qb_beta_count = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Normal(0, init_std) gating weight and bias; expert bias and counters to zero."""
+        """Normal(0, init_std) gating weight and bias; expert bias, ``qb_beta`` and counters to
+        zero."""
         with torch.no_grad():
             self.weight.normal_(0.0, self.config.init_std)
             if self.bias is not None:
                 self.bias.normal_(0.0, self.config.init_std)
         self.reset_step_state()
-        if self.expert_bias is not None:
-            self.expert_bias.zero_()
+        for name in ("expert_bias", "qb_beta"):
+            buf = getattr(self, name)
+            if buf is not None:
+                buf.zero_()
 
     def reset_step_state(self) -> None:
-        """Zero the per-step counters (expert-bias token counts, global aux-loss counts)."""
-        for name in ("local_tokens_per_expert", "global_tokens_per_expert", "global_aux_steps"):
+        """Zero the per-step counters (expert-bias token counts, global aux-loss counts,
+        quantile-balancing accumulators)."""
+        for name in (
+            "local_tokens_per_expert",
+            "global_tokens_per_expert",
+            "global_aux_steps",
+            "qb_beta_accum",
+            "qb_beta_count",
+        ):
             buf = getattr(self, name)
             if buf is not None:
                 buf.zero_()
@@ -171,7 +195,8 @@ class TopKRouter(torch.nn.Module):
         """Route ``hidden`` [S, B, H], or [T, H] read as one sequence (S = T, B = 1).
 
         ``padding_mask`` (bool, shape ``hidden.shape[:-1]``): True marks padding tokens, which
-        are left out of every loss and token count (they are still routed).
+        are left out of every loss and token count (they are still routed). Not with quantile
+        balancing, whose balanced count T·K/E assumes every token is real.
 
         Returns ``(probs_TE, routing_map_TE)``: combine weights (zero off the map, dtype of
         the logits) and the bool token→expert map, T = S*B in row-major [S, B] order.
@@ -219,6 +244,11 @@ class TopKRouter(torch.nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing from logits (z-loss, selection, dropping, aux losses, expert-bias counts)."""
         cfg = self.config
+        if padding_mask is not None and cfg.load_balancing_type == "quantile_balancing":
+            raise ValueError(
+                "padding_mask is invalid with RouterConfig.load_balancing_type="
+                "'quantile_balancing': its quantile assumes every token is real; pass None"
+            )
         training = self.training and torch.is_grad_enabled()
         site = self._loss_site()
         logits_TE = apply_z_loss(site, logits_TE, padding_mask) if training else logits_TE
@@ -263,6 +293,8 @@ class TopKRouter(torch.nn.Module):
             forced_TK = self.replay.take(
                 self.layer_index, logits_TE.shape[0], cfg.top_k, cfg.num_experts
             ).to(logits_TE.device)
+        elif cfg.load_balancing_type == "quantile_balancing":
+            forced_TK = self._quantile_balanced_choice(logits_TE)
         elif cfg.load_balancing_type == "sinkhorn":
             probs_TE, map_TE = sinkhorn_routing(logits_TE, cfg.top_k, training=self.training)
             return probs_TE, map_TE, None, None, None
@@ -304,6 +336,22 @@ class TopKRouter(torch.nn.Module):
             # (few experts: the bool map, counted in one dense sum; else the K indices)
             plain_top_TK = top_TK if top_TK is not None and cfg.num_experts > 32 else map_TE
         return probs_TE, map_TE, top_TK, scores_TE, plain_top_TK
+
+    def _quantile_balanced_choice(self, logits_TE: torch.Tensor) -> torch.Tensor:
+        """The K experts per token of quantile balancing; in a training forward with autograd
+        on (not in a recompute that hid the accumulators), also accumulate the quantile."""
+        accumulate = self.training and torch.is_grad_enabled() and self.qb_beta_accum is not None
+        top_TK, quantile_E = quantile_balanced_topk(
+            logits_TE,
+            self.config.top_k,
+            self.qb_beta,
+            want_quantile=accumulate,
+            token_group=self.tp_cp_group,
+        )
+        if accumulate:
+            self.qb_beta_accum += quantile_E
+            self.qb_beta_count += 1
+        return top_TK
 
     def _loss_site(self) -> LossSite:
         """Where this call's losses go, read from the attributes now (callers may swap the

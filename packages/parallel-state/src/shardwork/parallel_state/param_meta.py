@@ -3,6 +3,14 @@
 Every model attaches it to each parameter it creates; the optimizer, the
 gradient finaliser and checkpointing read only this (never module types or
 parameter names) to decide how a parameter is reduced, sharded and saved.
+
+It is a plain Python attribute of the Parameter object. So is everything else shardwork
+packages describe a parameter with (the models' fused-block names, init rule, expert
+shards): every such attribute is named ``_shardwork_<what>``. Code that replaces a Parameter
+by a new object (FSDP's ``fully_shard`` swaps in DTensor parameters, ``to_empty`` allocates
+new ones) must carry them over with :func:`carry_param_attributes`, or
+:func:`get_param_meta` silently answers "replicated dense" for the new object;
+:func:`has_param_meta` tells the two apart.
 """
 
 from __future__ import annotations
@@ -11,7 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-_ATTRIBUTE = "_shardwork_param_meta"
+ATTRIBUTE_PREFIX = "_shardwork_"
+"""Prefix of every attribute a shardwork package sets on a Parameter object."""
+_ATTRIBUTE = ATTRIBUTE_PREFIX + "param_meta"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,3 +68,23 @@ def set_param_meta(param: torch.Tensor, meta: ParamMeta) -> torch.Tensor:
 def get_param_meta(param: torch.Tensor) -> ParamMeta:
     """The parameter's :class:`ParamMeta`; a replicated dense parameter if none was set."""
     return getattr(param, _ATTRIBUTE, _DEFAULT)
+
+
+def has_param_meta(param: torch.Tensor) -> bool:
+    """Whether ``param`` carries a :class:`ParamMeta` of its own (:func:`get_param_meta` would
+    otherwise return the replicated default)."""
+    return isinstance(getattr(param, _ATTRIBUTE, None), ParamMeta)
+
+
+def carry_param_attributes(source: torch.Tensor, target: torch.Tensor) -> int:
+    """Copy every shardwork attribute (``_shardwork_*``: the ParamMeta and the packages' own
+    descriptions) of ``source`` onto ``target``, the object that replaces it; returns how many.
+
+    Attributes ``target`` already has are overwritten: the replaced parameter's description is
+    the truth about the tensor both stand for."""
+    carried = 0
+    for name, value in vars(source).items():
+        if name.startswith(ATTRIBUTE_PREFIX):
+            setattr(target, name, value)
+            carried += 1
+    return carried

@@ -63,6 +63,10 @@ def gpt_config(config: TrainConfig, *, hf: dict[str, Any] | None = None):
         init_seed=config.seed,
         dropout_seed=config.seed,
     )
+    if config.parallel.fsdp != "off" and config.precision.dtype == "bf16":
+        # FSDP mixed precision: the sharded parameters are the fp32 masters, the layers compute
+        # in bf16 on bf16 copies gathered for them.
+        decided.update(params_dtype=torch.float32, compute_dtype=torch.bfloat16)
     if config.checkpoint.hf_init is not None:
         base = hf_gpt_config(hf if hf is not None else hf_config(config.checkpoint.hf_init))
     elif m.preset is not None:

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from shardwork.dist_checkpoint import ShardedTensor
 from shardwork.fused_kernels import swiglu
 from shardwork.models.module import ShardedModule
-from shardwork.models.sharding import describe_param, normal_slice
+from shardwork.models.sharding import describe_param, fsdp_rows, normal_slice
 from shardwork.parallel_state import ParamMeta, ProcessGroups
 
 __all__ = ["EXPERT_ACTIVATIONS", "ExpertLinear", "ExpertShards", "GroupedExperts", "grouped_linear"]
@@ -64,13 +64,15 @@ class ExpertShards:
     init: str
     """``normal`` or ``scaled_normal``."""
 
-    def _pieces(self, tensor: torch.Tensor, key: str):
-        """(key, local view, global shape, global offset) per expert (and block)."""
+    def _pieces(self, tensor: torch.Tensor, key: str, first_row: int = 0):
+        """(key, local view, global shape, global offset) per expert (and block); ``tensor``
+        holds local experts ``[first_row, first_row + len(tensor))`` (all of them, or an FSDP
+        shard's rows)."""
         f = self.ffn_size // self.etp_size
         axis = self.ffn_axis - 1  # axis within one expert's matrix
         for local in range(tensor.shape[0]):
             mat = tensor[local]
-            e = self.first_expert + local
+            e = self.first_expert + first_row + local
             names = self.blocks or (None,)
             for b, name in enumerate(names):
                 view = mat.narrow(axis, b * f, f)
@@ -89,12 +91,17 @@ class ExpertShards:
         replica_offset: int = 0,
         source: torch.Tensor | None = None,
     ) -> list[ShardedTensor]:
-        """ShardedTensors (views) of ``param`` (or of ``source``, e.g. its gradient)."""
-        src = param if source is None else source
-        rid = self.replica_rank + replica_offset
+        """ShardedTensors (views) of ``param`` (or of ``source``, e.g. its gradient). Under FSDP
+        the parameter's rows are whole local experts: each rank describes those it holds, none
+        as a replica."""
+        src, first, replica = (param if source is None else source), 0, self.replica_rank
+        fsdp = fsdp_rows(param, source)
+        if fsdp is not None:
+            (src, first), replica = fsdp, 0
+        rid = replica + replica_offset
         return [
             ShardedTensor(k, v.data, gshape, off, replica_id=rid)
-            for k, v, gshape, off in self._pieces(src, key)
+            for k, v, gshape, off in self._pieces(src, key, first)
         ]
 
     @torch.no_grad()

@@ -7,11 +7,12 @@
   ``TopKRouter.route`` — top-k, group limits, capacity, aux losses, z-loss, expert-bias
   counting and the tracker are moe-router's, unchanged.
 - The inner router keeps its buffers (``expert_bias`` for aux-loss-free balancing, saved as
-  ``...mlp.router.expert_bias``); it holds no parameter of its own.
+  ``...mlp.router.expert_bias``; ``qb_beta`` for quantile balancing, saved as
+  ``...mlp.router.qb_beta``); it holds no parameter of its own.
 - Under full-layer recompute the router runs again inside backward. Through the model's
   :class:`~shardwork.models.recompute.RecomputeReplay` the first run records the global aux
   loss's running counts before its update; the recompute records nothing (tracker values,
-  expert-bias token counts, running counts) and computes the global aux loss from the
+  expert-bias token counts, quantile-balancing accumulators, running counts) and computes the global aux loss from the
   recorded counts, so losses, gradients, logged values and bias updates equal those without
   recompute, also with several micro-batches in flight.
 """
@@ -88,8 +89,9 @@ class MoERouter(ShardedModule):
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
-        """Zero the expert bias and step counters (after a meta-device build is materialised)."""
-        for name in ("expert_bias", "local_tokens_per_expert"):
+        """Zero the expert bias, ``qb_beta`` and step counters (after a meta-device build is
+        materialised)."""
+        for name in ("expert_bias", "local_tokens_per_expert", "qb_beta"):
             buf = getattr(self.inner, name, None)
             if buf is not None:
                 buf.zero_()
@@ -128,18 +130,22 @@ class MoERouter(ShardedModule):
         return inner.global_tokens_per_expert.clone(), inner.global_aux_steps.clone()
 
     def _route_again(self, logits, seq_len: int, batch: int, counts) -> tuple:
-        """Route in a recompute: no tracker values, no expert-bias token counts, and the
-        global aux loss computed from the running counts the first run saw (``counts``)."""
+        """Route in a recompute: no tracker values, no expert-bias token counts, no
+        quantile-balancing accumulation (selection still uses ``qb_beta``, which moves only
+        between steps), and the global aux loss computed from the running counts the first
+        run saw (``counts``)."""
         inner = self.inner
         saved = {
             "tracker": inner.tracker,
             "local_tokens_per_expert": inner.local_tokens_per_expert,
             "global_tokens_per_expert": inner.global_tokens_per_expert,
             "global_aux_steps": inner.global_aux_steps,
+            "qb_beta_accum": inner.qb_beta_accum,
         }
         inner.tracker = None
-        if saved["local_tokens_per_expert"] is not None:
-            inner.local_tokens_per_expert = None
+        for name in ("local_tokens_per_expert", "qb_beta_accum"):
+            if saved[name] is not None:  # the router then counts / accumulates nothing
+                setattr(inner, name, None)
         if counts is not None:  # updated in place by route: on copies, then dropped
             inner.global_tokens_per_expert = counts[0].clone()
             inner.global_aux_steps = counts[1].clone()
@@ -151,9 +157,10 @@ class MoERouter(ShardedModule):
 
     def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
         out = super().sharded_state_dict(prefix)
-        bias = self.inner.expert_bias
-        if bias is not None:
-            rid = self.shard_ctx.replica_id(False)
-            key = f"{prefix}expert_bias"
-            out[key] = ShardedTensor(key, bias, tuple(bias.shape), (0,), replica_id=rid)
+        rid = self.shard_ctx.replica_id(False)
+        for name in ("expert_bias", "qb_beta"):
+            buf = getattr(self.inner, name)
+            if buf is not None:
+                key = f"{prefix}{name}"
+                out[key] = ShardedTensor(key, buf, tuple(buf.shape), (0,), replica_id=rid)
         return out

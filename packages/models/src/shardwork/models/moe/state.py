@@ -10,7 +10,9 @@
 - :func:`moe_finalize_kwargs` returns ``{"moe_tracker": ..., "moe_hooks": [...]}`` for
   ``finalize_model_grads(chunks, groups, **kwargs)``: the tracker reduction over pp / tp×cp / dp
   and the aux-loss-free expert-bias update (DeepSeek-V3) from token counts summed over the
-  ranks that routed different tokens. Nothing is module-level: it is all on the model.
+  ranks that routed different tokens, or the quantile-balancing update of ``qb_beta``
+  (quantiles averaged over dp×cp: each router already gathered its micro-batch's tokens over
+  its token group). Nothing is module-level: it is all on the model.
 - :func:`expert_load` gives ``[num_layers, E]`` routed token counts for logging.
 """
 
@@ -23,7 +25,12 @@ import torch
 from torch import nn
 
 from shardwork.models.moe.router import MoERouter
-from shardwork.moe_router import AuxLossScale, AuxLossTracker, update_expert_bias
+from shardwork.moe_router import (
+    AuxLossScale,
+    AuxLossTracker,
+    update_expert_bias,
+    update_quantile_balancing,
+)
 from shardwork.parallel_state import ProcessGroups
 
 __all__ = ["attach_moe", "expert_load", "moe_finalize_kwargs", "moe_routers"]
@@ -102,6 +109,10 @@ def moe_finalize_kwargs(
     hooks = []
     if config.moe.router.enable_expert_bias:
         hooks.append(lambda: update_expert_bias(routers, group=bias_group))
+    if config.moe.router.load_balancing_type == "quantile_balancing":
+        # Megatron-Core averages over dp×cp too; cp ranks hold equal quantiles (gathered).
+        qb_group = groups.group("dp_cp")
+        hooks.append(lambda: update_quantile_balancing(routers, group=qb_group))
     tracker = _Trackers(trackers, groups.group("tp_cp") if sp else groups.group("cp"))
     return {"moe_tracker": tracker, "moe_hooks": hooks}
 

@@ -86,6 +86,22 @@ class ParallelSection:
     last_stage_layers must stay unset. False: MTP shares the last stage with its layers."""
     sequence_parallel: bool = False
     """Split activations outside attention/MLP along the sequence over the TP group (needs tp > 1)."""
+    fsdp: Literal["off", "full", "zero2"] = "off"
+    """Fully sharded data parallelism (torch's FSDP2 per transformer layer, through
+    shardwork.dist_optimizer.FullyShardedDataParallel): parameters, gradients and AdamW state
+    sharded over the data-parallel ranks (dense over dp×cp, experts over edp), on top of
+    tp/pp/cp/ep. 'full': a layer's parameters are gathered for its forward and again for its
+    backward. 'zero2': kept gathered from a layer's forward to its backward (no second gather;
+    every layer's gathered parameters resident in between). 'off': ZeRO-1 (optimizer state
+    sharded only). Needs optimizer.name='adamw', at least 2 ranks; with precision.dtype='bf16'
+    the sharded parameters stay fp32 (the masters) and layers compute in bf16."""
+    fsdp_prefetch: int = 1
+    """fsdp: layers ahead (in forward) and behind (in backward) whose parameter all-gather a
+    layer starts before its own compute, to overlap the two; 0: torch's own order."""
+    fsdp_reduce_per_micro_batch: bool = False
+    """fsdp: reduce-scatter gradients after every micro-batch instead of accumulating them
+    unsharded (every parameter's TP-local size, fp32) until the last micro-batch; holds less
+    memory, costs one reduce-scatter per micro-batch."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend; auto: nccl on CUDA, gloo on CPU."""
     timeout_minutes: float = 10.0
@@ -96,7 +112,7 @@ class ParallelSection:
 
 @dataclass(kw_only=True)
 class PrecisionConfig:
-    """Numeric formats and device."""
+    """Numeric formats, device, and how the layers execute (eager or compiled)."""
 
     dtype: Literal["fp32", "bf16", "fp16", "fp64"] = "fp32"
     """Parameter / activation dtype. bf16/fp16 keep fp32 master weights and optimizer state;
@@ -108,6 +124,12 @@ class PrecisionConfig:
     """Accumulate and reduce gradients in fp32 main_grad buffers."""
     initial_loss_scale: float = 65536.0
     """fp16 only: starting dynamic loss scale."""
+    compile: bool = False
+    """Compile each transformer layer with torch.compile (inductor: generated C++ on a CPU,
+    Triton on a GPU; shardwork.models.compile_blocks). The first step also compiles (seconds to
+    minutes); the trainer then logs the graphs and every graph break once. MoE dispatch runs
+    eagerly inside the layer; generation stays eager. On a CPU it needs a C++ compiler ($CXX,
+    else g++), checked before start-up."""
 
 
 @dataclass(kw_only=True)

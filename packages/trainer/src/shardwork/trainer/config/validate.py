@@ -26,6 +26,7 @@ from shardwork.trainer.config.load import ConfigError
 from shardwork.trainer.config.model_settings import read_settings
 from shardwork.trainer.config.sections import DEMO_MODEL, TrainConfig
 from shardwork.trainer.config.validate_data import check_data, check_tokenizer
+from shardwork.trainer.config.validate_fsdp import check_fsdp
 from shardwork.trainer.config.validate_hf import (
     check_hf_export,
     check_hf_init,
@@ -189,6 +190,23 @@ def _check_model(config: TrainConfig, problems: list[str]):
     return model
 
 
+def _check_quantile_balancing(config: TrainConfig, model, problems: list[str]) -> None:
+    """Quantile balancing splits each micro-batch's tokens × top_k evenly over the experts, so
+    that product must be a multiple of num_experts (each router sees the whole micro-batch:
+    sequence shards are gathered over its token group)."""
+    router = model.moe.router if model is not None and model.moe is not None else None
+    if router is None or router.load_balancing_type != "quantile_balancing":
+        return
+    tokens = config.data.seq_length * config.schedule.micro_batch_size
+    if (tokens * router.top_k) % router.num_experts:
+        problems.append(
+            f"model.moe.router.load_balancing_type='quantile_balancing' needs data.seq_length × "
+            f"schedule.micro_batch_size × top_k = {config.data.seq_length} × "
+            f"{config.schedule.micro_batch_size} × {router.top_k} to be a multiple of "
+            f"num_experts={router.num_experts}"
+        )
+
+
 def _check_optimizer(config: TrainConfig, problems: list[str]) -> None:
     o = config.optimizer
     if not o.lr > 0:
@@ -336,8 +354,10 @@ def validate_config(config: TrainConfig, *, world_size: int) -> TrainConfig:
     check_megatron_init(resolved, problems, model=model)
     _check_optimizer(resolved, problems)
     _check_schedule(resolved, dp, problems)
+    _check_quantile_balancing(resolved, model, problems)
     _check_rest(resolved, problems)
     check_peft(resolved, model, _expert_tp(resolved), problems)
+    check_fsdp(resolved, world_size, problems)
     if problems:
         raise ConfigError(problems)
     return resolved

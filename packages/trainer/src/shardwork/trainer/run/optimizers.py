@@ -2,7 +2,8 @@
 
 - ``adamw``: shardwork.dist_optimizer's ZeRO-1 :class:`DistributedOptimizer` (DDP
   reduce-scatters gradients; each data-parallel rank keeps fp32 masters and AdamW moments
-  for its flat shard) with ``torch.optim.AdamW``.
+  for its flat shard) with ``torch.optim.AdamW``; under ``parallel.fsdp`` its
+  :class:`FSDPOptimizer` over the rows FSDP gives the rank (the same param groups).
 - ``muon``: Muon needs whole matrices (Newton–Schulz orthogonalisation of the full update),
   which flat ZeRO shards do not have, so DDP all-reduces gradients and shardwork.dist_optimizer's
   :class:`LayerWiseDistributedOptimizer` gives every parameter one data-parallel owner that
@@ -38,6 +39,7 @@ from shardwork.dist_optimizer import (
     ChainedOptimizer,
     DistributedOptimizer,
     DynamicLossScaler,
+    FSDPOptimizer,
     LayerWiseDistributedOptimizer,
     Muon,
 )
@@ -136,7 +138,8 @@ def build_optimizer(config, runtime, chunks, *, model_config) -> Any:
         clip_grad=o.clip_grad, overlap_param_gather=o.overlap_param_gather
     )
     if o.name == "adamw":
-        kind = DistributedOptimizer
+        # FSDP chunks: AdamW over each rank's rows of every parameter; else over ZeRO-1 shards.
+        kind = FSDPOptimizer if config.parallel.fsdp != "off" else DistributedOptimizer
         factory_for, param_group_fn = adamw_parts(o)
     else:
         kind = LayerWiseDistributedOptimizer

@@ -14,6 +14,9 @@ stops the run before step 1 instead of at the first checkpoint or inside a step:
   corpus): both files exist, the ``.idx`` parses and agrees with itself and with the ``.bin``'s
   size, and every token id is below ``model.vocab_size`` (:mod:`..data.integrity`).
 - ``eval.steps`` fits in the validation split (counted in global batches).
+- ``precision.compile``: torch.compile can run on the run's device here (dynamo in this
+  build; a C++ compiler for inductor on a CPU, Triton on a GPU), else the step would fail
+  minutes into its first compilation.
 
 Mistakes raise :class:`ConfigError` (exit 2) or :class:`DataError` (exit 5); each rank of a
 torchrun job runs the same checks, so all stop alike before the process groups are created.
@@ -26,6 +29,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
+
+from shardwork.models.block_compile import compile_problem
 from shardwork.models.calculator import num_parameters
 from shardwork.trainer.config.load import ConfigError
 from shardwork.trainer.config.sections import TrainConfig
@@ -49,6 +55,10 @@ def preflight(config: TrainConfig) -> list[str]:
         for field, path in _output_dirs(config)
         if (problem := writable_dir_problem(field, path)) is not None
     ]
+    if config.precision.compile:
+        problem = compile_problem(run_device_type(config), config=gpt_config(config))
+        if problem is not None:
+            problems.append(f"precision.compile=true: {problem}; or set precision.compile = false")
     if problems:
         raise ConfigError(problems)
     warnings = [w for w in [free_space_warning(config)] if w is not None]
@@ -56,6 +66,12 @@ def preflight(config: TrainConfig) -> list[str]:
         check_dataset(field, prefix, vocab_size=config.model.settings["vocab_size"])
     check_eval_steps(config)
     return warnings
+
+
+def run_device_type(config: TrainConfig) -> str:
+    """``"cuda"`` or ``"cpu"``: where the run will train (``precision.device``, auto resolved)."""
+    want = config.precision.device
+    return "cuda" if want == "cuda" or (want == "auto" and torch.cuda.is_available()) else "cpu"
 
 
 def _output_dirs(config: TrainConfig) -> list[tuple[str, str]]:

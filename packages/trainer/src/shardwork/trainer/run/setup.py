@@ -14,6 +14,13 @@
   DDP wraps them (:mod:`.hf`).
 - With ``peft.method = "lora"`` every chunk is frozen and gets its adapters after that, still
   before DDP.
+- With ``precision.compile`` every transformer layer of every chunk is compiled in place
+  (``shardwork.models.compile_blocks``) after the adapters exist and before DDP registers its
+  hooks; compilation itself happens in the first forward.
+- With ``parallel.fsdp`` each chunk is wrapped in shardwork.dist_optimizer's
+  FullyShardedDataParallel instead (sharded by its transformer layers, :mod:`.fsdp`), and the
+  optimizer keeps AdamW state for the local rows. (``precision.compile`` with FSDP is refused
+  by validation.)
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from shardwork.dist_optimizer import DDPConfig, DistributedDataParallel
+from shardwork.models.block_compile import CompileReport, compile_blocks, compile_report
 from shardwork.models.calculator import num_parameters
 from shardwork.models.lora import apply_lora
 from shardwork.parallel_state import ProcessGroups, init_process_groups
@@ -35,6 +43,7 @@ from shardwork.trainer.config.validate import parallel_config
 from shardwork.trainer.config.validate_peft import lora_config_of
 from shardwork.trainer.model_factory import build_model_chunks, gpt_config
 from shardwork.trainer.run import hf, megatron
+from shardwork.trainer.run.fsdp import wrap_fsdp
 from shardwork.trainer.run.optimizers import build_optimizer, uses_zero_shards
 
 
@@ -93,6 +102,10 @@ class Assembly:
     optimizer: Any
     num_params: int
     """Parameters of the whole model (all ranks), from shardwork.models' calculator."""
+    compiled_layers: int = 0
+    """Transformer layers of this rank's chunks compiled with torch.compile (precision.compile)."""
+    compile_baseline: CompileReport | None = None
+    """dynamo's counters before this run compiled anything (they are process-wide)."""
 
 
 def build_assembly(
@@ -131,6 +144,15 @@ def build_assembly(
             apply_lora(module, lora, require_every_target=False)
         if peft_init is not None:
             hf.import_peft_adapters(modules, peft_init)
+    if config.parallel.fsdp != "off":
+        chunks = wrap_fsdp(modules, config, runtime.groups)
+        optimizer = build_optimizer(config, runtime, chunks, model_config=model_config)
+        return Assembly(model_config, chunks, modules, optimizer, num_parameters(model_config))
+    compiled, baseline = 0, None
+    if config.precision.compile:
+        baseline = compile_report()
+        # In place: parameters, keys and modules stay the same objects for DDP and checkpoints.
+        compiled = sum(compile_blocks(module) for module in modules)
     o = config.optimizer
     ddp_config = DDPConfig(
         # bucket_size counts elements: MiB at 4 bytes (fp32 gradients) per element.
@@ -148,4 +170,4 @@ def build_assembly(
     ]
     optimizer = build_optimizer(config, runtime, chunks, model_config=model_config)
     num_params = num_parameters(model_config)
-    return Assembly(model_config, chunks, modules, optimizer, num_params)
+    return Assembly(model_config, chunks, modules, optimizer, num_params, compiled, baseline)

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from shardwork.models.block_compile import compile_report
 from shardwork.models.calculator import flops_per_token
 from shardwork.trainer.config.load import config_to_toml
 from shardwork.trainer.config.sections import TrainConfig
@@ -234,12 +235,13 @@ class Trainer:
         result, stop, last = p.result, p.stop, config.schedule.train_steps
         step = result.final_step
         agreed = partial(stop_agreed, stop, runtime=runtime, phase=self._phase)
-        loop_t0 = time.perf_counter()
+        loop_t0, first_step = time.perf_counter(), step
         with stop:
             while step < last:
                 plan = plan_step(step, config)
                 apply_hyperparams(p.assembly.optimizer, plan)
                 p.guard.before_step()
+                step_t0 = time.perf_counter()
                 out = train_step(
                     p.assembly,
                     runtime,
@@ -249,6 +251,8 @@ class Trainer:
                     config=config,
                     step=step,
                 )
+                if step == first_step and p.assembly.compiled_layers:
+                    self._report_compile(p, step, time.perf_counter() - step_t0)
                 p.guard.after_step(step, out.loss, out.update_successful)
                 step += 1
                 tokens = plan.global_batch_size * config.data.seq_length
@@ -403,6 +407,21 @@ class Trainer:
                 f"corpus bigram-entropy baseline: {baseline:.4f} nats/token "
                 f"({nats_to_bits(baseline):.4f} bits/token); the validation loss should end below it"
             )
+
+    def _report_compile(self, p: RunParts, step: int, seconds: float) -> None:
+        """Once, after the run's first step (which traced and compiled every layer kind): what
+        torch.compile did on the logging rank, as lines and as a metrics event."""
+        report = compile_report(since=p.assembly.compile_baseline)
+        self.say(
+            f"torch.compile: {p.assembly.compiled_layers} transformer layer(s) compiled; step "
+            f"{step} took {seconds:.1f} s including compilation"
+        )
+        for line in report.lines():
+            self.say(line)
+        if p.writer is not None:
+            breaks = sum(report.graph_breaks.values())
+            values = {"first_step_s": seconds, "graphs": report.graphs, "graph_breaks": breaks}
+            p.writer.write("compile", step, values)
 
     def _log_step(self, p: RunParts, step: int, plan: StepPlan, out) -> None:
         """The step's metrics: a ``train`` line every ``logging.interval`` steps and after the
