@@ -292,6 +292,22 @@ CASES: list[Case] = [
     ),
     config_case("layers-vs-vpp", 2, {"parallel": {"pp": 2, "vpp": 2}}, ["num_layers=2"]),
     config_case(
+        "virtual-stage-split",
+        2,
+        {"parallel": {"pp": 2, "vpp": 2, "first_virtual_stage_layers": 1}},
+        ["first_virtual_stage_layers=1", "3 other virtual stages"],
+    ),
+    config_case(
+        "interleaved-micro-batches",
+        2,
+        {
+            "model": {"num_layers": 4},
+            "parallel": {"pp": 2, "vpp": 2},
+            "schedule": {"micro_batch_size": 8},
+        },
+        ["schedule.global_batch_size=8", "multiple of parallel.pp=2"],
+    ),
+    config_case(
         "experts-vs-ep",
         3,
         {

@@ -2,7 +2,8 @@
 
 - :data:`CELLS` is the matrix of issue 10: a tiny dense GPT (4 layers) and a tiny
   Mixtral-style MoE (4 layers, 8 experts, top-2) trained :data:`STEPS` steps through
-  ``shardwork.trainer`` at DP=2 with ZeRO-1, TP=2+SP, PP=2 (1F1B), PP=2×VPP=2, CP=2, EP=2,
+  ``shardwork.trainer`` at DP=2 with ZeRO-1, TP=2+SP, PP=2 (1F1B), PP=2×VPP=2 (and, dense,
+  with Llama 3's uneven virtual stages: 0 + 2 + 2 + 0 layers), CP=2, EP=2,
   EP=2×ETP=2, TP=2×PP=2×DP=2 and TP=2×EP=2×PP=2 (the EP cells are MoE only), plus the
   hybrid twins: Nemotron-H (Mamba-2, squared-ReLU MLP and RoPE-less attention from a layer
   pattern with an MTP depth) and Qwen3-Next (Gated DeltaNet and gated attention + MoE) at
@@ -45,7 +46,7 @@
   CP=2×DP=2, EP=2×DP=4 (experts sharded over edp=2) and Nemotron-H at DP=2 (its MTP depth a
   unit of its own) as slow.
 - Cells with 8 ranks, the costlier 4-rank cells and the hybrids' TP cells are marked
-  ``slow``; the default run covers the other 17 cells, the fp32 cell and the TP=2+SP
+  ``slow``; the default run covers the other 18 cells, the fp32 cell and the TP=2+SP
   per-rank-statistics cell.
 """
 
@@ -143,6 +144,15 @@ CELLS = [
     ("tp2-sp", 2, {"tp": 2, "sequence_parallel": True}, "dense", ()),
     ("pp2", 2, {"pp": 2}, "dense", ()),
     ("pp2-vpp2", 2, {"pp": 2, "vpp": 2}, "dense", ()),
+    # Llama 3's split (Dubey et al. 2024, §3.3.2): the first chunk only embeds, the last only
+    # projects and scores
+    (
+        "pp2-vpp2-virtual-ends",
+        2,
+        {"pp": 2, "vpp": 2, "first_virtual_stage_layers": 0, "last_virtual_stage_layers": 0},
+        "dense",
+        (),
+    ),
     ("cp2", 2, {"cp": 2}, "dense", ()),
     ("tp2-pp2-dp2", 8, {"tp": 2, "pp": 2}, "dense", (SLOW,)),
     ("dp2", 2, {}, "moe", ()),

@@ -1,7 +1,10 @@
 """Memory estimate vs. independent counts: per-rank parameters, gradients and optimizer state
 against the parameters a meta-device stage really allocates at tp/pp/ep/etp/vpp layouts;
 big presets' totals vs. published counts; activations vs. the bytes saved for backward,
-measured with ``torch.autograd.graph.saved_tensors_hooks``; MLA's KV cache vs. its layer shapes.
+measured with ``torch.autograd.graph.saved_tensors_hooks`` (with the reference kernels, and
+with the Triton kernels a GPU run uses, here under Triton's interpreter); the activations an
+interleaved schedule holds vs. the walk of the trainer's order over each chunk's measured
+saves; MLA's KV cache vs. its layer shapes.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from shardwork.fused_kernels.backend import triton_interpreter_enabled
 from shardwork.models import GPTModel, MTPConfig, layout_groups, preset
 from shardwork.models.calculator import memory_estimate
 from shardwork.models.calculator_memory import (
@@ -22,7 +26,7 @@ from shardwork.models.calculator_memory import (
 )
 from shardwork.models.calculator_moe import moe_param_counts
 from shardwork.models.mamba_config import MambaConfig
-from shardwork.models.pipeline import build_stage
+from shardwork.models.pipeline import build_stage, schedule_orders
 from shardwork.models.presets_moe import PUBLISHED_MOE_PARAMS
 from shardwork.models.spec import spec_for
 from shardwork.parallel_state import ParallelConfig, get_param_meta
@@ -145,10 +149,12 @@ def test_deepseek_v3_expert_optimizer_state_shards_over_edp():
     assert local.expert > local.dense
 
 
-def _saved_bytes(cfg, *, seq: int, batch: int) -> int:
-    """Bytes of the distinct storages autograd saves in one training forward (params excluded)."""
+def _saved_bytes(cfg, *, seq: int, batch: int, model=None) -> int:
+    """Bytes of the distinct storages autograd saves in one training forward (params excluded)
+    of ``model`` (default: the whole GPTModel); a stage without the embedding gets random
+    hidden states."""
     torch.manual_seed(0)
-    model = GPTModel(cfg)
+    model = GPTModel(cfg) if model is None else model
     model.train()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
@@ -160,8 +166,12 @@ def _saved_bytes(cfg, *, seq: int, batch: int) -> int:
         return t
 
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+    hidden = None
+    if not model.pre_process:
+        hidden = torch.randn(seq, batch, cfg.hidden_size, dtype=cfg.params_dtype).requires_grad_()
+    labels = torch.roll(ids, -1, dims=1) if model.post_process else None
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(ids, labels=torch.roll(ids, -1, dims=1))
+        model(ids if model.pre_process else None, labels=labels, hidden_states=hidden)
     return sum(seen.values())
 
 
@@ -214,6 +224,90 @@ def test_activation_estimate_of_the_unfused_loss_matches_saved_tensors(name, dty
         cfg.replace(fused_linear_cross_entropy=True), seq_length=32, micro_batch_size=2
     )
     assert fused < estimate
+
+
+TRITON = pytest.mark.skipif(
+    not (torch.cuda.is_available() or triton_interpreter_enabled()),
+    reason="the Triton kernels need CUDA or TRITON_INTERPRET=1 set before triton is imported",
+)
+
+
+@TRITON
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [
+        ("tiny-llama3-8b", torch.bfloat16),
+        pytest.param("tiny-llama3-8b", torch.float32, marks=pytest.mark.slow),
+        pytest.param("tiny-qwen3-8b", torch.bfloat16, marks=pytest.mark.slow),  # QK-norm
+        pytest.param("tiny-mixtral-8x7b", torch.bfloat16, marks=pytest.mark.slow),
+        # MLA, group-limited sigmoid router, shared experts, MTP
+        pytest.param("tiny-deepseek-v3", torch.bfloat16, marks=pytest.mark.slow),
+        pytest.param("tiny-deepseek-v3", torch.float32, marks=pytest.mark.slow),
+    ],
+)
+def test_fused_kernel_activation_estimate_matches_saved_tensors(name, dtype):
+    """kernel_backend="triton" (what "auto" runs on CUDA): the norms save their input and fp32
+    statistics, the SwiGLU its [gate | up] input, the rotary its cos/sin per token. The bytes
+    that grow with the batch (sequences 2 → 4) match exactly; the totals within 1% (what does
+    not grow: causal masks, the rotary tables). The measurement runs the kernels (under Triton's
+    interpreter on CPU, whose bf16 arithmetic is wrong but whose tensor sizes are not)."""
+    cfg = preset(name, params_dtype=dtype, kernel_backend="triton")
+    seq = 16
+    measured = {b: _saved_bytes(cfg, seq=seq, batch=b) for b in (2, 4)}
+    estimate = {b: stage_activation_bytes(cfg, seq_length=seq, micro_batch_size=b) for b in (2, 4)}
+    assert measured[4] - measured[2] == estimate[4] - estimate[2]
+    assert estimate[2] == pytest.approx(measured[2], rel=0.01)
+    reference = stage_activation_bytes(
+        cfg.replace(kernel_backend="auto"), seq_length=seq, micro_batch_size=2
+    )
+    assert estimate[2] < reference  # and the fused kernels do save less
+
+
+def _peak(order, chunk_bytes) -> float:
+    """The most bytes held at once walking a rank's schedule order."""
+    held = peak = 0
+    for action in order:
+        held += chunk_bytes[action.chunk] if action.kind == "F" else -chunk_bytes[action.chunk]
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize(
+    ("ends", "chunks"),
+    [((1, 1), [1, 2, 2, 1]), ((0, 0), [0, 3, 3, 0]), ((None, 0), [2, 2, 2, 0])],
+)
+def test_interleaved_activations_are_the_schedule_walk_of_measured_chunks(ends, chunks):
+    """pp=2 × vpp=2, 6 layers split per virtual stage: each chunk's saved bytes measured on a
+    real stage (random hidden states in, the loss out on the last) at 2 and 4 sequences, then
+    the trainer's interleaved order walked over them. What grows with the batch matches
+    exactly, chunk by chunk and at the walk's peak on each rank; the totals within 2% (each
+    chunk also saves ~2 kB of RoPE table slices that do not grow, as documented)."""
+    cfg = preset("tiny-llama3-8b", params_dtype=torch.float32, num_layers=6)
+    pp, vpp, m, seq = 2, 2, 4, 16
+    split = dict(first_virtual_stage_layers=ends[0], last_virtual_stage_layers=ends[1])
+    parallel = ParallelConfig(tp=1, pp=pp, vpp=vpp)
+    for r, order in enumerate(schedule_orders(pp, m, vpp=vpp)):
+        groups = _rank_of(parallel, pp, r)
+        stages = [build_stage(cfg, groups, vp_chunk=c, **split) for c in range(vpp)]
+        assert [len(range(*s.decoder.layer_range)) for s in stages] == chunks[r::pp]
+        saved = {b: [_saved_bytes(cfg, seq=seq, batch=b, model=s) for s in stages] for b in (2, 4)}
+        est = {
+            b: memory_estimate(
+                cfg, seq_length=seq, micro_batch_size=b, pp=pp, vpp=vpp, pp_rank=r,
+                num_microbatches=m, **split,
+            ).activations
+            for b in (2, 4)
+        }  # fmt: skip
+        growth = [saved[4][c] - saved[2][c] for c in range(vpp)]
+        for c in range(vpp):
+            kw = dict(seq_length=seq, pp=pp, vpp=vpp, pp_rank=r, vp_chunk=c, **split)
+            chunk = {b: stage_activation_bytes(cfg, micro_batch_size=b, **kw) for b in (2, 4)}
+            assert chunk[4] - chunk[2] == growth[c]
+        assert est[4] - est[2] == _peak(order, growth)
+        assert est[2] == pytest.approx(_peak(order, saved[2]), rel=0.02)
+    with pytest.raises(ValueError, match="num_microbatches=3 is invalid with vpp=2"):
+        memory_estimate(cfg, seq_length=seq, micro_batch_size=2, pp=pp, vpp=vpp,
+                        num_microbatches=3, **split)  # fmt: skip
 
 
 def _mixer_saved_bytes(cfg, *, seq: int, batch: int) -> dict[int, int]:

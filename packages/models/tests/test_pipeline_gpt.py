@@ -1,7 +1,8 @@
 """The real GPT model through the pipeline schedules, against the single-rank model (fp64).
 
 PP=2 (1F1B, even split and an uneven one with a tied embedding), PP=2×VPP=2 (interleaved,
-tied embedding across stages), TP=2+SP×PP=2 (tied) and CP=2×PP=2: loss and every
+tied embedding across stages; and Llama 3's uneven virtual stages, whose first chunk only
+embeds and last chunk only projects), TP=2+SP×PP=2 (tied) and CP=2×PP=2: loss and every
 parameter's gradient equal those of the same GPTModel built at world size 1
 (layout-independent initialisation gives both the same weights), rtol 1e-9. The loss
 is plain torch cross entropy on TP-gathered float64 logits, so the comparison is exact to
@@ -91,8 +92,9 @@ def _self_group():
     return mine
 
 
-def _gpt_case(tp, pp, vpp, num_microbatches, tied, sp, cp=1, first_stage_layers=None):
-    """Run the case; returns ``(result, this rank's chunks' layer ranges)``."""
+def _gpt_case(tp, pp, vpp, num_microbatches, tied, sp, cp=1, first_stage_layers=None, split=None):
+    """Run the case; returns ``(result, this rank's chunks' layer ranges)``. ``split``: the
+    per-virtual-stage ends (``first_virtual_stage_layers`` / ``last_virtual_stage_layers``)."""
     groups = init_process_groups(ParallelConfig(tp=tp, pp=pp, vpp=vpp, cp=cp))
     cfg = _config(tied, sp)
     data = _microbatches(cfg, num_microbatches, groups.rank("dp"))
@@ -107,7 +109,7 @@ def _gpt_case(tp, pp, vpp, num_microbatches, tied, sp, cp=1, first_stage_layers=
     (total / tokens).backward()
     ref_grads = full_state_dict(ref, grads=True, group=_self_group())
 
-    chunks = build_model_chunks(cfg, groups, first_stage_layers=first_stage_layers)
+    chunks = build_model_chunks(cfg, groups, first_stage_layers=first_stage_layers, **(split or {}))
     ranges = [chunk.decoder.layer_range for chunk in chunks]
     seq_local = SEQ // cp // (tp if sp else 1)
     cp_rank = groups.rank("cp")
@@ -169,6 +171,16 @@ def test_gpt_pp2_1f1b_matches_single_rank():
 def test_gpt_pp2_vpp2_interleaved_tied_embedding():
     out = run_on_ranks(_gpt_case, 2, args=(1, 2, 2, 4, True, False))
     assert out[1][0] == "tied-checked"
+
+
+def test_gpt_pp2_vpp2_uneven_virtual_stages():
+    """Llama 3's split (Dubey et al. 2024, §3.3.2) at its extreme: 4 layers over 2 ranks × 2
+    chunks as 0 + 2 + 2 + 0, so virtual stage 0 holds only the (tied) embedding and the last
+    one only the final norm, head and loss."""
+    split = {"first_virtual_stage_layers": 0, "last_virtual_stage_layers": 0}
+    out = run_on_ranks(_gpt_case, 2, args=(1, 2, 2, 4, True, False), kwargs={"split": split})
+    assert out[1][0] == "tied-checked"
+    assert (out[0][1], out[1][1]) == ([(0, 0), (2, 4)], [(0, 2), (4, 4)])
 
 
 def test_gpt_tp2_sp_pp2_tied_embedding():

@@ -10,12 +10,14 @@ from torch import nn
 
 from shardwork.models.pipeline import (
     Action,
+    chunk_layer_counts,
     forward_backward_1f1b,
     forward_backward_interleaved_1f1b,
     forward_backward_no_pipelining,
     get_schedule,
     layer_split,
     layers_per_rank,
+    peak_in_flight,
     plan_ticks,
     schedule_orders,
     stage_layers,
@@ -66,6 +68,21 @@ def test_1f1b_keeps_at_most_pp_minus_rank_microbatches_in_flight(pp):
         assert max(in_flight) == min(pp - r, m)
 
 
+@pytest.mark.parametrize(("pp", "vpp", "microbatches"), GRID)
+def test_peak_in_flight_equals_the_walk_of_the_schedule_order(pp, vpp, microbatches):
+    """The closed walk against each rank's actual order, with random bytes per chunk (integers:
+    exact sums), zero-byte chunks included (Llama 3's empty first and last virtual stages)."""
+    gen = torch.Generator().manual_seed(pp * 100 + vpp * 10 + microbatches)
+    chunk_bytes = [int(b) for b in torch.randint(0, 1000, (vpp,), generator=gen)]
+    chunk_bytes[0] = 0 if pp % 2 else chunk_bytes[0]
+    for r, order in enumerate(schedule_orders(pp, microbatches, vpp=vpp)):
+        held = peak = 0
+        for a in order:
+            held += chunk_bytes[a.chunk] if a.kind == "F" else -chunk_bytes[a.chunk]
+            peak = max(peak, held)
+        assert peak_in_flight(pp, r, microbatches, chunk_bytes) == peak
+
+
 def test_interleaved_keeps_fewer_in_flight_than_gpipe():
     pp, vpp, m = 4, 2, 8
     for r, order in enumerate(schedule_orders(pp, m, vpp=vpp)):
@@ -106,8 +123,58 @@ def test_layer_split_even_uneven_and_virtual():
 
 
 @pytest.mark.parametrize(
+    ("layers", "pp", "vpp", "first", "last"),
+    [(126, 16, 8, 0, 0), (126, 16, 4, 1, 1), (70, 12, 2, 2, 2), (11, 2, 3, 1, None),
+     (9, 2, 2, None, 0), (4, 2, 2, 0, 0), (8, 2, 1, 3, None), (10, 3, 2, 0, 2)],
+)  # fmt: skip
+def test_virtual_stage_split_gives_the_ends_their_count(layers, pp, vpp, first, last):
+    """Per virtual stage: the set ends hold their count, every other virtual stage the same
+    share, and the layers run in virtual-stage order (chunk c of rank r = stage c·pp + r)."""
+    ends = dict(first_virtual_stage_layers=first, last_virtual_stage_layers=last)
+    stages = pp * vpp
+    fixed = [x for x in (first, last) if x is not None]
+    share = (layers - sum(fixed)) // (stages - len(fixed))
+    expected = [share] * stages
+    if first is not None:
+        expected[0] = first
+    if last is not None:
+        expected[-1] = last
+    counts = chunk_layer_counts(layers, pp, vpp=vpp, **ends)
+    assert [counts[s % pp][s // pp] for s in range(stages)] == expected
+    split = layer_split(layers, pp, vpp=vpp, **ends)
+    in_order = [split[s % pp][s // pp] for s in range(stages)]
+    assert [i for r in in_order for i in r] == list(range(layers))
+    assert layers_per_rank(layers, pp, vpp=vpp, **ends) == [sum(c) for c in counts]
+    assert stage_layers(layers, pp, pp - 1, vpp=vpp, vp_chunk=vpp - 1, **ends) == in_order[-1]
+
+
+@pytest.mark.parametrize(
     ("kwargs", "match"),
     [
+        (
+            {
+                "num_layers": 8,
+                "pp_size": 2,
+                "first_stage_layers": 3,
+                "first_virtual_stage_layers": 1,
+            },
+            "exclude each other",
+        ),
+        (
+            {"num_layers": 8, "pp_size": 2, "vpp": 2, "first_virtual_stage_layers": 1},
+            "first_virtual_stage_layers=1 and last_virtual_stage_layers=None: the 7 remaining",
+        ),
+        ({"num_layers": 8, "pp_size": 1, "last_virtual_stage_layers": 0}, "needs pp_size > 1"),
+        ({"num_layers": 8, "pp_size": 2, "first_virtual_stage_layers": -1}, "integer >= 0"),
+        (
+            {
+                "num_layers": 4,
+                "pp_size": 2,
+                "first_virtual_stage_layers": 3,
+                "last_virtual_stage_layers": 3,
+            },
+            "do not fit num_layers=4",
+        ),
         ({"num_layers": 7, "pp_size": 2}, "num_layers=7"),
         (
             {"num_layers": 8, "pp_size": 2, "vpp": 2, "first_stage_layers": 3},

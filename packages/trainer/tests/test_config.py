@@ -211,6 +211,23 @@ CASES = [
     ({"parallel": {"pp": 8}}, 8, "pipeline split of model.num_layers=4"),
     ({"parallel": {"pp": 2, "first_stage_layers": 5}}, 2, "pipeline split of model.num_layers=4"),
     (
+        {"parallel": {"pp": 2, "vpp": 2, "first_virtual_stage_layers": 2}},
+        2,
+        "first_virtual_stage_layers=2 and last_virtual_stage_layers=None: the 2 remaining "
+        "layers must split evenly over the 3 other virtual stages",
+    ),
+    (
+        {"parallel": {"pp": 2, "first_stage_layers": 1, "last_virtual_stage_layers": 1}},
+        2,
+        "exclude each other",
+    ),
+    (
+        {"parallel": {"pp": 2, "vpp": 2}},  # 16 sequences, micro-batches of 16
+        2,
+        "schedule.global_batch_size=16: with parallel.vpp=2 the 1 micro-batches per step must "
+        "be a multiple of parallel.pp=2",
+    ),
+    (
         {"parallel": {"pp": 2, "mtp_standalone": True}},
         2,
         "parallel.mtp_standalone=True needs a model with multi-token prediction",

@@ -1,7 +1,8 @@
 """The planner's memory and step-time model against independent computations in the test.
 
-Memory must equal ``shardwork.models.calculator.memory_estimate`` (the planner adds only the
-documented interleaving factor); each step-time term is recomputed here from its formula
+Memory must equal ``shardwork.models.calculator.memory_estimate`` (which walks the trainer's
+schedule for the activations in flight, interleaved ones included), of the model with the fused
+kernels a GPU run uses; each step-time term is recomputed here from its formula
 (docs/planner.md) with the calculator's FLOPs, on a network made infinitely fast where a
 term must vanish.
 """
@@ -19,7 +20,7 @@ from shardwork.models.calculator import flops_per_token, memory_estimate
 from shardwork.models.calculator_memory import local_parameters
 from shardwork.trainer.plan.cluster import GPUS, Cluster
 from shardwork.trainer.plan.layouts import Layout
-from shardwork.trainer.plan.planner import USABLE_MEMORY, plan, price
+from shardwork.trainer.plan.planner import USABLE_MEMORY, plan, planning_model, price
 from shardwork.trainer.plan.step_time import step_time
 
 MODEL = preset("llama3-8b", params_dtype=torch.bfloat16, compute_dtype=torch.bfloat16)
@@ -44,7 +45,8 @@ def _time(layout, cluster):
 @pytest.mark.parametrize(
     "layout",
     [Layout(2, 1, 2, 16, micro_batch=2), Layout(8, 1, 4, 2, recompute="full"),
-     Layout(4, 2, 1, 8, recompute="selective"), Layout(2, 1, 4, 8, vpp=2)],
+     Layout(4, 2, 1, 8, recompute="selective"), Layout(2, 1, 4, 8, vpp=2),
+     Layout(2, 1, 4, 8, vpp=2, first_virtual_stage_layers=3, last_virtual_stage_layers=5)],
 )  # fmt: skip
 def test_memory_is_the_calculators(layout):
     row = _price(layout, _cluster())
@@ -53,10 +55,30 @@ def test_memory_is_the_calculators(layout):
         micro_batch_size=layout.micro_batch, tp=layout.tp, pp=layout.pp, dp=layout.dp,
         cp=layout.cp, vpp=layout.vpp if layout.vpp > 1 else None,
         num_microbatches=BATCH // (layout.dp * layout.micro_batch), recompute=layout.recompute,
+        first_virtual_stage_layers=layout.first_virtual_stage_layers,
+        last_virtual_stage_layers=layout.last_virtual_stage_layers,
     )  # fmt: skip
-    factor = 1 + (layout.pp - 1) / (layout.pp * layout.vpp) if layout.vpp > 1 else 1
-    assert row.memory == pytest.approx(est.total + est.activations * (factor - 1), rel=1e-12)
+    assert row.memory == est.total
     assert (row.refused is None) == (row.memory <= USABLE_MEMORY * H100.memory)
+
+
+def test_plan_prices_the_fused_kernels_a_gpu_run_uses():
+    """plan() prices the model as a GPU run trains it: bf16 and kernel_backend="triton" (what
+    "auto" resolves to on CUDA), whose norms and SwiGLU save less than the reference kernels."""
+    result = plan(MODEL, _cluster(), global_batch=BATCH, seq_length=SEQ, eff=EFF)
+    assert result.model == planning_model(MODEL)
+    assert result.model.kernel_backend == "triton"
+    row = next(r for r in result.rows if r.layout.recompute == "none")
+    lay = row.layout
+    kw = dict(
+        seq_length=SEQ, micro_batch_size=lay.micro_batch, tp=lay.tp, pp=lay.pp, dp=lay.dp,
+        cp=lay.cp, vpp=lay.vpp if lay.vpp > 1 else None, recompute=lay.recompute,
+        num_microbatches=BATCH // (lay.dp * lay.micro_batch), **lay.split,
+    )  # fmt: skip
+    fused = memory_estimate(result.model.replace(sequence_parallel=lay.tp > 1), **kw)
+    reference = memory_estimate(MODEL.replace(sequence_parallel=lay.tp > 1), **kw)
+    assert row.memory == fused.total
+    assert fused.activations < reference.activations
 
 
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])

@@ -1,8 +1,9 @@
 """The planner's enumeration against a brute force written here, and against the trainer.
 
 The brute force restates the rules from their sources (the model's divisibility rules, the
-pipeline split, the CP and node bounds of docs/planner.md) in the plainest way; every layout
-the planner proposes must also pass ``shardwork-train``'s own ``validate_config``.
+pipeline splits per rank and per virtual stage, the CP and node bounds of docs/planner.md) in
+the plainest way; every layout the planner proposes must also pass ``shardwork-train``'s own
+``validate_config``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from shardwork.trainer.plan.layouts import (
     parallel_layouts,
     pipeline_split,
     variants,
+    virtual_split,
 )
 
 
@@ -41,24 +43,53 @@ def _brute_force(model: GPTConfig, n: int, per_node: int, batch: int, seq: int, 
             continue
         if tp > 1 and (seq // cp) % tp:
             continue
-        q = -(-L // pp)  # layers on the middle ranks; the ends absorb the deficit
-        d = q * pp - L
-        first, last = (q - d // 2, q - d + d // 2) if d else (None, None)
-        counts = [q] * pp if d == 0 else [first] + [q] * (pp - 2) + [last]
-        if pp == 1:
-            counts = [L]
-        if d and pp == 2 and first + last != L:
-            continue
-        if min(counts) < 0 or any(c % vpp for c in counts):
-            continue
-        for ep, etp in ep_choices(tp, cp, dp):
-            out.add((tp, cp, pp, dp, ep, etp, vpp, first, last))
+        for split in _splits(L, pp, vpp):
+            for ep, etp in ep_choices(tp, cp, dp):
+                out.add((tp, cp, pp, dp, ep, etp, vpp, *split))
+    return out
+
+
+def _splits(L, pp, vpp):
+    """(first, last, first virtual, last virtual) of the per-rank split and, when it exists
+    and places the layers differently, the per-virtual-stage one."""
+    out, chunks = [], []
+    q = -(-L // pp)  # layers on the middle ranks; the ends absorb the deficit
+    d = q * pp - L
+    first, last = (q - d // 2, q - d + d // 2) if d else (None, None)
+    counts = [q] * pp if d == 0 else [first] + [q] * (pp - 2) + [last]
+    if pp == 1:
+        counts = [L]
+    fits = not (d and pp == 2 and first + last != L)
+    if fits and min(counts) >= 0 and not any(c % vpp for c in counts):
+        out.append((first, last, None, None))
+        chunks.append([[c // vpp] * vpp for c in counts])
+    stages = pp * vpp
+    Q = -(-L // stages)  # layers on the middle virtual stages; the end ones absorb the deficit
+    D = Q * stages - L
+    if vpp > 1 and D and Q - D // 2 >= 0 and Q - D + D // 2 >= 0:
+        per_stage = [Q - D // 2] + [Q] * (stages - 2) + [Q - D + D // 2]
+        # virtual stage c·pp + r is chunk c of rank r
+        virtual = [[per_stage[c * pp + r] for c in range(vpp)] for r in range(pp)]
+        if virtual not in chunks:
+            out.append((None, None, per_stage[0], per_stage[-1]))
     return out
 
 
 def _planner(model, n, per_node, batch, seq):
     return {
-        (x.tp, x.cp, x.pp, x.dp, x.ep, x.etp, x.vpp, x.first_stage_layers, x.last_stage_layers)
+        (
+            x.tp,
+            x.cp,
+            x.pp,
+            x.dp,
+            x.ep,
+            x.etp,
+            x.vpp,
+            x.first_stage_layers,
+            x.last_stage_layers,
+            x.first_virtual_stage_layers,
+            x.last_virtual_stage_layers,
+        )
         for x in parallel_layouts(
             model, num_gpus=n, gpus_per_node=per_node, global_batch=batch, seq_length=seq
         )
@@ -77,6 +108,7 @@ def test_dense_enumeration_equals_brute_force():
     assert len(got) > 40 and {x[0] for x in got} == {1, 2, 4}  # tp | kv heads = 4
     assert {x[1] for x in got} == {1, 2, 4}  # 16384 / cp >= 4096
     assert any(x[7] is not None for x in got)  # uneven splits (pp = 4: 2, 1+1 / 1, 2, 2, 1)
+    assert any(x[9] is not None for x in got)  # and per virtual stage (pp = 4, vpp = 2: 0+..+0)
 
 
 def test_moe_enumeration_equals_brute_force():
@@ -106,11 +138,31 @@ def test_pipeline_split_takes_layers_from_the_ends(layers, pp, split):
         assert first + last + (pp - 2) * q == layers
 
 
+@pytest.mark.parametrize(
+    ("layers", "pp", "vpp", "split"),
+    [(126, 16, 8, (0, 0)), (126, 16, 4, (1, 1)), (70, 12, 2, (2, 2)), (61, 16, 2, (1, 0)),
+     (128, 16, 8, (None, None)), (100, 8, 4, (None, None))],
+)  # fmt: skip
+def test_virtual_split_takes_layers_from_the_end_virtual_stages(layers, pp, vpp, split):
+    """Llama 3 405B (0 + 126·1 + 0, Dubey et al. 2024 §3.3.2; 1 + 62·2 + 1 at vpp 4), BLOOM at
+    vpp 2 (2 + 22·3 + 2), DeepSeek-V3 (1 + 30·2 + 0), an even split, and a deficit (28) larger
+    than two virtual stages hold (none)."""
+    assert virtual_split(layers, pp, vpp) == split
+    first, last = split
+    if first is not None:
+        q = -(-layers // (pp * vpp))
+        assert first + last + (pp * vpp - 2) * q == layers
+
+
 def test_variants_cover_micro_batches_dividing_the_replica_batch():
     base = Layout(tp=2, cp=1, pp=2, dp=3)
     got = [[(x.micro_batch, x.recompute) for x in group] for group in variants(base, 24)]
     assert got == [[(b, r) for b in (1, 2, 4, 8)] for r in ("none", "selective", "full")]
     assert [x.micro_batch for x in next(variants(base, 18))] == [1, 2]  # 18 / 3 = 6
+    # interleaved: 24 / 3 = 8 sequences per replica, micro-batch counts 8, 4, 2, 1 of which
+    # only those divisible by pp = 4 (the schedule's groups of pp micro-batches)
+    interleaved = Layout(tp=2, cp=1, pp=4, dp=3, vpp=2)
+    assert [x.micro_batch for x in next(variants(interleaved, 24))] == [1, 2]
 
 
 def test_every_proposed_layout_passes_the_trainers_validation(tmp_path):
@@ -121,7 +173,7 @@ def test_every_proposed_layout_passes_the_trainers_validation(tmp_path):
     model = {"num_layers": 6, "num_attention_heads": 4, "num_query_groups": 2}
     planner_model = gpt_config(tiny_config(tmp_path / "probe", model=model))
     n, batch, seq = 16, 32, 8192
-    seen = 0
+    seen = virtual = 0
     for lay in parallel_layouts(
         planner_model, num_gpus=n, gpus_per_node=8, global_batch=batch, seq_length=seq
     ):
@@ -139,10 +191,15 @@ def test_every_proposed_layout_passes_the_trainers_validation(tmp_path):
                 "sequence_parallel": lay.tp > 1,
                 "first_stage_layers": lay.first_stage_layers,
                 "last_stage_layers": lay.last_stage_layers,
+                "first_virtual_stage_layers": lay.first_virtual_stage_layers,
+                "last_virtual_stage_layers": lay.last_virtual_stage_layers,
             },
         )  # fmt: skip; raises ConfigError if the trainer refuses the layout
         seen += 1
-    assert seen == 16  # the number of layouts enumerated for this model and problem
+        virtual += lay.first_virtual_stage_layers is not None
+    # the layouts enumerated for this model and problem, 12 of them split per virtual stage
+    # (pp 2 × vpp 2: 1 + 2 + 2 + 1; pp 2 × vpp 4 and pp 4 × vpp 2: 0 + 6 × 1 + 0)
+    assert (seen, virtual) == (28, 12)
 
 
 def test_every_proposed_moe_layout_passes_the_trainers_validation(tmp_path):
@@ -175,6 +232,8 @@ def test_every_proposed_moe_layout_passes_the_trainers_validation(tmp_path):
                 "sequence_parallel": lay.tp > 1,
                 "first_stage_layers": lay.first_stage_layers,
                 "last_stage_layers": lay.last_stage_layers,
+                "first_virtual_stage_layers": lay.first_virtual_stage_layers,
+                "last_virtual_stage_layers": lay.last_virtual_stage_layers,
             },
         )  # fmt: skip; raises ConfigError if the trainer refuses the layout
     assert {x.ep for x in layouts} == {1, 2, 4, 8}

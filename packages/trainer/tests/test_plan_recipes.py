@@ -24,12 +24,14 @@ RANK_MISSES = {
     "llama3-405b-8k-8192gpu",
     "llama3-405b-8k-16384gpu",
     "llama3-405b-131k-16384gpu",
-    "megatron-gpt-1t",
     "bloom-176b",
     "deepseek-v3",
 }
 #: Published MFU not within 5 points (docs/planner.md, "Misses").
-MFU_MISSES = {"llama3-405b-8k-8192gpu", "llama3-405b-8k-16384gpu", "llama3-405b-131k-16384gpu"}
+MFU_MISSES = {"llama3-405b-131k-16384gpu"}
+#: Published layouts whose published knobs do not fit shardwork's memory: their MFU is priced
+#: for time only (Llama 3 trained 8K sequences without recompute; docs/planner.md, "Misses").
+BEYOND_SHARDWORK_MEMORY = {"llama3-405b-8k-8192gpu", "llama3-405b-8k-16384gpu"}
 TOLERANCE = 0.05
 
 
@@ -52,6 +54,7 @@ def test_published_layout_rank(name):
 def test_published_mfu(name):
     recipe = BY_NAME[name]
     p = predict(recipe, _eff(recipe))
+    assert p.fits == (name not in BEYOND_SHARDWORK_MEMORY)
     error = abs(p.mfu - recipe.mfu)
     if name in MFU_MISSES:
         assert error > TOLERANCE, f"{name} now within {error:.3f}: update MFU_MISSES and docs"
@@ -69,15 +72,18 @@ def test_recipes_are_sourced_and_consistent():
 
 
 @pytest.mark.slow
-def test_committed_constants_are_the_fits_and_leave_one_out():
-    """A100: the committed constant is the fit over both A100 MFUs; leaving either out still
-    predicts it within 5 points. H100: the fit runs to its bound (the documented reason the
-    A100 value is carried over)."""
-    a100 = [r for r in RECIPES if r.cluster.gpu.name == "a100-80gb"]
-    h100 = [r for r in RECIPES if r.cluster.gpu.name == "h100-sxm"]
-    assert fit_efficiency(a100) == EFFICIENCY[("a100-80gb", "bf16")]
-    for name, (eff, mfu) in leave_one_out(a100).items():
-        assert abs(eff - EFFICIENCY[("a100-80gb", "bf16")]) < 0.02
-        assert abs(mfu - BY_NAME[name].mfu) <= TOLERANCE
-    assert fit_efficiency(h100) == 1.0
-    assert EFFICIENCY[("h100-sxm", "bf16")] == EFFICIENCY[("a100-80gb", "bf16")]
+@pytest.mark.parametrize("gpu", ["a100-80gb", "h100-sxm"])
+def test_committed_constants_are_the_fits_and_leave_one_out(gpu):
+    """Each committed constant is the fit over every MFU published for its GPU, inside the
+    grid (not at a bound); leaving one recipe out and refitting predicts it within 5 points,
+    except the expected MFU misses, which miss out of sample too (docs/planner.md, leave-one-out
+    table). H800 carries the H100 value (no published H800 MFU)."""
+    recipes = [r for r in RECIPES if r.cluster.gpu.name == gpu]
+    committed = EFFICIENCY[(gpu, "bf16")]
+    assert fit_efficiency(recipes) == committed
+    assert 0.2 < committed < 1.0
+    for name, (eff, mfu) in leave_one_out(recipes).items():
+        assert 0.2 < eff < 1.0
+        error = abs(mfu - BY_NAME[name].mfu)
+        assert (error > TOLERANCE) == (name in MFU_MISSES), (name, eff, mfu)
+    assert EFFICIENCY[("h800-sxm", "bf16")] == EFFICIENCY[("h100-sxm", "bf16")]

@@ -51,6 +51,7 @@ from shardwork.models.calculator_layers import (
 from shardwork.models.calculator_memory import local_parameters, stage_activation_bytes
 from shardwork.models.calculator_moe import moe_flops_per_token, moe_param_counts
 from shardwork.models.config import RECOMPUTE_MODES, GPTConfig
+from shardwork.models.pipeline.plan import peak_in_flight
 
 __all__ = ["MemoryEstimate", "flops_per_token", "memory_estimate", "num_parameters"]
 
@@ -149,16 +150,22 @@ def memory_estimate(
     recompute: str | None = None,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
+    first_virtual_stage_layers: int | None = None,
+    last_virtual_stage_layers: int | None = None,
 ) -> MemoryEstimate:
     """Memory per GPU (formulas: :mod:`shardwork.models.calculator_memory`).
 
     ``dp`` is the data-parallel size without cp (world ``= tp·cp·dp·pp``); experts shard over
     ``ep × etp`` (``etp`` defaults to ``tp``) and their optimizer state over
     ``edp = tp·cp·dp/(ep·etp)``. ``pp_rank=None`` returns the rank with the largest total.
-    Activations: micro-batches in flight under 1F1B (``min(pp − r, num_microbatches)`` on rank
-    ``r``; ``num_microbatches`` defaults to ``pp``) times one micro-batch's saved tensors.
-    ``first_stage_layers`` / ``last_stage_layers``: an uneven pipeline split, as the trainer's
-    ``parallel`` options of the same names (None: an even split).
+    Activations: the most a rank holds at once under the trainer's schedule
+    (``shardwork.models.pipeline.peak_in_flight``): under 1F1B ``min(pp − r, num_microbatches)``
+    micro-batches on rank ``r`` (``num_microbatches`` defaults to ``pp``) times one
+    micro-batch's saved tensors; interleaved (``vpp > 1``), the walk of Megatron's order with
+    each chunk's own bytes (about ``1 + (pp − 1)/(pp·vpp)`` times the 1F1B count with even
+    chunks, Narayanan et al. 2021 §2.2.2). ``first_stage_layers`` / ``last_stage_layers`` /
+    ``first_virtual_stage_layers`` / ``last_virtual_stage_layers``: an uneven pipeline split,
+    as the trainer's ``parallel`` options of the same names (None: an even split).
     """
     c = config
     etp = tp if etp is None else etp
@@ -178,24 +185,29 @@ def memory_estimate(
     recompute = c.recompute if recompute is None else recompute
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute={recompute!r} is invalid: valid are {RECOMPUTE_MODES}")
+    v = 1 if vpp is None else vpp
+    if v > 1 and m % pp != 0:
+        raise ValueError(
+            f"num_microbatches={m} is invalid with vpp={vpp}: the interleaved schedule runs "
+            f"micro-batches in groups of pp={pp}, so it must be a multiple of {pp}"
+        )
     ranks = range(pp) if pp_rank is None else [pp_rank]
+    split = dict(
+        first_stage_layers=first_stage_layers,
+        last_stage_layers=last_stage_layers,
+        first_virtual_stage_layers=first_virtual_stage_layers,
+        last_virtual_stage_layers=last_virtual_stage_layers,
+    )
+    kw = dict(seq_length=seq_length, micro_batch_size=micro_batch_size, tp=tp, pp=pp, cp=cp)
     best = None
     for r in ranks:
-        split = dict(first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers)
         local = local_parameters(c, tp=tp, pp=pp, ep=ep, etp=etp, pp_rank=r, vpp=vpp, **split)
-        acts = stage_activation_bytes(
-            c,
-            seq_length=seq_length,
-            micro_batch_size=micro_batch_size,
-            tp=tp,
-            pp=pp,
-            cp=cp,
-            etp=etp,
-            pp_rank=r,
-            vpp=vpp,
-            recompute=recompute,
-            **split,
-        )
+        chunk_bytes = [
+            stage_activation_bytes(
+                c, etp=etp, pp_rank=r, vpp=vpp, recompute=recompute, vp_chunk=k, **kw, **split
+            )
+            for k in range(v)
+        ]
         est = MemoryEstimate(
             weights=local.total * c.params_dtype.itemsize,
             # fp32 main_grad whatever params_dtype is (the DDP default grad_reduce_in_fp32=True).
@@ -204,8 +216,8 @@ def memory_estimate(
             # sharded over the replicas (ZeRO-1): dp×cp for dense, edp for expert parameters.
             optimizer=12 * (local.dense / (dp * cp) + local.expert / edp),
             # 1F1B keeps at most pp - r micro-batches' activations alive on rank r (its warm-up
-            # depth + 1).
-            activations=acts * min(pp - r, m),
+            # depth + 1); the interleaved order more, chunk by chunk.
+            activations=peak_in_flight(pp, r, m, chunk_bytes),
             params=local.total,
             expert_params=local.expert,
             pp_rank=r,

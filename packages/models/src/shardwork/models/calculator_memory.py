@@ -22,7 +22,14 @@ P_expert/edp)`` — dense state shards over dp×cp, expert state over edp (bucke
 
 Activations: bytes saved for backward by this implementation's torch-backend kernels, per
 micro-batch, counted tensor by tensor (:func:`layer_activation_bytes`; docs/models-moe.md
-lists every term). ``T = s·b/cp`` local tokens, ``Tn`` the tokens a norm sees (``T/tp`` under
+lists every term); with ``kernel_backend="triton"`` (what ``"auto"`` runs on CUDA,
+:func:`fused_kernels`) those of the fused Triton kernels where they differ: a norm saves its
+input (``e``) and fp32 mean and rstd (``Tn·(h·e + 8)``), a SwiGLU its ``[gate | up]`` input
+(``T·3f/tp·e`` with the down projection's input), the rotary its cos and sin expanded per
+token for q and for k (``4·T·r·e``, ``r`` the rotated width), QK-norm a contiguous copy of q
+and k, MLA's latent norm a copy of the latent, the MoE router's fused top-k no dense or group
+scores, MTP's two norms ``Tn·(h·e + 16)``. ``T = s·b/cp`` local tokens, ``Tn`` the tokens a
+norm sees (``T/tp`` under
 sequence parallelism, else ``T``), ``e`` the activation bytes, ``c`` the norm/SwiGLU
 arithmetic bytes (4, or 8 for float64). Per layer, recompute ``none``:
   norms      RMSNorm ``Tn·(h+1)·c + T·h·e`` each (x̂ and rstd of the closed-form backward; the
@@ -65,14 +72,16 @@ the main head of a float32/float64 model its weight gradient computed in the for
 ``V_p/tp·h·c`` (its input gradient replaces the input), every other head ``T·(8 + 1 + 2c)``
 (labels, in-shard mask, lse, token weights); without it the logits ``T·V_p/tp·e`` (twice with
 ``final_logit_softcapping``, tanh's output) plus ``T·14`` of labels, masks and losses. Under
-1F1B stage ``r`` holds ``min(pp − r, m)`` micro-batches in flight. Not counted: aux-loss statistics (``O(T·E)`` when enabled), dropout
-masks, the transient recompute of one layer in backward, fused kernels' smaller saves, and
+1F1B stage ``r`` holds ``min(pp − r, m)`` micro-batches in flight (interleaved:
+``shardwork.models.pipeline.peak_in_flight`` per chunk). Not counted: aux-loss statistics
+(``O(T·E)`` when enabled), dropout masks, the transient recompute of one layer in backward, and
 what does not grow with the batch: causal masks, ``A``, RoPE's cos/sin slices, the fp32 (or
 ``1 + w``) weight copies a norm makes.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -106,6 +115,7 @@ __all__ = [
     "LocalParams",
     "MixerMemory",
     "MlpMemory",
+    "fused_kernels",
     "kv_cache_bytes_per_token",
     "layer_activation_bytes",
     "local_parameters",
@@ -128,6 +138,20 @@ class LocalParams:
     @property
     def total(self) -> int:
         return self.dense + self.expert
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_spec(config: GPTConfig):
+    return spec_for(config)
+
+
+def _spec(config: GPTConfig):
+    """``spec_for(config)``, cached: the estimate asks for it once per layer and per rank, and
+    the layout planner prices thousands of layouts of one model (the spec is immutable)."""
+    try:
+        return _cached_spec(config)
+    except TypeError:  # a config holding a list-valued option cannot be hashed
+        return spec_for(config)
 
 
 def _check_layout(config: GPTConfig, *, tp: int, ep: int, etp: int) -> None:
@@ -200,21 +224,36 @@ def _stage_layout(
     pp: int,
     pp_rank: int,
     vpp: int | None,
-    first: int | None = None,
-    last: int | None = None,
+    split: dict,
+    vp_chunk: int | None = None,
 ):
-    """(global layer indices, holds the embedding, holds head/final norm/MTP).
+    """(global layer indices, holds the embedding, holds head/final norm/MTP) of rank
+    ``pp_rank``'s chunks, or of its chunk ``vp_chunk`` alone.
 
-    ``first``/``last``: layers on the first/last pipeline rank (an uneven split, as the
-    trainer's ``parallel.first_stage_layers``/``last_stage_layers``); None: an even split.
+    ``split``: the uneven ends of :func:`shardwork.models.pipeline.layer_split` (the trainer's
+    ``parallel.first_stage_layers`` ... ``last_virtual_stage_layers``); empty: an even split.
     """
     if isinstance(pp_rank, bool) or not isinstance(pp_rank, int) or not 0 <= pp_rank < pp:
         raise ValueError(f"pp_rank={pp_rank!r} is invalid: it must be in [0, pp={pp})")
-    split = layer_split(
-        config.num_layers, pp, vpp=vpp, first_stage_layers=first, last_stage_layers=last
+    chunks = layer_split(config.num_layers, pp, vpp=vpp, **split)[pp_rank]
+    if vp_chunk is None:
+        return [i for chunk in chunks for i in chunk], pp_rank == 0, pp_rank == pp - 1
+    last = len(chunks) - 1
+    if isinstance(vp_chunk, bool) or not isinstance(vp_chunk, int) or not 0 <= vp_chunk <= last:
+        raise ValueError(f"vp_chunk={vp_chunk!r} is invalid: it must be in [0, vpp={last + 1})")
+    first_stage, last_stage = pp_rank == 0 and vp_chunk == 0, pp_rank == pp - 1 and vp_chunk == last
+    return list(chunks[vp_chunk]), first_stage, last_stage
+
+
+def _split(first, last, first_virtual, last_virtual) -> dict:
+    """The uneven-ends keywords of ``layer_split`` that are set."""
+    ends = dict(
+        first_stage_layers=first,
+        last_stage_layers=last,
+        first_virtual_stage_layers=first_virtual,
+        last_virtual_stage_layers=last_virtual,
     )
-    layers = [i for chunk in split[pp_rank] for i in chunk]
-    return layers, pp_rank == 0, pp_rank == pp - 1
+    return {k: v for k, v in ends.items() if v is not None}
 
 
 def local_parameters(
@@ -228,19 +267,26 @@ def local_parameters(
     vpp: int | None = None,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
+    first_virtual_stage_layers: int | None = None,
+    last_virtual_stage_layers: int | None = None,
 ) -> LocalParams:
     """Exact parameter elements on a rank of pipeline rank ``pp_rank`` (all its vpp chunks).
 
     Every tp/ep/etp rank of a stage holds the same shapes, so only ``pp_rank`` matters.
     ``etp`` defaults to ``tp`` (as ``ParallelConfig``). ``first_stage_layers`` /
-    ``last_stage_layers``: an uneven pipeline split (``shardwork.models.pipeline.layer_split``).
+    ``last_stage_layers`` (per rank) or ``first_virtual_stage_layers`` /
+    ``last_virtual_stage_layers``: an uneven pipeline split
+    (``shardwork.models.pipeline.layer_split``).
     """
     etp = tp if etp is None else etp
     _check_layout(config, tp=tp, ep=ep, etp=etp)
     c, h = config, config.hidden_size
-    layers, pre, post = _stage_layout(c, pp, pp_rank, vpp, first_stage_layers, last_stage_layers)
+    split = _split(
+        first_stage_layers, last_stage_layers, first_virtual_stage_layers, last_virtual_stage_layers
+    )
+    layers, pre, post = _stage_layout(c, pp, pp_rank, vpp, split)
     vocab = c.padded_vocab_size // tp * h
-    spec = spec_for(c)
+    spec = _spec(c)
     dense = expert = 0
     for layer in layers:
         d, e = _layer_params(c, spec.layers[layer], tp=tp, ep=ep, etp=etp)
@@ -356,16 +402,31 @@ def _part(table: dict, kind: str):
     return table[kind]
 
 
-def _norm_saved(cfg: GPTConfig, tn: float, width: int, c: int) -> float:
-    """What one norm over ``width`` saves for ``tn`` tokens: RMSNorm (the torch backend's closed
-    form) x̂ and rstd; LayerNorm (the autograd reference) x - mean, rstd and their product."""
+def fused_kernels(config: GPTConfig) -> bool:
+    """True when the model runs this package's Triton kernels (``kernel_backend="triton"``,
+    which ``"auto"`` resolves to on CUDA): the norms and gated MLPs then save less."""
+    return config.kernel_backend == "triton"
+
+
+def _norm_saved(cfg: GPTConfig, tn: float, width: int, c: int, e: int) -> float:
+    """What one norm over ``width`` saves for ``tn`` tokens: the Triton kernel its input and
+    fp32 mean and rstd (``triton_norms._Norm``); the torch backend's RMSNorm (closed-form
+    backward) x̂ and rstd; its LayerNorm (the autograd reference) x - mean, rstd and product."""
+    if fused_kernels(cfg):
+        return tn * (width * e + 8)
     per_token = width + 1 if cfg.normalization == "rmsnorm" else 2 * width + 1
     return tn * per_token * c
 
 
 def _norm(cfg: GPTConfig, tn: float, t: float, width: int, c: int, e: int) -> float:
     """A norm (:func:`_norm_saved`) plus the following matmul's input."""
-    return _norm_saved(cfg, tn, width, c) + t * width * e
+    return _norm_saved(cfg, tn, width, c, e) + t * width * e
+
+
+def _glu_saves(t: float, f: float, c: int, e: int, fused: bool) -> float:
+    """A SwiGLU/GeGLU on ``t`` rows of width ``f`` and the down projection's input: the
+    torch backend's fp32 gate, up and activation; the Triton kernel its ``[gate | up]`` input."""
+    return t * (2 * f * e + f * e) if fused else t * (3 * f * c + f * e)
 
 
 def _attention_bytes(cfg: GPTConfig, t, tp, cp, seq, recompute, c, e) -> float:
@@ -381,9 +442,14 @@ def _attention_bytes(cfg: GPTConfig, t, tp, cp, seq, recompute, c, e) -> float:
         # included) alive whole.
         pinned = q_view or cp == 1
         extra = t * (n + 2 * g + gate) * d * e if pinned else 0.0
-        if cfg.qk_layernorm:  # normalised q and k and their 1/rms, in float32
+        fused = fused_kernels(cfg)
+        if cfg.qk_layernorm and fused:  # the kernel saves a contiguous copy of q and k
+            extra += t * (n + g) * (d * e + 8)
+        elif cfg.qk_layernorm:  # normalised q and k and their 1/rms, in float32
             extra += t * (n + g) * (d + 1) * c
         extra += 2 * t * gate * d * e  # sigmoid(gate) and the gated output (linear_proj's input)
+        if fused:  # the Triton rotary saves cos and sin expanded per token, for q and for k
+            extra += 4 * t * cfg.rotary_dim * e
         kq = 0 if q_view else t * n * d  # q (rotated or normalised)
         # k (rotated or normalised, or gathered over cp); a view of qkv when neither
         kk = 0 if q_view and cp == 1 else t * cp * g * d
@@ -400,12 +466,20 @@ def _attention_bytes(cfg: GPTConfig, t, tp, cp, seq, recompute, c, e) -> float:
         return extra + (kq + kk + kv_) * e + t * n * d * e + lse
     m = cfg.mla
     dq, dv = m.qk_head_dim, m.v_head_dim
-    proj = 0.0
-    # Each latent RMSNorm keeps x̂ and 1/rms (c), and its output is the up projection's input.
-    if m.q_lora_rank is not None:
-        proj += t * (m.q_lora_rank + 1) * c + t * m.q_lora_rank * e
     rkv = m.kv_lora_rank
-    proj += t * (rkv + 1) * c + t * rkv * e
+    if fused_kernels(cfg):
+        # the q_down output (the norm's input), its norm's mean and rstd and q_up's input; the
+        # latent norm's contiguous copy of its input (a slice of kv_down's output, which then
+        # stays unpinned) and its statistics; kv_up's input; and the Triton rotary's cos and
+        # sin per token, for q and for k
+        proj = _norm(cfg, t, t, m.q_lora_rank, c, e) if m.q_lora_rank is not None else 0.0
+        proj += _norm(cfg, t, t, rkv, c, e) + 4 * t * m.qk_rope_head_dim * e
+    else:
+        # Each latent RMSNorm keeps x̂ and 1/rms (c), and its output is the up projection's input.
+        proj = 0.0
+        if m.q_lora_rank is not None:
+            proj += t * (m.q_lora_rank + 1) * c + t * m.q_lora_rank * e
+        proj += t * (rkv + 1) * c + t * rkv * e
     math = dq != dv  # torch's SDPA takes its math path (on CPU in float32 arithmetic)
     qkv_b = c if math and recompute != "selective" else e
     core = (t * n * dq + t * cp * n * (dq + dv)) * qkv_b + t * n * dv * e  # q, k, v, proj in
@@ -415,8 +489,7 @@ def _attention_bytes(cfg: GPTConfig, t, tp, cp, seq, recompute, c, e) -> float:
 
 
 def _swiglu_bytes(cfg: GPTConfig, t, tn, tp, etp, c, e) -> float:
-    f = cfg.ffn_hidden_size // tp
-    return t * (3 * f * c + f * e)
+    return _glu_saves(t, cfg.ffn_hidden_size // tp, c, e, fused_kernels(cfg))
 
 
 def _relu2_bytes(cfg: GPTConfig, t, tn, tp, etp, c, e) -> float:
@@ -429,10 +502,12 @@ def _moe_bytes(cfg: GPTConfig, t, tn, tp, etp, c, e) -> float:
     r = m.router
     k, experts = r.top_k, r.num_experts
     router_tokens = tn if cfg.sequence_parallel else t
+    fused = fused_kernels(cfg)
     router = k * (8 + c)  # top-k indices and probabilities
     if r.score_function != "softmax" or r.pre_softmax:
-        router += experts * c + c  # dense scores (and the renormalisation)
-    if r.num_groups is not None:  # group scores, kept groups, indices
+        # dense scores (the fused top-k keeps none) and the renormalisation
+        router += c if fused else experts * c + c
+    if r.num_groups is not None and not fused:  # group scores, kept groups, indices
         g, gk = r.num_groups, r.group_top_k
         router += experts * c + g * (8 + c) + gk * 8 + gk * experts // g * c + k * 8
     router *= router_tokens
@@ -442,15 +517,16 @@ def _moe_bytes(cfg: GPTConfig, t, tn, tp, etp, c, e) -> float:
     relu2 = cfg.mlp_activation == "relu2"
     # per row: fc1's input, then SwiGLU's fp32 intermediates and output, or relu's output and
     # the square (fc2's input)
-    # SwiGLU experts also keep each row's probability (their token weight, c); the combine then
-    # keeps only the two int64 indices. Squared-ReLU experts leave the probabilities to the
-    # combine, which also keeps the rows and the probabilities.
-    act = 2 * f * e if relu2 else 3 * f * c + f * e + c
+    # SwiGLU experts also keep each row's probability (their token weight: the torch backend
+    # in float32, the Triton kernel as sent, in the activation dtype); the combine then keeps
+    # only the two int64 indices. Squared-ReLU experts leave the probabilities to the combine,
+    # which also keeps the rows and the probabilities.
+    act = 2 * f * e if relu2 else _glu_saves(1, f, c, e, fused) + (e if fused else c)
     combine = h * e + e + 16 if relu2 else 16
     out = router + rows * (h * e + act) + sent * combine
     if m.shared_expert_ffn_hidden_size is not None:
         s = m.shared_expert_ffn_hidden_size // tp
-        out += t * (2 * s * e if relu2 else 3 * s * c + s * e)
+        out += 2 * t * s * e if relu2 else _glu_saves(t, s, c, e, fused)
         if m.shared_expert_gate:  # the shared output and its sigmoid gate (the gate's input
             out += tn * (h + 1) * e  # is the norm output, counted with the norm)
     return out
@@ -481,12 +557,12 @@ def layer_activation_bytes(
     h = cfg.hidden_size
     if recompute == "full" and layer < cfg.num_layers:
         return tn * h * e
-    spec = spec_for(cfg)
+    spec = _spec(cfg)
     part = spec.layers[layer] if layer < cfg.num_layers else spec.mtp[layer - cfg.num_layers]
     out = 0.0
     # A sandwich (post-)norm saves what a norm saves; its output goes to the residual add,
     # which saves nothing.
-    norms = _norm(cfg, tn, t, h, c, e) + (norms_per_part(cfg) - 1) * _norm_saved(cfg, tn, h, c)
+    norms = _norm(cfg, tn, t, h, c, e) + (norms_per_part(cfg) - 1) * _norm_saved(cfg, tn, h, c, e)
     if part.mixer is not None:
         mixer = _part(MIXER_MEMORY, part.mixer)
         out += norms + mixer.activations(cfg, t, tp, cp, seq_length, recompute, c, e)
@@ -496,6 +572,12 @@ def layer_activation_bytes(
     return out
 
 
+def _head_grads_in_forward(cfg: GPTConfig) -> bool:
+    """The main head's fused loss computes its gradients in the forward (float32/float64
+    models): it then keeps d hidden and d weight, not its input."""
+    return cfg.fused_linear_cross_entropy and cfg.activation_dtype in (torch.float32, torch.float64)
+
+
 def _loss_bytes(cfg: GPTConfig, t: float, vocab: int, h: int, c: int, e: int, *, main: bool):
     """What a head's loss saves for backward beyond its input (counted by ``_norm``)."""
     if not cfg.fused_linear_cross_entropy:
@@ -503,7 +585,7 @@ def _loss_bytes(cfg: GPTConfig, t: float, vocab: int, h: int, c: int, e: int, *,
         if cfg.final_logit_softcapping is not None:
             loss += t * vocab * e  # tanh's output, which its backward reads
         return loss
-    if main and cfg.activation_dtype in (torch.float32, torch.float64):
+    if main and _head_grads_in_forward(cfg):
         # Gradients computed in the forward: d hidden (in place of the head input) and the
         # float32/float64 d weight of this rank's vocabulary shard.
         return vocab * h * c
@@ -525,10 +607,17 @@ def stage_activation_bytes(
     recompute: str | None = None,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
+    first_virtual_stage_layers: int | None = None,
+    last_virtual_stage_layers: int | None = None,
+    vp_chunk: int | None = None,
 ) -> float:
-    """Bytes one micro-batch's forward saves on pipeline rank ``pp_rank`` (see module doc)."""
+    """Bytes one micro-batch's forward saves on pipeline rank ``pp_rank`` (see module doc):
+    in all its chunks, or in chunk ``vp_chunk`` alone."""
     cfg = config
-    layers, pre, post = _stage_layout(cfg, pp, pp_rank, vpp, first_stage_layers, last_stage_layers)
+    split = _split(
+        first_stage_layers, last_stage_layers, first_virtual_stage_layers, last_virtual_stage_layers
+    )
+    layers, pre, post = _stage_layout(cfg, pp, pp_rank, vpp, split, vp_chunk)
     kw = dict(
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,
@@ -542,14 +631,20 @@ def stage_activation_bytes(
     tn = t / tp if cfg.sequence_parallel else t
     h, e = cfg.hidden_size, cfg.activation_dtype.itemsize
     c = 8 if cfg.activation_dtype == torch.float64 else 4
+    fused = fused_kernels(cfg)
     vocab = cfg.padded_vocab_size // tp
     if pre:
         total += t * 8  # token ids
     if post:
         total += _norm(cfg, tn, t, h, c, e) + _loss_bytes(cfg, t, vocab, h, c, e, main=True)
         if cfg.mtp is not None:
-            # token ids, the embedding and hidden norms, eh_proj's [2h] input
-            depth = t * 8 + 2 * _norm_saved(cfg, tn, h, c) + t * 2 * h * e
+            # token ids, the embedding and hidden norms, eh_proj's [2h] input. The Triton hidden
+            # norm keeps its input, the main head's input, which that head keeps too unless
+            # its gradients were computed in the forward.
+            norms = 2 * _norm_saved(cfg, tn, h, c, e)
+            if fused and not _head_grads_in_forward(cfg):
+                norms -= tn * h * e
+            depth = t * 8 + norms + t * 2 * h * e
             depth += _norm(cfg, tn, t, h, c, e) + _loss_bytes(cfg, t, vocab, h, c, e, main=False)
             for k in range(cfg.mtp.num_layers):
                 total += depth + layer_activation_bytes(cfg, cfg.num_layers + k, **kw)

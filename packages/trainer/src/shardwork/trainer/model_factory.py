@@ -93,6 +93,8 @@ def build_model_chunks(
     device: torch.device,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
+    first_virtual_stage_layers: int | None = None,
+    last_virtual_stage_layers: int | None = None,
     mtp_standalone: bool = False,
 ) -> list:
     """This rank's model chunks: one per virtual pipeline stage (one at pp = 1).
@@ -106,5 +108,7 @@ def build_model_chunks(
         device=device,
         first_stage_layers=first_stage_layers,
         last_stage_layers=last_stage_layers,
+        first_virtual_stage_layers=first_virtual_stage_layers,
+        last_virtual_stage_layers=last_virtual_stage_layers,
         mtp_standalone=mtp_standalone,
     )

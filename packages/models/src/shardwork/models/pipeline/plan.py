@@ -122,6 +122,36 @@ def interleaved_order(
     return order
 
 
+def peak_in_flight(
+    pp_size: int, pp_rank: int, num_microbatches: int, chunk_bytes: list[float]
+) -> float:
+    """Most activation bytes rank ``pp_rank`` holds at once under :func:`schedule_orders`
+    (interleaved when ``len(chunk_bytes) > 1``, else 1F1B), ``chunk_bytes[c]`` being what one
+    micro-batch's forward of chunk ``c`` keeps until its backward.
+
+    Walks the order's chunk sequence without building it: the warm-up forwards, then
+    forward/backward pairs. After the warm-up every ``pp·vpp`` pairs repeat the same chunks, so
+    the peak is reached within one such period; the cool-down only frees. 1F1B gives
+    ``min(pp − rank, m)·chunk_bytes[0]``; the interleaved order does not reduce to a factor
+    when chunks differ (Llama 3's split empties the first chunk, the one most micro-batches
+    wait in).
+    """
+    p, v, m = pp_size, len(chunk_bytes), num_microbatches
+    total = m * v
+    if v == 1:
+        warmup = min(p - pp_rank - 1, m)
+    else:
+        warmup = min(2 * (p - pp_rank - 1) + (v - 1) * p, total)
+    # forward k runs chunk (k // p) % v; backward k chunk v - 1 - (k // p) % v (interleaved_order)
+    held = sum(chunk_bytes[(k // p) % v] for k in range(warmup))
+    peak = held
+    for j in range(min(total - warmup, p * v)):
+        held += chunk_bytes[((warmup + j) // p) % v]
+        peak = max(peak, held)
+        held -= chunk_bytes[v - 1 - (j // p) % v]
+    return peak
+
+
 def schedule_orders(
     pp_size: int,
     num_microbatches: int,

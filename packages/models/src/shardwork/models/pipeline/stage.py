@@ -10,7 +10,9 @@
   that is a copy marked ``shared_embedding``, synchronised by ``finalize_model_grads``).
 - Uneven first/last stages: ``first_stage_layers`` / ``last_stage_layers`` arguments, or
   config fields ``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage``
-  when a config has them.
+  when a config has them; or uneven first/last *virtual* stages,
+  ``first_virtual_stage_layers`` / ``last_virtual_stage_layers`` (Llama 3's interleaved
+  split, :mod:`~shardwork.models.pipeline.split`).
 - ``mtp_standalone=True``: the MTP depths on a pipeline rank of their own
   (:mod:`~shardwork.models.pipeline.mtp_stage`).
 """
@@ -55,6 +57,8 @@ def build_stage(
     *,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
+    first_virtual_stage_layers: int | None = None,
+    last_virtual_stage_layers: int | None = None,
     mtp_standalone: bool = False,
     device: str | torch.device | None = None,
     spec: DecoderSpec | None = None,
@@ -88,6 +92,8 @@ def build_stage(
         vp_chunk=chunk,
         first_stage_layers=first_stage_layers,
         last_stage_layers=last_stage_layers,
+        first_virtual_stage_layers=first_virtual_stage_layers,
+        last_virtual_stage_layers=last_virtual_stage_layers,
     )
     return GPTStage(
         config,

@@ -72,6 +72,13 @@ class ParallelSection:
     None: an even split."""
     last_stage_layers: int | None = None
     """Layers on the last pipeline rank (e.g. fewer, to make room for the LM head and loss)."""
+    first_virtual_stage_layers: int | None = None
+    """Layers of the first virtual stage (chunk 0 of the first rank); every other virtual
+    stage holds the same share of the rest. Llama 3's interleaved split gives the first and last
+    virtual stage one layer fewer (e.g. 126 layers, pp=16, vpp=8: 0 and 0, the other 126
+    chunks one layer each). Excludes first_stage_layers / last_stage_layers; None: unset."""
+    last_virtual_stage_layers: int | None = None
+    """Layers of the last virtual stage (the last chunk of the last rank, with the head)."""
     mtp_standalone: bool = False
     """Put the model's MTP depths on a pipeline rank of their own (Megatron-Core's standalone MTP
     stage): the last rank holds no decoder layer, only MTP, the LM head and the losses; the rank

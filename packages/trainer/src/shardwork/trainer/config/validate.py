@@ -182,6 +182,8 @@ def _check_model(config: TrainConfig, problems: list[str]):
             vpp=p.vpp,
             first_stage_layers=p.first_stage_layers,
             last_stage_layers=last,
+            first_virtual_stage_layers=p.first_virtual_stage_layers,
+            last_virtual_stage_layers=p.last_virtual_stage_layers,
         )
     except ValueError as exc:
         problems.append(f"parallel (pipeline split of model.num_layers={model.num_layers}): {exc}")
@@ -255,6 +257,14 @@ def _check_schedule(config: TrainConfig, dp: int, problems: list[str]) -> None:
         problems.append(
             f"schedule.global_batch_size={s.global_batch_size}: must be a multiple of "
             f"micro_batch_size × dp = {s.micro_batch_size} × {dp} = {per_step}"
+        )
+    elif (config.parallel.vpp or 1) > 1 and (s.global_batch_size // per_step) % config.parallel.pp:
+        # the interleaved schedule runs micro-batches in groups of pp (pipeline.plan)
+        problems.append(
+            f"schedule.global_batch_size={s.global_batch_size}: with parallel.vpp="
+            f"{config.parallel.vpp} the {s.global_batch_size // per_step} micro-batches per step "
+            f"must be a multiple of parallel.pp={config.parallel.pp} (the interleaved schedule "
+            f"runs them in groups of pp): use a multiple of {per_step * config.parallel.pp}"
         )
     previous = -1
     for i, entry in enumerate(s.batch_size_ramp):

@@ -1,9 +1,14 @@
 """Published training recipes: predict them, fit the efficiency constants, leave one out.
 
 A :class:`Recipe` is a published run (model shape, cluster, batch, sequence, the layout it
-used, the MFU it reported and on which basis). :func:`predict` plans the recipe's problem
-and returns the published layout's rank among the planner's parallel layouts and its
-predicted MFU on the paper's basis:
+used, the knobs it published, the MFU it reported and on which basis). :func:`predict` plans
+the recipe's problem and returns the published layout's rank among the planner's parallel
+layouts and its predicted MFU on the paper's basis. The MFU prices the published layout with
+its published knobs (recompute, micro-batch, vpp, virtual-stage split); a knob the paper does
+not publish is the planner's fastest choice that fits shardwork's memory. When the published
+knobs themselves do not fit shardwork's memory (Llama 3 trained 8K sequences without
+recompute, which shardwork's saves do not allow at its layout), the step time is still priced
+from them — the run happened — and :attr:`Prediction.fits` says so.
 
 - ``model``: training FLOPs without recompute (the calculator's ``flops_per_token``, causal
   attention): the Llama 3 paper's "BF16 MFU".
@@ -25,13 +30,20 @@ from pathlib import Path
 from shardwork.models import GPTConfig, preset
 from shardwork.models.calculator import flops_per_token
 from shardwork.trainer.plan.cluster import CLUSTERS, Cluster
+from shardwork.trainer.plan.layouts import Layout, parallel_layouts, variants
 from shardwork.trainer.plan.planner import Plan, plan, planning_model
 from shardwork.trainer.plan.step_time import step_time
 
 __all__ = ["Prediction", "Recipe", "fit_efficiency", "leave_one_out", "load_recipes", "predict"]
 
 LAYOUT_KEYS = ("tp", "cp", "pp", "dp", "ep")
-FIXED_KEYS = ("recompute", "micro_batch", "vpp")
+FIXED_KEYS = (
+    "recompute",
+    "micro_batch",
+    "vpp",
+    "first_virtual_stage_layers",
+    "last_virtual_stage_layers",
+)
 
 
 @dataclass(frozen=True)
@@ -47,7 +59,8 @@ class Recipe:
     layout: dict
     """The published parallel sizes (tp, cp, pp, dp, ep)."""
     fixed: dict = field(default_factory=dict)
-    """Published knobs the prediction must use (recompute, micro_batch, vpp)."""
+    """Published knobs the prediction must use (recompute, micro_batch, vpp, virtual-stage
+    split)."""
     mfu: float | None = None
     mfu_basis: str = "model"
     notes: str = ""
@@ -62,6 +75,8 @@ class Prediction:
     """Predicted MFU of the published layout on the paper's basis."""
     top: list
     """The planner's three best parallel layouts (descriptions)."""
+    fits: bool = True
+    """Whether the published layout with its published knobs fits shardwork's memory."""
 
 
 def _model(spec: dict) -> GPTConfig:
@@ -102,17 +117,34 @@ def _basis_flops(recipe: Recipe) -> float:
     return per_token * recipe.global_batch * s
 
 
-def _matching(recipe: Recipe, result: Plan) -> list:
+def _published(recipe: Recipe, result: Plan) -> tuple[list[Layout], bool]:
+    """The published layout's variants with the published knobs: those that fit shardwork's
+    memory (True), else all of them, priced for time only (False)."""
     want = recipe.layout | recipe.fixed
-    return [r for r in result.rows if all(getattr(r.layout, k) == v for k, v in want.items())]
+
+    def matches(lay: Layout) -> bool:
+        return all(getattr(lay, k) == v for k, v in want.items())
+
+    fitting = [r.layout for r in result.rows if matches(r.layout)]
+    if fitting:
+        return fitting, True
+    c = recipe.cluster
+    bases = parallel_layouts(
+        result.model, num_gpus=c.num_gpus, gpus_per_node=c.gpus_per_node,
+        global_batch=recipe.global_batch, seq_length=recipe.seq_length,
+    )  # fmt: skip
+    every = (
+        lay for base in bases for sizes in variants(base, recipe.global_batch) for lay in sizes
+    )
+    return [lay for lay in every if matches(lay)], False
 
 
-def _mfu_at(recipe: Recipe, rows: list, eff: float) -> float | None:
-    if not rows:
+def _mfu_at(recipe: Recipe, layouts: list[Layout], eff: float) -> float | None:
+    if not layouts:
         return None
     kw = dict(global_batch=recipe.global_batch, seq_length=recipe.seq_length, efficiency=eff)
     model = planning_model(recipe.model)
-    best = min(step_time(model, r.layout, recipe.cluster, **kw).total for r in rows)
+    best = min(step_time(model, lay, recipe.cluster, **kw).total for lay in layouts)
     c = recipe.cluster
     return _basis_flops(recipe) / (best * c.num_gpus * c.gpu.peak_bf16)
 
@@ -132,7 +164,8 @@ def predict(recipe: Recipe, eff: float) -> Prediction:
     result = _plan(recipe, eff)
     rank = result.rank_of(**recipe.layout)
     top = [r.layout.describe() for r in result.ranked()[:3]]
-    return Prediction(recipe, rank, _mfu_at(recipe, _matching(recipe, result), eff), top)
+    layouts, fits = _published(recipe, result)
+    return Prediction(recipe, rank, _mfu_at(recipe, layouts, eff), top, fits)
 
 
 def fit_efficiency(recipes: list[Recipe]) -> float:
@@ -141,10 +174,10 @@ def fit_efficiency(recipes: list[Recipe]) -> float:
     if not measured:
         raise ValueError("no recipe with a published MFU to fit the efficiency to")
     # which layouts fit does not depend on the efficiency: plan once, re-time on the grid
-    pairs = [(r, _matching(r, _plan(r, 0.5))) for r in measured]
-    pairs = [(r, rs) for r, rs in pairs if rs]  # a refused published layout has no time
+    pairs = [(r, _published(r, _plan(r, 0.5))[0]) for r in measured]
+    pairs = [(r, rs) for r, rs in pairs if rs]  # a layout the trainer refuses has no time
     if not pairs:
-        raise ValueError("every published layout was refused: nothing to fit the efficiency to")
+        raise ValueError("no published layout can be priced: nothing to fit the efficiency to")
     best = None
     for step in range(200, 1001):
         eff = step / 1000
@@ -169,5 +202,5 @@ def leave_one_out(recipes: list[Recipe]) -> dict[str, tuple[float, float | None]
             out[r.name] = (float("nan"), None)
             continue
         eff = fit_efficiency(others)
-        out[r.name] = (eff, _mfu_at(r, _matching(r, _plan(r, eff)), eff))
+        out[r.name] = (eff, _mfu_at(r, _published(r, _plan(r, eff))[0], eff))
     return out

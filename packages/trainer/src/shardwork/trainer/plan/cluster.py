@@ -116,19 +116,17 @@ CLUSTERS: dict[str, dict] = {
     ),
 }
 
-#: Achievable fraction of ``peak_bf16`` for the layers' matmuls, one per (GPU, precision).
-#: A100: fitted by ``calibrate.fit_efficiency`` to both published A100 MFUs at once
-#: (Narayanan et al. 2021, GPT-1T and GPT-530B; leave-one-out in docs/planner.md).
-#: H100/H800: *not fitted*. The only H100 recipes (Llama 3 405B) cannot be reproduced by the
-#: layouts the trainer can run (126 layers: no interleaving at any power-of-two pp; full
-#: recompute forced by the reference kernels' activations), so their fit runs to the grid's
-#: bound (1.0, physically meaningless). The A100 value is carried over instead (assumption:
-#: the same fraction of the data-sheet peak), which makes the Llama rows out-of-sample
-#: predictions; H800 is H100 silicon. docs/planner.md, "Misses", gives the numbers.
+#: Achievable fraction of ``peak_bf16`` for the layers' matmuls, one per (GPU, precision),
+#: each fitted by ``calibrate.fit_efficiency`` to every published MFU of that GPU at once
+#: (docs/planner.md, "Efficiency constants", with the leave-one-out table).
+#: A100: Narayanan et al. 2021, GPT-1T and GPT-530B. H100: the three Llama 3 405B rows (Dubey
+#: et al. 2024, Table 4), priced with their published pipeline (interleaved, 8 chunks, first
+#: and last virtual stage empty) and, at 8K, without recompute. H800: no published MFU; it is
+#: H100 silicon with less NVLink, so the H100 value is carried over (an assumption).
 EFFICIENCY: dict[tuple[str, str], float] = {
     ("a100-80gb", "bf16"): 0.608,
-    ("h100-sxm", "bf16"): 0.608,
-    ("h800-sxm", "bf16"): 0.608,
+    ("h100-sxm", "bf16"): 0.564,
+    ("h800-sxm", "bf16"): 0.564,
 }
 
 

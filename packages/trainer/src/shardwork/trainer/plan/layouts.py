@@ -9,7 +9,7 @@ rather than restating them:
 - ``ParallelConfig(...).resolve(num_gpus)`` (sizes, vpp needs pp > 1),
 - ``GPTConfig.check_layout(parallel, seq_length=...)`` (heads, kv heads, ffn and vocabulary
   rows divisible by tp; experts by ep; ep·etp tiling tp·cp·dp; sequence vs 2·cp and tp),
-- ``shardwork.models.pipeline.layers_per_rank`` (the pp/vpp split, uneven ends included),
+- ``shardwork.models.pipeline.chunk_layer_counts`` (the pp/vpp split, uneven ends included),
 - the schedule rule: ``global_batch`` a multiple of ``micro_batch × dp``.
 
 Search space (what the planner chooses among; docs/planner.md says why):
@@ -21,10 +21,16 @@ Search space (what the planner chooses among; docs/planner.md says why):
   slowest link: Narayanan et al. 2021, takeaway 1); sequence parallelism on whenever tp > 1.
 - pp: an even split, or, when ``num_layers`` does not divide, the first and last ranks each
   giving up layers (``q = ceil(L/pp)`` on every other rank; the last rank, which also holds
-  the head, gives up the larger half of the deficit) — Llama 3's and BLOOM's pipeline rule.
-- vpp: 1 or any chunk count the split allows (``layers_per_rank`` with it), up to 8.
+  the head, gives up the larger half of the deficit) — BLOOM's pipeline rule.
+- vpp: 1 or any chunk count up to 8 that a split allows: the per-rank split above (each rank's
+  layers a multiple of vpp), or the same rule one level down, over the ``pp·vpp`` virtual
+  stages (the first and last *virtual* stage give up the deficit of ``ceil(L/(pp·vpp))``) —
+  Llama 3's interleaved split (126 layers, pp 16, vpp 8: 0 + 126 × 1 + 0). When both exist
+  and differ, both are enumerated.
 - etp: 1 or tp (MoE only); ep: the divisors of the expert count that the dense ranks tile.
-- micro-batch: 1, 2, 4, 8 (those dividing ``global_batch / dp``); recompute none/selective/full.
+- micro-batch: 1, 2, 4, 8 (those dividing ``global_batch / dp``, and with vpp > 1 leaving a
+  multiple of pp micro-batches: the interleaved schedule runs them in groups of pp);
+  recompute none/selective/full.
 """
 
 from __future__ import annotations
@@ -33,10 +39,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from shardwork.models import GPTConfig
-from shardwork.models.pipeline import layers_per_rank
+from shardwork.models.pipeline import chunk_layer_counts
 from shardwork.parallel_state import ParallelConfig
 
-__all__ = ["Layout", "parallel_layouts", "pipeline_split", "variants"]
+__all__ = ["Layout", "parallel_layouts", "pipeline_split", "variants", "virtual_split"]
 
 RECOMPUTE = ("none", "selective", "full")
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -59,6 +65,18 @@ class Layout:
     recompute: str = "none"
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
+    first_virtual_stage_layers: int | None = None
+    last_virtual_stage_layers: int | None = None
+
+    @property
+    def split(self) -> dict:
+        """The uneven ends as keywords of ``layers_per_rank`` and the calculator."""
+        return dict(
+            first_stage_layers=self.first_stage_layers,
+            last_stage_layers=self.last_stage_layers,
+            first_virtual_stage_layers=self.first_virtual_stage_layers,
+            last_virtual_stage_layers=self.last_virtual_stage_layers,
+        )
 
     @property
     def num_gpus(self) -> int:
@@ -77,8 +95,11 @@ class Layout:
         return "interleaved" if self.vpp > 1 else "1f1b"
 
     def describe(self) -> str:
-        """Short text, e.g. ``TP8 CP1 PP16(1f1b) DP64 mb1 full``."""
+        """Short text, e.g. ``TP8 CP1 PP16x8 DP64 mb1 full``; a virtual-stage split shows its
+        ends, e.g. ``PP16x8(0+..+0)``."""
         pp = f"PP{self.pp}" + (f"x{self.vpp}" if self.vpp > 1 else "")
+        if self.first_virtual_stage_layers is not None:
+            pp += f"({self.first_virtual_stage_layers}+..+{self.last_virtual_stage_layers})"
         ep = f" EP{self.ep} ETP{self.etp}" if self.ep > 1 or self.etp > 1 else ""
         return f"TP{self.tp} CP{self.cp} {pp} DP{self.dp}{ep} mb{self.micro_batch} {self.recompute}"
 
@@ -96,6 +117,20 @@ def pipeline_split(num_layers: int, pp: int) -> tuple[int | None, int | None]:
     return q - deficit // 2, q - (deficit - deficit // 2)
 
 
+def virtual_split(num_layers: int, pp: int, vpp: int) -> tuple[int | None, int | None]:
+    """(first, last) virtual-stage layers of Llama 3's rule over ``pp·vpp`` virtual stages:
+    ``q = ceil(L/(pp·vpp))`` on the others, the last (with the head) giving up the larger half
+    of the deficit; (None, None) when the layers divide evenly or a deficit end would be
+    negative."""
+    stages = pp * vpp
+    if num_layers % stages == 0:
+        return None, None
+    q = -(-num_layers // stages)
+    deficit = q * stages - num_layers
+    first, last = q - deficit // 2, q - (deficit - deficit // 2)
+    return (first, last) if min(first, last) >= 0 else (None, None)
+
+
 def _model_accepts(model: GPTConfig, parallel: ParallelConfig, seq_length: int) -> bool:
     try:
         model.replace(sequence_parallel=parallel.tp > 1).check_layout(
@@ -106,18 +141,28 @@ def _model_accepts(model: GPTConfig, parallel: ParallelConfig, seq_length: int) 
     return True
 
 
-def _vpps(model: GPTConfig, pp: int, first, last) -> list[int]:
+def _splits(model: GPTConfig, pp: int) -> list[tuple[int, dict]]:
+    """(vpp, uneven-ends keywords) of every pipeline split the search space holds for pp."""
     if pp == 1:
-        return [1]
+        return [(1, {})]
+    first, last = pipeline_split(model.num_layers, pp)
     out = []
     for v in range(1, MAX_VPP + 1):
-        try:
-            layers_per_rank(
-                model.num_layers, pp, vpp=v, first_stage_layers=first, last_stage_layers=last
+        candidates = [dict(first_stage_layers=first, last_stage_layers=last)]
+        vfirst, vlast = virtual_split(model.num_layers, pp, v)
+        if v > 1 and vfirst is not None:
+            candidates.append(
+                dict(first_virtual_stage_layers=vfirst, last_virtual_stage_layers=vlast)
             )
-        except ValueError:
-            continue
-        out.append(v)
+        seen = []
+        for ends in candidates:
+            try:
+                counts = chunk_layer_counts(model.num_layers, pp, vpp=v, **ends)
+            except ValueError:
+                continue
+            if counts not in seen:  # a virtual split equal to the per-rank one adds nothing
+                seen.append(counts)
+                out.append((v, ends))
     return out
 
 
@@ -134,22 +179,18 @@ def parallel_layouts(
                 dp = num_gpus // (tp * cp * pp)
                 if global_batch % dp != 0 or pp > model.num_layers:
                     continue
-                first, last = pipeline_split(model.num_layers, pp)
                 for ep in (e for e in _divisors(experts) if (tp * cp * dp) % e == 0):
                     for etp in sorted({1, tp}) if experts > 1 else [tp]:
                         if (tp * cp * dp) % (ep * etp) != 0:
                             continue
-                        for vpp in _vpps(model, pp, first, last):
+                        for vpp, ends in _splits(model, pp):
                             parallel = ParallelConfig(
                                 tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, cp=cp, ep=ep, etp=etp
                             )
                             parallel.resolve(num_gpus)
                             if not _model_accepts(model, parallel, seq_length):
                                 continue
-                            yield Layout(
-                                tp, cp, pp, dp, ep, etp if experts > 1 else 1, vpp,
-                                first_stage_layers=first, last_stage_layers=last,
-                            )  # fmt: skip
+                            yield Layout(tp, cp, pp, dp, ep, etp if experts > 1 else 1, vpp, **ends)
 
 
 def variants(base: Layout, global_batch: int) -> Iterator[list[Layout]]:
@@ -158,5 +199,7 @@ def variants(base: Layout, global_batch: int) -> Iterator[list[Layout]]:
     that does not fit)."""
     per_replica = global_batch // base.dp
     sizes = [b for b in MICRO_BATCHES if per_replica % b == 0]
+    if base.vpp > 1:  # the interleaved schedule runs micro-batches in groups of pp
+        sizes = [b for b in sizes if (per_replica // b) % base.pp == 0]
     for recompute in RECOMPUTE:
         yield [Layout(**{**base.__dict__, "micro_batch": b, "recompute": recompute}) for b in sizes]

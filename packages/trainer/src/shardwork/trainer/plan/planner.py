@@ -6,10 +6,11 @@ others and ranks them. Rankings are by *parallel layout* (tp, cp, pp, dp, ep, et
 represented by its fastest fitting variant (vpp, micro-batch, recompute): those knobs are
 tuned per layout in practice, and the published recipes name the parallel sizes.
 
-Memory is ``shardwork.models.calculator.memory_estimate`` of the model in bf16 (weights bf16,
-fp32 gradients, ZeRO-1 fp32 master + Adam moments, activations of the reference kernels),
-with sequence parallelism on when tp > 1. Interleaving keeps more micro-batches in flight:
-activations scale by ``1 + (pp−1)/(pp·vpp)`` (Narayanan et al. 2021, §2.2.2).
+Memory is ``shardwork.models.calculator.memory_estimate`` of the model as a GPU run trains
+it (:func:`planning_model`: bf16, the fused Triton kernels that ``kernel_backend="auto"``
+picks on CUDA; weights bf16, fp32 gradients, ZeRO-1 fp32 master + Adam moments), with
+sequence parallelism on when tp > 1 and the activations the trainer's schedule holds at its
+peak (interleaving included, chunk by chunk).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class PlanRow:
 
     layout: Layout
     memory: float
-    """Bytes on the most loaded rank (interleaving factor included)."""
+    """Bytes on the most loaded rank."""
     estimate: MemoryEstimate
     time: StepTime | None = None
     mfu: float | None = None
@@ -77,8 +78,12 @@ class Plan:
 
 
 def planning_model(model: GPTConfig) -> GPTConfig:
-    """The model as a bf16 run trains it (parameters and activations in bf16)."""
-    return model.replace(params_dtype=torch.bfloat16, compute_dtype=torch.bfloat16)
+    """The model as a bf16 GPU run trains it: parameters and activations in bf16, and the
+    fused Triton kernels (norms, SwiGLU, rotary) that ``kernel_backend="auto"`` runs on CUDA,
+    whose saved activations the calculator counts (``calculator_memory.fused_kernels``)."""
+    return model.replace(
+        params_dtype=torch.bfloat16, compute_dtype=torch.bfloat16, kernel_backend="triton"
+    )
 
 
 def _memory(model: GPTConfig, lay: Layout, global_batch: int, seq_length: int):
@@ -88,10 +93,9 @@ def _memory(model: GPTConfig, lay: Layout, global_batch: int, seq_length: int):
         seq_length=seq_length, micro_batch_size=lay.micro_batch, tp=lay.tp, pp=lay.pp,
         dp=lay.dp, cp=lay.cp, ep=lay.ep, etp=lay.etp if model.moe is not None else None,
         vpp=lay.vpp if lay.vpp > 1 else None, num_microbatches=m, recompute=lay.recompute,
-        first_stage_layers=lay.first_stage_layers, last_stage_layers=lay.last_stage_layers,
+        **lay.split,
     )  # fmt: skip
-    interleave = 1 + (lay.pp - 1) / (lay.pp * lay.vpp) if lay.vpp > 1 else 1.0
-    return est.total - est.activations + est.activations * interleave, est
+    return est.total, est
 
 
 def price(
@@ -111,7 +115,7 @@ def price(
             f"needs {need / 2**30:.1f} GiB > {budget / 2**30:.1f} GiB usable "
             f"(weights {est.weights / 2**30:.1f}, grads {est.gradients / 2**30:.1f}, "
             f"optimizer {est.optimizer / 2**30:.1f}, activations "
-            f"{(need - est.total + est.activations) / 2**30:.1f} on pp rank {est.pp_rank})"
+            f"{est.activations / 2**30:.1f} on pp rank {est.pp_rank})"
         )
         return PlanRow(layout, need, est, refused=why)
     t = step_time(
@@ -148,11 +152,14 @@ def plan(
         global_batch=global_batch,
         seq_length=seq_length,
     ):
-        leanest = price(model, Layout(**{**base.__dict__, "recompute": "full"}), cluster, **kw)
+        modes = [sizes for sizes in variants(base, global_batch) if sizes]
+        if not modes:  # no micro-batch size the schedule can run
+            continue
+        leanest = price(model, modes[-1][0], cluster, **kw)  # full recompute, smallest batch
         if leanest.refused is not None:  # no micro-batch or recompute choice can fit
             result.refused.append(leanest)
             continue
-        for sizes in variants(base, global_batch):
+        for sizes in modes:
             for lay in sizes:
                 row = price(model, lay, cluster, **kw)
                 if row.refused is not None:

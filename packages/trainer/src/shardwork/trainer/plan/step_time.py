@@ -126,13 +126,7 @@ def _moe_fraction(model: GPTConfig) -> float:
 
 def _stage_flops(model: GPTConfig, flops: ModelFlops, layout: Layout) -> float:
     """Hardware FLOPs per token of the most loaded pipeline stage."""
-    counts = layers_per_rank(
-        model.num_layers,
-        layout.pp,
-        vpp=layout.vpp,
-        first_stage_layers=layout.first_stage_layers,
-        last_stage_layers=layout.last_stage_layers,
-    )
+    counts = layers_per_rank(model.num_layers, layout.pp, vpp=layout.vpp, **layout.split)
     per_layer = hardware_flops(flops, layout.recompute) - flops.rest
     per_layer /= model.num_layers
     loads = [n * per_layer for n in counts]
@@ -147,9 +141,8 @@ def _dp_seconds(model: GPTConfig, layout: Layout, cluster: Cluster) -> tuple[flo
     worst = (0.0, 0.0)
     for r in {0, min(1, lay.pp - 1), lay.pp - 1}:  # the ends and a middle rank (all alike)
         local = local_parameters(
-            model, tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=etp, pp_rank=r, vpp=lay.vpp,
-            first_stage_layers=lay.first_stage_layers, last_stage_layers=lay.last_stage_layers,
-        )  # fmt: skip
+            model, tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=etp, pp_rank=r, vpp=lay.vpp, **lay.split
+        )
         n = lay.dp * lay.cp
         edp = lay.tp * lay.cp * lay.dp // (lay.ep * (lay.etp if model.moe else lay.tp))
         bw = _link(cluster, lay.tp * lay.cp * lay.dp)  # edp spans the same ranks at most
@@ -176,12 +169,7 @@ def step_time(
     tokens = lay.micro_batch * seq_length / lay.cp
     rate = cluster.gpu.peak_bf16 * efficiency
     t_mb = tokens * _stage_flops(model, flops, lay) / lay.tp / rate
-    layers = max(
-        layers_per_rank(
-            model.num_layers, lay.pp, vpp=lay.vpp,
-            first_stage_layers=lay.first_stage_layers, last_stage_layers=lay.last_stage_layers,
-        )
-    )  # fmt: skip
+    layers = max(layers_per_rank(model.num_layers, lay.pp, vpp=lay.vpp, **lay.split))
     passes = 3 if lay.recompute == "full" else 2
     moe = _moe_fraction(model)
     tp_colls = 4 - (2 * moe if lay.etp == 1 else 0) if lay.tp > 1 else 0

@@ -127,6 +127,8 @@ def build_assembly(
         device=runtime.device,
         first_stage_layers=config.parallel.first_stage_layers,
         last_stage_layers=config.parallel.last_stage_layers,
+        first_virtual_stage_layers=config.parallel.first_virtual_stage_layers,
+        last_virtual_stage_layers=config.parallel.last_virtual_stage_layers,
         mtp_standalone=config.parallel.mtp_standalone,
     )
     if hf_init is not None:
