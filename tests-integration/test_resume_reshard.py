@@ -153,7 +153,9 @@ def _committed_steps(ckpt_dir: Path) -> list[int]:
 
 
 def _launch(config_path: Path, cache: str, *, fault: str | None = None) -> list[subprocess.Popen]:
-    """Two rank processes of ``python -m shardwork.trainer --config config_path``."""
+    """Two rank processes of ``python -m shardwork.trainer --config config_path``, each writing
+    its stderr to ``<config stem>.rank<r>.err`` beside the config (a file, not a pipe: nothing
+    reads a pipe while the test waits, and a rank that filled one would block forever)."""
     port = _free_port()
     procs = []
     for rank in range(2):
@@ -176,10 +178,25 @@ def _launch(config_path: Path, cache: str, *, fault: str | None = None) -> list[
                 [sys.executable, "-m", "shardwork.trainer", "--config", str(config_path)],
                 env=env,
                 stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
+                stderr=_stderr_path(config_path, rank).open("w"),
             )
         )
     return procs
+
+
+def _stderr_path(config_path: Path, rank: int) -> Path:
+    return config_path.with_name(f"{config_path.stem}.rank{rank}.err")
+
+
+def _wait_for_kill(proc: subprocess.Popen, config_path: Path, rank: int) -> None:
+    """Until ``proc`` is killed by SIGKILL; a hang guard that shows both ranks' stderr."""
+    try:
+        code = proc.wait(timeout=240)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = "still running after 240 s"
+    tails = {r: _stderr_path(config_path, r).read_text()[-3000:] for r in (0, 1)}
+    assert code == -signal.SIGKILL, f"rank {rank}: {code}; stderr of each rank: {tails}"
 
 
 def _kill_all(procs: list[subprocess.Popen]) -> None:
@@ -213,7 +230,7 @@ def test_sigkill_during_training_and_async_write(tmp_path, corpus_cache):
     deadline = time.monotonic() + 240
     while not _committed_steps(ckpt_dir):
         assert time.monotonic() < deadline, "no checkpoint committed in time"
-        assert procs[1].poll() is None, procs[1].stderr.read().decode()
+        assert procs[1].poll() is None, _stderr_path(config, 1).read_text()
         time.sleep(0.05)
     procs[1].send_signal(signal.SIGKILL)
     assert procs[1].wait(timeout=60) == -signal.SIGKILL
@@ -230,7 +247,7 @@ def test_sigkill_during_training_and_async_write(tmp_path, corpus_cache):
         checkpoint={**ckpt, "async_save": True},
     )
     procs = _launch(config, corpus_cache, fault="mid_file@1")
-    assert procs[1].wait(timeout=240) == -signal.SIGKILL
+    _wait_for_kill(procs[1], config, 1)
     _kill_all(procs)
     complete = _committed_steps(ckpt_dir)
     assert complete == after_kill, "the checkpoint torn by the kill must not count as complete"
