@@ -7,6 +7,7 @@ save writes, the training thread keeps issuing its own collectives on the traini
 a training loop would.
 """
 
+import datetime
 import inspect
 import os
 import threading
@@ -171,3 +172,55 @@ def test_background_collectives_use_only_the_dedicated_gloo_group(tmp_path):
             assert summary["background_ranks"] == [(0, 1)]
             assert summary["main_calls_on_training_group"] >= 5
         assert "gather_object" in plain["off_main_names"]
+
+
+def _wait_alone_on_the_background_group(root):
+    """Rank 0 waits alone at a barrier of the manager's background group (rank 1 never
+    comes): with ``async_timeout`` it must fail after that long, not torch's 30 minutes."""
+    import torch.distributed as dist
+
+    created = []
+    new_group = dist.new_group
+
+    def capture(*args, **kwargs):
+        created.append(new_group(*args, **kwargs))
+        return created[-1]
+
+    dist.new_group = capture
+    try:
+        manager = CheckpointManager(
+            root, async_save=True, async_timeout=datetime.timedelta(seconds=2)
+        )
+        manager.save(1, example_state(dist.get_rank(), 2, seed=1))
+        manager.finalize()
+    finally:
+        dist.new_group = new_group
+    outcome = None
+    if dist.get_rank() == 0:
+        try:
+            dist.barrier(group=created[0])
+            outcome = "returned"
+        except RuntimeError as err:
+            outcome = f"{type(err).__name__}: {err}"
+    dist.barrier()
+    manager.close()
+    return len(created), outcome
+
+
+@pytest.mark.multirank
+def test_async_timeout_bounds_the_background_group(tmp_path):
+    """Without the timeout reaching ``new_group`` rank 0 would wait 30 minutes, and
+    ``run_on_ranks`` fails the test after 60 s."""
+    results = run_on_ranks(
+        _wait_alone_on_the_background_group, 2, args=(str(tmp_path),), timeout=60
+    )
+    (groups, outcome), (_, nothing) = results
+    assert groups == 1
+    assert nothing is None
+    assert outcome is not None and "timed out" in outcome.lower(), outcome
+
+
+def test_async_timeout_is_validated(tmp_path):
+    for bad in (30, datetime.timedelta(0), "10m"):
+        with pytest.raises(ValueError, match=r"async_timeout=.*positive datetime\.timedelta"):
+            CheckpointManager(tmp_path, async_timeout=bad)

@@ -9,7 +9,8 @@ loads and integrity checks on top of `save` / `load`.
 - Async: `save(..., async_save=True)` returns after staging; the previous async save is always
   finalized first (a second save waits for the first); `finalize` commits it on the training
   thread and raises the background error, if any. One dedicated gloo group is created on first
-  use for all background collectives and reused.
+  use for all background collectives and reused; ``async_timeout`` bounds its collectives
+  (torch's default for a new group is 30 minutes, whatever the training group's timeout).
 - Retention after each commit, first rank only: keep the last ``keep_last`` complete
   checkpoints plus every step divisible by ``keep_every``, and never the latest complete one.
   Deletion removes the marker first, so a crash mid-deletion leaves an incomplete directory.
@@ -19,6 +20,7 @@ loads and integrity checks on top of `save` / `load`.
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import shutil
@@ -47,6 +49,15 @@ def _check_optional_positive(name: str, value: Any) -> None:
         raise ValueError(f"{name}={value!r} is not valid; valid: None or an int >= 1")
 
 
+def _check_timeout(value: Any) -> None:
+    if value is not None and (
+        not isinstance(value, datetime.timedelta) or value <= datetime.timedelta(0)
+    ):
+        raise ValueError(
+            f"async_timeout={value!r} is not valid; valid: None or a positive datetime.timedelta"
+        )
+
+
 class CheckpointManager:
     """Checkpoints of one training run under ``root`` (call collectively on every rank).
 
@@ -65,6 +76,10 @@ class CheckpointManager:
         reuse_staging_buffers: keep the async staging buffers between saves (staging is then
             a copy into memory already allocated/pinned; costs a host copy of the rank's
             write set).
+        async_timeout: how long a collective of the background writes' gloo group may wait
+            for a peer before failing (None: torch's default for new groups, 30 minutes).
+            Pass the training group's timeout, so that a stalled background write fails as
+            soon as a stalled training step would.
     """
 
     def __init__(
@@ -80,12 +95,14 @@ class CheckpointManager:
         content_version: int | str | None = None,
         sync_files: bool = True,
         reuse_staging_buffers: bool = True,
+        async_timeout: datetime.timedelta | None = None,
     ) -> None:
         if not isinstance(root, (str, os.PathLike)):
             raise ValueError(f"root={root!r} is not valid; valid: a str or os.PathLike")
         _check_optional_positive("keep_last", keep_last)
         _check_optional_positive("keep_every", keep_every)
         _check_optional_positive("thread_count", thread_count)
+        _check_timeout(async_timeout)
         self.root = Path(root)
         self.group = group
         self.keep_last = keep_last
@@ -95,6 +112,7 @@ class CheckpointManager:
         self.layout = describe_layout(layout)
         self.content_version = content_version
         self.sync_files = sync_files
+        self.async_timeout = async_timeout
         self._g = resolve_group(group)
         self._pending: AsyncSave | None = None
         self._pending_step: int | None = None
@@ -167,7 +185,7 @@ class CheckpointManager:
         if use_async and self._g.distributed and self._async_group is None:
             ranks = dist.get_process_group_ranks(self._g.pg)
             self._async_group = dist.new_group(
-                ranks, backend="gloo", use_local_synchronization=True
+                ranks, backend="gloo", timeout=self.async_timeout, use_local_synchronization=True
             )
         result = save(
             state,

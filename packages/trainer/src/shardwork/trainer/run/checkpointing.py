@@ -37,6 +37,7 @@ with `CheckpointCorruptError` naming the file and the checkpoint, and the remedy
 
 from __future__ import annotations
 
+import datetime
 import re
 from pathlib import Path
 
@@ -113,6 +114,8 @@ class Checkpointer:
             keep_every=c.keep_every,
             async_save=c.async_save,
             layout=layout_of(runtime),
+            # the background writes' collectives wait no longer than the training ones
+            async_timeout=datetime.timedelta(minutes=config.parallel.timeout_minutes),
         )
         #: what every checkpoint of the run stores beside its state (read once, not per save)
         self.metadata = {"train_config": config_to_toml(config)}
