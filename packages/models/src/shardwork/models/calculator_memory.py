@@ -572,12 +572,6 @@ def layer_activation_bytes(
     return out
 
 
-def _head_grads_in_forward(cfg: GPTConfig) -> bool:
-    """The main head's fused loss computes its gradients in the forward (float32/float64
-    models): it then keeps d hidden and d weight, not its input."""
-    return cfg.fused_linear_cross_entropy and cfg.activation_dtype in (torch.float32, torch.float64)
-
-
 def _loss_bytes(cfg: GPTConfig, t: float, vocab: int, h: int, c: int, e: int, *, main: bool):
     """What a head's loss saves for backward beyond its input (counted by ``_norm``)."""
     if not cfg.fused_linear_cross_entropy:
@@ -585,7 +579,7 @@ def _loss_bytes(cfg: GPTConfig, t: float, vocab: int, h: int, c: int, e: int, *,
         if cfg.final_logit_softcapping is not None:
             loss += t * vocab * e  # tanh's output, which its backward reads
         return loss
-    if main and _head_grads_in_forward(cfg):
+    if main and cfg.head_grads_in_forward:
         # Gradients computed in the forward: d hidden (in place of the head input) and the
         # float32/float64 d weight of this rank's vocabulary shard.
         return vocab * h * c
@@ -642,7 +636,7 @@ def stage_activation_bytes(
             # norm keeps its input, the main head's input, which that head keeps too unless
             # its gradients were computed in the forward.
             norms = 2 * _norm_saved(cfg, tn, h, c, e)
-            if fused and not _head_grads_in_forward(cfg):
+            if fused and not cfg.head_grads_in_forward:
                 norms -= tn * h * e
             depth = t * 8 + norms + t * 2 * h * e
             depth += _norm(cfg, tn, t, h, c, e) + _loss_bytes(cfg, t, vocab, h, c, e, main=False)

@@ -280,6 +280,17 @@ class GPTConfig:
     def activation_dtype(self) -> torch.dtype:
         return self.compute_dtype or self.params_dtype
 
+    @property
+    def head_grads_in_forward(self) -> bool:
+        """The main head's fused loss takes its gradients in the forward (3 GEMMs, ``dW`` held
+        until backward): only when ``dW`` accumulates in the activations' own float32/float64
+        dtype; lower precision recomputes in backward instead (no float32 copy of ``dW``). The
+        model and the memory estimate both read this, so they cannot disagree."""
+        return self.fused_linear_cross_entropy and self.activation_dtype in (
+            torch.float32,
+            torch.float64,
+        )
+
     def replace(self, **changes: Any) -> GPTConfig:
         """A copy with ``changes`` applied (validated again).
 

@@ -364,9 +364,7 @@ class GPTModel(ShardedModule):
                 labels,
                 weight=tied,
                 loss_mask=loss_mask,
-                # 3 GEMMs with dW held until backward when it accumulates in the weight's own
-                # (fp32/fp64) dtype; low precision recomputes instead (no fp32 copy of dW).
-                grad_in_forward=cfg.activation_dtype in (torch.float32, torch.float64),
+                grad_in_forward=cfg.head_grads_in_forward,
                 backend=cfg.kernel_backend,
             )
         logits = self.output_layer(hidden, tied)
