@@ -212,3 +212,34 @@ def test_param_gather_overlaps_next_forward():
             for got, want in zip(params, serial[i]):
                 assert torch.equal(got, want)  # the values of the non-overlapped run
         assert torch.equal(out, serial_out)
+
+
+def test_remove_hooks_detaches_the_wrapper_and_lets_the_model_be_freed():
+    """After ``remove_hooks`` backward leaves ``p.grad`` alone (no fold into ``main_grad``),
+    and the wrapper and its module are collected once dropped; with the hooks in place the
+    same objects survive ``gc.collect()`` (the cycle through autograd's hook table)."""
+    import gc
+    import weakref
+
+    def wrapped(detach: bool):
+        model = build_model()
+        ddp = DistributedDataParallel(model)
+        x = torch.randn(2, WIDTH)
+        ddp(x).sum().backward()
+        folded = model[0].weight.main_grad.clone()
+        assert model[0].weight.grad is None and folded.abs().sum() > 0
+        if detach:
+            ddp.zero_grad_buffer()
+            ddp.remove_hooks()
+            ddp(x).sum().backward()
+            # the plain autograd gradient stays; main_grad is not touched
+            torch.testing.assert_close(model[0].weight.grad, folded, rtol=0, atol=0)
+            assert model[0].weight.main_grad.abs().sum() == 0
+        return weakref.ref(model), weakref.ref(ddp)
+
+    refs = wrapped(detach=True)
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+    leaked = wrapped(detach=False)
+    gc.collect()
+    assert all(r() is not None for r in leaked), "the hook cycle no longer leaks: update the doc"

@@ -241,3 +241,23 @@ def test_checkpoint_reloads_the_trained_model_for_generation(tmp_path):
         generator=torch.Generator().manual_seed(0),
     )
     assert 0 < len(tokenizer.encode(text)) <= 20
+
+
+def test_a_finished_run_leaves_no_model_behind(tmp_path):
+    """train() twice in one process: the first run's model is freed when it returns (its DDP
+    hooks are removed; they held the model in a cycle the collector cannot see, and with it
+    the run's process groups and their gloo threads)."""
+    import gc
+    import io
+
+    from shardwork.models import GPTModel
+
+    def alive() -> int:
+        gc.collect()
+        return sum(isinstance(o, GPTModel) for o in gc.get_objects())
+
+    before = alive()
+    for run in range(2):
+        config = tiny_config(tmp_path / str(run), schedule={"train_steps": 1, "warmup_steps": 1})
+        train(config, stream=io.StringIO())
+        assert alive() == before, f"run {run} left its model alive"

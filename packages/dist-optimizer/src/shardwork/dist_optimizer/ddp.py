@@ -288,6 +288,18 @@ class DistributedDataParallel(nn.Module):
         """True when gradients were accumulated but :meth:`finish_grad_sync` has not run since."""
         return self._grads_dirty
 
+    def remove_hooks(self) -> None:
+        """Detach this wrapper from its module: gradients are no longer folded or reduced.
+
+        Call it when training with the wrapper is over. Each parameter's post-accumulate-grad
+        hook holds the wrapper, and through it the module and the parameter itself, in a cycle
+        that passes through autograd's C++ hook table, which Python's collector cannot see:
+        without this a finished model, its buffers and its process groups (with their gloo
+        threads) stay alive until the process ends, run after run in one process."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
     def zero_grad_buffer(self) -> None:
         """Zero every ``main_grad`` and reset bucket readiness (start of an iteration)."""
         for buffer in self.buffers.values():

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from shardwork.dist_optimizer import DistributedDataParallel
 from shardwork.models.block_compile import compile_report
 from shardwork.models.calculator import flops_per_token
 from shardwork.trainer.config.load import config_to_toml
@@ -196,6 +197,7 @@ class Trainer:
     def __init__(self, config: TrainConfig, *, stream=None) -> None:
         self.config = config
         self.stream = stream or sys.stderr
+        self.assembly: Assembly | None = None
 
     def say(self, text: str) -> None:
         """Print a message on the logging rank (through the progress bar when there is one;
@@ -220,6 +222,12 @@ class Trainer:
         try:
             return self._run(config, runtime, t_start)
         finally:
+            # The DDP hooks hold the model in a cycle Python's collector cannot see: without
+            # this, train() called again in one process keeps every earlier run's model,
+            # optimizer and process groups alive.
+            for chunk in self.assembly.chunks if self.assembly is not None else ():
+                if isinstance(chunk, DistributedDataParallel):
+                    chunk.remove_hooks()
             # Only a process group this run created itself is torn down.
             if runtime.owns_distributed and dist.is_initialized():
                 dist.destroy_process_group()
@@ -308,6 +316,7 @@ class Trainer:
             assembly = build_assembly(
                 config, runtime, hf_init=hf_init, megatron_init=megatron_init, peft_init=peft_init
             )
+        self.assembly = assembly
         if peft_init is not None:
             self.say(f"LoRA adapters start from the PEFT folder {peft_init}")
         for source, what in ((hf_init, "Hugging Face"), (megatron_init, "Megatron-Core")):
