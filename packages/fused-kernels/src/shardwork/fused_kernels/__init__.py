@@ -13,6 +13,10 @@ Ops (each differentiable, each with ``backend="auto"|"torch"|"triton"|"te"``):
 - :func:`router_topk` — MoE score function + (group-limited, biased) top-k + aux statistics.
 - :func:`permute_tokens` / :func:`unpermute_tokens` — group token rows by expert and back.
 
+- :func:`linear` — ``F.linear`` whose float32 CPU products run on oneDNN where MKL is the
+  slower library (non-Intel CPUs; ``backend="auto"`` only); :func:`onednn_linear` and
+  :func:`onednn_grouped_linear` run oneDNN explicitly, :func:`onednn_preferred` says where.
+
 Backend choice: :func:`resolve_backend`, :func:`set_default_backend`, :func:`get_default_backend`.
 """
 
@@ -24,6 +28,12 @@ from shardwork.fused_kernels.backend import (
     get_default_backend,
     resolve_backend,
     set_default_backend,
+)
+from shardwork.fused_kernels.cpu_gemm import (
+    linear,
+    onednn_grouped_linear,
+    onednn_linear,
+    onednn_preferred,
 )
 from shardwork.fused_kernels.cross_entropy_op import cross_entropy
 from shardwork.fused_kernels.linear_cross_entropy_op import linear_cross_entropy
@@ -54,7 +64,11 @@ __all__ = [
     "geglu",
     "get_default_backend",
     "layer_norm",
+    "linear",
     "linear_cross_entropy",
+    "onednn_grouped_linear",
+    "onednn_linear",
+    "onednn_preferred",
     "packed_positions",
     "permute_tokens",
     "resolve_backend",

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from shardwork.fused_kernels._checks import acc_dtype, check_float, check_same_device
 from shardwork.fused_kernels.backend import resolve_backend
+from shardwork.fused_kernels.cpu_gemm import onednn_mm_nt, onednn_preferred
 from shardwork.fused_kernels.cross_entropy_shard import combine_shard_stats, shard_grad, shard_stats
 
 __all__ = ["linear_cross_entropy"]
@@ -60,6 +61,7 @@ class _Setup:
     smoothing: float
     softcap: float | None
     impl: str
+    onednn: bool  # the logits and dh products on oneDNN (cpu_gemm.onednn_preferred)
     eager: bool  # gradients computed in the forward (grad_in_forward and a gradient is wanted)
     need_dh: bool
     need_dw: bool
@@ -118,10 +120,15 @@ def _token_pass(hidden, weight, local_labels, in_shard, valid, grad_rows, setup:
     # Rows per chunk from V_local (not num_valid, which differs on the rank holding the padding):
     # every TP rank must cut the same chunks, since each chunk runs collectives.
     step = max(1, _CHUNK_ELEMENTS // max(weight.shape[0], 1))
-    buf = torch.empty(min(step, n) * setup.num_valid, dtype=hidden.dtype, device=hidden.device)
+    buf = None if setup.onednn else hidden.new_empty(min(step, n) * setup.num_valid)
     for a in range(0, n, step):
         b = min(n, a + step)
-        z = torch.mm(hidden[a:b], w_valid.t(), out=buf[: (b - a) * setup.num_valid].view(b - a, -1))
+        if buf is None:
+            z = onednn_mm_nt(hidden[a:b], w_valid)
+        else:
+            z = torch.mm(
+                hidden[a:b], w_valid.t(), out=buf[: (b - a) * setup.num_valid].view(b - a, -1)
+            )
         lse, loss = _chunk_loss(z, local_labels[a:b], in_shard[a:b], valid[a:b], setup)
         losses[a:b], lse_all[a:b] = loss, lse
         if dh is None and dw is None:
@@ -130,7 +137,9 @@ def _token_pass(hidden, weight, local_labels, in_shard, valid, grad_rows, setup:
         dz = grad_fn(z, local_labels[a:b], in_shard[a:b], lse, grad_rows[a:b],
                      smoothing=setup.smoothing, vocab_total=setup.vocab_total,
                      softcap=setup.softcap, out=z)  # fmt: skip
-        if dh is not None:
+        if dh is not None and setup.onednn:
+            dh[a:b] = onednn_mm_nt(dz, w_valid.t())
+        elif dh is not None:
             torch.mm(dz, w_valid, out=dh[a:b])
         if dw is not None:
             _accumulate(dw[: setup.num_valid], dz.t(), hidden[a:b], first=a == 0)
@@ -149,11 +158,14 @@ def _vocab_pass(hidden, weight, local_labels, in_shard, lse, grad_rows, setup: _
             dh_acc.zero_()
     _, grad_fn = _block_fns(setup.impl)
     step = max(1, _CHUNK_ELEMENTS // max(n, 1))
-    buf = torch.empty(n * min(step, setup.num_valid), dtype=hidden.dtype, device=hidden.device)
+    buf = None if setup.onednn else hidden.new_empty(n * min(step, setup.num_valid))
     for c0 in range(0, setup.num_valid, step):
         c1 = min(setup.num_valid, c0 + step)
         w_c = w_valid[c0:c1]
-        z = torch.mm(hidden, w_c.t(), out=buf[: n * (c1 - c0)].view(n, -1))
+        if buf is None:
+            z = onednn_mm_nt(hidden, w_c)
+        else:
+            z = torch.mm(hidden, w_c.t(), out=buf[: n * (c1 - c0)].view(n, -1))
         labels_c = local_labels - c0
         in_chunk = in_shard & (labels_c >= 0) & (labels_c < c1 - c0)
         dz = grad_fn(z, labels_c, in_chunk, lse, grad_rows, smoothing=setup.smoothing,
@@ -304,6 +316,7 @@ def linear_cross_entropy(
         smoothing=float(label_smoothing),
         softcap=None if softcap is None else float(softcap),
         impl=impl,
+        onednn=impl == "torch" and onednn_preferred(backend, hidden, weight),
         eager=bool(grad_in_forward) and (need_dh or need_dw),
         need_dh=need_dh,
         need_dw=need_dw,

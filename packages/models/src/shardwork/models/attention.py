@@ -122,6 +122,7 @@ class Attention(ShardedModule):
             block_names=names,
             params_dtype=config.params_dtype,
             device=device,
+            kernel_backend=config.kernel_backend,
         )
         if config.qk_layernorm:
             kw = dict(
@@ -147,6 +148,7 @@ class Attention(ShardedModule):
             sequence_parallel=config.sequence_parallel,
             params_dtype=config.params_dtype,
             device=device,
+            kernel_backend=config.kernel_backend,
         )
 
     def _core(self, q, k, v, mask):

@@ -97,6 +97,7 @@ class GatedDeltaNetMixer(ShardedModule):
             block_names=("q", "k", "v", "z", "b", "a"),
             params_dtype=dtype,
             device=device,
+            kernel_backend=config.kernel_backend,
         )
         conv_channels = (2 * kd + vd) // tp
         bound = 1.0 / math.sqrt(self.kernel)  # torch's Conv1d default: U(±1/sqrt(fan_in))
@@ -133,6 +134,7 @@ class GatedDeltaNetMixer(ShardedModule):
             sequence_parallel=config.sequence_parallel,
             params_dtype=dtype,
             device=device,
+            kernel_backend=config.kernel_backend,
         )
 
     # ---- pieces shared by forward and step ------------------------------------------------

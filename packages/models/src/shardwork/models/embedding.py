@@ -132,6 +132,7 @@ class LMHead(ShardedModule):
             sequence_parallel=config.sequence_parallel,
             params_dtype=config.params_dtype,
             device=device,
+            kernel_backend=config.kernel_backend,
         )
         if own_weight:
             describe_param(

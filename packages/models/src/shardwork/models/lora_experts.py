@@ -57,8 +57,10 @@ class LoRAExpertShards(ExpertShards):
 class LoRAExpertLinear(LoRALinearMixin, ExpertLinear):
     """Stacked expert weight plus per-expert adapters."""
 
-    def forward(self, x_NI: torch.Tensor, counts_L: torch.Tensor, mode: str) -> torch.Tensor:
-        y = super().forward(x_NI, counts_L, mode)
+    def forward(
+        self, x_NI: torch.Tensor, counts_L: torch.Tensor, mode: str, backend: str | None = None
+    ) -> torch.Tensor:
+        y = super().forward(x_NI, counts_L, mode, backend)
         if self.lora_merged:
             return y
         # Token rows differ per EP rank (and per expert), so dropout draws per-rank masks.

@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from shardwork.fused_kernels import linear
 from shardwork.models.lora_config import LoRAConfig
 from shardwork.models.mla import ReplicatedLinear
 from shardwork.models.module import ShardedModule
@@ -150,7 +151,7 @@ class LoRAColumnParallelLinear(LoRALinearMixin, ColumnParallelLinear):
         h = self.enter_tp_region(h)
         x = self.enter_tp_region(x)
         b = None if self.bias is None else self.bias.to(x.dtype)
-        y = F.linear(x, self.weight.to(x.dtype), b)
+        y = linear(x, self.weight.to(x.dtype), b, backend=self.kernel_backend)
         y = y + self.lora_scaling * self.lora_B(h)
         return self._leave_tp_region(y)
 
@@ -161,7 +162,7 @@ class LoRARowParallelLinear(LoRALinearMixin, RowParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora_merged:
             return super().forward(x)
-        y = self._reduce_partial(F.linear(x, self.weight.to(x.dtype)))
+        y = self._reduce_partial(linear(x, self.weight.to(x.dtype), backend=self.kernel_backend))
         # A's product is a partial sum over this rank's input slice, reduced like the base's.
         h = self.lora_A(self.lora_input(x, TENSOR_PARALLEL))
         h = self._reduce_partial(h)

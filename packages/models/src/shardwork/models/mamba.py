@@ -116,6 +116,7 @@ class Mamba2Mixer(ShardedModule):
             block_names=("z", "x", "B", "C", "dt"),
             params_dtype=dtype,
             device=device,
+            kernel_backend=config.kernel_backend,
         )
         self.conv1d = _Conv(m, tp, groups, dtype=dtype, device=device)
         heads = ParamMeta(tp_axis=0)
@@ -137,6 +138,7 @@ class Mamba2Mixer(ShardedModule):
             sequence_parallel=sp,
             params_dtype=dtype,
             device=device,
+            kernel_backend=config.kernel_backend,
         )
 
     # ---- pieces shared by forward and step ---------------------------------------------

@@ -32,7 +32,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from shardwork.fused_kernels import YarnRopeScaling, apply_rotary
+from shardwork.fused_kernels import YarnRopeScaling, apply_rotary, linear
 from shardwork.models.attention import AttentionInputs
 from shardwork.models.context_parallel import gather_in_position_order
 from shardwork.models.masked_attention import block_attention
@@ -56,8 +56,11 @@ __all__ = ["MLAConfig", "MLAttention", "ReplicatedLinear"]
 class ReplicatedLinear(ShardedModule):
     """``y = x Wᵀ`` with ``W [out, in]`` replicated over TP, fed the full (gathered) sequence."""
 
-    def __init__(self, in_features, out_features, *, groups, params_dtype, device) -> None:
+    def __init__(
+        self, in_features, out_features, *, groups, params_dtype, device, kernel_backend=None
+    ) -> None:
         super().__init__(groups)
+        self.kernel_backend = kernel_backend
         self.weight = describe_param(
             torch.nn.Parameter(
                 torch.empty((out_features, in_features), dtype=params_dtype, device=device)
@@ -69,7 +72,7 @@ class ReplicatedLinear(ShardedModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Same weight and full input on every TP rank: no collective. The layers after it
         # all-reduce their input gradient over TP, so this weight's gradient is identical on all.
-        return F.linear(x, self.weight.to(x.dtype))
+        return linear(x, self.weight.to(x.dtype), backend=self.kernel_backend)
 
 
 class MLAttention(ShardedModule):
@@ -101,7 +104,12 @@ class MLAttention(ShardedModule):
             # mscale_all_dim)² under YaRN; softmax_scale_factor returns that square.
             scale *= config.rope_scaling.softmax_scale_factor()
         self.softmax_scale = scale
-        common = dict(groups=groups, params_dtype=config.params_dtype, device=device)
+        common = dict(
+            groups=groups,
+            params_dtype=config.params_dtype,
+            device=device,
+            kernel_backend=config.kernel_backend,
+        )
         norm = dict(
             groups=groups,
             eps=config.norm_epsilon,

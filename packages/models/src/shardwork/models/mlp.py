@@ -49,6 +49,7 @@ class SwiGLUMLP(ShardedModule):
             block_names=("gate", "up"),
             params_dtype=config.params_dtype,
             device=device,
+            kernel_backend=config.kernel_backend,
         )
         self.fc2 = RowParallelLinear(
             ffn,
@@ -58,6 +59,7 @@ class SwiGLUMLP(ShardedModule):
             sequence_parallel=config.sequence_parallel,
             params_dtype=config.params_dtype,
             device=device,
+            kernel_backend=config.kernel_backend,
         )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -195,6 +195,7 @@ class MTPDepth(ShardedModule):
             init="normal",
             params_dtype=config.params_dtype,
             device=device,
+            kernel_backend=config.kernel_backend,
         )
         self.transformer_layer = layer
         self.final_layernorm = RMSNorm(config.hidden_size, **norm)

@@ -18,8 +18,8 @@ is split over TP outside the TP regions:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from shardwork.fused_kernels import linear
 from shardwork.models.module import ShardedModule
 from shardwork.models.sharding import describe_param
 from shardwork.parallel_state import (
@@ -56,8 +56,10 @@ class ColumnParallelLinear(ShardedModule):
         init: str = "normal",
         params_dtype: torch.dtype = torch.float32,
         device: str | torch.device | None = None,
+        kernel_backend: str | None = None,
     ) -> None:
         super().__init__(groups)
+        self.kernel_backend = kernel_backend
         tp = groups.size("tp")
         sizes = partition_sizes or (output_size,)
         if sum(sizes) != output_size:
@@ -98,7 +100,7 @@ class ColumnParallelLinear(ShardedModule):
         x = self.enter_tp_region(x)
         b = None if self.bias is None else self.bias.to(x.dtype)
         # Cast on the fly: params may be fp32 (params_dtype) while activations run in bf16.
-        return self._leave_tp_region(F.linear(x, w.to(x.dtype), b))
+        return self._leave_tp_region(linear(x, w.to(x.dtype), b, backend=self.kernel_backend))
 
     def enter_tp_region(self, x: torch.Tensor) -> torch.Tensor:
         """The input every TP rank multiplies: gathered along the sequence under SP."""
@@ -135,8 +137,10 @@ class RowParallelLinear(ShardedModule):
         init: str = "scaled_normal",
         params_dtype: torch.dtype = torch.float32,
         device: str | torch.device | None = None,
+        kernel_backend: str | None = None,
     ) -> None:
         super().__init__(groups)
+        self.kernel_backend = kernel_backend
         tp = groups.size("tp")
         if input_size % tp != 0:
             raise ValueError(f"input_size={input_size} is not divisible by tp={tp}")
@@ -162,7 +166,8 @@ class RowParallelLinear(ShardedModule):
         """``x [s, b, in/tp]`` -> ``[s(/tp under SP), b, out]``, summed over TP."""
         # No bias yet: each rank's product is a partial sum, and a bias added here would be counted
         # tp times by the reduction.
-        return self._add_bias(self._reduce_partial(F.linear(x, self.weight.to(x.dtype))))
+        y = linear(x, self.weight.to(x.dtype), backend=self.kernel_backend)
+        return self._add_bias(self._reduce_partial(y))
 
     def _reduce_partial(self, y: torch.Tensor) -> torch.Tensor:
         """Sum this rank's partial product over TP (reduce-scattered along the sequence under SP)."""

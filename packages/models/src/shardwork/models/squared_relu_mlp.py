@@ -45,6 +45,7 @@ class SquaredReLUMLP(ShardedModule):
             sequence_parallel=config.sequence_parallel,
             params_dtype=config.params_dtype,
             device=device,
+            kernel_backend=config.kernel_backend,
         )
         self.fc2 = RowParallelLinear(
             ffn,
@@ -54,6 +55,7 @@ class SquaredReLUMLP(ShardedModule):
             sequence_parallel=config.sequence_parallel,
             params_dtype=config.params_dtype,
             device=device,
+            kernel_backend=config.kernel_backend,
         )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

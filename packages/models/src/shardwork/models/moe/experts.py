@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwork.dist_checkpoint import ShardedTensor
-from shardwork.fused_kernels import swiglu
+from shardwork.fused_kernels import onednn_grouped_linear, onednn_preferred, swiglu
 from shardwork.models.module import ShardedModule
 from shardwork.models.sharding import describe_param, fsdp_rows, normal_slice
 from shardwork.parallel_state import ParamMeta, ProcessGroups
@@ -153,14 +153,24 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 def grouped_linear(
-    x_NI: torch.Tensor, w_LOI: torch.Tensor, counts_L: torch.Tensor, *, mode: str = "auto"
+    x_NI: torch.Tensor,
+    w_LOI: torch.Tensor,
+    counts_L: torch.Tensor,
+    *,
+    mode: str = "auto",
+    backend: str | None = None,
 ) -> torch.Tensor:
-    """``y[rows of group l] = x[rows of group l] @ w[l]ᵀ``; rows grouped contiguously by ``counts``."""
+    """``y[rows of group l] = x[rows of group l] @ w[l]ᵀ``; rows grouped contiguously by ``counts``.
+
+    ``mode="auto"`` with kernel ``backend`` "auto" runs float32 CPU products on oneDNN where
+    ``shardwork.fused_kernels.onednn_preferred`` says it beats MKL (one product per group)."""
     n, L = x_NI.shape[0], w_LOI.shape[0]
     if n == 0:
         # Keep the (empty) input in the graph: the dispatcher's all-to-all backward must run on
         # this rank too, or its peers wait in a collective this rank never joins.
         return x_NI.new_zeros((0, w_LOI.shape[1])) + 0 * w_LOI.sum() + 0 * x_NI.sum()
+    if mode == "auto" and onednn_preferred(backend, x_NI, w_LOI):
+        return onednn_grouped_linear(x_NI, w_LOI, counts_L.tolist())
     if _use_grouped_mm(mode, x_NI, w_LOI):
         # grouped_mm takes the end offset of each group's rows (int32), not the counts.
         offs = torch.cumsum(counts_L.to(device=x_NI.device, dtype=torch.int64), 0).to(torch.int32)
@@ -189,9 +199,12 @@ class ExpertLinear(ShardedModule):
         self.weight = param
         self.shards = shards
 
-    def forward(self, x_NI: torch.Tensor, counts_L: torch.Tensor, mode: str) -> torch.Tensor:
+    def forward(
+        self, x_NI: torch.Tensor, counts_L: torch.Tensor, mode: str, backend: str | None = None
+    ) -> torch.Tensor:
         """Rows grouped by local expert (``counts_L``) times each expert's weight."""
-        return grouped_linear(x_NI, self.weight.to(x_NI.dtype), counts_L, mode=mode)
+        w = self.weight.to(x_NI.dtype)
+        return grouped_linear(x_NI, w, counts_L, mode=mode, backend=backend)
 
 
 class GroupedExperts(ShardedModule):
@@ -277,7 +290,7 @@ class GroupedExperts(ShardedModule):
         # [N, H] -> fc1 [N, 2f] ([gate | up]) -> swiglu [N, f], or fc1 [N, f] -> relu² [N, f];
         # times probs (fc2 is linear per row, so scaling its input scales its output); then fc2
         # [N, H] (partial over etp).
-        h = self.linear_fc1(tokens_NH, tokens_per_expert_L, self.mode)
+        h = self.linear_fc1(tokens_NH, tokens_per_expert_L, self.mode, self.backend)
         if self.activation == "swiglu":
             # fc1's output feeds only the activation, so its backward may overwrite it.
             h = swiglu(h, token_weights=probs_N, inplace_backward=True, backend=self.backend)
@@ -288,4 +301,4 @@ class GroupedExperts(ShardedModule):
                     "is False): let the dispatcher's combine apply them"
                 )
             h = torch.relu(h).square()
-        return self.linear_fc2(h, tokens_per_expert_L, self.mode)
+        return self.linear_fc2(h, tokens_per_expert_L, self.mode, self.backend)

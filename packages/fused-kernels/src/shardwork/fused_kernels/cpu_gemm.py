@@ -1,0 +1,217 @@
+"""Float32 CPU matrix products through oneDNN where torch's default (MKL) is the slower one.
+
+torch multiplies float32 CPU matrices with MKL's sgemm; oneDNN, which every x86 build of
+torch also carries, picks its kernels from the CPU's instruction sets alone. Measured on the
+2-core AMD EPYC (AVX-512) machine, 1 and 2 threads, shapes of the issue-24 models
+(``benchmarks/cpu_gemm.py``): ``x·Wᵀ`` (a linear's forward) 5-22 % faster on oneDNN, ``dY·W``
+(its input gradient) 5-30 %, ``dYᵀ·X`` (its weight gradient) 0.80-1.16x, so that one stays on
+MKL. MKL runs no faster there when allowed AVX-512 than when limited to AVX2
+(``MKL_ENABLE_INSTRUCTIONS=AVX2``), as expected of a library that tunes its fast paths for
+Intel CPUs; on Intel CPUs MKL is kept (not measured: no Intel machine here).
+
+- :func:`onednn_preferred`: whether a call asked for with ``backend`` takes oneDNN: ``"auto"``
+  (or the default ``"auto"``), a float32 CPU tensor, oneDNN in this torch build, a CPU whose
+  vendor is not Intel, no ``torch.compile`` trace (inductor lowers linears itself) and no
+  dispatch mode (``FlopCounterMode`` and fake tensors count and shape ``aten.mm``). A
+  named backend (``"torch"``, ``"triton"``, ``"te"``) keeps torch's own product: none of them
+  has a GEMM of its own, and ``"torch"`` stays the MKL reference. The answer depends only on
+  the call and the machine, never on a timing, so a rerun (or a resumed run) computes the
+  same bits.
+- :func:`linear` is ``F.linear`` with that choice; :func:`onednn_linear` and
+  :func:`onednn_grouped_linear` (the MoE experts' product over contiguous row groups) run
+  oneDNN whatever the CPU. Both compute the weight gradient with torch's ``mm``.
+- The products equal MKL's up to summation order: relative error against float64 ~8e-7 of
+  the largest entry at K = 512 (MKL's ~4e-7), both far below float32 training noise.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+from shardwork.fused_kernels.backend import BACKENDS, get_default_backend
+
+__all__ = [
+    "cpu_vendor",
+    "linear",
+    "onednn_grouped_linear",
+    "onednn_linear",
+    "onednn_mm_nt",
+    "onednn_preferred",
+]
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU vendor string of ``/proc/cpuinfo`` (``"GenuineIntel"``, ``"AuthenticAMD"``), or
+    ``""`` where it cannot be read (then oneDNN is not preferred)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        if line.startswith("vendor_id"):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
+@functools.cache
+def _onednn_built() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def onednn_preferred(backend: str | None, *tensors: torch.Tensor | None) -> bool:
+    """Whether float32 CPU products of ``tensors`` asked for with ``backend`` run on oneDNN."""
+    requested = get_default_backend() if backend is None else backend
+    if requested not in BACKENDS:
+        raise ValueError(f"backend={requested!r} is not a backend; valid: {', '.join(BACKENDS)}")
+    # A dispatch mode (torch's FlopCounterMode, fake tensors) must see torch's own aten.mm.
+    if requested != "auto" or torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
+        return False
+    return all(t is None or _onednn_operand(t) for t in tensors) and cpu_vendor() not in (
+        "",
+        "GenuineIntel",
+    )
+
+
+def _onednn_operand(t: torch.Tensor) -> bool:
+    # Tensor subclasses (DTensor, fake tensors) keep F.linear's own dispatch.
+    return (
+        type(t) in _PLAIN
+        and t.dtype == torch.float32
+        and t.device.type == "cpu"
+        and _onednn_built()
+    )
+
+
+def _check_operands(**tensors: torch.Tensor | None) -> None:
+    for name, t in tensors.items():
+        if t is not None and not _onednn_operand(t):
+            raise ValueError(
+                f"{name} ({type(t).__name__}, {t.dtype}, {t.device}) cannot run on oneDNN: "
+                "it takes plain float32 CPU tensors (and a torch build with oneDNN)"
+            )
+
+
+def onednn_mm_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a [M, K] · b [N, K]ᵀ`` on oneDNN (``b`` may be a transposed view); float32 CPU
+    tensors, checked by the caller (:func:`onednn_preferred`)."""
+    return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+
+
+class _OneDnnLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        x2 = x.reshape(-1, x.shape[-1])
+        y = torch.ops.mkldnn._linear_pointwise(x2, weight, bias, "none", [], "")
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1])
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = onednn_mm_nt(g2, weight.t()).view(x.shape)
+        if ctx.needs_input_grad[1]:
+            dw = torch.mm(g2.t(), x.reshape(-1, x.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = g2.sum(0)
+        return dx, dw, db
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """``x [..., in] · weight [out, in]ᵀ + bias [out]``, as ``F.linear``; on oneDNN
+    (:func:`onednn_linear`) where :func:`onednn_preferred`."""
+    if onednn_preferred(backend, x, weight, bias):
+        return _OneDnnLinear.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def onednn_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """:func:`linear` on oneDNN whatever the CPU (no double backward); float32 CPU tensors."""
+    _check_operands(x=x, weight=weight, bias=bias)
+    return _OneDnnLinear.apply(x, weight, bias)
+
+
+_GROUP_MIN = 256
+"""Rows and inner width from which a group's product runs on oneDNN. oneDNN has no ``out=``, so
+its result is copied into the group's rows; measured (1 thread, widths of the issue-24 MoE
+layers), that copy costs more than oneDNN gains below 256 rows or an inner width of 256, where
+MKL writes the rows in place."""
+
+
+def _group_product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = a · bᵀ`` for one group's rows (``out`` a row slice of the stacked result)."""
+    if a.shape[0] >= _GROUP_MIN and a.shape[1] >= _GROUP_MIN:
+        out.copy_(onednn_mm_nt(a, b))
+    elif a.shape[0]:
+        torch.mm(a, b.t(), out=out)
+
+
+class _OneDnnGroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_NI, w_LOI, counts):
+        y = x_NI.new_empty((x_NI.shape[0], w_LOI.shape[1]))
+        start = 0
+        for group, count in enumerate(counts):
+            _group_product(x_NI[start : start + count], w_LOI[group], y[start : start + count])
+            start += count
+        ctx.save_for_backward(x_NI, w_LOI)
+        ctx.counts = counts
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x_NI, w_LOI = ctx.saved_tensors
+        dx = x_NI.new_empty(x_NI.shape) if ctx.needs_input_grad[0] else None
+        dw = torch.empty_like(w_LOI) if ctx.needs_input_grad[1] else None
+        start = 0
+        for group, count in enumerate(ctx.counts):
+            rows = slice(start, start + count)
+            start += count
+            if dw is not None and not count:
+                dw[group].zero_()
+            if not count:
+                continue
+            if dx is not None:
+                _group_product(grad[rows], w_LOI[group].t(), dx[rows])
+            if dw is not None:
+                torch.mm(grad[rows].t(), x_NI[rows], out=dw[group])
+        return dx, dw, None
+
+
+def onednn_grouped_linear(
+    x_NI: torch.Tensor, w_LOI: torch.Tensor, counts: list[int]
+) -> torch.Tensor:
+    """``y[rows of group l] = x[rows of group l] · w[l]ᵀ``, rows grouped contiguously by
+    ``counts`` (Python ints summing to ``N``): a group's forward and input-gradient products on
+    oneDNN from 256 rows and an inner width of 256 (:data:`_GROUP_MIN`), on MKL in place below;
+    ``dW [L, out, in]`` is written in one buffer (empty groups get zeros). Callers ask
+    :func:`onednn_preferred` first."""
+    _check_operands(x_NI=x_NI, w_LOI=w_LOI)
+    if sum(counts) != x_NI.shape[0] or len(counts) != w_LOI.shape[0]:
+        raise ValueError(
+            f"counts={counts} must have {w_LOI.shape[0]} entries (one per group of w_LOI) "
+            f"summing to x_NI's {x_NI.shape[0]} rows"
+        )
+    return _OneDnnGroupedLinear.apply(x_NI.contiguous(), w_LOI, list(counts))

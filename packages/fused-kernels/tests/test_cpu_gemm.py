@@ -1,0 +1,148 @@
+"""oneDNN CPU products (``cpu_gemm``) against float64 products written here, and where they run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from shardwork.fused_kernels import (
+    cpu_gemm,
+    linear,
+    linear_cross_entropy,
+    onednn_grouped_linear,
+    onednn_linear,
+    onednn_preferred,
+)
+
+pytestmark = pytest.mark.skipif(
+    not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")),
+    reason="this torch build has no oneDNN",
+)
+
+# Measured: the float32 products here (K <= 256 terms, oneDNN and MKL) differ from float64 by at
+# most 5.4e-7 of the largest |entry|; 2e-6 leaves ~3.7x. A misrouted row is O(1).
+RTOL_OF_MAX = 2e-6
+
+
+def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.fixture
+def amd(monkeypatch):
+    """Pretend the CPU is not Intel's, so ``auto`` takes oneDNN on any machine."""
+    monkeypatch.setattr(cpu_gemm, "cpu_vendor", lambda: "AuthenticAMD")
+
+
+def test_linear_forward_and_gradients_equal_float64():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, 37, generator=g).requires_grad_()
+    w = torch.randn(29, 37, generator=g).requires_grad_()
+    b = torch.randn(29, generator=g).requires_grad_()
+    dy = torch.randn(5, 3, 29, generator=g)
+    y = onednn_linear(x, w, b)
+    y.backward(dy)
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    y64 = x64 @ w64.t() + b64
+    y64.backward(dy.double())
+    assert y.shape == (5, 3, 29) and y.dtype == torch.float32
+    assert _rel(y, y64) < RTOL_OF_MAX
+    for got, ref in ((x.grad, x64.grad), (w.grad, w64.grad), (b.grad, b64.grad)):
+        assert got.shape == ref.shape
+        assert _rel(got, ref) < RTOL_OF_MAX
+
+
+def test_linear_computes_only_the_gradients_asked_for():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(11, 16, generator=g)
+    w = torch.randn(8, 16, generator=g).requires_grad_()  # a trained weight, a constant input
+    onednn_linear(x, w).sum().backward()
+    assert _rel(w.grad, torch.ones(11, 8).double().t() @ x.double()) < RTOL_OF_MAX
+    frozen = torch.randn(8, 16, generator=g)  # a frozen (LoRA base) weight
+    xg = torch.randn(11, 16, generator=g).requires_grad_()
+    onednn_linear(xg, frozen).sum().backward()
+    assert _rel(xg.grad, torch.ones(11, 8).double() @ frozen.double()) < RTOL_OF_MAX
+
+
+def test_grouped_linear_equals_per_group_float64_products():
+    g = torch.Generator().manual_seed(2)
+    # Groups of >= 256 rows take oneDNN, smaller ones MKL in place; an empty group too.
+    counts = [257, 0, 5, 300]
+    x = torch.randn(562, 256, generator=g).requires_grad_()
+    w = torch.randn(4, 13, 256, generator=g).requires_grad_()
+    dy = torch.randn(562, 13, generator=g)
+    y = onednn_grouped_linear(x, w, counts)
+    y.backward(dy)
+    x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
+    groups = torch.repeat_interleave(torch.arange(4), torch.tensor(counts))
+    y64 = torch.einsum("ni,noi->no", x64, w64[groups])
+    y64.backward(dy.double())
+    assert _rel(y, y64) < RTOL_OF_MAX
+    assert _rel(x.grad, x64.grad) < RTOL_OF_MAX
+    assert _rel(w.grad, w64.grad) < RTOL_OF_MAX
+    assert torch.equal(w.grad[1], torch.zeros(13, 256))  # the empty group's weight gradient
+    # The tolerance sees a misrouted row: one row moved from group 3 to group 2.
+    wrong = onednn_grouped_linear(x.detach(), w.detach(), [257, 0, 6, 299])
+    assert _rel(wrong, y64) > 1e-2
+
+
+def test_grouped_linear_refuses_counts_that_do_not_cover_the_rows():
+    x, w = torch.randn(6, 8), torch.randn(2, 4, 8)
+    with pytest.raises(ValueError, match=r"counts=\[2, 3\] must have 2 entries .* 6 rows"):
+        onednn_grouped_linear(x, w, [2, 3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_onednn_refuses_other_dtypes_by_name(dtype):
+    x, w = torch.randn(4, 8, dtype=dtype), torch.randn(3, 8, dtype=dtype)
+    with pytest.raises(ValueError, match=r"^x \(Tensor, torch\.\w+, cpu\) cannot run on oneDNN"):
+        onednn_linear(x, w)
+
+
+def test_auto_takes_onednn_only_off_intel_and_for_float32(amd, monkeypatch):
+    x, w = torch.randn(4, 8), torch.randn(3, 8)
+    assert onednn_preferred("auto", x, w)
+    assert onednn_preferred(None, x, w)  # the process default is "auto"
+    assert not onednn_preferred("torch", x, w)  # the MKL reference, by name
+    assert not onednn_preferred("triton", x, w)
+    assert not onednn_preferred("auto", x.double(), w.double())
+    assert not onednn_preferred("auto", x.bfloat16(), w.bfloat16())
+    with FlopCounterMode(display=False):  # the counter must see aten.mm
+        assert not onednn_preferred("auto", x, w)
+    monkeypatch.setattr(cpu_gemm, "cpu_vendor", lambda: "GenuineIntel")
+    assert not onednn_preferred("auto", x, w)
+    monkeypatch.setattr(cpu_gemm, "cpu_vendor", lambda: "")
+    assert not onednn_preferred("auto", x, w)
+    with pytest.raises(ValueError, match=r"backend='mkl' is not a backend; valid: auto, torch"):
+        onednn_preferred("mkl", x, w)
+
+
+def test_linear_runs_where_onednn_preferred_says(amd):
+    x = torch.randn(6, 8).requires_grad_()
+    w = torch.randn(5, 8).requires_grad_()
+    auto, plain = linear(x, w, backend="auto"), linear(x, w, backend="torch")
+    assert type(auto.grad_fn).__name__ == "_OneDnnLinearBackward"
+    assert type(plain.grad_fn).__name__ == type(F.linear(x, w).grad_fn).__name__
+    assert _rel(auto, x.double() @ w.double().t()) < RTOL_OF_MAX
+
+
+@pytest.mark.parametrize("grad_in_forward", [True, False])
+def test_linear_cross_entropy_on_onednn_equals_the_mkl_reference(amd, grad_in_forward):
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(37, 48, generator=g).requires_grad_()
+    weight = (0.2 * torch.randn(101, 48, generator=g)).requires_grad_()
+    labels = torch.randint(0, 101, (37,), generator=g)
+    labels[[4, 20]] = -100
+    results = {}
+    for backend in ("auto", "torch"):
+        h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+        loss = linear_cross_entropy(h, w, labels, backend=backend, grad_in_forward=grad_in_forward)
+        loss.backward()
+        results[backend] = (loss.detach(), h.grad, w.grad)
+    ref = F.cross_entropy((hidden.double() @ weight.double().t()), labels)
+    for got in (results["auto"][0], results["torch"][0]):
+        assert abs(got.item() - ref.item()) < 1e-5 * abs(ref.item())
+    for got, other in zip(results["auto"][1:], results["torch"][1:], strict=True):
+        assert _rel(got, other.double()) < RTOL_OF_MAX

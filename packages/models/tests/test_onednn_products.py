@@ -1,0 +1,88 @@
+"""The model's float32 CPU products on oneDNN (``kernel_backend="auto"`` on a non-Intel CPU)
+against the same weights on torch's MKL products (``kernel_backend="torch"``).
+
+Which products take oneDNN is read from the autograd graph: every linear the forward runs
+(attention, MLA's projections, MLPs, shared experts, MTP's projection) and the routed experts'
+grouped products, never under ``"torch"``. Losses and gradients agree at float32 rounding.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from shardwork.fused_kernels import cpu_gemm
+from shardwork.models import GPTModel, preset
+from shardwork.models.mla import ReplicatedLinear
+from shardwork.models.moe.experts import ExpertLinear
+from shardwork.models.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from shardwork.models.testing import random_batch
+from shardwork.parallel_state.testing import assert_close_at_scale
+
+pytestmark = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN"
+)
+
+# Measured over the cases below: oneDNN vs MKL differ by at most 5.9 ulp of a gradient's max
+# |entry| (float32), the losses not at all; 32 leaves ~5x.
+ULPS = 32
+
+
+@pytest.fixture
+def amd(monkeypatch):
+    """Pretend the CPU is not Intel's, so ``auto`` takes oneDNN on any machine."""
+    monkeypatch.setattr(cpu_gemm, "cpu_vendor", lambda: "AuthenticAMD")
+
+
+def _graph_nodes(t: torch.Tensor) -> Counter:
+    """Class names of every autograd node behind ``t``."""
+    seen, todo, names = set(), [t.grad_fn], Counter()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names[type(node).__name__] += 1
+        todo.extend(next_fn for next_fn, _ in node.next_functions)
+    return names
+
+
+def _run(model, ids, labels):
+    model.zero_grad(set_to_none=True)
+    loss_sum, count = model(ids, labels=labels)
+    loss = loss_sum / count
+    nodes = _graph_nodes(loss)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, nodes
+
+
+@pytest.mark.parametrize("name", ["tiny-llama3-8b", "tiny-mixtral-8x7b", "tiny-deepseek-v3"])
+def test_auto_runs_the_products_on_onednn_and_agrees_with_mkl(amd, name):
+    results = {}
+    weights = None
+    for backend in ("auto", "torch"):
+        cfg = preset(name, params_dtype=torch.float32, kernel_backend=backend)
+        torch.manual_seed(0)
+        model = GPTModel(cfg)
+        if weights is None:
+            weights = model.state_dict()
+        model.load_state_dict(weights)
+        ids, labels = random_batch(cfg.vocab_size, batch=2, seq=16, seed=1)
+        results[backend] = _run(model, ids, labels)
+    linears = sum(
+        isinstance(m, ColumnParallelLinear | RowParallelLinear | ReplicatedLinear)
+        for m in model.modules()
+    )
+    experts = sum(isinstance(m, ExpertLinear) for m in model.modules())
+    # The head's linear runs inside the fused loss (its own oneDNN products), not as a linear.
+    assert results["auto"][2]["_OneDnnLinearBackward"] == linears - 1
+    assert results["auto"][2]["_OneDnnGroupedLinearBackward"] == experts
+    assert "_OneDnnLinearBackward" not in results["torch"][2]
+    assert "_OneDnnGroupedLinearBackward" not in results["torch"][2]
+    auto_loss, auto_grads, _ = results["auto"]
+    torch_loss, torch_grads, _ = results["torch"]
+    assert_close_at_scale(auto_loss, torch_loss, rtol=0, ulps=ULPS, name="loss")
+    for key, grad in torch_grads.items():
+        assert_close_at_scale(auto_grads[key], grad, rtol=0, ulps=ULPS, name=key)
