@@ -75,28 +75,25 @@ def onednn_preferred(backend: str | None, *tensors: torch.Tensor | None) -> bool
     # A dispatch mode (torch's FlopCounterMode, fake tensors) must see torch's own aten.mm.
     if requested != "auto" or torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
         return False
-    return all(t is None or _onednn_operand(t) for t in tensors) and cpu_vendor() not in (
-        "",
-        "GenuineIntel",
-    )
+    # The machine first (cached, the same answer every call), then the operands.
+    if not _onednn_built() or cpu_vendor() in ("", "GenuineIntel"):
+        return False
+    return all(t is None or _onednn_operand(t) for t in tensors)
 
 
 def _onednn_operand(t: torch.Tensor) -> bool:
     # Tensor subclasses (DTensor, fake tensors) keep F.linear's own dispatch.
-    return (
-        type(t) in _PLAIN
-        and t.dtype == torch.float32
-        and t.device.type == "cpu"
-        and _onednn_built()
-    )
+    return type(t) in _PLAIN and t.dtype == torch.float32 and t.device.type == "cpu"
 
 
 def _check_operands(**tensors: torch.Tensor | None) -> None:
+    if not _onednn_built():
+        raise ValueError("this torch build has no oneDNN (torch.backends.mkldnn)")
     for name, t in tensors.items():
         if t is not None and not _onednn_operand(t):
             raise ValueError(
                 f"{name} ({type(t).__name__}, {t.dtype}, {t.device}) cannot run on oneDNN: "
-                "it takes plain float32 CPU tensors (and a torch build with oneDNN)"
+                "it takes plain float32 CPU tensors"
             )
 
 
