@@ -49,10 +49,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-# As shardwork-train does: on a shared CPU, OpenMP's default spin-waiting slows every side's
-# small blocks ~10x (measured on the 2-core machine); OpenMP reads this once, when torch loads.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from runtime_env import RUNTIME_ENV  # before torch: shardwork-train's environment, every side
 
+# isort: split
 import torch
 import torch.nn.functional as F
 
@@ -502,7 +501,12 @@ def markdown(result: dict) -> str:
             f"| {fmt(row.get('tokens_per_s'), '.0f')} | {fmt(row.get('ratio_vs_shardwork'), '.3f')} "
             f"| {fmt(row.get('mfu_pct'), '.1f')} | {fmt(row.get('peak_gib'), '.2f')} |"
         )
-    lines += ["", f"machine: {json.dumps(result['machine'])}", ""]
+    lines += [
+        "",
+        f"machine: {json.dumps(result['machine'])}",
+        f"environment (every side): {json.dumps(result['env'])}",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -542,6 +546,7 @@ def main(argv=None) -> dict:
         "tokens_per_step": shape["seq"] * shape["batch"], "model_flops_per_step": flops,
         "peak_flops": peak_flops(name) if cuda else None, "rounds": args.rounds,
         "steps": args.steps, "torch": torch.__version__, "machine": machine_record(),
+        "env": RUNTIME_ENV,
         "clock": "cpu" if clock is time.process_time else "wall",
         "threads": torch.get_num_threads(),
         "torchtitan_import": TITAN_IMPORT.get("how"),

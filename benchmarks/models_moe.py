@@ -45,6 +45,9 @@ import sys
 import time
 from pathlib import Path
 
+from runtime_env import RUNTIME_ENV  # before torch: shardwork-train's environment, every side
+
+# isort: split
 import torch
 
 from shardwork.fused_kernels import swiglu
@@ -245,6 +248,7 @@ def peers_main(args) -> None:
 
 def write_peers(args, rows) -> None:
     machine = machine_record() | {"threads": torch.get_num_threads(), "torch": torch.__version__}
+    machine["env"] = RUNTIME_ENV
     result = {"tokens": args.tokens, "hidden": moe_peers.HIDDEN, "rounds": args.rounds,
               "clock": args.clock, "machine": machine, "rows": rows}  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,9 @@ against the same weights on torch's MKL products (``kernel_backend="torch"``).
 
 Which products take oneDNN is read from the autograd graph: every linear the forward runs
 (attention, MLA's projections, MLPs, shared experts, MTP's projection) and the routed experts'
-grouped products, never under ``"torch"``. Losses and gradients agree at float32 rounding.
+SwiGLU MLP, run expert by expert in one function, never under ``"torch"``. Losses and gradients
+agree at float32 rounding. The fused experts still call their projection modules (whose forward
+hooks run) and step aside for LoRA-adapted projections.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ import torch
 
 from shardwork.fused_kernels import cpu_gemm
 from shardwork.models import GPTModel, preset
+from shardwork.models.lora import apply_lora
+from shardwork.models.lora_config import LoRAConfig
 from shardwork.models.mla import ReplicatedLinear
 from shardwork.models.moe.experts import ExpertLinear
 from shardwork.models.parallel_linear import ColumnParallelLinear, RowParallelLinear
-from shardwork.models.testing import random_batch
+from shardwork.models.testing import random_batch, randomize_lora_b
 from shardwork.parallel_state.testing import assert_close_at_scale
 
 pytestmark = pytest.mark.skipif(
@@ -79,11 +83,58 @@ def test_auto_runs_the_products_on_onednn_and_agrees_with_mkl(amd, name):
     experts = sum(isinstance(m, ExpertLinear) for m in model.modules())
     # The head's linear runs inside the fused loss (its own oneDNN products), not as a linear.
     assert results["auto"][2]["_OneDnnLinearBackward"] == linears - 1
-    assert results["auto"][2]["_OneDnnGroupedLinearBackward"] == experts
-    assert "_OneDnnLinearBackward" not in results["torch"][2]
-    assert "_OneDnnGroupedLinearBackward" not in results["torch"][2]
+    # Two stacked projections per MoE layer, one fused expert MLP.
+    assert results["auto"][2]["_GroupedSwiGLUMLPBackward"] == experts // 2
+    assert "_OneDnnGroupedLinearBackward" not in results["auto"][2]
+    for node in (
+        "_OneDnnLinearBackward",
+        "_OneDnnGroupedLinearBackward",
+        "_GroupedSwiGLUMLPBackward",
+    ):
+        assert node not in results["torch"][2]
     auto_loss, auto_grads, _ = results["auto"]
     torch_loss, torch_grads, _ = results["torch"]
     assert_close_at_scale(auto_loss, torch_loss, rtol=0, ulps=ULPS, name="loss")
     for key, grad in torch_grads.items():
         assert_close_at_scale(auto_grads[key], grad, rtol=0, ulps=ULPS, name=key)
+
+
+def test_fused_experts_run_their_projections_forward_hooks(amd):
+    """The distributed optimizer waits for a weight's all-gather in a forward pre-hook of the
+    module owning it; the fused MLP asks each projection module for its weight, so the hooks of
+    both run once per forward."""
+    cfg = preset("tiny-mixtral-8x7b", params_dtype=torch.float32, kernel_backend="auto")
+    torch.manual_seed(0)
+    model = GPTModel(cfg)
+    calls = Counter()
+    projections = [(n, m) for n, m in model.named_modules() if isinstance(m, ExpertLinear)]
+    for name, module in projections:
+        module.register_forward_pre_hook(lambda _m, _args, name=name: calls.update([name]))
+    ids, labels = random_batch(cfg.vocab_size, batch=2, seq=16, seed=1)
+    loss_sum, _count = model(ids, labels=labels)
+    assert _graph_nodes(loss_sum)["_GroupedSwiGLUMLPBackward"] == len(projections) // 2
+    assert calls == Counter({name: 1 for name, _ in projections})
+
+
+def test_lora_adapted_experts_keep_their_adapters_under_auto(amd):
+    """With adapters on the experts' fc2 (nonzero ``B``), ``auto`` leaves the fused MLP and its
+    loss equals the MKL path's; a fused MLP that skipped the adapter would change it by O(1)."""
+    losses = {}
+    for backend in ("auto", "torch"):
+        cfg = preset("tiny-mixtral-8x7b", params_dtype=torch.float32, kernel_backend=backend)
+        torch.manual_seed(0)
+        model = GPTModel(cfg)
+        apply_lora(model, LoRAConfig(rank=4, alpha=8.0, target_modules=("experts.linear_fc2",)))
+        randomize_lora_b(model)
+        ids, labels = random_batch(cfg.vocab_size, batch=2, seq=16, seed=1)
+        loss_sum, count = model(ids, labels=labels)
+        losses[backend] = loss_sum / count
+        nodes = _graph_nodes(loss_sum)
+        assert "_GroupedSwiGLUMLPBackward" not in nodes
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, ExpertLinear) and hasattr(module, "lora_B"):
+                    module.lora_B.weight.zero_()
+            unadapted = model(ids, labels=labels)
+        assert (unadapted[0] / unadapted[1] - losses[backend]).abs() > 1e-4  # adapters matter
+    assert_close_at_scale(losses["auto"], losses["torch"], rtol=0, ulps=ULPS, name="loss")

@@ -123,7 +123,8 @@ def test_default_run_then_generate(tmp_path, monkeypatch, capsys):
     from shardwork.trainer.generate import main as generate_main
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # main() sets it; restore afterwards
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # main() sets these; restore afterwards
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", os.environ.get("THP_MEM_ALLOC_ENABLE", "0"))
     capsys.readouterr()
     assert generate_main(args) == 0
     assert capsys.readouterr().out == sample  # same seed, another process: the same text

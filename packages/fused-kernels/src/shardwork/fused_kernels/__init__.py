@@ -16,6 +16,8 @@ Ops (each differentiable, each with ``backend="auto"|"torch"|"triton"|"te"``):
 - :func:`linear` — ``F.linear`` whose float32 CPU products run on oneDNN where MKL is the
   slower library (non-Intel CPUs; ``backend="auto"`` only); :func:`onednn_linear` and
   :func:`onednn_grouped_linear` run oneDNN explicitly, :func:`onednn_preferred` says where.
+- :func:`grouped_swiglu_mlp` — the MoE experts' SwiGLU MLP on float32 CPU rows, one expert
+  group at a time (products, activation and their gradients while the group is in cache).
 
 Backend choice: :func:`resolve_backend`, :func:`set_default_backend`, :func:`get_default_backend`.
 """
@@ -29,6 +31,7 @@ from shardwork.fused_kernels.backend import (
     resolve_backend,
     set_default_backend,
 )
+from shardwork.fused_kernels.cpu_expert_mlp import grouped_swiglu_mlp
 from shardwork.fused_kernels.cpu_gemm import (
     linear,
     onednn_grouped_linear,
@@ -63,6 +66,7 @@ __all__ = [
     "cross_entropy",
     "geglu",
     "get_default_backend",
+    "grouped_swiglu_mlp",
     "layer_norm",
     "linear",
     "linear_cross_entropy",

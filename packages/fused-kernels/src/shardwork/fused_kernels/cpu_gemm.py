@@ -38,6 +38,7 @@ from shardwork.fused_kernels.backend import BACKENDS, get_default_backend
 
 __all__ = [
     "cpu_vendor",
+    "group_mm_nt",
     "linear",
     "onednn_grouped_linear",
     "onednn_linear",
@@ -156,12 +157,18 @@ layers), that copy costs more than oneDNN gains below 256 rows or an inner width
 MKL writes the rows in place."""
 
 
-def _group_product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = a · bᵀ`` for one group's rows (``out`` a row slice of the stacked result)."""
-    if a.shape[0] >= _GROUP_MIN and a.shape[1] >= _GROUP_MIN:
+def group_mm_nt(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``a [M, K] · b [N, K]ᵀ`` of one expert group, float32 CPU tensors: on oneDNN from
+    :data:`_GROUP_MIN` rows and inner width, on MKL below; written into ``out`` (a row block of a
+    stacked result, where MKL writes in place and oneDNN's result is copied) or returned fresh."""
+    big = a.shape[0] >= _GROUP_MIN and a.shape[1] >= _GROUP_MIN
+    if out is None:
+        return onednn_mm_nt(a, b) if big else torch.mm(a, b.t())
+    if big:
         out.copy_(onednn_mm_nt(a, b))
     elif a.shape[0]:
         torch.mm(a, b.t(), out=out)
+    return out
 
 
 class _OneDnnGroupedLinear(torch.autograd.Function):
@@ -170,7 +177,7 @@ class _OneDnnGroupedLinear(torch.autograd.Function):
         y = x_NI.new_empty((x_NI.shape[0], w_LOI.shape[1]))
         start = 0
         for group, count in enumerate(counts):
-            _group_product(x_NI[start : start + count], w_LOI[group], y[start : start + count])
+            group_mm_nt(x_NI[start : start + count], w_LOI[group], y[start : start + count])
             start += count
         ctx.save_for_backward(x_NI, w_LOI)
         ctx.counts = counts
@@ -191,7 +198,7 @@ class _OneDnnGroupedLinear(torch.autograd.Function):
             if not count:
                 continue
             if dx is not None:
-                _group_product(grad[rows], w_LOI[group].t(), dx[rows])
+                group_mm_nt(grad[rows], w_LOI[group].t(), dx[rows])
             if dw is not None:
                 torch.mm(grad[rows].t(), x_NI[rows], out=dw[group])
         return dx, dw, None

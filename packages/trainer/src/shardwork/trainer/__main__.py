@@ -1,8 +1,8 @@
 """``python -m shardwork.trainer`` (e.g. under torchrun) is ``shardwork-train``."""
 
-from shardwork.trainer.cli import quiet_cpu_threads, train_main
+from shardwork.trainer.cli import set_cpu_runtime_env, train_main
 
-quiet_cpu_threads()
+set_cpu_runtime_env()
 
 if __name__ == "__main__":
     raise SystemExit(train_main())

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import tyro
 
-from shardwork.trainer.cli import quiet_cpu_threads
+from shardwork.trainer.cli import set_cpu_runtime_env
 from shardwork.trainer.errors import CheckpointError, UserError, report
 
 
@@ -75,14 +75,14 @@ def check_args(args: GenerateArgs) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    quiet_cpu_threads()
+    set_cpu_runtime_env()
     args = tyro.cli(  # --help and flag errors exit here, before torch loads
         GenerateArgs,
         args=sys.argv[1:] if argv is None else argv,
         use_underscores=True,
         prog="shardwork-generate",
     )
-    # deferred import: torch loads here, after quiet_cpu_threads set OpenMP's wait policy
+    # deferred import: torch loads here, after set_cpu_runtime_env set OpenMP's wait policy
     import torch
 
     from shardwork.dist_checkpoint import (

@@ -22,6 +22,9 @@ Legend: E experts, L = E/ep local experts, H hidden, F expert ffn width, f = F/e
   (``inplace_backward``: its gradient overwrites fc1's output, which nothing else reads); the
   squared ReLU is elementwise on fc1's output. SwiGLU experts take the rows' routing
   probabilities and scale their activation (``token_weights``), not the ``[N, H]`` output.
+- Where float32 CPU products take oneDNN (``onednn_preferred``), the SwiGLU MLP runs expert by
+  expert in one function instead (``fused_kernels.grouped_swiglu_mlp``: each group's products
+  and activation while its rows are in cache; same bits and saved tensors as the three steps).
 - With ETP > 1 the output is a partial sum over this rank's ffn slice; the dispatcher's
   combine reduces it over the etp group.
 """
@@ -34,7 +37,12 @@ import torch
 import torch.nn.functional as F
 
 from shardwork.dist_checkpoint import ShardedTensor
-from shardwork.fused_kernels import onednn_grouped_linear, onednn_preferred, swiglu
+from shardwork.fused_kernels import (
+    grouped_swiglu_mlp,
+    onednn_grouped_linear,
+    onednn_preferred,
+    swiglu,
+)
 from shardwork.models.module import ShardedModule
 from shardwork.models.sharding import describe_param, fsdp_rows, normal_slice
 from shardwork.parallel_state import ParamMeta, ProcessGroups
@@ -200,9 +208,22 @@ class ExpertLinear(ShardedModule):
         self.shards = shards
 
     def forward(
-        self, x_NI: torch.Tensor, counts_L: torch.Tensor, mode: str, backend: str | None = None
+        self,
+        x_NI: torch.Tensor | None,
+        counts_L: torch.Tensor | None = None,
+        mode: str = "auto",
+        backend: str | None = None,
+        *,
+        dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        """Rows grouped by local expert (``counts_L``) times each expert's weight."""
+        """Rows grouped by local expert (``counts_L``) times each expert's weight.
+
+        ``x_NI=None``: the weight itself in ``dtype``, no product, for a caller that runs the
+        products (:meth:`GroupedExperts.forward`'s fused MLP). It is asked through the module
+        call so that the module's forward hooks still run first (the distributed optimizer's
+        wait for this weight's all-gather is one)."""
+        if x_NI is None:
+            return self.weight if dtype is None else self.weight.to(dtype)
         w = self.weight.to(x_NI.dtype)
         return grouped_linear(x_NI, w, counts_L, mode=mode, backend=backend)
 
@@ -287,6 +308,11 @@ class GroupedExperts(ShardedModule):
                 f"tokens_per_expert has {tokens_per_expert_L.numel()} entries, expected "
                 f"{self.num_local_experts} local experts"
             )
+        if self._fuses_mlp(tokens_NH, probs_N):
+            w1 = self.linear_fc1(None, dtype=tokens_NH.dtype)
+            w2 = self.linear_fc2(None, dtype=tokens_NH.dtype)
+            counts = tokens_per_expert_L.tolist()
+            return grouped_swiglu_mlp(tokens_NH, w1, w2, counts, probs_N)
         # [N, H] -> fc1 [N, 2f] ([gate | up]) -> swiglu [N, f], or fc1 [N, f] -> relu² [N, f];
         # times probs (fc2 is linear per row, so scaling its input scales its output); then fc2
         # [N, H] (partial over etp).
@@ -302,3 +328,20 @@ class GroupedExperts(ShardedModule):
                 )
             h = torch.relu(h).square()
         return self.linear_fc2(h, tokens_per_expert_L, self.mode, self.backend)
+
+    def _fuses_mlp(self, tokens_NH: torch.Tensor, probs_N: torch.Tensor | None) -> bool:
+        """Whether the SwiGLU MLP runs expert by expert in one function
+        (``shardwork.fused_kernels.grouped_swiglu_mlp``): float32 CPU rows where the products
+        take oneDNN (``onednn_preferred``), grouped GEMM ``auto``, and both projections plain
+        :class:`ExpertLinear` (a LoRA-wrapped one adds its own products). No rows keeps the
+        unfused path, which links the weights into the graph for the all-to-all's backward."""
+        return (
+            self.activation == "swiglu"
+            and self.mode == "auto"
+            and tokens_NH.shape[0] > 0
+            and type(self.linear_fc1) is ExpertLinear
+            and type(self.linear_fc2) is ExpertLinear
+            and onednn_preferred(
+                self.backend, tokens_NH, self.linear_fc1.weight, self.linear_fc2.weight, probs_N
+            )
+        )
