@@ -30,6 +30,9 @@ output, fp32, dropout 0), on 1, 4 (TP=2 x PP=2) or 2 (EP=2) gloo ranks spawned h
 - ``llama_tp2pp2``: 4 ranks, TP=2 x PP=2, 4 layers, default (TE-named) spec.
 - ``moe_ep2``: 2 ranks, EP=2, 4 experts, top-2 softmax router (allgather dispatcher,
   SequentialMLP ``local_experts``), no aux loss, default spec.
+- ``moe_qb_w1``: world 1, the same MoE with quantile-balancing routing: the router's saved
+  per-expert offset ``qb_beta`` is drawn at random (a trained offset; Megatron starts it at
+  zero), so its forward picks experts by ``logits - qb_beta``.
 
 Norm weights are drawn at random (Megatron initialises them to ones) so a wrong norm mapping
 cannot go unnoticed. ``logits.pt`` holds, per checkpoint, the fixed token inputs, the logits
@@ -77,6 +80,18 @@ CASES = {
     "moe_ep2": dict(
         world=2, tp=1, pp=1, ep=2, num_layers=2, te_names=True, seed=14, experts=4, topk=2
     ),
+    "moe_qb_w1": dict(
+        world=1,
+        tp=1,
+        pp=1,
+        ep=1,
+        num_layers=2,
+        te_names=True,
+        seed=15,
+        experts=4,
+        topk=2,
+        quantile_balancing=True,
+    ),
 }
 BATCH, SEQ = 2, 12
 
@@ -101,7 +116,9 @@ def _transformer_config(case: dict):
             moe_ffn_hidden_size=32,
             moe_token_dispatcher_type="allgather",
             moe_aux_loss_coeff=0.0,
-            moe_router_load_balancing_type="none",
+            moe_router_load_balancing_type=(
+                "quantile_balancing" if case.get("quantile_balancing") else "none"
+            ),
             expert_model_parallel_size=case["ep"],
         )
     return TransformerConfig(
@@ -155,6 +172,10 @@ def _build(case: dict):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("router.qb_beta"):
+                # A trained offset (Megatron starts it at zero): it moves the expert choice.
+                buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.5)
     return model.eval()
 
 
@@ -266,7 +287,8 @@ def main() -> None:
     for name in names:
         stored["cases"][name] = _run(name, CASES[name])
         print(f"{name}: logits {tuple(stored['cases'][name]['logits'].shape)}")
-    stored["megatron_core_version"] = megatron.core.__version__
+    # The release only: megatron-core appends the git hash of the working directory's repository.
+    stored["megatron_core_version"] = megatron.core.__version__.split("+")[0]
     torch.save(stored, path)
     print(f"wrote {path} (megatron-core {megatron.core.__version__})")
 

@@ -12,7 +12,8 @@ project's 3.11; see ``../shared/ENVIRONMENT.md``):
 1. ``uv venv --seed`` with the project's Python (``.python-version``) at ``$SHARDWORK_MEGATRON_VENV``,
    default ``<repo>/.venv-megatron`` (git-ignored);
 2. the workspace's locked torch, numpy and triton (``uv export`` of ``uv.lock``), plus
-   ``packaging>=24.2`` and ``einops`` (what megatron-core imports on the paths used here);
+   ``packaging>=24.2``, ``einops`` and ``psutil`` (what megatron-core imports on the paths used
+   here; ``psutil`` by its checkpoint writer's workers);
 3. the megatron-core 0.19.2 wheel, downloaded for CPython 3.12 (its only wheel, tagged cp312
    because of a compiled dataset helper the tools never load), copied to a
    ``py3-none-any`` name and installed with ``--no-deps --ignore-requires-python``;
@@ -47,7 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MEGATRON_CORE_VERSION = "0.19.2"
 # What megatron-core 0.19.2 imports on the router / GPT-model paths beyond torch and numpy.
-EXTRA_REQUIREMENTS = ("packaging>=24.2", "einops")
+EXTRA_REQUIREMENTS = ("packaging>=24.2", "einops", "psutil")
 # Locked workspace packages installed at exactly the workspace's versions.
 LOCKED_PACKAGES = ("torch", "numpy", "triton")
 # Torch-only workspace packages made importable from source in the scratch environment.

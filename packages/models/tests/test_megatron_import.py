@@ -45,7 +45,7 @@ from shardwork.parallel_state.testing import run_on_ranks
 pytestmark = pytest.mark.golden
 
 DATA = Path(__file__).parent / "data" / "megatron"
-CASES = ("llama_w1_te", "llama_w1_local", "llama_tp2pp2", "moe_ep2")
+CASES = ("llama_w1_te", "llama_w1_local", "llama_tp2pp2", "moe_ep2", "moe_qb_w1")
 
 
 def _fixture(name: str) -> dict:
@@ -62,7 +62,10 @@ def _changes(name: str) -> tuple[str, dict]:
         "rope_theta": float(hyper["rotary_base"]),
     }
     if "experts" in hyper:
-        return "tiny-mixtral-8x7b", changes | {"moe.router.num_experts": hyper["experts"]}
+        changes |= {"moe.router.num_experts": hyper["experts"]}
+        if hyper.get("quantile_balancing"):
+            changes |= {"moe.router.load_balancing_type": "quantile_balancing"}
+        return "tiny-mixtral-8x7b", changes
     return "tiny-llama3-8b", changes
 
 
@@ -85,6 +88,38 @@ def test_world1_logits_equal_megatron(name):
             model(fx["tokens"]), tp_group=None, vocab_size=fx["logits"].shape[-1]
         )
     _assert_logits(logits, fx["logits"])
+
+
+def test_the_imported_quantile_balancing_offset_decides_the_routing():
+    """``qb_beta`` (drawn at random by the fixture, a trained offset) moves expert choices: with
+    it zeroed the logits leave Megatron's by far more than the tolerance, so the logits test
+    above proves it was imported, not defaulted."""
+    fx = _fixture("moe_qb_w1")
+    model = load_megatron_weights(GPTModel(_config("moe_qb_w1")), DATA / "moe_qb_w1").eval()
+    routers = [m for name, m in model.named_modules() if name.endswith("mlp.router")]
+    assert len(routers) == 2 and all(r.inner.qb_beta.abs().max() > 0.1 for r in routers)
+    with torch.no_grad():
+        for router in routers:
+            router.inner.qb_beta.zero_()
+        logits = gather_logits(
+            model(fx["tokens"]), tp_group=None, vocab_size=fx["logits"].shape[-1]
+        )
+    tol = 16 * torch.finfo(torch.float32).eps * fx["logits"].abs().max().item()
+    assert (logits - fx["logits"]).abs().max() > 100 * tol
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "config", "what"),
+    [
+        ("moe_qb_w1", "moe_ep2", "the checkpoint has tensors this config does not"),
+        ("moe_ep2", "moe_qb_w1", "missing keys for this config"),
+    ],
+)
+def test_a_routing_mismatch_names_the_router_option(checkpoint, config, what):
+    with pytest.raises(ValueError, match=what) as err:
+        megatron_state_dict(DATA / checkpoint, _config(config))
+    assert "router.qb_beta" in str(err.value)
+    assert "quantile-balancing routers: moe.router.load_balancing_type" in str(err.value)
 
 
 def test_te_and_local_names_give_the_same_keys():
@@ -256,7 +291,7 @@ def test_per_layer_and_grouped_gemm_names_import_alike(tmp_path, name):
     _assert_logits(logits, fx["logits"])
 
 
-@pytest.mark.parametrize("name", ["llama_w1_te", "llama_w1_local", "llama_tp2pp2", "moe_ep2"])
+@pytest.mark.parametrize("name", CASES)
 def test_export_gives_back_the_tensors_megatron_wrote(tmp_path, name):
     """Import then export: every tensor equals the one megatron-core wrote, bit for bit, under
     its name and stacked layout. (Megatron itself loads these exports at the fixtures' layouts

@@ -55,6 +55,15 @@ def _is_vocab_padding(tensor: torch.Tensor, vocab: int) -> bool:
     return rows > vocab and rows % _PAD_MULTIPLE == 0 and rows - vocab < _PAD_MULTIPLE * 8
 
 
+def _routing_hint(keys: list[str]) -> str:
+    """The router option a routing buffer among ``keys`` points to, as a hint's tail."""
+    if any(k.endswith("router.qb_beta") for k in keys):
+        return "; qb_beta is saved by quantile-balancing routers: moe.router.load_balancing_type"
+    if any(k.endswith("router.expert_bias") for k in keys):
+        return "; expert_bias is saved by routers with moe.router.enable_expert_bias"
+    return ""
+
+
 def _check(state: dict, unknown: list[str], expected: dict, source: str) -> dict:
     if unknown:
         raise ValueError(
@@ -69,13 +78,13 @@ def _check(state: dict, unknown: list[str], expected: dict, source: str) -> dict
         raise ValueError(
             f"{source}: missing keys for this config: {missing[:8]}"
             f"{' ...' if len(missing) > 8 else ''} (check num_layers, moe, qk_layernorm, "
-            "tie_word_embeddings against the checkpoint)"
+            f"tie_word_embeddings against the checkpoint{_routing_hint(missing)})"
         )
     extra = sorted(set(state) - set(expected))
     if extra:
         raise ValueError(
             f"{source}: the checkpoint has tensors this config does not: {extra[:8]} (check "
-            "num_layers, moe and tie_word_embeddings)"
+            f"num_layers, moe and tie_word_embeddings{_routing_hint(extra)})"
         )
     for key, shape in expected.items():
         if tuple(state[key].shape) != shape:

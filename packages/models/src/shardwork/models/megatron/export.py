@@ -43,6 +43,7 @@ _SIMPLE = (
     "self_attention.k_layernorm.weight",
     "mlp.router.weight",
     "mlp.router.expert_bias",
+    "mlp.router.qb_beta",
 )
 
 

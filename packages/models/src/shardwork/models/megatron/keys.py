@@ -51,6 +51,7 @@ RULES: list[tuple[str, str]] = [
     (r"mlp\.linear_fc2\.weight", "mlp.fc2.weight"),
     (r"mlp\.router\.weight", "mlp.router.weight"),
     (r"mlp\.router\.expert_bias", "mlp.router.expert_bias"),
+    (r"mlp\.router\.qb_beta", "mlp.router.qb_beta"),
     (_EXPERT, "expert"),
 ]
 """Per-layer Megatron local-spec name (regex) -> shardwork name, or a split kind."""
