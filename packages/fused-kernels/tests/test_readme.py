@@ -1,4 +1,5 @@
-"""The README example runs as written; its fused loss equals the one from materialised logits."""
+"""The README example runs as written; its fused loss equals the one from materialised logits,
+its experts' output a loop over experts written here."""
 
 from __future__ import annotations
 
@@ -24,3 +25,11 @@ def test_readme_example_runs():
     torch.testing.assert_close(scope["lm_loss"].detach(), ref.detach(), rtol=1e-5, atol=0)
     torch.testing.assert_close(hidden.grad, h.grad, rtol=1e-4, atol=1e-8)
     torch.testing.assert_close(head.grad, w.grad, rtol=1e-4, atol=1e-8)
+    rows, fc1, fc2, weights = (scope[k].double() for k in ("rows", "fc1", "fc2", "weights"))
+    expected = torch.empty_like(rows)
+    for e, block in ((0, slice(0, 5)), (2, slice(5, 8))):  # expert 1 has no rows
+        gate, up = (rows[block] @ fc1[e].t()).chunk(2, dim=-1)
+        expected[block] = (F.silu(gate) * up * weights[block, None]) @ fc2[e].t()
+    # fp32 products of up to 256 terms: 4.9e-7 of the largest entry measured, 1e-5 allowed
+    err = (scope["expert_out"].double() - expected).abs().max() / expected.abs().max()
+    assert err < 1e-5
