@@ -158,6 +158,7 @@ def test_backpropagates_once_only():
         (dict(counts=[300, 0, 130, 7]), r"must hold 5 non-negative row counts"),
         (dict(counts=[300, 0, 130, 7, 271]), r"summing to x_NH's 707 rows"),
         (dict(w2=(5, H, 7)), r"expected \[N, H\], \[L, 2f, H\] and \[L, H, f\]"),
+        (dict(w1=(5, 2 * F_)), r"w1_LFH=\(5, 512\), .*expected \[N, H\], \[L, 2f, H\]"),
         (dict(probs=(707, 2)), r"probs_N.shape=\(707, 2\): expected \[707\] or \[707, 1\]"),
     ],
 )
@@ -165,6 +166,8 @@ def test_bad_operands_are_refused_by_name(change, message):
     x, w1, w2, probs, _ = _operands(6)
     if "x" in change:
         x = x.to(change["x"])
+    if "w1" in change:
+        w1 = torch.randn(change["w1"])
     if "w2" in change:
         w2 = torch.randn(change["w2"])
     if "probs" in change:

@@ -104,6 +104,13 @@ class _GroupedSwiGLUMLP(torch.autograd.Function):
         return dx, dw1, dw2, dp, None
 
 
+def _shapes_fit(x_NH: torch.Tensor, w1_LFH: torch.Tensor, w2_LHf: torch.Tensor) -> bool:
+    if x_NH.dim() != 2 or w1_LFH.dim() != 3:
+        return False
+    L, two_f, hidden = w1_LFH.shape
+    return x_NH.shape[1] == hidden and two_f % 2 == 0 and w2_LHf.shape == (L, hidden, two_f // 2)
+
+
 def grouped_swiglu_mlp(
     x_NH: torch.Tensor,
     w1_LFH: torch.Tensor,
@@ -124,17 +131,12 @@ def grouped_swiglu_mlp(
     for name, t in tensors.items():
         if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"):
             raise ValueError(f"{name} is {t.dtype} on {t.device}: float32 CPU tensors only")
-    L, two_f, hidden = w1_LFH.shape
-    if (
-        x_NH.dim() != 2
-        or x_NH.shape[1] != hidden
-        or two_f % 2
-        or tuple(w2_LHf.shape) != (L, hidden, two_f // 2)
-    ):
+    if not _shapes_fit(x_NH, w1_LFH, w2_LHf):
         raise ValueError(
             f"shapes x_NH={tuple(x_NH.shape)}, w1_LFH={tuple(w1_LFH.shape)}, "
             f"w2_LHf={tuple(w2_LHf.shape)}: expected [N, H], [L, 2f, H] and [L, H, f]"
         )
+    L = w1_LFH.shape[0]
     if len(counts) != L or sum(counts) != x_NH.shape[0] or min(counts, default=0) < 0:
         raise ValueError(
             f"counts={counts} must hold {L} non-negative row counts (one per expert) summing to "
@@ -142,7 +144,8 @@ def grouped_swiglu_mlp(
         )
     probs_N1 = None
     if probs_N is not None:
-        if probs_N.numel() != x_NH.shape[0] or probs_N.shape[0] != x_NH.shape[0]:
+        n = x_NH.shape[0]
+        if probs_N.dim() not in (1, 2) or probs_N.numel() != n or probs_N.shape[0] != n:
             raise ValueError(
                 f"probs_N.shape={tuple(probs_N.shape)}: expected [{x_NH.shape[0]}] or "
                 f"[{x_NH.shape[0]}, 1]"
