@@ -81,18 +81,10 @@ CASES = {
         world=2, tp=1, pp=1, ep=2, num_layers=2, te_names=True, seed=14, experts=4, topk=2
     ),
     "moe_qb_w1": dict(
-        world=1,
-        tp=1,
-        pp=1,
-        ep=1,
-        num_layers=2,
-        te_names=True,
-        seed=15,
-        experts=4,
-        topk=2,
+        world=1, tp=1, pp=1, ep=1, num_layers=2, te_names=True, seed=15, experts=4, topk=2,
         quantile_balancing=True,
     ),
-}
+}  # fmt: skip
 BATCH, SEQ = 2, 12
 
 

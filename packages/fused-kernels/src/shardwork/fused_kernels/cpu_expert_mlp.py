@@ -24,22 +24,13 @@ Same arithmetic, in the same order, as the unfused path (grouped products, then
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from shardwork.fused_kernels.cpu_gemm import group_mm_nt
+from shardwork.fused_kernels.cpu_gemm import group_mm_nt, group_rows
 
 __all__ = ["grouped_swiglu_mlp"]
-
-
-def _groups(counts: list[int]) -> Iterator[tuple[int, slice]]:
-    start = 0
-    for group, count in enumerate(counts):
-        yield group, slice(start, start + count)
-        start += count
 
 
 def _swiglu(h: torch.Tensor, p: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +47,7 @@ class _GroupedSwiGLUMLP(torch.autograd.Function):
     def forward(ctx, x_NH, w1_LFH, w2_LHf, probs_N1, counts):
         y_NH = x_NH.new_empty((x_NH.shape[0], w2_LHf.shape[1]))
         saved = []  # per expert with rows: fc1 output, silu(gate), fc2 input
-        for group, rows in _groups(counts):
+        for group, rows in group_rows(counts):
             if rows.start == rows.stop:
                 continue
             h = group_mm_nt(x_NH[rows], w1_LFH[group])
@@ -77,7 +68,7 @@ class _GroupedSwiGLUMLP(torch.autograd.Function):
         dw2 = torch.empty_like(w2_LHf) if need_w2 else None
         dp = torch.empty_like(probs_N1) if need_p else None
         per_group = iter(saved)
-        for group, rows in _groups(ctx.counts):
+        for group, rows in group_rows(ctx.counts):
             if rows.start == rows.stop:  # an expert without rows: zero weight gradients
                 for dw in (dw1, dw2):
                     if dw is not None:
@@ -146,9 +137,6 @@ def grouped_swiglu_mlp(
     if probs_N is not None:
         n = x_NH.shape[0]
         if probs_N.dim() not in (1, 2) or probs_N.numel() != n or probs_N.shape[0] != n:
-            raise ValueError(
-                f"probs_N.shape={tuple(probs_N.shape)}: expected [{x_NH.shape[0]}] or "
-                f"[{x_NH.shape[0]}, 1]"
-            )
+            raise ValueError(f"probs_N.shape={tuple(probs_N.shape)}: expected [{n}] or [{n}, 1]")
         probs_N1 = probs_N.reshape(-1, 1)
     return _GroupedSwiGLUMLP.apply(x_NH.contiguous(), w1_LFH, w2_LHf, probs_N1, list(counts))

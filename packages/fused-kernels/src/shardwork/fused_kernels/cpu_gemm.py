@@ -27,6 +27,7 @@ Intel CPUs; on Intel CPUs MKL is kept (not measured: no Intel machine here).
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -39,6 +40,7 @@ from shardwork.fused_kernels.backend import BACKENDS, get_default_backend
 __all__ = [
     "cpu_vendor",
     "group_mm_nt",
+    "group_rows",
     "linear",
     "onednn_grouped_linear",
     "onednn_linear",
@@ -157,6 +159,14 @@ layers), that copy costs more than oneDNN gains below 256 rows or an inner width
 MKL writes the rows in place."""
 
 
+def group_rows(counts: list[int]) -> Iterator[tuple[int, slice]]:
+    """``(group, row slice)`` of each group, for rows grouped contiguously by ``counts``."""
+    start = 0
+    for group, count in enumerate(counts):
+        yield group, slice(start, start + count)
+        start += count
+
+
 def group_mm_nt(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``a [M, K] · b [N, K]ᵀ`` of one expert group, float32 CPU tensors: on oneDNN from
     :data:`_GROUP_MIN` rows and inner width, on MKL below; written into ``out`` (a row block of a
@@ -175,10 +185,8 @@ class _OneDnnGroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_NI, w_LOI, counts):
         y = x_NI.new_empty((x_NI.shape[0], w_LOI.shape[1]))
-        start = 0
-        for group, count in enumerate(counts):
-            group_mm_nt(x_NI[start : start + count], w_LOI[group], y[start : start + count])
-            start += count
+        for group, rows in group_rows(counts):
+            group_mm_nt(x_NI[rows], w_LOI[group], y[rows])
         ctx.save_for_backward(x_NI, w_LOI)
         ctx.counts = counts
         return y
@@ -189,13 +197,10 @@ class _OneDnnGroupedLinear(torch.autograd.Function):
         x_NI, w_LOI = ctx.saved_tensors
         dx = x_NI.new_empty(x_NI.shape) if ctx.needs_input_grad[0] else None
         dw = torch.empty_like(w_LOI) if ctx.needs_input_grad[1] else None
-        start = 0
-        for group, count in enumerate(ctx.counts):
-            rows = slice(start, start + count)
-            start += count
-            if dw is not None and not count:
-                dw[group].zero_()
-            if not count:
+        for group, rows in group_rows(ctx.counts):
+            if rows.start == rows.stop:  # a group without rows: zero weight gradient
+                if dw is not None:
+                    dw[group].zero_()
                 continue
             if dx is not None:
                 group_mm_nt(grad[rows], w_LOI[group].t(), dx[rows])
