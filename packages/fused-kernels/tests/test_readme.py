@@ -15,6 +15,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 def test_readme_example_runs():
     code = re.search(r"```python\n(.*?)```", README.read_text(), re.S).group(1)
     scope: dict = {}
+    torch.manual_seed(0)  # the README draws unseeded; a fixed draw makes a failure reproducible
     exec(compile(code, str(README), "exec"), scope)
     assert scope["out"].shape == scope["tokens"].shape
     hidden, head, labels = scope["hidden"], scope["head"], scope["labels"]
@@ -23,8 +24,11 @@ def test_readme_example_runs():
     ref = F.cross_entropy(h @ w.t(), labels)
     ref.backward()
     torch.testing.assert_close(scope["lm_loss"].detach(), ref.detach(), rtol=1e-5, atol=0)
-    torch.testing.assert_close(hidden.grad, h.grad, rtol=1e-4, atol=1e-8)
-    torch.testing.assert_close(head.grad, w.grad, rtol=1e-4, atol=1e-8)
+    # At each gradient's own scale: over seeds 0-7 the chunked gradients differ from the
+    # materialised ones by at most 2.9e-6 of their largest entry; 2e-5 leaves ~7x. (An absolute
+    # 1e-8 floor failed now and then on the head's near-zero entries.)
+    for got, want in ((hidden.grad, h.grad), (head.grad, w.grad)):
+        assert (got - want).abs().max() <= 2e-5 * want.abs().max()
     rows, fc1, fc2, weights = (scope[k].double() for k in ("rows", "fc1", "fc2", "weights"))
     expected = torch.empty_like(rows)
     for e, block in ((0, slice(0, 5)), (2, slice(5, 8))):  # expert 1 has no rows
