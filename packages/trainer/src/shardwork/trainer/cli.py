@@ -22,10 +22,10 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from shardwork.trainer.config.cli import parse_train_args
 from shardwork.trainer.config.load import config_to_toml
+from shardwork.trainer.cpu_runtime import set_cpu_runtime_env
 from shardwork.trainer.errors import (
     EXIT_CHECKPOINT,
     EXIT_COLLECTIVE,
@@ -37,39 +37,6 @@ from shardwork.trainer.errors import (
 )
 
 PROG = "shardwork-train"
-
-
-THP_MODE_FILE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
-
-def set_cpu_runtime_env(thp_mode_file: Path = THP_MODE_FILE) -> None:
-    """Set what torch reads when it loads or first allocates, before either; an explicit
-    setting in the environment wins.
-
-    - ``OMP_WAIT_POLICY=PASSIVE``: idle OpenMP threads sleep instead of spinning. On a CPU
-      shared with other processes, spinning intra-op threads made a training step 4x slower
-      (6.6 s vs 1.6 s measured on a loaded 2-core machine); on an idle machine passive waiting
-      costs nothing measurable.
-    - ``THP_MEM_ALLOC_ENABLE=1`` where the kernel offers transparent huge pages
-      (:func:`huge_pages_offered`): torch's CPU allocator then puts tensors of 2 MiB and more on
-      2 MiB pages, so a fresh tensor's first write no longer faults in 4 KiB pages one by one.
-      Measured on the 2-core AMD EPYC: the first fill of a fresh 50 MB tensor (a stacked
-      expert gradient) 21 ms -> 5 ms; the MoE layers of ``benchmarks/models_moe.py`` 6-13 %
-      faster; the dense step of ``benchmarks/dense_step.py`` unchanged.
-    """
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    if huge_pages_offered(thp_mode_file):
-        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-
-
-def huge_pages_offered(thp_mode_file: Path = THP_MODE_FILE) -> bool:
-    """Whether a process may ask for transparent huge pages: the kernel's mode is ``[always]``
-    or ``[madvise]`` (``[never]``, or no such file, e.g. not Linux: no)."""
-    try:
-        mode = thp_mode_file.read_text()
-    except OSError:
-        return False
-    return "[always]" in mode or "[madvise]" in mode
 
 
 def _checked_config(argv: list[str]):

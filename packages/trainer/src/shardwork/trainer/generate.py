@@ -30,7 +30,7 @@ from pathlib import Path
 
 import tyro
 
-from shardwork.trainer.cli import set_cpu_runtime_env
+from shardwork.trainer.cpu_runtime import set_cpu_runtime_env
 from shardwork.trainer.errors import CheckpointError, UserError, report
 
 
