@@ -212,8 +212,15 @@ def _load(
         for s in opt.optimizer.state.values():
             for name, value in state.get("scalars", {}).items():
                 if name in s:
-                    # torch's Adam/AdamW keep ``step`` as a 0-d tensor: restore it in the same form.
-                    s[name] = torch.tensor(float(value)) if torch.is_tensor(s[name]) else value
+                    # torch's Adam/AdamW keep ``step`` as a 0-d tensor: restore it in the same
+                    # form, dtype and device (the fused kernels keep it float32 on the
+                    # parameters' device; torch's own load_state_dict keeps it there too).
+                    old = s[name]
+                    s[name] = (
+                        torch.tensor(float(value), dtype=old.dtype, device=old.device)
+                        if torch.is_tensor(old)
+                        else value
+                    )
     if opt.loss_scaler is not None and "loss_scaler" in state:
         opt.loss_scaler.load_state_dict(state["loss_scaler"])
 
