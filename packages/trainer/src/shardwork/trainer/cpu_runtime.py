@@ -46,12 +46,11 @@ def set_cpu_runtime_env(thp_mode_file: Path = THP_MODE_FILE) -> dict[str, object
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if huge_pages_offered(thp_mode_file):
         os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-    reused = reuse_freed_memory()
-    settings: dict[str, object] = {
-        name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "THP_MEM_ALLOC_ENABLE")
+    return {
+        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
+        "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE"),
+        "reuse_freed_memory": reuse_freed_memory(),
     }
-    settings["reuse_freed_memory"] = reused
-    return settings
 
 
 def huge_pages_offered(thp_mode_file: Path = THP_MODE_FILE) -> bool:
