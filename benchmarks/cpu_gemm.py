@@ -8,9 +8,10 @@ libraries in one process, interleaved, best of ``--repeats``:
 - input gradient ``dY·W``: ``torch.mm`` against oneDNN on ``Wᵀ``;
 - weight gradient ``dYᵀ·x``: ``torch.mm`` against oneDNN on the transposed views.
 
-``shardwork.fused_kernels.cpu_gemm`` runs the first two on oneDNN off Intel CPUs and keeps the
-third on MKL; this table is the measurement behind that choice. Also prints the CPU vendor and
-what ``onednn_preferred`` answers here.
+``shardwork.fused_kernels.cpu_gemm`` runs the first two on oneDNN off Intel CPUs, and the third
+only where the weight is at least twice as wide as tall (``weight_grad_on_onednn``; the table's
+last column says which library it takes per row); this table is the measurement behind that
+choice. Also prints the CPU vendor and what ``onednn_preferred`` answers here.
 
     uv run python benchmarks/cpu_gemm.py --threads 1 2
 
@@ -40,9 +41,12 @@ SHAPES = {
     "qkv (h512, GQA 8/4)": (1024, 512, 1024),
     "mlp fc1 (2x1408)": (1024, 512, 2816),
     "mlp fc2": (1024, 1408, 512),
+    "attention out (h512)": (1024, 512, 512),
     "head (vocab 8192)": (1024, 512, 8192),
     "expert fc1 (2x1792, 512 rows)": (512, 512, 3584),
     "expert fc2": (512, 1792, 512),
+    "expert fc1 (2x192, 256 rows)": (256, 512, 384),
+    "expert fc2 (ffn 192)": (256, 192, 512),
 }  # fmt: skip
 
 
@@ -70,6 +74,10 @@ def measure(m: int, k: int, n: int, repeats: int) -> dict:
         "weight grad dYᵀ·x": (lambda: torch.mm(dy.t(), x), lambda: _onednn(dy.t(), x.t())),
     }
     flops = 2 * m * k * n
+    # The library shardwork takes for each product here (forward and input gradient: oneDNN
+    # wherever it is preferred; the weight gradient dW [n, k] by its shape).
+    on_dnn = {"forward x·Wᵀ": True, "input grad dY·W": True,
+              "weight grad dYᵀ·x": cpu_gemm.weight_grad_on_onednn(m, n, k)}  # fmt: skip
     out = {}
     for name, (mkl, dnn) in products.items():
         t_mkl, t_dnn = float("inf"), float("inf")
@@ -77,7 +85,8 @@ def measure(m: int, k: int, n: int, repeats: int) -> dict:
             t_mkl = min(t_mkl, _best(mkl, repeats))
             t_dnn = min(t_dnn, _best(dnn, repeats))
         out[name] = {"mkl_gflops": flops / t_mkl / 1e9, "onednn_gflops": flops / t_dnn / 1e9,
-                     "speedup": t_mkl / t_dnn}  # fmt: skip
+                     "speedup": t_mkl / t_dnn,
+                     "shardwork_takes": "oneDNN" if on_dnn[name] else "MKL"}  # fmt: skip
     return out
 
 
@@ -111,16 +120,21 @@ def markdown(result: dict) -> str:
         "",
         f"CPU vendor {result['vendor']!r}, torch CPU capability {result['cpu_capability']}, "
         f"torch {result['torch']}; `onednn_preferred` here: {result['onednn_preferred']}. "
-        "Best of interleaved repeats; speedup = MKL time / oneDNN time (> 1: oneDNN faster).",
+        "Best of interleaved repeats; speedup = MKL time / oneDNN time (> 1: oneDNN faster). "
+        "Last column: the library shardwork's float32 CPU linears and experts take for that "
+        "product where oneDNN is preferred (a group's product below 256 rows or inner width "
+        "stays on MKL).",
         "",
-        "| threads | shape | M, K, N | product | MKL GFLOP/s | oneDNN GFLOP/s | speedup |",
-        "|---|---|---|---|---|---|---|",
+        "| threads | shape | M, K, N | product | MKL GFLOP/s | oneDNN GFLOP/s | speedup "
+        "| shardwork takes |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         m, k, n = r["mkn"]
         lines.append(
             f"| {r['threads']} | {r['shape']} | {m}, {k}, {n} | {r['product']} | "
-            f"{r['mkl_gflops']:.1f} | {r['onednn_gflops']:.1f} | {r['speedup']:.3f} |"
+            f"{r['mkl_gflops']:.1f} | {r['onednn_gflops']:.1f} | {r['speedup']:.3f} | "
+            f"{r['shardwork_takes']} |"
         )
     lines += ["", f"Machine: {json.dumps(result['machine'])}", ""]
     return "\n".join(lines)

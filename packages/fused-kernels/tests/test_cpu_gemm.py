@@ -88,6 +88,57 @@ def test_grouped_linear_equals_per_group_float64_products():
     assert _rel(wrong, y64) > 1e-2
 
 
+@pytest.fixture
+def onednn_calls(monkeypatch):
+    """Counts the products that reach oneDNN through ``cpu_gemm.onednn_mm_nt``."""
+    calls = []
+
+    def counted(a, b):
+        calls.append((tuple(a.shape), tuple(b.shape)))
+        return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+
+    monkeypatch.setattr(cpu_gemm, "onednn_mm_nt", counted)
+    return calls
+
+
+# (rows, out, in): oneDNN only for a weight at least twice as wide as tall, rows and out >= 256.
+WEIGHT_GRAD_CASES = {
+    "wide": ((300, 256, 512), True),
+    "just under twice as wide": ((300, 256, 511), False),
+    "255 rows": ((255, 256, 512), False),
+    "out 255": ((300, 255, 600), False),
+    "tall (fc1)": ((300, 512, 256), False),
+}
+
+
+@pytest.mark.parametrize("case", WEIGHT_GRAD_CASES)
+def test_weight_grad_takes_onednn_only_for_wide_weights(case, onednn_calls):
+    (rows, out, inp), on_onednn = WEIGHT_GRAD_CASES[case]
+    g = torch.Generator().manual_seed(4)
+    dy, x = torch.randn(rows, out, generator=g), torch.randn(rows, inp, generator=g)
+    ref = dy.double().t() @ x.double()
+    fresh = cpu_gemm.weight_grad_mm(dy, x)
+    stacked = torch.randn(3, out, inp, generator=g)
+    written = cpu_gemm.weight_grad_mm(dy, x, stacked[1])
+    assert len(onednn_calls) == (2 if on_onednn else 0)
+    assert fresh.shape == (out, inp) and written.data_ptr() == stacked[1].data_ptr()
+    assert _rel(fresh, ref) < RTOL_OF_MAX and _rel(stacked[1], ref) < RTOL_OF_MAX
+    # The tolerance sees one token's row left out of the sum.
+    assert _rel(cpu_gemm.weight_grad_mm(dy[1:], x[1:]), ref) > 1e-3
+
+
+def test_linear_weight_gradient_of_a_wide_weight_runs_on_onednn(onednn_calls):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 150, 768, generator=g).requires_grad_()  # 300 rows
+    w = torch.randn(256, 768, generator=g).requires_grad_()  # fc2-shaped: in = 3 x out
+    dy = torch.randn(2, 150, 256, generator=g)
+    onednn_linear(x, w).backward(dy)
+    # Through onednn_mm_nt: the input gradient (b = wᵀ) and the weight gradient (b = xᵀ).
+    assert [b for _, b in onednn_calls] == [(768, 256), (768, 300)]
+    ref = dy.double().reshape(300, 256).t() @ x.detach().double().reshape(300, 768)
+    assert _rel(w.grad, ref) < RTOL_OF_MAX
+
+
 def test_grouped_linear_refuses_counts_that_do_not_cover_the_rows():
     x, w = torch.randn(6, 8), torch.randn(2, 4, 8)
     with pytest.raises(ValueError, match=r"counts=\[2, 3\] must have 2 entries .* 6 rows"):

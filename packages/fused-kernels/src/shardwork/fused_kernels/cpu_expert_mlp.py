@@ -10,7 +10,9 @@ thread, Mixtral-style experts (8 x ffn 1792, 4,096 rows), the SwiGLU's multiplic
 right after its product (``benchmarks/models_moe.py``). Here each group runs fc1, the
 activation and fc2 back to back, and its backward likewise, so the elementwise work finds its
 operands in cache. The products are :func:`~shardwork.fused_kernels.cpu_gemm.group_mm_nt`'s
-(oneDNN from 256 rows and inner width 256, MKL below); the weight gradients stay on MKL.
+(oneDNN from 256 rows and inner width 256, MKL below), the weight gradients
+:func:`~shardwork.fused_kernels.cpu_gemm.weight_grad_mm`'s (fc2's ``[H, f]`` on oneDNN from 256 rows where
+``f >= 2H``, fc1's on MKL), as in the unfused path.
 
 Memory: the tensors the unfused path saves, group by group (fc1's output, ``silu(gate)`` and
 fc2's input; the caller's ``x``), so activation memory and its estimate
@@ -28,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from shardwork.fused_kernels.cpu_gemm import group_mm_nt, group_rows
+from shardwork.fused_kernels.cpu_gemm import group_mm_nt, group_rows, weight_grad_mm
 
 __all__ = ["grouped_swiglu_mlp"]
 
@@ -77,7 +79,7 @@ class _GroupedSwiGLUMLP(torch.autograd.Function):
             h, act, a = next(per_group), next(per_group), next(per_group)
             dy, gate, up = dy_NH[rows], *h.chunk(2, dim=-1)
             if dw2 is not None:
-                torch.mm(dy.t(), a, out=dw2[group])
+                weight_grad_mm(dy, a, dw2[group])
             da = group_mm_nt(dy, w2_LHf[group].t())  # dL/d(fc2 input), [n, f]
             if probs_N1 is not None:
                 if dp is not None:
@@ -89,7 +91,7 @@ class _GroupedSwiGLUMLP(torch.autograd.Function):
             torch.mul(da, act, out=up)
             torch.ops.aten.silu_backward.grad_input(da_up, gate, grad_input=gate)
             if dw1 is not None:
-                torch.mm(h.t(), x_NH[rows], out=dw1[group])
+                weight_grad_mm(h, x_NH[rows], dw1[group])
             if dx is not None:
                 group_mm_nt(h, w1_LFH[group].t(), dx[rows])
         return dx, dw1, dw2, dp, None

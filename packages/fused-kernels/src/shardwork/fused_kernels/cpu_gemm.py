@@ -3,11 +3,13 @@
 torch multiplies float32 CPU matrices with MKL's sgemm; oneDNN, which every x86 build of
 torch also carries, picks its kernels from the CPU's instruction sets alone. Measured on the
 2-core AMD EPYC (AVX-512) machine, 1 and 2 threads, shapes of the issue-24 models
-(``benchmarks/cpu_gemm.py``): ``x·Wᵀ`` (a linear's forward) 5-22 % faster on oneDNN, ``dY·W``
-(its input gradient) 5-30 %, ``dYᵀ·X`` (its weight gradient) 0.80-1.16x, so that one stays on
-MKL. MKL runs no faster there when allowed AVX-512 than when limited to AVX2
-(``MKL_ENABLE_INSTRUCTIONS=AVX2``), as expected of a library that tunes its fast paths for
-Intel CPUs; on Intel CPUs MKL is kept (not measured: no Intel machine here).
+(``benchmarks/results/cpu_gemm.md``): ``x·Wᵀ`` (a linear's forward) 6-19 % faster on oneDNN,
+``dY·W`` (its input gradient) 5-20 %, ``dYᵀ·X`` (its weight gradient) 0.88-1.09x, faster only
+where the weight is at least twice as wide as tall (fc2), so only there
+(:func:`weight_grad_mm`); other weight gradients stay on MKL. MKL runs no faster there when
+allowed AVX-512 than when limited to AVX2 (``MKL_ENABLE_INSTRUCTIONS=AVX2``), as expected of a
+library that tunes its fast paths for Intel CPUs; on Intel CPUs MKL is kept (not measured: no
+Intel machine here).
 
 - :func:`onednn_preferred`: whether a call asked for with ``backend`` takes oneDNN: ``"auto"``
   (or the default ``"auto"``), a float32 CPU tensor, oneDNN in this torch build, a CPU whose
@@ -19,7 +21,7 @@ Intel CPUs; on Intel CPUs MKL is kept (not measured: no Intel machine here).
   same bits.
 - :func:`linear` is ``F.linear`` with that choice; :func:`onednn_linear` and
   :func:`onednn_grouped_linear` (the MoE experts' product over contiguous row groups) run
-  oneDNN whatever the CPU. Both compute the weight gradient with torch's ``mm``.
+  oneDNN whatever the CPU. Both compute the weight gradient with :func:`weight_grad_mm`.
 - The products equal MKL's up to summation order: relative error against float64 ~8e-7 of
   the largest entry at K = 512 (MKL's ~4e-7), both far below float32 training noise.
 """
@@ -46,6 +48,8 @@ __all__ = [
     "onednn_linear",
     "onednn_mm_nt",
     "onednn_preferred",
+    "weight_grad_mm",
+    "weight_grad_on_onednn",
 ]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -124,7 +128,7 @@ class _OneDnnLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = onednn_mm_nt(g2, weight.t()).view(x.shape)
         if ctx.needs_input_grad[1]:
-            dw = torch.mm(g2.t(), x.reshape(-1, x.shape[-1]))
+            dw = weight_grad_mm(g2, x.reshape(-1, x.shape[-1]))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g2.sum(0)
         return dx, dw, db
@@ -157,6 +161,40 @@ _GROUP_MIN = 256
 its result is copied into the group's rows; measured (1 thread, widths of the issue-24 MoE
 layers), that copy costs more than oneDNN gains below 256 rows or an inner width of 256, where
 MKL writes the rows in place."""
+
+
+_WIDE_WEIGHT = 2
+"""Input width over output width from which a weight gradient ``dYᵀ·x`` runs on oneDNN (with
+rows and output width from :data:`_GROUP_MIN`). Measured on the 2-core AMD EPYC
+(``benchmarks/results/cpu_gemm.md``, the issue-24 shapes, 1 and 2 threads): where the weight is
+at least twice as wide as tall (an MLP's or expert's fc2, ``[H, F]``) oneDNN is 1.04-1.09x
+faster; square or tall weights (qkv, fc1, the attention output, the output layer) run
+0.88-1.03x there, and below 2x on two threads."""
+
+
+def weight_grad_on_onednn(rows: int, out_features: int, in_features: int) -> bool:
+    """Whether :func:`weight_grad_mm` of ``dy [rows, out_features]`` and ``x [rows,
+    in_features]`` runs on oneDNN: ``in_features >= 2·out_features``, rows and
+    ``out_features`` from 256."""
+    return (
+        rows >= _GROUP_MIN
+        and out_features >= _GROUP_MIN
+        and in_features >= _WIDE_WEIGHT * out_features
+    )
+
+
+def weight_grad_mm(
+    dy: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A linear's weight gradient ``dy [n, out]ᵀ · x [n, in]`` -> ``[out, in]``, float32 CPU
+    tensors: on oneDNN (transposed views, no copies in) where :func:`weight_grad_on_onednn`,
+    on MKL otherwise. Written into
+    ``out`` when given (MKL in place, oneDNN's result copied), else returned fresh. The choice
+    depends on the shapes alone, so a rerun computes the same bits."""
+    if weight_grad_on_onednn(dy.shape[0], dy.shape[1], x.shape[1]):
+        dw = onednn_mm_nt(dy.t(), x.t())
+        return dw if out is None else out.copy_(dw)
+    return torch.mm(dy.t(), x) if out is None else torch.mm(dy.t(), x, out=out)
 
 
 def group_rows(counts: list[int]) -> Iterator[tuple[int, slice]]:
@@ -205,7 +243,7 @@ class _OneDnnGroupedLinear(torch.autograd.Function):
             if dx is not None:
                 group_mm_nt(grad[rows], w_LOI[group].t(), dx[rows])
             if dw is not None:
-                torch.mm(grad[rows].t(), x_NI[rows], out=dw[group])
+                weight_grad_mm(grad[rows], x_NI[rows], dw[group])
         return dx, dw, None
 
 
