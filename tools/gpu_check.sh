@@ -55,7 +55,7 @@ limited 110 python3 -m pytest -q -p no:cacheprovider -o addopts="" --import-mode
     -n 8 --timeout 120 -m "not slow" packages/fused-kernels/tests
 # One file at a time, verbose: a hang names its test and costs only its own file's limit.
 for tests in packages/parallel-state/tests packages/dist-checkpoint/tests \
-    packages/models/tests/test_hybrid_kernels.py; do
+    packages/dist-optimizer/tests/test_sharded_state.py packages/models/tests/test_hybrid_kernels.py; do
     limited 150 python3 -m pytest -v -p no:cacheprovider -o addopts="" --import-mode=importlib \
         --timeout 120 --timeout-method thread -m gpu "$tests"
 done

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardwork.dist_optimizer import (
@@ -61,10 +62,29 @@ def state_report(opt: DistributedOptimizer) -> tuple[int, int, set[torch.dtype]]
     return opt.state_numel(), sum(mp.piece.numel for mp in opt.pieces), dtypes
 
 
-def _train(path: str, first: int, last: int, load: bool, seed: int, moments: str = "fp32"):
-    pg = init_process_groups(ParallelConfig())
+def _nccl_world_of_one(store_file: str):
+    """Leave the pool's gloo world for a one-GPU NCCL world (the process groups a CUDA run has)."""
+    dist.destroy_process_group()
+    torch.cuda.set_device(0)
+    store = dist.FileStore(store_file, 1)
+    return init_process_groups(ParallelConfig(), backend="nccl", store=store, rank=0, world_size=1)
+
+
+def _train(
+    path: str,
+    first: int,
+    last: int,
+    load: bool,
+    seed: int,
+    moments: str = "fp32",
+    device: str = "cpu",
+):
+    if device == "cuda":
+        pg = _nccl_world_of_one(f"{path}.store-{first}")
+    else:
+        pg = init_process_groups(ParallelConfig())
     dp, rank = pg.size("dp"), pg.rank("dp")
-    model = build_model(seed)
+    model = build_model(seed).to(device)
     cfg = DDPConfig(use_distributed_optimizer=True, bucket_size=50, pad_multiple=1)
     ddp = DistributedDataParallel(model, config=cfg, process_groups=pg)
     opt = DistributedOptimizer(ddp, OPTIMIZERS[moments], process_groups=pg)
@@ -82,7 +102,7 @@ def _train(path: str, first: int, last: int, load: bool, seed: int, moments: str
             for n, p in model.named_parameters():
                 p.copy_(loaded["model"][n])
         opt.load_sharded_state_dict(loaded["optimizer"])
-    x, y = batches(4)
+    x, y = (t.to(device) for t in batches(4))
     per = GLOBAL_BATCH // dp
     for s in range(first, last):
         opt.zero_grad()
@@ -93,18 +113,28 @@ def _train(path: str, first: int, last: int, load: bool, seed: int, moments: str
     if not load:
         dcp.save(state(), path)
     ddp.finish_param_sync()
-    return [p.detach().clone() for p in model.parameters()], state_report(opt)
+    return [p.detach().cpu() for p in model.parameters()], state_report(opt), step_states(opt)
 
 
-def unsharded_run(moments: str) -> list[torch.Tensor]:
-    model = build_model(0)
+def step_states(opt: DistributedOptimizer) -> set[tuple[str, torch.dtype, float]]:
+    """(device type, dtype, value) of every tensor ``step`` state on this rank."""
+    return {
+        (v.device.type, v.dtype, float(v))
+        for st in opt.optimizer.state.values()
+        for k, v in st.items()
+        if k == "step" and torch.is_tensor(v)
+    }
+
+
+def unsharded_run(moments: str, device: str = "cpu") -> list[torch.Tensor]:
+    model = build_model(0).to(device)
     opt = OPTIMIZERS[moments](model.parameters())
-    x, y = batches(4)
+    x, y = (t.to(device) for t in batches(4))
     for s in range(4):
         opt.zero_grad()
         nn.functional.mse_loss(model(x[s]), y[s]).backward()
         opt.step()
-    return [p.detach() for p in model.parameters()]
+    return [p.detach().cpu() for p in model.parameters()]
 
 
 def far_elements(got: list[torch.Tensor], want: list[torch.Tensor], atol: float) -> int:
@@ -120,11 +150,13 @@ def test_saved_at_dp4_resumes_at_dp2(tmp_path, moments):
     resumed = run_on_ranks(_train, 2, args=(path, 2, 4, True, 123, moments))
     want = unsharded_run(moments)
     dtype = torch.bfloat16 if moments == "bf16" else torch.float32
-    for _, (state_numel, shard_numel, dtypes) in saved + resumed:
+    for _, (state_numel, shard_numel, dtypes), _ in saved + resumed:
         assert state_numel == 2 * shard_numel and dtypes == {dtype}  # exp_avg, exp_avg_sq
     total = sum(p.numel() for p in want)
     assert sum(r[1][1] for r in saved) == sum(r[1][1] for r in resumed) == total
-    for params, _ in resumed:
+    for _, _, steps in resumed:  # the loaded step kept its place: CPU tensors, 4 steps taken
+        assert {(device, value) for device, _, value in steps} == {("cpu", 4.0)}
+    for params, _, _ in resumed:
         if moments != "bf16":
             for got, ref in zip(params, want):
                 torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
@@ -139,6 +171,22 @@ def test_saved_at_dp4_resumes_at_dp2(tmp_path, moments):
         assert far_elements(params, want, 2e-4) == 0
     if moments == "bf16":
         assert far_elements(unsharded_run("fp32"), want, 1e-6) > total // 2
+
+
+@pytest.mark.gpu
+@pytest.mark.multirank
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (an NCCL world)")
+def test_fused_adamw_on_a_gpu_resumes_with_its_step_on_the_gpu(tmp_path):
+    """What shardwork-train runs on CUDA: torch's fused AdamW, whose ``step`` is a CUDA float32
+    tensor that a resumed run must restore there (the fused kernel refuses a CPU step)."""
+    path = str(tmp_path / "ckpt")
+    run_on_ranks(_train, 1, args=(path, 0, 2, False, 0, "fp32-fused", "cuda"))
+    ((params, _, steps),) = run_on_ranks(
+        _train, 1, args=(path, 2, 4, True, 9, "fp32-fused", "cuda")
+    )
+    assert steps == {("cuda", torch.float32, 4.0)}
+    for got, ref in zip(params, unsharded_run("fp32-fused", "cuda"), strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 
 def test_count_before_matches_brute_force():
