@@ -11,6 +11,7 @@ hooks run) and step aside for LoRA-adapted projections.
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from shardwork.models import GPTModel, preset
 from shardwork.models.lora import apply_lora
 from shardwork.models.lora_config import LoRAConfig
 from shardwork.models.mla import ReplicatedLinear
+from shardwork.models.moe import experts as experts_module
 from shardwork.models.moe.experts import ExpertLinear
 from shardwork.models.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from shardwork.models.testing import random_batch, randomize_lora_b
@@ -37,8 +39,21 @@ ULPS = 32
 
 @pytest.fixture
 def amd(monkeypatch):
-    """Pretend the CPU is not Intel's, so ``auto`` takes oneDNN on any machine."""
+    """Pretend the CPU is not Intel's, so ``auto`` takes oneDNN on any machine; one torch
+    thread, where the experts' MLP runs expert by expert whatever the size of its groups."""
     monkeypatch.setattr(cpu_gemm, "cpu_vendor", lambda: "AuthenticAMD")
+    with torch_threads(1):
+        yield
+
+
+@contextmanager
+def torch_threads(count: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _graph_nodes(t: torch.Tensor) -> Counter:
@@ -114,6 +129,32 @@ def test_fused_experts_run_their_projections_forward_hooks(amd):
     loss_sum, _count = model(ids, labels=labels)
     assert _graph_nodes(loss_sum)["_GroupedSwiGLUMLPBackward"] == len(projections) // 2
     assert calls == Counter({name: 1 for name, _ in projections})
+
+
+def test_on_two_threads_small_expert_groups_take_the_whole_tensor_path(amd, monkeypatch):
+    """Two threads: the expert-by-expert MLP only for groups of FUSED_MLP_MIN_GROUP rows × ffn
+    on average; either path gives the same loss and gradients, bit for bit."""
+    cfg = preset("tiny-mixtral-8x7b", params_dtype=torch.float32, kernel_backend="auto")
+    torch.manual_seed(0)
+    model = GPTModel(cfg)
+    ids, labels = random_batch(cfg.vocab_size, batch=2, seq=16, seed=1)
+    layer = next(m for m in model.modules() if isinstance(m, experts_module.GroupedExperts))
+    rows = ids.numel() * cfg.moe.router.top_k  # every routed row of a layer (no token dropped)
+    mean_group = rows * layer.linear_fc2.weight.shape[-1] / layer.num_local_experts
+    runs = {}
+    for threshold in (mean_group, mean_group + 1):  # just reached, just missed
+        monkeypatch.setattr(experts_module, "FUSED_MLP_MIN_GROUP", threshold)
+        with torch_threads(2):
+            runs[threshold] = _run(model, ids, labels)
+    fused, unfused = runs[mean_group], runs[mean_group + 1]
+    experts = sum(isinstance(m, ExpertLinear) for m in model.modules())
+    assert fused[2]["_GroupedSwiGLUMLPBackward"] == experts // 2
+    assert "_OneDnnGroupedLinearBackward" not in fused[2]
+    assert "_GroupedSwiGLUMLPBackward" not in unfused[2]
+    assert unfused[2]["_OneDnnGroupedLinearBackward"] == experts
+    assert torch.equal(fused[0], unfused[0])
+    for key, grad in unfused[1].items():
+        assert torch.equal(fused[1][key], grad), key
 
 
 def test_lora_adapted_experts_keep_their_adapters_under_auto(amd):

@@ -24,7 +24,8 @@ Legend: E experts, L = E/ep local experts, H hidden, F expert ffn width, f = F/e
   probabilities and scale their activation (``token_weights``), not the ``[N, H]`` output.
 - Where float32 CPU products take oneDNN (``onednn_preferred``), the SwiGLU MLP runs expert by
   expert in one function instead (``fused_kernels.grouped_swiglu_mlp``: each group's products
-  and activation while its rows are in cache; same bits and saved tensors as the three steps).
+  and activation while its rows are in cache; same bits and saved tensors as the three steps),
+  on one torch thread, or on more where the groups are large (:data:`FUSED_MLP_MIN_GROUP`).
 - With ETP > 1 the output is a partial sum over this rank's ffn slice; the dispatcher's
   combine reduces it over the etp group.
 """
@@ -53,6 +54,15 @@ EXPERT_ACTIVATIONS = ("swiglu", "relu2")
 
 SHARDS_ATTRIBUTE = "_shardwork_custom_shards"
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FUSED_MLP_MIN_GROUP = 1 << 18
+"""Mean rows × local ffn width per local expert from which, with more than one torch thread,
+the SwiGLU MLP runs expert by expert (``grouped_swiglu_mlp``); one thread always does. Each
+group's ~20 small ops open a parallel region each, and with OpenMP's passive wait every region
+wakes the sleeping threads: on the 2-core AMD EPYC, 2 threads, 2,048 tokens at hidden 512
+(``benchmarks/models_moe.py --threads 2``), the whole-tensor path is faster for groups of
+33 K (DeepSeek-V3-style, 6 %), 49 K (Qwen3-MoE-style, 10 %) and 131 K (512 rows × ffn 256,
+4 %), the expert-by-expert one for 393 K (512 × 768, 1 %) and 917 K (Mixtral-style, 1 %). At
+one thread it is 2-3 % faster for all of them. Both paths compute the same bits."""
 
 
 @dataclass(frozen=True)
@@ -332,13 +342,19 @@ class GroupedExperts(ShardedModule):
     def _fuses_mlp(self, tokens_NH: torch.Tensor, probs_N: torch.Tensor | None) -> bool:
         """Whether the SwiGLU MLP runs expert by expert in one function
         (``shardwork.fused_kernels.grouped_swiglu_mlp``): float32 CPU rows where the products
-        take oneDNN (``onednn_preferred``), grouped GEMM ``auto``, and both projections plain
+        take oneDNN (``onednn_preferred``), grouped GEMM ``auto``, one torch thread or groups of
+        :data:`FUSED_MLP_MIN_GROUP` rows × ffn on average, and both projections plain
         :class:`ExpertLinear` (a LoRA-wrapped one adds its own products). No rows keeps the
         unfused path, which links the weights into the graph for the all-to-all's backward."""
+        local_ffn = self.linear_fc2.weight.shape[-1]
         return (
             self.activation == "swiglu"
             and self.mode == "auto"
             and tokens_NH.shape[0] > 0
+            and (
+                torch.get_num_threads() == 1
+                or tokens_NH.shape[0] * local_ffn >= FUSED_MLP_MIN_GROUP * self.num_local_experts
+            )
             and type(self.linear_fc1) is ExpertLinear
             and type(self.linear_fc2) is ExpertLinear
             and onednn_preferred(
