@@ -36,8 +36,14 @@ def set_cpu_runtime_env(thp_mode_file: Path = THP_MODE_FILE) -> dict[str, object
 
     - ``OMP_WAIT_POLICY=PASSIVE``: idle OpenMP threads sleep instead of spinning. On a CPU
       shared with other processes, spinning intra-op threads made a training step 4x slower
-      (6.6 s vs 1.6 s measured on a loaded 2-core machine); on an idle machine passive waiting
-      costs nothing measurable.
+      (6.6 s vs 1.6 s measured on a loaded 2-core machine). On an idle machine sleeping has a
+      price: each parallel op wakes the other threads (a small op 50 us instead of 4 us), and
+      150 demo steps take 26.3 s against 24.2-24.9 s with a short spin (``GOMP_SPINCOUNT``
+      1000-10000) or 21.7 s spinning without bound; but with two busy processes on the two
+      cores the short spin costs 15-29 % (42.0 s passive, 48.4-54.1 s) and unbounded spinning
+      2.3x (``benchmarks/results/openmp_wait.md``). Passive is the default that never loses
+      much; on a machine of its own, ``GOMP_SPINCOUNT=3000`` or ``OMP_WAIT_POLICY=ACTIVE`` in
+      the environment is faster.
     - ``THP_MEM_ALLOC_ENABLE=1`` where the kernel offers transparent huge pages
       (:func:`huge_pages_offered`): torch's CPU allocator then puts tensors of 2 MiB and more on
       2 MiB pages, so a fresh tensor's first write no longer faults in 4 KiB pages one by one.
