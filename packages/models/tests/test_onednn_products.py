@@ -48,6 +48,7 @@ def amd(monkeypatch):
 
 @contextmanager
 def torch_threads(count: int):
+    """torch's intra-op thread count set to ``count`` inside, restored after."""
     before = torch.get_num_threads()
     torch.set_num_threads(count)
     try:

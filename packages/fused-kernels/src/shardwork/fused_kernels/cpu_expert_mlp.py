@@ -11,8 +11,8 @@ right after its product (``benchmarks/models_moe.py``). Here each group runs fc1
 activation and fc2 back to back, and its backward likewise, so the elementwise work finds its
 operands in cache. The products are :func:`~shardwork.fused_kernels.cpu_gemm.group_mm_nt`'s
 (oneDNN from 256 rows and inner width 256, MKL below), the weight gradients
-:func:`~shardwork.fused_kernels.cpu_gemm.weight_grad_mm`'s (fc2's ``[H, f]`` on oneDNN from 256 rows where
-``f >= 2H``, fc1's on MKL), as in the unfused path.
+:func:`~shardwork.fused_kernels.cpu_gemm.weight_grad_mm`'s (fc2's ``[H, f]`` on oneDNN from
+256 rows where ``f >= 2H``, fc1's on MKL), as in the unfused path.
 
 Memory: the tensors the unfused path saves, group by group (fc1's output, ``silu(gate)`` and
 fc2's input; the caller's ``x``), so activation memory and its estimate

@@ -169,7 +169,7 @@ rows and output width from :data:`_GROUP_MIN`). Measured on the 2-core AMD EPYC
 (``benchmarks/results/cpu_gemm.md``, the issue-24 shapes, 1 and 2 threads): where the weight is
 at least twice as wide as tall (an MLP's or expert's fc2, ``[H, F]``) oneDNN is 1.04-1.09x
 faster; square or tall weights (qkv, fc1, the attention output, the output layer) run
-0.88-1.03x there, and below 2x on two threads."""
+0.88-1.03x there."""
 
 
 def weight_grad_on_onednn(rows: int, out_features: int, in_features: int) -> bool:
@@ -188,9 +188,9 @@ def weight_grad_mm(
 ) -> torch.Tensor:
     """A linear's weight gradient ``dy [n, out]ᵀ · x [n, in]`` -> ``[out, in]``, float32 CPU
     tensors: on oneDNN (transposed views, no copies in) where :func:`weight_grad_on_onednn`,
-    on MKL otherwise. Written into
-    ``out`` when given (MKL in place, oneDNN's result copied), else returned fresh. The choice
-    depends on the shapes alone, so a rerun computes the same bits."""
+    on MKL otherwise. Written into ``out`` when given (MKL in place, oneDNN's result copied),
+    else returned fresh. The choice depends on the shapes alone, so a rerun computes the same
+    bits."""
     if weight_grad_on_onednn(dy.shape[0], dy.shape[1], x.shape[1]):
         dw = onednn_mm_nt(dy.t(), x.t())
         return dw if out is None else out.copy_(dw)
