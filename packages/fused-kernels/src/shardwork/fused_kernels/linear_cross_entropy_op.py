@@ -4,7 +4,8 @@
 ``Σ_i w_i · CE(cap(h_i · Wᵀ), label_i)`` with the vocabulary split over ``tp_group`` as in
 :func:`~shardwork.fused_kernels.cross_entropy` (rank r owns ids ``[r·V_local, (r+1)·V_local)``),
 without the ``[N, V]`` logits or their gradient ever existing: at most one chunk of
-``_CHUNK_ELEMENTS`` logits is alive at a time.
+``_CHUNK_ELEMENTS`` logits is alive at a time (on the torch backend, with its float32 softmax
+while the chunk's loss and gradient are computed).
 
 - ``grad_in_forward=True`` (3 GEMMs, as many as the unfused path): token chunks; per chunk
   ``z = h_c·Wᵀ``, its statistics (combined over TP: two all-reduces per chunk), the loss, then
@@ -42,7 +43,13 @@ import torch.distributed as dist
 from shardwork.fused_kernels._checks import acc_dtype, check_float, check_same_device
 from shardwork.fused_kernels.backend import resolve_backend
 from shardwork.fused_kernels.cpu_gemm import onednn_mm_nt, onednn_preferred
-from shardwork.fused_kernels.cross_entropy_shard import combine_shard_stats, shard_grad, shard_stats
+from shardwork.fused_kernels.cross_entropy_shard import (
+    combine_shard_stats,
+    shard_grad,
+    shard_softmax,
+    shard_stats,
+    softmax_grad,
+)
 
 __all__ = ["linear_cross_entropy"]
 
@@ -90,16 +97,40 @@ def _accumulate(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, first: b
         dst.add_(torch.mm(a, b))
 
 
-def _chunk_loss(z, local_labels, in_shard, valid, setup: _Setup):
-    """``(lse, loss)`` of one token chunk's logits block (collective over TP)."""
-    stats_fn, _ = _block_fns(setup.impl)
+def _chunk_loss(stats, valid, setup: _Setup):
+    """``(lse, loss)`` of one token chunk from its block's statistics (collective over TP)."""
     smoothing = setup.smoothing
-    stats = stats_fn(z, local_labels, in_shard, smoothing=smoothing > 0, softcap=setup.softcap)
     lse, target, total = combine_shard_stats(stats, setup.tp_group)
     loss = lse - (1.0 - smoothing) * target
     if smoothing:
         loss = loss - smoothing * total / setup.vocab_total
     return lse, torch.where(valid, loss, 0.0)
+
+
+def _chunk(z, labels, in_shard, valid, grad_rows, setup: _Setup, want_grad: bool):
+    """``(lse, loss, dz)`` of one token chunk's logits block ``z``; ``dz`` (None unless
+    ``want_grad``) overwrites ``z``: the chunk's logits are not needed once it exists.
+
+    The torch backend takes the statistics and the gradient from one softmax of the block
+    (:func:`~shardwork.fused_kernels.cross_entropy_shard.shard_softmax`, whose probabilities
+    live only inside this call); soft-capped logits and Triton take separate passes."""
+    smoothing, vocab_total = setup.smoothing, setup.vocab_total
+    if setup.impl == "torch" and setup.softcap is None:
+        stats, probs = shard_softmax(z, labels, in_shard, smoothing=smoothing > 0)
+        lse, loss = _chunk_loss(stats, valid, setup)
+        dz = None
+        if want_grad:
+            dz = softmax_grad(probs, z, labels, in_shard, stats[:, 0], lse, grad_rows,
+                              smoothing=smoothing, vocab_total=vocab_total, out=z)  # fmt: skip
+        return lse, loss, dz
+    stats_fn, grad_fn = _block_fns(setup.impl)
+    stats = stats_fn(z, labels, in_shard, smoothing=smoothing > 0, softcap=setup.softcap)
+    lse, loss = _chunk_loss(stats, valid, setup)
+    dz = None
+    if want_grad:
+        dz = grad_fn(z, labels, in_shard, lse, grad_rows, smoothing=smoothing,
+                     vocab_total=vocab_total, softcap=setup.softcap, out=z)  # fmt: skip
+    return lse, loss, dz
 
 
 def _token_pass(hidden, weight, local_labels, in_shard, valid, grad_rows, setup: _Setup):
@@ -116,7 +147,6 @@ def _token_pass(hidden, weight, local_labels, in_shard, valid, grad_rows, setup:
         # Padding rows get no gradient; the real rows are written by the first chunk (or stay 0
         # when there are no tokens).
         (dw[setup.num_valid :] if n else dw).zero_()
-    _, grad_fn = _block_fns(setup.impl)
     # Rows per chunk from V_local (not num_valid, which differs on the rank holding the padding):
     # every TP rank must cut the same chunks, since each chunk runs collectives.
     step = max(1, _CHUNK_ELEMENTS // max(weight.shape[0], 1))
@@ -129,14 +159,11 @@ def _token_pass(hidden, weight, local_labels, in_shard, valid, grad_rows, setup:
             z = torch.mm(
                 hidden[a:b], w_valid.t(), out=buf[: (b - a) * setup.num_valid].view(b - a, -1)
             )
-        lse, loss = _chunk_loss(z, local_labels[a:b], in_shard[a:b], valid[a:b], setup)
+        lse, loss, dz = _chunk(z, local_labels[a:b], in_shard[a:b], valid[a:b], grad_rows[a:b],
+                               setup, want_grad=dh is not None or dw is not None)  # fmt: skip
         losses[a:b], lse_all[a:b] = loss, lse
-        if dh is None and dw is None:
+        if dz is None:
             continue
-        # dz overwrites z: the chunk's logits are not needed once their gradient exists.
-        dz = grad_fn(z, local_labels[a:b], in_shard[a:b], lse, grad_rows[a:b],
-                     smoothing=setup.smoothing, vocab_total=setup.vocab_total,
-                     softcap=setup.softcap, out=z)  # fmt: skip
         if dh is not None and setup.onednn:
             dh[a:b] = onednn_mm_nt(dz, w_valid.t())
         elif dh is not None:
