@@ -108,8 +108,9 @@ def analytic_bytes(path: str, tokens: int, hidden: int, vocab: int, elem: int = 
     if path == "unfused":
         return logits + grads  # the gradient overwrites the logits
     rows = min(tokens, max(1, linear_cross_entropy_op._CHUNK_ELEMENTS // vocab))
-    # Forward: one chunk of logits and its float32 softmax (the torch backend's statistics).
-    chunk = rows * vocab * (elem + 4)
+    chunk = rows * vocab * elem  # one chunk of logits (forward)
+    if path == "fused":  # the torch backend's float32 softmax of the chunk beside it
+        chunk += rows * vocab * 4
     if path == "fused_recompute":  # backward: every token × a slice of the vocabulary
         cols = max(1, linear_cross_entropy_op._CHUNK_ELEMENTS // tokens)
         chunk = max(chunk, tokens * min(cols, vocab) * elem)

@@ -111,17 +111,17 @@ def _chunk(z, labels, in_shard, valid, grad_rows, setup: _Setup, want_grad: bool
     """``(lse, loss, dz)`` of one token chunk's logits block ``z``; ``dz`` (None unless
     ``want_grad``) overwrites ``z``: the chunk's logits are not needed once it exists.
 
-    The torch backend takes the statistics and the gradient from one softmax of the block
-    (:func:`~shardwork.fused_kernels.cross_entropy_shard.shard_softmax`, whose probabilities
-    live only inside this call); soft-capped logits and Triton take separate passes."""
+    For a gradient, the torch backend takes the statistics and the gradient from one softmax of
+    the block (:func:`~shardwork.fused_kernels.cross_entropy_shard.shard_softmax`, whose float32
+    probabilities live only inside this call, beside the block); the loss alone (recompute
+    schedule, no grad), soft-capped logits and Triton take separate passes, with no block-sized
+    temporary."""
     smoothing, vocab_total = setup.smoothing, setup.vocab_total
-    if setup.impl == "torch" and setup.softcap is None:
+    if want_grad and setup.impl == "torch" and setup.softcap is None:
         stats, probs = shard_softmax(z, labels, in_shard, smoothing=smoothing > 0)
         lse, loss = _chunk_loss(stats, valid, setup)
-        dz = None
-        if want_grad:
-            dz = softmax_grad(probs, z, labels, in_shard, stats[:, 0], lse, grad_rows,
-                              smoothing=smoothing, vocab_total=vocab_total, out=z)  # fmt: skip
+        dz = softmax_grad(probs, z, labels, in_shard, stats[:, 0], lse, grad_rows,
+                          smoothing=smoothing, vocab_total=vocab_total, out=z)  # fmt: skip
         return lse, loss, dz
     stats_fn, grad_fn = _block_fns(setup.impl)
     stats = stats_fn(z, labels, in_shard, smoothing=smoothing > 0, softcap=setup.softcap)
@@ -162,14 +162,15 @@ def _token_pass(hidden, weight, local_labels, in_shard, valid, grad_rows, setup:
         lse, loss, dz = _chunk(z, local_labels[a:b], in_shard[a:b], valid[a:b], grad_rows[a:b],
                                setup, want_grad=dh is not None or dw is not None)  # fmt: skip
         losses[a:b], lse_all[a:b] = loss, lse
-        if dz is None:
-            continue
-        if dh is not None and setup.onednn:
-            dh[a:b] = onednn_mm_nt(dz, w_valid.t())
-        elif dh is not None:
-            torch.mm(dz, w_valid, out=dh[a:b])
-        if dw is not None:
-            _accumulate(dw[: setup.num_valid], dz.t(), hidden[a:b], first=a == 0)
+        if dz is not None:
+            if dh is not None and setup.onednn:
+                dh[a:b] = onednn_mm_nt(dz, w_valid.t())
+            elif dh is not None:
+                torch.mm(dz, w_valid, out=dh[a:b])
+            if dw is not None:
+                _accumulate(dw[: setup.num_valid], dz.t(), hidden[a:b], first=a == 0)
+        # Free this chunk's logits before the next chunk's product allocates its own.
+        del z, dz
     return losses, lse_all, dh, dw
 
 
