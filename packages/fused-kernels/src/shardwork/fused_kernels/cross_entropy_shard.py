@@ -16,11 +16,12 @@ logits (a whole vocab shard, or a chunk of one), in float32 (float64 for float64
   caller that wants both from one block (the fused linear cross entropy's chunks): one
   ``softmax`` over the block gives the probabilities and, from their row maximum ``1/s``, the
   logsumexp; the gradient is then one multiplication of them by a per-row factor. Four passes
-  over the block, each a single whole-block op, instead of ~8 sub-block ops: on the 2-core AMD
-  EPYC a ``[1024, 8192]`` float32 block takes 4.9 ms against 24.1 (2 threads) and 9.8 against
-  20.3 (1 thread), because each small op of the sub-block loop also wakes OpenMP's sleeping
-  thread (``OMP_WAIT_POLICY=PASSIVE``, ``benchmarks/openmp_wait.py``). The probabilities are a
-  float32 tensor the size of the block, alive until the gradient is written.
+  over the block, each a single whole-block op, instead of ~8 ops per 2^18-element sub-block:
+  on the 2-core AMD EPYC a ``[1024, 8192]`` float32 block takes 4.6 ms against 23.1 (2
+  threads) and 9.4 against 19.9 (1 thread), because each small op of the sub-block loop also
+  woke OpenMP's sleeping thread (``OMP_WAIT_POLICY=PASSIVE``, ``benchmarks/openmp_wait.py``).
+  The probabilities are a float32 tensor the size of the block, alive until the gradient is
+  written.
 - :func:`shard_stats` / :func:`shard_grad` work on sub-blocks of ``_BLOCK_ELEMENTS`` so their
   temporaries (``x - lse``, a float32 copy of a low-precision block) stay a bounded size,
   whatever the block. The label's gradient element is computed on its own in float32 (before
@@ -38,7 +39,8 @@ from shardwork.fused_kernels._checks import acc_dtype
 __all__ = ["combine_shard_stats", "shard_grad", "shard_softmax", "shard_stats", "softmax_grad"]
 
 # 8 MiB of float32 per sub-block: each op on it outlasts waking OpenMP's sleeping thread
-# (~50 us); 2^18 lost 10.6 ms of 24 on a [1024, 8192] block at 2 threads (module docstring).
+# (~50 us). Statistics and gradient of a [1024, 8192] block at 2 threads: 23.1 ms with 2^18,
+# 12.6 with 2^21 (19.9 and 19.4 at 1 thread).
 _BLOCK_ELEMENTS = 1 << 21
 
 
