@@ -187,7 +187,8 @@ def weight_grad_mm(
     dy: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """A linear's weight gradient ``dy [n, out]ᵀ · x [n, in]`` -> ``[out, in]``, float32 CPU
-    tensors: on oneDNN (transposed views, no copies in) where :func:`weight_grad_on_onednn`,
+    tensors: on oneDNN where :func:`weight_grad_on_onednn` (``xᵀ`` goes in as a transposed
+    view; the op copies ``dyᵀ`` contiguous itself, a cost inside the timings behind the rule),
     on MKL otherwise. Written into ``out`` when given (MKL in place, oneDNN's result copied),
     else returned fresh. The choice depends on the shapes alone, so a rerun computes the same
     bits."""

@@ -117,17 +117,19 @@ def _chunk(z, labels, in_shard, valid, grad_rows, setup: _Setup, want_grad: bool
     schedule, no grad), soft-capped logits and Triton take separate passes, with no block-sized
     temporary."""
     smoothing, vocab_total = setup.smoothing, setup.vocab_total
-    if want_grad and setup.impl == "torch" and setup.softcap is None:
+    stats_fn, grad_fn = _block_fns(setup.impl)
+    one_softmax = want_grad and setup.impl == "torch" and setup.softcap is None
+    if one_softmax:
         stats, probs = shard_softmax(z, labels, in_shard, smoothing=smoothing > 0)
-        lse, loss = _chunk_loss(stats, valid, setup)
+    else:
+        stats = stats_fn(z, labels, in_shard, smoothing=smoothing > 0, softcap=setup.softcap)
+    lse, loss = _chunk_loss(stats, valid, setup)
+    if not want_grad:
+        return lse, loss, None
+    if one_softmax:
         dz = softmax_grad(probs, z, labels, in_shard, stats[:, 0], lse, grad_rows,
                           smoothing=smoothing, vocab_total=vocab_total, out=z)  # fmt: skip
-        return lse, loss, dz
-    stats_fn, grad_fn = _block_fns(setup.impl)
-    stats = stats_fn(z, labels, in_shard, smoothing=smoothing > 0, softcap=setup.softcap)
-    lse, loss = _chunk_loss(stats, valid, setup)
-    dz = None
-    if want_grad:
+    else:
         dz = grad_fn(z, labels, in_shard, lse, grad_rows, smoothing=smoothing,
                      vocab_total=vocab_total, softcap=setup.softcap, out=z)  # fmt: skip
     return lse, loss, dz
