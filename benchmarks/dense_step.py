@@ -16,6 +16,10 @@ backward) and nothing else:
 - on a GPU it also gives tokens/s, model FLOPs utilisation (shardwork's
   ``flops_per_token``: causal attention, no recompute, against the datasheet's dense bf16 peak
   of the device) and the peak memory of one step.
+- ``--floor`` (CPU, float32) also times, in each round after the sides, what no step can do
+  without: the linears' products at the faster of MKL and oneDNN, SDPA forward + backward and
+  the optimizer step (``dense_floor.py``), and gives each side's step over their sum: the
+  largest ratio shardwork could reach against that side if its other work took no time.
 
 Peers are benchmark-only: transformers is in the workspace's dev group; TorchTitan 0.3.0
 (``uv pip install --no-deps --target DIR torchtitan==0.3.0 spmd_types==0.2.3 einops tyro
@@ -29,6 +33,7 @@ shardwork runs once per kernel backend asked for (``--backends``; "auto" picks t
 kernels on a GPU).
 
     uv run python benchmarks/dense_step.py                       # the CPU shape of issue 24
+    uv run python benchmarks/dense_step.py --rounds 10 --floor   # ... and the step's floor
     python benchmarks/dense_step.py --shape 1b --device cuda     # Llama-3.2-1B-like, bf16
 
 Writes benchmarks/results/dense_step-<device>.json and .md.
@@ -56,6 +61,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import dense_floor
 from machine import machine_record
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -378,10 +384,16 @@ def peak_memory(side: Side, device: torch.device) -> float | None:
 
 
 def time_rounds(
-    sides: list[Side], device: torch.device, rounds: int, steps: int, clock=time.perf_counter
+    sides: list[Side],
+    device: torch.device,
+    rounds: int,
+    steps: int,
+    clock=time.perf_counter,
+    each_round: Callable[[], None] | None = None,
 ) -> dict:
     """Median seconds per step of each side, interleaved round by round (``clock``: wall time,
-    or ``time.process_time`` for the CPU time of this process)."""
+    or ``time.process_time`` for the CPU time of this process); ``each_round`` runs after every
+    round's sides (the floor's parts, so they drift with the machine as the sides do)."""
     times: dict[str, list[float]] = {side.name: [] for side in sides}
     for r in range(rounds):
         order = sides if r % 2 == 0 else sides[::-1]  # no side always runs first
@@ -392,6 +404,8 @@ def time_rounds(
                 side.step()
             synchronize(device)
             times[side.name].append((clock() - start) / steps)
+        if each_round is not None:
+            each_round()
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -453,6 +467,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--steps", type=int, default=3, help="steps per side per round")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="CPU: also time the step's products, attention and optimizer alone "
+        "(dense_floor.py) and give each side's step over that floor",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     return parser.parse_args(argv)  # fmt: skip
 
@@ -501,6 +521,9 @@ def markdown(result: dict) -> str:
             f"| {fmt(row.get('tokens_per_s'), '.0f')} | {fmt(row.get('ratio_vs_shardwork'), '.3f')} "
             f"| {fmt(row.get('mfu_pct'), '.1f')} | {fmt(row.get('peak_gib'), '.2f')} |"
         )
+    if result.get("floor"):
+        step_ms = {r["side"]: r["step_ms"] for r in result["rows"] if r.get("step_ms")}
+        lines += dense_floor.markdown(result["floor"], step_ms)
     lines += [
         "",
         f"machine: {json.dumps(result['machine'])}",
@@ -523,6 +546,8 @@ def main(argv=None) -> dict:
     shape_name = args.shape or ("1b" if cuda else "cpu-small")
     shape = SHAPES[shape_name]
     dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
+    if args.floor and (cuda or dtype != torch.float32):
+        raise SystemExit("--floor times float32 CPU products: use it with --device cpu, float32")
     torch.manual_seed(1)
     ids = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), device=device)
     labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
@@ -538,7 +563,10 @@ def main(argv=None) -> dict:
         for _ in range(args.warmup):
             side.step()
     clock = time.process_time if args.clock == "cpu" and not cuda else time.perf_counter
-    times = time_rounds(sides, device, args.rounds, args.steps, clock)
+    # The floor's parts run once per round, after the sides; the optimizer is the first side's.
+    floor = dense_floor.StepFloor(shape, sides[0].optimizer.step) if args.floor else None
+    each_round = floor.time_round if floor else None
+    times = time_rounds(sides, device, args.rounds, args.steps, clock, each_round)
     name = device_name(device)
     result = {
         "benchmark": "dense_step", "shape_name": shape_name, "shape": shape,
@@ -552,6 +580,7 @@ def main(argv=None) -> dict:
         "torchtitan_import": TITAN_IMPORT.get("how"),
         "rows": rows_for(times, losses, memory, skipped, flops,
                          peak_flops(name) if cuda else None, shape),
+        "floor": floor.result() if floor else None,
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"dense_step-{device.type}"
