@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from shardwork.fused_kernels import (
@@ -197,3 +198,67 @@ def test_linear_cross_entropy_on_onednn_equals_the_mkl_reference(amd, grad_in_fo
         assert abs(got.item() - ref.item()) < 1e-5 * abs(ref.item())
     for got, other in zip(results["auto"][1:], results["torch"][1:], strict=True):
         assert _rel(got, other.double()) < RTOL_OF_MAX
+
+
+class _OneDnnOperands(TorchDispatchMode):
+    """Records shape and strides of the second operand (``b``, the weight) of every oneDNN
+    linear the code under it runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.mkldnn._linear_pointwise.default:
+            self.weights.append((tuple(args[1].shape), args[1].stride()))
+        return func(*args, **(kwargs or {}))
+
+
+def _dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Row- or column-major dense: the layouts oneDNN's linear reads fast."""
+    rows, cols = shape
+    return stride in ((cols, 1), (1, rows))
+
+
+def _strided_weights(g: torch.Generator) -> dict[str, torch.Tensor]:
+    """``[40, 200]`` weights whose strides are neither row- nor column-major dense."""
+    return {
+        "column slice": torch.randn(40, 300, generator=g)[:, :200],
+        "transposed column slice": torch.randn(200, 60, generator=g)[:, :40].t(),
+        "every other row": torch.randn(80, 200, generator=g)[::2],
+    }
+
+
+@pytest.mark.parametrize("kind", ["column slice", "transposed column slice", "every other row"])
+def test_strided_weights_reach_onednn_dense(kind):
+    # Any other strides send oneDNN to a reference kernel ~700x slower (cpu_gemm_strides.py);
+    # the product's values must be the strided operand's.
+    g = torch.Generator().manual_seed(6)
+    w = _strided_weights(g)[kind].requires_grad_()
+    assert not _dense(tuple(w.shape), w.stride())
+    x = torch.randn(33, 200, generator=g).requires_grad_()
+    dy = torch.randn(33, 40, generator=g)
+    with _OneDnnOperands() as seen:
+        y = onednn_linear(x, w)
+        y.backward(dy)
+        z = cpu_gemm.onednn_mm_nt(x.detach(), w.detach())
+    # forward, input gradient (b = wᵀ), then onednn_mm_nt; the weight gradient is MKL's here.
+    assert len(seen.weights) == 3 and all(_dense(*op) for op in seen.weights), seen.weights
+    x64, w64 = x.detach().double(), w.detach().double()
+    assert _rel(y, x64 @ w64.t()) < RTOL_OF_MAX and _rel(z, x64 @ w64.t()) < RTOL_OF_MAX
+    assert _rel(x.grad, dy.double() @ w64) < RTOL_OF_MAX
+    assert _rel(w.grad, dy.double().t() @ x64) < RTOL_OF_MAX
+
+
+def test_weight_gradient_of_a_column_sliced_input_reaches_onednn_dense():
+    # A wide (fc2-shaped) weight's gradient runs on oneDNN with xᵀ as its operand: a view of
+    # the slice, whose rows are 700 apart.
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(270, 700, generator=g)[:, 100:].requires_grad_()
+    w = torch.randn(256, 600, generator=g).requires_grad_()
+    dy = torch.randn(270, 256, generator=g)
+    with _OneDnnOperands() as seen:
+        onednn_linear(x, w).backward(dy)
+    assert [shape for shape, _ in seen.weights] == [(256, 600), (600, 256), (600, 270)]
+    assert all(_dense(*op) for op in seen.weights), seen.weights
+    assert _rel(w.grad, dy.double().t() @ x.detach().double()) < RTOL_OF_MAX
