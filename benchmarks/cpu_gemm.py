@@ -50,12 +50,15 @@ SHAPES = {
 }  # fmt: skip
 
 
-def _onednn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def onednn_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a·bᵀ`` on oneDNN's linear, with the operands exactly as given."""
     return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
 
 
-def _best(fn, repeats: int) -> float:
-    fn()
+def best_seconds(fn, repeats: int, *, warm_up: bool = True) -> float:
+    """The fastest of ``repeats`` calls of ``fn`` (after one untimed call with ``warm_up``)."""
+    if warm_up:
+        fn()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -64,15 +67,21 @@ def _best(fn, repeats: int) -> float:
     return best
 
 
+def linear_products(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> dict[str, tuple]:
+    """A linear's three products for ``x [M, K]``, ``w [N, K]``, ``dy [M, N]``: per product,
+    ``(MKL call, oneDNN call)``."""
+    return {
+        "forward x·Wᵀ": (lambda: torch.mm(x, w.t()), lambda: onednn_product(x, w)),
+        "input grad dY·W": (lambda: torch.mm(dy, w), lambda: onednn_product(dy, w.t())),
+        "weight grad dYᵀ·x": (lambda: torch.mm(dy.t(), x), lambda: onednn_product(dy.t(), x.t())),
+    }
+
+
 def measure(m: int, k: int, n: int, repeats: int) -> dict:
     """GFLOP/s of each product with each library (interleaved, best of ``repeats``)."""
     gen = torch.Generator().manual_seed(0)
     x, w, dy = (torch.randn(*s, generator=gen) for s in ((m, k), (n, k), (m, n)))
-    products = {
-        "forward x·Wᵀ": (lambda: torch.mm(x, w.t()), lambda: _onednn(x, w)),
-        "input grad dY·W": (lambda: torch.mm(dy, w), lambda: _onednn(dy, w.t())),
-        "weight grad dYᵀ·x": (lambda: torch.mm(dy.t(), x), lambda: _onednn(dy.t(), x.t())),
-    }
+    products = linear_products(x, w, dy)
     flops = 2 * m * k * n
     # The library shardwork takes for each product here (forward and input gradient: oneDNN
     # wherever it is preferred; the weight gradient dW [n, k] by its shape).
@@ -82,8 +91,8 @@ def measure(m: int, k: int, n: int, repeats: int) -> dict:
     for name, (mkl, dnn) in products.items():
         t_mkl, t_dnn = float("inf"), float("inf")
         for _ in range(3):  # interleave the libraries so drift in the machine hits both
-            t_mkl = min(t_mkl, _best(mkl, repeats))
-            t_dnn = min(t_dnn, _best(dnn, repeats))
+            t_mkl = min(t_mkl, best_seconds(mkl, repeats))
+            t_dnn = min(t_dnn, best_seconds(dnn, repeats))
         out[name] = {"mkl_gflops": flops / t_mkl / 1e9, "onednn_gflops": flops / t_dnn / 1e9,
                      "speedup": t_mkl / t_dnn,
                      "shardwork_takes": "oneDNN" if on_dnn[name] else "MKL"}  # fmt: skip

@@ -6,8 +6,8 @@ and the optimizer's update. This module times each of them alone at the model's 
 process that times the sides and in the same rounds (``dense_step.py --floor``):
 
 - each product with both float32 libraries of the torch build (MKL through ``torch.mm``, oneDNN
-  through ``shardwork.fused_kernels.cpu_gemm.onednn_mm_nt``), interleaved, and the faster one's
-  median counts: a floor over the libraries at hand, not shardwork's own choice;
+  through its linear op: ``cpu_gemm.py``'s ``linear_products``), interleaved, and the faster
+  one's median counts: a floor over the libraries at hand, not shardwork's own choice;
 - attention as torch's SDPA (causal, grouped K/V), forward and backward, on contiguous
   ``[b, h, s, d]`` tensors and on views of ``[b, s, h, d]`` ones, the faster counting;
 - the optimizer step the sides were timed with (gradients in place).
@@ -27,8 +27,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-
-from shardwork.fused_kernels.cpu_gemm import onednn_mm_nt
+from cpu_gemm import linear_products
 
 
 def linears(shape: dict) -> list[tuple[str, int, int, int]]:
@@ -45,18 +44,6 @@ def linears(shape: dict) -> list[tuple[str, int, int, int]]:
     ]
 
 
-def _products(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> dict[str, dict]:
-    """Per product kind, the two libraries' calls for ``x [M, K]``, ``w [N, K]``, ``dy [M, N]``."""
-    return {
-        "forward": {"mkl": lambda: torch.mm(x, w.t()), "onednn": lambda: onednn_mm_nt(x, w)},
-        "input grad": {"mkl": lambda: torch.mm(dy, w), "onednn": lambda: onednn_mm_nt(dy, w.t())},
-        "weight grad": {
-            "mkl": lambda: torch.mm(dy.t(), x),
-            "onednn": lambda: onednn_mm_nt(dy.t(), x.t()),
-        },
-    }
-
-
 class StepFloor:
     """The floor's calls at ``shape`` (``dense_step.SHAPES``), timed one round at a time so that
     the rounds can interleave with the sides' (``dense_step.time_rounds``); ``optimizer_step``
@@ -67,15 +54,13 @@ class StepFloor:
         self.calls: dict[tuple[str, ...], Callable[[], object]] = {}
         gen = torch.Generator().manual_seed(0)
         tokens = shape["seq"] * shape["batch"]
-        self.counts = {}
-        for name, k, n, count in linears(shape):
+        for name, k, n, _ in linears(shape):
             x = torch.randn(tokens, k, generator=gen)
             w = torch.randn(n, k, generator=gen) * k**-0.5
             dy = torch.randn(tokens, n, generator=gen)
-            for kind, libs in _products(x, w, dy).items():
-                self.counts[(name, kind)] = count
-                for lib, fn in libs.items():
-                    self.calls[(name, kind, lib)] = fn
+            for kind, (mkl, onednn) in linear_products(x, w, dy).items():
+                self.calls[(name, kind, "mkl")] = mkl
+                self.calls[(name, kind, "onednn")] = onednn
         for layout in ("bhsd", "bshd"):
             self.calls[("attention", layout)] = _attention_call(shape, layout, gen)
         self.calls[("optimizer",)] = optimizer_step
@@ -95,10 +80,10 @@ class StepFloor:
         ms = {key: statistics.median(t) for key, t in self.times.items()}
         tokens = self.shape["seq"] * self.shape["batch"]
         products = []
-        for name, k, n, _ in linears(self.shape):
-            for kind in ("forward", "input grad", "weight grad"):
+        for name, k, n, count in linears(self.shape):
+            for kind in ("forward x·Wᵀ", "input grad dY·W", "weight grad dYᵀ·x"):
                 products.append({"linear": name, "product": kind, "mnk": [tokens, n, k],
-                                 "count": self.counts[(name, kind)],
+                                 "count": count,
                                  "mkl_ms": ms[(name, kind, "mkl")],
                                  "onednn_ms": ms[(name, kind, "onednn")]})  # fmt: skip
         attention = {layout: ms[("attention", layout)] for layout in ("bhsd", "bshd")}
