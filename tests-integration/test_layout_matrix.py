@@ -557,8 +557,9 @@ def guard_key(kind: str, dtype: str, groups: TokenGroups) -> str:
 
 
 def kernel_fingerprint() -> dict:
-    """What decides the last bits of a world-1 run on CPU: torch's build, the CPU kernels torch
-    and MKL dispatch to, the library of the float32 linear products (MKL, or oneDNN where
+    """What decides the last bits of a world-1 run on CPU: torch's build, the CPU kernels torch,
+    MKL and oneDNN dispatch to (the last two capped by ``MKL_ENABLE_INSTRUCTIONS`` and
+    ``ONEDNN_MAX_CPU_ISA``), the library of the float32 linear products (MKL, or oneDNN where
     ``shardwork.fused_kernels.onednn_preferred``), the CPU and the intra-op thread count
     (reduction split)."""
     import platform
@@ -577,6 +578,7 @@ def kernel_fingerprint() -> dict:
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "mkl_instructions": os.environ.get("MKL_ENABLE_INSTRUCTIONS", ""),
+        "onednn_max_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
         "cpu_gemm": "onednn" if onednn_preferred("auto", torch.ones(1)) else "mkl",
         "cpu": cpu,
         "machine": platform.machine(),

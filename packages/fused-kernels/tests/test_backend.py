@@ -152,3 +152,33 @@ def test_import_needs_neither_triton_nor_te():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_a_bad_backend_variable_fails_the_first_op_not_the_import():
+    """``SHARDWORK_KERNEL_BACKEND`` is read when the default is first needed: the package imports,
+    ``environment_problems`` names the variable, its value and the valid ones, and the first op
+    that takes the default raises that sentence (an explicit backend still runs)."""
+    code = (
+        "import torch, shardwork.fused_kernels as fk\n"
+        "print(fk.environment_problems())\n"
+        "x, w = torch.randn(3, 8), torch.ones(8)\n"
+        "print(fk.rms_norm(x, w, backend='torch').shape)\n"
+        "try:\n"
+        "    fk.rms_norm(x, w)\n"
+        "except ValueError as exc:\n"
+        "    print('ValueError:', exc)\n"
+        "fk.set_default_backend('torch')\n"
+        "print(fk.rms_norm(x, w).shape, fk.get_default_backend())\n"
+    )
+    env = {**os.environ, "SHARDWORK_KERNEL_BACKEND": "cuda"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    message = "SHARDWORK_KERNEL_BACKEND='cuda' is not a backend; valid: auto, torch, triton, te"
+    assert out.stdout.splitlines() == [
+        repr([message + " (unset: auto)"]),
+        "torch.Size([3, 8])",
+        f"ValueError: {message} (unset: auto)",
+        "torch.Size([3, 8]) torch",
+    ]

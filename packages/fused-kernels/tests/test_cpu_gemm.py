@@ -33,8 +33,10 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.fixture
 def amd(monkeypatch):
-    """Pretend the CPU is not Intel's, so ``auto`` takes oneDNN on any machine."""
+    """Pretend the CPU is not Intel's, so ``auto`` takes oneDNN on any machine (whatever
+    ``SHARDWORK_CPU_GEMM`` the shell running the tests set)."""
     monkeypatch.setattr(cpu_gemm, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.delenv(cpu_gemm.CPU_GEMM_ENV, raising=False)
 
 
 def test_linear_forward_and_gradients_equal_float64():
@@ -169,6 +171,65 @@ def test_auto_takes_onednn_only_off_intel_and_for_float32(amd, monkeypatch):
     assert not onednn_preferred("auto", x, w)
     with pytest.raises(ValueError, match=r"backend='mkl' is not a backend; valid: auto, torch"):
         onednn_preferred("mkl", x, w)
+
+
+def test_cpu_gemm_variable_overrides_the_vendor_rule(amd, monkeypatch):
+    """``SHARDWORK_CPU_GEMM``: ``mkl`` keeps torch's product on a non-Intel CPU, ``onednn``
+    takes oneDNN on an Intel one; ``auto`` (or unset) is the vendor rule; a named backend
+    still wins; float64 still stays on torch."""
+    x, w = torch.randn(6, 8), torch.randn(5, 8)
+    expected = {  # (CPU vendor, variable) -> oneDNN
+        ("AuthenticAMD", None): True,
+        ("AuthenticAMD", "auto"): True,
+        ("AuthenticAMD", "mkl"): False,
+        ("AuthenticAMD", "onednn"): True,
+        ("GenuineIntel", None): False,
+        ("GenuineIntel", "auto"): False,
+        ("GenuineIntel", "mkl"): False,
+        ("GenuineIntel", "onednn"): True,
+        ("", "onednn"): True,
+    }
+    got, products = {}, {}
+    for vendor, choice in expected:
+        monkeypatch.setattr(cpu_gemm, "cpu_vendor", lambda v=vendor: v)
+        if choice is None:
+            monkeypatch.delenv(cpu_gemm.CPU_GEMM_ENV, raising=False)
+        else:
+            monkeypatch.setenv(cpu_gemm.CPU_GEMM_ENV, choice)
+        got[vendor, choice] = onednn_preferred("auto", x, w)
+        assert not onednn_preferred("torch", x, w)
+        assert not onednn_preferred("auto", x.double(), w.double())
+        y = linear(x.requires_grad_(), w)
+        products[vendor, choice] = (type(y.grad_fn).__name__, y.detach())
+    assert got == expected
+    # The product really runs where the answer says: oneDNN's node and bits, or F.linear's.
+    onednn_bits, mkl_bits = onednn_linear(x, w).detach(), F.linear(x, w).detach()
+    for key, takes_onednn in expected.items():
+        node, y = products[key]
+        if takes_onednn:
+            assert node == "_OneDnnLinearBackward" and torch.equal(y, onednn_bits), key
+        else:
+            assert node == type(F.linear(x, w).grad_fn).__name__, key
+            assert torch.equal(y, mkl_bits), key
+
+
+def test_a_bad_cpu_gemm_variable_is_named(amd, monkeypatch):
+    from shardwork.fused_kernels import environment_problems
+
+    x, w = torch.randn(4, 8), torch.randn(3, 8)
+    monkeypatch.setenv(cpu_gemm.CPU_GEMM_ENV, "blas")
+    message = "SHARDWORK_CPU_GEMM='blas' is not a choice; valid: auto, mkl, onednn (unset: auto)"
+    assert environment_problems() == [message]
+    with pytest.raises(ValueError) as info:
+        onednn_preferred("auto", x, w)
+    assert str(info.value) == message
+    assert not onednn_preferred("torch", x, w)  # a named backend never reads it
+    monkeypatch.setenv(cpu_gemm.CPU_GEMM_ENV, "onednn")
+    assert environment_problems() == []
+    monkeypatch.setattr(cpu_gemm, "_onednn_built", lambda: False)
+    assert environment_problems() == [
+        "SHARDWORK_CPU_GEMM='onednn', but this torch build has no oneDNN; valid here: auto, mkl"
+    ]
 
 
 def test_linear_runs_where_onednn_preferred_says(amd):

@@ -40,8 +40,10 @@ ULPS = 32
 @pytest.fixture
 def amd(monkeypatch):
     """Pretend the CPU is not Intel's, so ``auto`` takes oneDNN on any machine; one torch
-    thread, where the experts' MLP runs expert by expert whatever the size of its groups."""
+    thread, where the experts' MLP runs expert by expert whatever the size of its groups
+    (and whatever ``SHARDWORK_CPU_GEMM`` the shell running the tests set)."""
     monkeypatch.setattr(cpu_gemm, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.delenv(cpu_gemm.CPU_GEMM_ENV, raising=False)
     with torch_threads(1):
         yield
 

@@ -127,6 +127,35 @@ def test_cli_rejects_bad_config_before_starting(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_cli_names_bad_shardwork_variables_before_starting(tmp_path):
+    """The variables the run would read at its first step or first save are checked with the
+    configuration: one line each (variable, value, valid values), exit 2, no traceback."""
+    out = _cli(
+        "--schedule.train_steps",
+        "2",
+        env_extra={
+            "SHARDWORK_CACHE": str(tmp_path),
+            "SHARDWORK_KERNEL_BACKEND": "cuda",
+            "SHARDWORK_CPU_GEMM": "blas",
+            "SHARDWORK_CKPT_FAULT": "mid_save",
+        },
+        cwd=tmp_path,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    problems = [line for line in out.stderr.splitlines() if line.startswith("  - environment: ")]
+    assert problems == [
+        "  - environment: SHARDWORK_KERNEL_BACKEND='cuda' is not a backend; valid: auto, torch, "
+        "triton, te (unset: auto)",
+        "  - environment: SHARDWORK_CPU_GEMM='blas' is not a choice; valid: auto, mkl, onednn "
+        "(unset: auto)",
+        "  - environment: SHARDWORK_CKPT_FAULT='mid_save' is not valid; valid: "
+        "'<point>[@<rank>][:raise]' with point in ('before_data', 'mid_file', 'before_metadata', "
+        "'before_commit')",
+    ]
+    assert not (tmp_path / "runs").exists()
+
+
 def test_cli_print_config_is_loadable_toml(tmp_path):
     import tomllib
 

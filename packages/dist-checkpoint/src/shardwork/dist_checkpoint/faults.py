@@ -19,7 +19,14 @@ from __future__ import annotations
 import os
 import signal
 
-__all__ = ["FAULT_ENV", "FAULT_POINTS", "InjectedFaultError", "fault_armed", "fault_point"]
+__all__ = [
+    "FAULT_ENV",
+    "FAULT_POINTS",
+    "InjectedFaultError",
+    "fault_armed",
+    "fault_env_problem",
+    "fault_point",
+]
 
 FAULT_ENV = "SHARDWORK_CKPT_FAULT"
 FAULT_POINTS = ("before_data", "mid_file", "before_metadata", "before_commit")
@@ -43,6 +50,19 @@ def _parse(spec: str) -> tuple[str, int | None, str]:
             f"{FAULT_POINTS}"
         )
     return point, int(rank) if rank else None, action
+
+
+def fault_env_problem() -> str | None:
+    """What is wrong with ``SHARDWORK_CKPT_FAULT``'s value, or None when it is unset or valid:
+    a program checks it before training, not at its first save."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return None
+    try:
+        _parse(spec)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def fault_armed(point: str, rank: int) -> bool:

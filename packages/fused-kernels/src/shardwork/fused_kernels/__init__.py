@@ -20,6 +20,8 @@ Ops (each differentiable, each with ``backend="auto"|"torch"|"triton"|"te"``):
   group at a time (products, activation and their gradients while the group is in cache).
 
 Backend choice: :func:`resolve_backend`, :func:`set_default_backend`, :func:`get_default_backend`.
+Environment variables (``SHARDWORK_KERNEL_BACKEND``, ``SHARDWORK_CPU_GEMM``):
+:func:`environment_problems` checks them before a program starts work.
 """
 
 from shardwork.fused_kernels.activations import geglu, swiglu
@@ -39,6 +41,7 @@ from shardwork.fused_kernels.cpu_gemm import (
     onednn_preferred,
 )
 from shardwork.fused_kernels.cross_entropy_op import cross_entropy
+from shardwork.fused_kernels.environment import environment_problems
 from shardwork.fused_kernels.linear_cross_entropy_op import linear_cross_entropy
 from shardwork.fused_kernels.norms import layer_norm, rms_norm
 from shardwork.fused_kernels.permute import permute_tokens, unpermute_tokens
@@ -64,6 +67,7 @@ __all__ = [
     "YarnRopeScaling",
     "apply_rotary",
     "cross_entropy",
+    "environment_problems",
     "geglu",
     "get_default_backend",
     "grouped_swiglu_mlp",

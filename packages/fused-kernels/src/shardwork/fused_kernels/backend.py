@@ -32,8 +32,10 @@ from shardwork.fused_kernels import te_support
 
 __all__ = [
     "BACKENDS",
+    "BACKEND_ENV",
     "OPS",
     "BackendUnavailableError",
+    "backend_env_problem",
     "get_default_backend",
     "resolve_backend",
     "set_default_backend",
@@ -71,26 +73,50 @@ class _Default:
     prefer_te: bool = False
 
 
+BACKEND_ENV = "SHARDWORK_KERNEL_BACKEND"
+"""The environment variable that sets the process-wide default backend until
+:func:`set_default_backend` is called (unset: ``"auto"``)."""
+
+
+def backend_env_problem() -> str | None:
+    """What is wrong with :data:`BACKEND_ENV`'s value, or None when it is unset or valid."""
+    value = os.environ.get(BACKEND_ENV)
+    if value is None or value in BACKENDS:
+        return None
+    return f"{BACKEND_ENV}={value!r} is not a backend; valid: {', '.join(BACKENDS)} (unset: auto)"
+
+
 class _DefaultSetting:
-    """Holder of the process-wide default (a user setting, like ``torch.set_default_dtype``)."""
+    """Holder of the process-wide default (a user setting, like ``torch.set_default_dtype``).
+
+    The environment is read when the default is first needed, not at import: a bad value then
+    fails the first op that asks (ValueError naming it), not every import of the package, and a
+    program can check it first (:func:`~shardwork.fused_kernels.environment_problems`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._value = _Default(os.environ.get("SHARDWORK_KERNEL_BACKEND", "auto"), False)
-        if self._value.backend not in BACKENDS:
-            raise ValueError(
-                f"SHARDWORK_KERNEL_BACKEND={self._value.backend!r} is not a backend; "
-                f"valid: {', '.join(BACKENDS)}"
-            )
+        self._value: _Default | None = None
 
     def get(self) -> _Default:
-        return self._value
+        with self._lock:
+            if self._value is None:
+                problem = backend_env_problem()
+                if problem is not None:
+                    raise ValueError(problem)
+                self._value = _Default(os.environ.get(BACKEND_ENV, "auto"), False)
+            return self._value
+
+    def prefers_te(self) -> bool:
+        """``prefer_te`` of the default; only :func:`set_default_backend` sets it, so this needs
+        no environment (an explicit ``backend="auto"`` runs whatever the variable says)."""
+        value = self._value
+        return value is not None and value.prefer_te
 
     def set(self, value: _Default) -> None:
         with self._lock:
             old, self._value = self._value, value
         if old != value:
-            logger.info("fused_kernels default backend: %s -> %s", old, value)
+            logger.info("fused_kernels default backend: %s -> %s", old or "environment", value)
 
 
 _DEFAULT = _DefaultSetting()
@@ -101,7 +127,7 @@ def set_default_backend(backend: str, *, prefer_te: bool = False) -> None:
 
     ``prefer_te=True`` (only meaningful with ``"auto"``) makes ``auto`` choose
     Transformer Engine on CUDA for the ops TE offers. The environment variable
-    ``SHARDWORK_KERNEL_BACKEND`` sets the initial value.
+    ``SHARDWORK_KERNEL_BACKEND`` sets the initial value (:data:`BACKEND_ENV`).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not a backend; valid: {', '.join(BACKENDS)}")
@@ -172,8 +198,7 @@ def resolve_backend(
     """
     if op_name not in OPS:
         raise ValueError(f"op_name={op_name!r} is not an op; valid: {', '.join(OPS)}")
-    default = _DEFAULT.get()
-    requested = default.backend if backend is None else backend
+    requested = _DEFAULT.get().backend if backend is None else backend
     if requested not in BACKENDS:
         raise ValueError(f"backend={requested!r} is not a backend; valid: {', '.join(BACKENDS)}")
     device = torch.device(device)
@@ -192,7 +217,7 @@ def resolve_backend(
         chosen = "te"
     elif device.type != "cuda":
         chosen = "torch"
-    elif default.prefer_te and te_support.unavailable_reason(op_name) is None:
+    elif _DEFAULT.prefers_te() and te_support.unavailable_reason(op_name) is None:
         chosen = "te"
     elif triton_available():
         chosen = "triton"

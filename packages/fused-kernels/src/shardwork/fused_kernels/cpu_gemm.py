@@ -17,8 +17,12 @@ Intel machine here).
   dispatch mode (``FlopCounterMode`` and fake tensors count and shape ``aten.mm``). A
   named backend (``"torch"``, ``"triton"``, ``"te"``) keeps torch's own product: none of them
   has a GEMM of its own, and ``"torch"`` stays the MKL reference. The answer depends only on
-  the call and the machine, never on a timing, so a rerun (or a resumed run) computes the
-  same bits.
+  the call, the machine and :data:`CPU_GEMM_ENV`, never on a timing, so a rerun (or a resumed
+  run) computes the same bits.
+- :data:`CPU_GEMM_ENV` (``SHARDWORK_CPU_GEMM``) overrides the vendor rule for ``"auto"`` calls:
+  ``mkl`` keeps torch's own product on every CPU (an Intel machine's path: to reproduce its
+  bits, or to rule oneDNN out), ``onednn`` takes oneDNN on Intel CPUs too (not measured
+  there); unset or ``auto``: the rule above.
 - :func:`linear` is ``F.linear`` with that choice; :func:`onednn_linear` and
   :func:`onednn_grouped_linear` (the MoE experts' product over contiguous row groups) run
   oneDNN whatever the CPU. Both compute the weight gradient with :func:`weight_grad_mm`.
@@ -31,6 +35,7 @@ Intel machine here).
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,6 +47,9 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from shardwork.fused_kernels.backend import BACKENDS, get_default_backend
 
 __all__ = [
+    "CPU_GEMM_CHOICES",
+    "CPU_GEMM_ENV",
+    "cpu_gemm_env_problem",
     "cpu_vendor",
     "group_mm_nt",
     "group_rows",
@@ -76,6 +84,35 @@ def _onednn_built() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+CPU_GEMM_ENV = "SHARDWORK_CPU_GEMM"
+"""The environment variable choosing the library of ``"auto"`` float32 CPU products: one of
+:data:`CPU_GEMM_CHOICES` (unset: ``"auto"``); read at each call."""
+
+CPU_GEMM_CHOICES = ("auto", "mkl", "onednn")
+
+
+def cpu_gemm_env_problem() -> str | None:
+    """What is wrong with :data:`CPU_GEMM_ENV`'s value here, or None when it is unset or valid."""
+    value = os.environ.get(CPU_GEMM_ENV)
+    if value in (None, "auto", "mkl"):
+        return None
+    if value != "onednn":
+        return (
+            f"{CPU_GEMM_ENV}={value!r} is not a choice; valid: {', '.join(CPU_GEMM_CHOICES)} "
+            "(unset: auto)"
+        )
+    if not _onednn_built():
+        return f"{CPU_GEMM_ENV}='onednn', but this torch build has no oneDNN; valid here: auto, mkl"
+    return None
+
+
+def _cpu_gemm_choice() -> str:
+    problem = cpu_gemm_env_problem()
+    if problem is not None:
+        raise ValueError(problem)
+    return os.environ.get(CPU_GEMM_ENV, "auto")
+
+
 def onednn_preferred(backend: str | None, *tensors: torch.Tensor | None) -> bool:
     """Whether float32 CPU products of ``tensors`` asked for with ``backend`` run on oneDNN."""
     requested = get_default_backend() if backend is None else backend
@@ -84,8 +121,11 @@ def onednn_preferred(backend: str | None, *tensors: torch.Tensor | None) -> bool
     # A dispatch mode (torch's FlopCounterMode, fake tensors) must see torch's own aten.mm.
     if requested != "auto" or torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
         return False
-    # The machine first (cached, the same answer every call), then the operands.
-    if not _onednn_built() or cpu_vendor() in ("", "GenuineIntel"):
+    # The environment and the machine first (the same answer every call), then the operands.
+    choice = _cpu_gemm_choice()
+    if choice == "mkl" or not _onednn_built():
+        return False
+    if choice == "auto" and cpu_vendor() in ("", "GenuineIntel"):
         return False
     return all(t is None or _onednn_operand(t) for t in tensors)
 

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from shardwork.dist_checkpoint.faults import fault_env_problem
+from shardwork.fused_kernels import environment_problems
 from shardwork.models import GPTConfig
 from shardwork.models.pipeline import layers_per_rank, standalone_last_stage_layers
 from shardwork.parallel_state import ORDER_TOKENS, ParallelConfig
@@ -326,6 +328,13 @@ def _check_rest(config: TrainConfig, problems: list[str]) -> None:
         problems.append(f"seed={config.seed!r}: must be an integer >= 0")
 
 
+def _check_environment(problems: list[str]) -> None:
+    """The shardwork environment variables the run would read mid-step or at its first save
+    (kernel backend, CPU product library, checkpoint fault injection), checked up front."""
+    found = [*environment_problems(), fault_env_problem()]
+    problems.extend(f"environment: {problem}" for problem in found if problem is not None)
+
+
 def validate_config(config: TrainConfig, *, world_size: int) -> TrainConfig:
     """Resolve and check ``config`` for ``world_size`` ranks; return the resolved config.
 
@@ -358,6 +367,7 @@ def validate_config(config: TrainConfig, *, world_size: int) -> TrainConfig:
     _check_rest(resolved, problems)
     check_peft(resolved, model, _expert_tp(resolved), problems)
     check_fsdp(resolved, world_size, problems)
+    _check_environment(problems)
     if problems:
         raise ConfigError(problems)
     return resolved
