@@ -49,7 +49,11 @@ def main() -> None:
             print(
                 f"{kind} {dtype} {groups.name}: final loss {result['train'][max(result['train'])]}"
             )
-    out = {"machine": matrix.kernel_fingerprint(), "references": references}
+    out = {
+        "machine": matrix.kernel_fingerprint(),
+        "normal_draws": matrix.normal_draw_digest(),
+        "references": references,
+    }
     matrix.GUARD_FIXTURE.parent.mkdir(exist_ok=True)
     matrix.GUARD_FIXTURE.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
     print(f"wrote {matrix.GUARD_FIXTURE.relative_to(ROOT)}")

@@ -118,6 +118,13 @@ LOSS_CASES = {
 # grows to 5.9 ulp over the same three steps).
 ULPS = 8
 PARAM_ULPS = 32
+# Gradients with capacity dropping (gpt-oss, 40 seeds of model and tokens, one thread): <= 10.8
+# ulp of the tensor's max, above 8 for 4 of the 40 (attention sinks, k_proj and router biases:
+# small sums of larger terms of both signs) and 11.5 for seed 0 where torch draws the init
+# without AVX2 (ATEN_CPU_CAPABILITY=default); the test's seed happened to measure 7.6. 24 is ~2x
+# the worst; router weights off by a relative 1e-5 (a swapped model's planted mismatch) give
+# 85-121 ulp there.
+CAPACITY_GRAD_ULPS = 24
 
 
 @pytest.fixture(autouse=True)
@@ -483,7 +490,9 @@ def test_capacity_drops_as_the_formula(family, policy):
     actual.loss.backward()
     grads = dict(original.named_parameters())
     for name, param in model.named_parameters():
-        assert_close(param.grad, grads[name].grad, f"{family} grad {name} with capacity")
+        assert_close(
+            param.grad, grads[name].grad, f"{family} grad {name} with capacity", CAPACITY_GRAD_ULPS
+        )
 
 
 # --------------------------------------------------------------------------- save / reload

@@ -3,7 +3,7 @@ at a fault point.
 
 - `example_state(rank, world, ...)`: a sharded state dict with a row-sharded matrix, a tensor
   replicated on every rank, ZeRO-style flat shards and per-rank objects; values are a function
-  of ``seed`` only, so any layout can be checked against `example_global`.
+  of ``seed`` only (on any x86-64 CPU), so any layout can be checked against `example_global`.
 - `run_killed_save(...)`: starts ``world_size`` fresh processes (forkserver, torch preloaded)
   that save through a `CheckpointManager` with ``SHARDWORK_CKPT_FAULT`` set, waits until a
   process dies of SIGKILL at the fault point, then kills the survivors (they block in a
@@ -56,12 +56,19 @@ TENSOR_CASES: dict[str, Callable[[], torch.Tensor]] = {
 
 
 def example_global(seed: int) -> dict[str, torch.Tensor]:
-    """Global tensors of `example_state` for ``seed``."""
-    gen = torch.Generator().manual_seed(seed)
+    """Global float32 tensors of `example_state` for ``seed``: N(0, 1) drawn in float64 and
+    rounded, so the values are the same on every x86-64 CPU. (torch draws float32 normals of 16
+    or more elements on a vectorised path where the CPU has AVX2 and a scalar one elsewhere,
+    whose last bits differ; its float64 draws take one path on all of them.)"""
+    gen = seeded(seed)
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).float()
+
     return {
-        "matrix": torch.randn(_ROWS, _COLS, generator=gen),
-        "replicated": torch.randn(11, generator=gen),
-        "moment": torch.randn(*_FLAT_SHAPE, generator=gen),
+        "matrix": normal(_ROWS, _COLS),
+        "replicated": normal(11),
+        "moment": normal(*_FLAT_SHAPE),
     }
 
 
