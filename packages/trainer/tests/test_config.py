@@ -293,7 +293,11 @@ CASES = [
         1,
         "data.corpus='shakespeare': not built in; valid: ['pydoc']",
     ),
-    ({"data": {"prefixes": ["/nonexistent/x"]}}, 1, "'/nonexistent/x' has no /nonexistent/x.bin"),
+    (
+        {"data": {"prefixes": ["/nonexistent/x"]}},
+        1,
+        "'/nonexistent/x' has no /nonexistent/x.bin and /nonexistent/x.idx (build the dataset",
+    ),
     ({"data": {"weights": [1.0]}}, 1, "data.weights has 1 entries but data.prefixes has 0"),
     ({"data": {"tokenizer": "/no/tok.json"}}, 1, "data.tokenizer='/no/tok.json': must be 'byte'"),
     ({"checkpoint": {"keep_last": 0}}, 1, "checkpoint.keep_last=0: must be an integer >= 1"),
@@ -356,3 +360,23 @@ def test_all_problems_reported_together(tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as err:
         validate_config(_with(optimizer={"lr": -1.0, "eps": 0.0}, seed=-3), world_size=1)
     assert len(err.value.problems) >= 3
+
+
+def test_a_missing_dataset_names_the_files_that_are_not_there(tmp_path):
+    half = tmp_path / "half"
+    (tmp_path / "half.bin").write_bytes(b"\0" * 8)  # the index was never written
+    blend = tmp_path / "blend.json"
+    blend.write_text(f'{{"train": [[1.0, "{tmp_path / "gone"}"]]}}')
+    how = "(build the dataset with shardwork-preprocess --output PREFIX)"
+    for data, expected in [
+        ({"prefixes": [str(half)]}, f"data.prefixes: {str(half)!r} has no {half}.idx {how}"),
+        (
+            {"data_config": str(blend)},
+            f"data.data_config={str(blend)!r}: the 'train' blend names {str(tmp_path / 'gone')!r}"
+            f", which has no {tmp_path / 'gone'}.bin and {tmp_path / 'gone'}.idx {how}",
+        ),
+    ]:
+        config = _with(data=data)
+        with pytest.raises(ConfigError) as err:
+            validate_config(config, world_size=1)
+        assert expected in err.value.problems

@@ -15,8 +15,14 @@ from shardwork.trainer.config.sections import TrainConfig
 from shardwork.trainer.data.builder import read_data_config
 from shardwork.trainer.data.corpus import BUILTIN_CORPORA
 from shardwork.trainer.data.dataset_meta import read_dataset_meta
-from shardwork.trainer.data.indexed import dataset_exists
+from shardwork.trainer.data.indexed import data_file_paths, dataset_exists
 from shardwork.trainer.data.tokenizer import load_tokenizer
+
+
+def _missing_files(prefix: str) -> str:
+    """The files of dataset ``prefix`` that are not there, and how to make them."""
+    missing = " and ".join(str(f) for f in data_file_paths(prefix) if not f.is_file())
+    return f"{missing} (build the dataset with shardwork-preprocess --output PREFIX)"
 
 
 def check_data(config: TrainConfig, problems: list[str]) -> None:
@@ -44,9 +50,7 @@ def check_data(config: TrainConfig, problems: list[str]) -> None:
         problems.append(f"data.weights={d.weights}: must be >= 0 with a positive sum")
     for prefix in d.prefixes:
         if not dataset_exists(prefix):
-            problems.append(
-                f"data.prefixes: {prefix!r} has no {prefix}.bin/{prefix}.idx (build it with shardwork-preprocess)"
-            )
+            problems.append(f"data.prefixes: {prefix!r} has no {_missing_files(prefix)}")
     if d.data_config is not None:
         try:
             blends = read_data_config(d.data_config)
@@ -58,8 +62,7 @@ def check_data(config: TrainConfig, problems: list[str]) -> None:
                 if not dataset_exists(prefix):
                     problems.append(
                         f"data.data_config={d.data_config!r}: the {split!r} blend names {prefix!r}"
-                        f", which has no {prefix}.bin/{prefix}.idx (build it with "
-                        "shardwork-preprocess)"
+                        f", which has no {_missing_files(prefix)}"
                     )
     try:
         parts = [float(x) for x in d.split.split(",")]
