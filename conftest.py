@@ -1,18 +1,26 @@
 """Repository-wide pytest setting: how many workers ``uv run pytest`` (``-n auto``) starts.
 
-xdist's ``auto`` starts one worker per core. Each worker imports torch and keeps a pool of
-spawned rank processes for the multi-rank tests (``shardwork.parallel_state.testing``), alive
-for the whole run. Measured on the 2-core machine (private memory, ``smaps_rollup``): a worker
-0.60-0.72 GiB, each rank process 0.40 GiB; pools hold 4 ranks after the common tests and 8
-after the largest, so a worker holds ~2.2 GiB and up to ~3.9 GiB. One worker per core would
-then need more memory than a many-core machine with less than ~4 GiB per core has (32 cores,
-64 GiB: ~70-125 GiB), and the kernel would kill workers mid-run. So ``auto`` here is also
-capped by the memory available when the run starts. ``PYTEST_XDIST_AUTO_NUM_WORKERS`` (xdist's
-own override) and an explicit ``-n N`` still win.
+xdist's ``auto`` starts one worker per physical core of the machine, whatever the run may use.
+Here it is capped twice:
+
+- by the CPUs this process may run on (its affinity mask, e.g. ``taskset -c 0``, and a
+  container's cgroup CPU quota): oversubscribed workers hold memory and slow each other
+  (measured, the suite pinned to one of the 2 cores: xdist's 2 workers 10 min 17 s, one
+  worker 9 min 38 s);
+- by the memory free when the run starts. Each worker imports torch and keeps a pool of
+  spawned rank processes for the multi-rank tests (``shardwork.parallel_state.testing``), alive
+  for the whole run. Measured on the 2-core machine (private memory, ``smaps_rollup``): a
+  worker 0.60-0.72 GiB, each rank process 0.40 GiB; pools hold 4 ranks after the common tests
+  and 8 after the largest, so a worker holds ~2.2 GiB and up to ~3.9 GiB. One worker per core
+  would need more memory than a many-core machine with less than ~4 GiB per core has (32
+  cores, 64 GiB: ~70-125 GiB), and the kernel would kill workers mid-run.
+
+``PYTEST_XDIST_AUTO_NUM_WORKERS`` (xdist's own override) and an explicit ``-n N`` still win.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -48,6 +56,21 @@ def available_memory_bytes() -> int | None:
     return min(known) if known else None
 
 
+def usable_cpus() -> int | None:
+    """CPUs this process may run on: its affinity mask, and the cgroup v2 quota when lower."""
+    try:
+        count = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            count = min(count, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return count
+
+
 def workers_for(cores: int, memory: int | None) -> int:
     """One worker per core, but only as many as ``memory`` holds at their peak (at least 1)."""
     if memory is None:
@@ -60,4 +83,6 @@ def pytest_xdist_auto_num_workers(config):
         return None  # xdist's own hook reads it
     from xdist.plugin import pytest_xdist_auto_num_workers as xdist_auto
 
-    return workers_for(xdist_auto(config), available_memory_bytes())
+    cores = xdist_auto(config)
+    cpus = usable_cpus()
+    return workers_for(cores if cpus is None else min(cores, cpus), available_memory_bytes())
