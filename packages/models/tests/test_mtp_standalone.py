@@ -180,19 +180,22 @@ def _checkpoint(stage, cfg, path, solo, groups):
 
 
 # fp64 throughout, but fused-kernels' cross entropy keeps float32 statistics. Step 1 sees the
-# same weights and inputs as world 1, so its losses agree exactly (checked with rtol=0). Its
-# update differs only in the summation order of the shared embedding's gradient halves (fp64
+# same weights and inputs as world 1, so its losses agree to the last bits: equal with this
+# machine's AVX-512 and AVX2 kernels, 1 ulp apart (1.6e-16 relative) with torch's plain kernels
+# (ATEN_CPU_CAPABILITY=default), whose sums group the split sequence's terms otherwise; checked
+# at FIRST_STEP_RTOL = 1e-14. Its update differs only in the summation order of the shared embedding's gradient halves (fp64
 # rounding); from step 2 on that perturbation reaches the float32 statistics. Measured over the
 # six cases (3 steps): losses rel <= 6.1e-10, MTP losses rel <= 1.3e-10, parameters abs
 # <= 1.1e-8 at weight scale <= 0.26. Tolerances: 1e-8 (losses), 1e-7 (parameters), a factor
 # >= 9 above that; the planted missing sync moves losses by >= 1.5e-4 and weights by >= 2e-3.
-LOSS_RTOL, PARAM_TOL = 1e-8, 1e-7
+LOSS_RTOL, PARAM_TOL, FIRST_STEP_RTOL = 1e-8, 1e-7, 1e-14
 
 
 def _assert_equal_to_world1(result):
     steps, ref_steps = result["steps"], result["ref_steps"]
     assert len(steps) == len(ref_steps) == STEPS
-    assert steps[0] == ref_steps[0]  # same weights, same inputs: bit-identical first losses
+    # same weights, same inputs: first losses equal to rounding of the sums' grouping
+    torch.testing.assert_close(steps[0], ref_steps[0], rtol=FIRST_STEP_RTOL, atol=0)
     for (loss, mtp), (ref_loss, ref_mtp) in zip(steps, ref_steps, strict=True):
         torch.testing.assert_close(loss, ref_loss, rtol=LOSS_RTOL, atol=0)
         torch.testing.assert_close(mtp, ref_mtp, rtol=LOSS_RTOL, atol=0)
