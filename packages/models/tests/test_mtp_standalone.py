@@ -183,8 +183,8 @@ def _checkpoint(stage, cfg, path, solo, groups):
 # same weights and inputs as world 1, so its losses agree to the last bits: equal with this
 # machine's AVX-512 and AVX2 kernels, 1 ulp apart (1.6e-16 relative) with torch's plain kernels
 # (ATEN_CPU_CAPABILITY=default), whose sums group the split sequence's terms otherwise; checked
-# at FIRST_STEP_RTOL = 1e-14. Its update differs only in the summation order of the shared embedding's gradient halves (fp64
-# rounding); from step 2 on that perturbation reaches the float32 statistics. Measured over the
+# at FIRST_STEP_RTOL = 1e-14. Its update differs only in the summation order of the shared
+# embedding's gradient halves (fp64 rounding); from step 2 on that perturbation reaches the float32 statistics. Measured over the
 # six cases (3 steps): losses rel <= 6.1e-10, MTP losses rel <= 1.3e-10, parameters abs
 # <= 1.1e-8 at weight scale <= 0.26. Tolerances: 1e-8 (losses), 1e-7 (parameters), a factor
 # >= 9 above that; the planted missing sync moves losses by >= 1.5e-4 and weights by >= 2e-3.

@@ -98,6 +98,9 @@ class _DefaultSetting:
         self._value: _Default | None = None
 
     def get(self) -> _Default:
+        value = self._value  # set once read: no lock on the path every op takes
+        if value is not None:
+            return value
         with self._lock:
             if self._value is None:
                 problem = backend_env_problem()

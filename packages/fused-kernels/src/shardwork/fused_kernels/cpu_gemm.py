@@ -107,10 +107,14 @@ def cpu_gemm_env_problem() -> str | None:
 
 
 def _cpu_gemm_choice() -> str:
+    # Read on every "auto" product: one lookup for the common values, the full check otherwise.
+    value = os.environ.get(CPU_GEMM_ENV)
+    if value in (None, "auto", "mkl"):
+        return value or "auto"
     problem = cpu_gemm_env_problem()
     if problem is not None:
         raise ValueError(problem)
-    return os.environ.get(CPU_GEMM_ENV, "auto")
+    return value
 
 
 def onednn_preferred(backend: str | None, *tensors: torch.Tensor | None) -> bool:
