@@ -66,6 +66,7 @@ import pytest
 import torch.distributed as dist
 
 from shardwork.parallel_state.testing import run_on_ranks
+from shardwork.trainer.data.corpus import corpus_digest
 
 pytestmark = [pytest.mark.multirank, pytest.mark.xdist_group("layout-matrix")]
 
@@ -620,9 +621,16 @@ def test_world_one_reference_is_unchanged(references, kind, dtype, groups):
     changes no arithmetic changes no bit. Elsewhere the reduction order of the CPU's kernels
     differs, and the check is the matrix's own (rtol 1e-9 in float64, 1e-4 in float32). A CPU
     whose torch draws other float32 normals (:func:`normal_draw_digest`: no AVX2) starts the
-    runs from other weights, a difference of ~5e-9 in float64 losses: skipped there.
+    runs from other weights, a difference of ~5e-9 in float64 losses: skipped there. So is a
+    Python whose ``pydoc_data`` text differs from the one the references trained on (the
+    built-in corpus; patch releases change it): the runs then train on other data.
     """
     stored = json.loads(GUARD_FIXTURE.read_text())
+    if stored["corpus"] != corpus_digest("pydoc"):
+        pytest.skip(
+            f"this Python's pydoc_data text (digest {corpus_digest('pydoc')}) is not the one "
+            f"the references were trained on ({stored['corpus']})"
+        )
     if stored["normal_draws"] != normal_draw_digest():
         pytest.skip(
             "this CPU's torch draws other float32 normals than the machine that wrote the "

@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from shardwork.trainer.data.corpus import corpus_digest
+
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests-integration"
 
@@ -52,6 +54,7 @@ def main() -> None:
     out = {
         "machine": matrix.kernel_fingerprint(),
         "normal_draws": matrix.normal_draw_digest(),
+        "corpus": corpus_digest("pydoc"),
         "references": references,
     }
     matrix.GUARD_FIXTURE.parent.mkdir(exist_ok=True)

@@ -54,6 +54,9 @@ LOCKED_PACKAGES = ("torch", "numpy", "triton")
 # Torch-only workspace packages made importable from source in the scratch environment.
 SOURCE_PACKAGES = ("parallel-state", "fused-kernels", "moe-router", "dist-checkpoint")
 STAMP_NAME = "shardwork-megatron-env.json"
+# `uv run` names its own binary in $UV: the tool works where uv is not on PATH (a pipx or
+# per-user install called by its full path).
+UV = os.environ.get("UV", "uv")
 _REEXEC_FLAG = "SHARDWORK_MEGATRON_REEXEC"
 
 
@@ -73,7 +76,7 @@ def locked_requirements(names: tuple[str, ...] = LOCKED_PACKAGES) -> list[str]:
     marker matches the environment's interpreter.
     """
     exported = subprocess.run(
-        ["uv", "export", "--frozen", "--no-hashes", "--no-emit-workspace", "--no-header",
+        [UV, "export", "--frozen", "--no-hashes", "--no-emit-workspace", "--no-header",
          "--no-annotate"],
         cwd=ROOT, check=True, capture_output=True, text=True,
     ).stdout.splitlines()  # fmt: skip
@@ -120,10 +123,10 @@ def build(venv: Path) -> Path:
     if venv.exists():
         shutil.rmtree(venv)
     python_version = (ROOT / ".python-version").read_text().strip()
-    _run(["uv", "venv", "--seed", "--quiet", "--python", python_version, venv])
+    _run([UV, "venv", "--seed", "--quiet", "--python", python_version, venv])
     python = venv_python(venv)
     pins = locked_requirements()
-    _run(["uv", "pip", "install", "--quiet", "--python", python, *pins, *EXTRA_REQUIREMENTS])
+    _run([UV, "pip", "install", "--quiet", "--python", python, *pins, *EXTRA_REQUIREMENTS])
     _install_megatron(python)
     site = subprocess.run(
         [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],

@@ -12,11 +12,17 @@ The committed ``fixtures/v1`` checkpoint (written by `tools/dist_checkpoint_v1_f
 before the allow-list decoder existed) still loads, value for value: the values it was written
 with are ``fixtures/v1_values.pt`` (`example_global(11)` as it was then: float32 normal draws
 on an AVX2 CPU, which no CPU without AVX2 reproduces), read with ``torch.load``.
+
+The committed ``fixtures/enum_by_name`` checkpoint was written under CPython 3.11.2, which
+pickles an enum member as ``getattr(Enum, name)`` (`tools/dist_checkpoint_enum_fixture.py`);
+it loads under any Python, while ``getattr`` of anything but an allowed enum's member is
+refused.
 """
 
 import io
 import json
 import pickle
+import pickletools
 import shutil
 from pathlib import Path
 
@@ -31,8 +37,9 @@ from shardwork.dist_checkpoint import (
     verify,
 )
 from shardwork.dist_checkpoint.cli import main as ckpt_main
+from shardwork.dist_checkpoint.decode import decode_metadata
 from shardwork.dist_checkpoint.hostile import RunsCommand, rewrite_metadata, write_info
-from shardwork.dist_checkpoint.testing import example_state
+from shardwork.dist_checkpoint.testing import example_global, example_state
 
 pytest.importorskip("shardwork.parallel_state")
 from shardwork.parallel_state.testing import run_on_ranks
@@ -40,6 +47,8 @@ from shardwork.parallel_state.testing import run_on_ranks
 FIXTURE_V1 = Path(__file__).parent / "fixtures" / "v1"
 V1_VALUES = Path(__file__).parent / "fixtures" / "v1_values.pt"
 V1_SEED = 11
+FIXTURE_ENUM_BY_NAME = Path(__file__).parent / "fixtures" / "enum_by_name"
+ENUM_BY_NAME_SEED = 13
 
 
 def _saved(tmp_path: Path, rng_value=None) -> Path:
@@ -221,3 +230,50 @@ def test_v1_checkpoint_still_loads(tmp_path):
     assert torch.equal(out["optimizer"]["moment"], expected["moment"].flatten())
     assert out["optimizer"]["step"] == V1_SEED
     assert out["rng"] == {"rank": 0, "seed": V1_SEED}
+
+
+def test_checkpoint_with_enums_pickled_by_name_loads(tmp_path):
+    path = tmp_path / "by_name"
+    shutil.copytree(FIXTURE_ENUM_BY_NAME, path)
+    raw = (path / ".metadata").read_bytes()
+    # The fixture really holds the by-name form this test is about.
+    assert [arg for _, arg, _ in pickletools.genops(raw) if arg == "getattr"] == ["getattr"]
+    verify(path)
+    out = load(example_state(0, 1, seed=ENUM_BY_NAME_SEED, fill=False), path)
+    expected = example_global(ENUM_BY_NAME_SEED)
+    assert torch.equal(out["model"]["matrix"], expected["matrix"])
+    assert torch.equal(out["model"]["replicated"], expected["replicated"])
+    assert torch.equal(out["optimizer"]["moment"], expected["moment"].flatten())
+    assert out["optimizer"]["step"] == ENUM_BY_NAME_SEED
+
+
+class _GetattrOf:
+    """Pickles as ``getattr(owner, name)``, the form of an enum member pickled by name."""
+
+    def __init__(self, owner, name):
+        self.owner, self.name = owner, name
+
+    def __reduce__(self):
+        return getattr, (self.owner, self.name)
+
+
+@pytest.mark.parametrize(
+    ("owner", "name", "fragment"),
+    [
+        (torch.Size, "__new__", "getattr of <class 'torch.Size'> is not allowed"),
+        (io.BytesIO, "write", "global _io.BytesIO is not allowed"),
+        (
+            torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING,
+            "__class__",
+            "'__class__' is not a member of _MEM_FORMAT_ENCODING",
+        ),
+    ],
+    ids=["allowed-class-not-enum", "class-not-allowed", "enum-attribute-not-member"],
+)
+def test_getattr_of_anything_but_an_enum_member_is_refused(owner, name, fragment):
+    raw = pickle.dumps({"x": _GetattrOf(owner, name)})
+    # Live: plain pickle does perform the lookup.
+    assert pickle.loads(raw)["x"] is getattr(owner, name)
+    with pytest.raises(CheckpointRefusedError, match="refused to decode DCP metadata") as info:
+        decode_metadata(raw, name="crafted/.metadata")
+    assert fragment in str(info.value)

@@ -2,6 +2,7 @@
 
 import itertools
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -141,3 +142,33 @@ def test_bigram_entropy_matches_direct_formula():
     assert bigram_entropy(tokens) == pytest.approx(want, rel=1e-12)
     # a deterministic cycle has zero conditional entropy
     assert bigram_entropy(np.tile([0, 1, 2], 50)) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_builtin_corpus_is_cached_per_version_of_its_text(tmp_path, monkeypatch):
+    """The pydoc text differs between Python patch releases: each version gets its own cached
+    dataset, holding that version's documents, and the first version's stays as it was."""
+    from shardwork.trainer.data import corpus
+    from shardwork.trainer.data.tokenizer import ByteTokenizer
+
+    def documents(prefix):
+        dataset = IndexedDataset(prefix)
+        return [ByteTokenizer().decode(dataset[i].tolist()) for i in range(len(dataset))]
+
+    first = corpus.builtin_corpus("pydoc", tmp_path)
+    first_docs = documents(first)
+    assert first_docs == [corpus.topics[key] for key in sorted(corpus.topics)]
+    # Another Python's text: one topic rewritten, one added.
+    other_topics = dict(corpus.topics)
+    some_key = sorted(other_topics)[3]
+    other_topics[some_key] = other_topics[some_key].replace("the", "THE")
+    other_topics["zz-new-topic"] = "a topic this Python adds"
+    monkeypatch.setattr(corpus, "topics", other_topics)
+    monkeypatch.setattr(corpus, "corpus_digest", corpus.corpus_digest.__wrapped__)
+    second = corpus.builtin_corpus("pydoc", tmp_path)
+    assert second != first
+    assert documents(second) == [other_topics[key] for key in sorted(other_topics)]
+    assert documents(first) == first_docs
+    # The same text finds its dataset again rather than writing another.
+    assert corpus.builtin_corpus("pydoc", tmp_path) == second
+    stems = {path.name.split(".")[0] for path in tmp_path.iterdir()}
+    assert stems == {Path(first).name, Path(second).name}

@@ -11,7 +11,11 @@ constructor that writes a file). Here:
 
 - `decode_metadata` unpickles with an allow-list: DCP's metadata dataclasses, ``torch.Size``,
   dtypes, layouts, memory formats and ``pathlib`` paths (plain containers and scalars need no
-  global). Anything else is refused before it is called.
+  global). Anything else is refused before it is called. Python versions pickle an enum member
+  either by value (``Enum(value)``: CPython 3.11.7, for one) or by name (``getattr(Enum,
+  name)``: CPython 3.11.2, Debian 12's ``python3``); the second names ``builtins.getattr``,
+  which resolves here to a lookup that returns only a member of an allowed enum, so a
+  checkpoint written under either Python loads under the other.
 - `decode_object` uses ``torch.load(weights_only=True)``: torch's own allow-list decoder
   (tensors, dtypes, plain scalars, strings and containers).
 
@@ -20,6 +24,7 @@ A refusal raises `CheckpointRefusedError` naming the record and the refused glob
 
 from __future__ import annotations
 
+import enum
 import importlib
 import io
 import pickle
@@ -58,10 +63,30 @@ METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
 )
 
 
+def _enum_member(cls: Any, name: Any) -> enum.Enum:
+    """``getattr(cls, name)`` as a pickle of an enum member by name calls it, for an allowed
+    enum ``cls`` (one `METADATA_GLOBALS` names, so the pickle could only have got it from
+    there) and the name of one of its members; any other attribute lookup is refused."""
+    allowed = (
+        isinstance(cls, type)
+        and issubclass(cls, enum.Enum)
+        and (cls.__module__, cls.__qualname__) in METADATA_GLOBALS
+    )
+    if not allowed:
+        raise pickle.UnpicklingError(f"getattr of {cls!r} is not allowed (only enum members)")
+    member = cls.__members__.get(name) if isinstance(name, str) else None
+    if member is None:
+        raise pickle.UnpicklingError(f"{name!r} is not a member of {cls.__qualname__}")
+    return member
+
+
 class _MetadataUnpickler(pickle.Unpickler):
-    """Resolves only `METADATA_GLOBALS` and torch dtypes; refuses every other global."""
+    """Resolves only `METADATA_GLOBALS`, torch dtypes and enum members by name
+    (`_enum_member`); refuses every other global."""
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         if (module, name) in METADATA_GLOBALS:
             return getattr(importlib.import_module(module), name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
