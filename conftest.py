@@ -16,6 +16,14 @@ Here it is capped twice:
   cores, 64 GiB: ~70-125 GiB), and the kernel would kill workers mid-run.
 
 ``PYTEST_XDIST_AUTO_NUM_WORKERS`` (xdist's own override) and an explicit ``-n N`` still win.
+
+Idle OpenMP threads sleep instead of spinning (``OMP_WAIT_POLICY=PASSIVE``, what
+``shardwork-train`` sets too), unless the variable is set: every worker's torch starts one
+thread per core, so the workers' threads outnumber the cores, and a spinning thread holds a
+core another worker needs. Set here, before any test module imports torch (OpenMP reads it
+once, when it loads); the rank processes inherit it. Measured, the whole suite on the 2-core
+machine (2 workers), one run each: 379 s wall and 505 s user CPU spinning, 360 s and 438 s
+passive. Scheduling only: no result changes.
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 WORKER_PEAK_BYTES = 4 * 2**30
 """Memory one xdist worker may hold at its peak, with its rank pool (module docstring)."""
