@@ -7,8 +7,9 @@ reader that allowed only the first form refused every checkpoint written under t
 This script writes the fixture the test for the second form loads; it must run under a Python
 that pickles by name, and refuses to run elsewhere:
 
-    /usr/bin/python3.11 -m venv ENV && ...   # or: uv sync with Debian 12's python3 picked
-    uv run python tools/dist_checkpoint_enum_fixture.py \
+    export UV_PROJECT_ENVIRONMENT=/tmp/env-3112   # Debian 12's python3 is CPython 3.11.2
+    uv sync --locked --python /usr/bin/python3.11
+    uv run --python /usr/bin/python3.11 python tools/dist_checkpoint_enum_fixture.py \
         packages/dist-checkpoint/tests/fixtures/enum_by_name
 
 It saves `shardwork.dist_checkpoint.testing.example_state` (seed 13, one rank); the test loads
