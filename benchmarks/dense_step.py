@@ -390,10 +390,11 @@ def time_rounds(
     steps: int,
     clock=time.perf_counter,
     each_round: Callable[[], None] | None = None,
-) -> dict:
-    """Median seconds per step of each side, interleaved round by round (``clock``: wall time,
-    or ``time.process_time`` for the CPU time of this process); ``each_round`` runs after every
-    round's sides (the floor's parts, so they drift with the machine as the sides do)."""
+) -> dict[str, list[float]]:
+    """Seconds per step of each side in every round, the sides interleaved round by round
+    (``clock``: wall time, or ``time.process_time`` for the CPU time of this process);
+    ``each_round`` runs after every round's sides (the floor's parts, so they drift with the
+    machine as the sides do)."""
     times: dict[str, list[float]] = {side.name: [] for side in sides}
     for r in range(rounds):
         order = sides if r % 2 == 0 else sides[::-1]  # no side always runs first
@@ -406,7 +407,7 @@ def time_rounds(
             times[side.name].append((clock() - start) / steps)
         if each_round is not None:
             each_round()
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
 
 
 def model_flops_per_step(folder: Path, shape: dict) -> float:
@@ -478,17 +479,26 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def rows_for(times, losses, memory, skipped, flops, peak, shape) -> list[dict]:
-    """One table row per side, with ratios against the first shardwork side."""
+    """One table row per side, with ratios against the first shardwork side.
+
+    ``times``: seconds per step of each side in every round. ``ratio_vs_shardwork`` is the
+    median over rounds of the side's time over shardwork's in the same round, so a drift of the
+    machine's speed between rounds (a shared host's other tenants) cancels out of each ratio;
+    ``ratio_range`` is its smallest and largest round."""
     tokens = shape["seq"] * shape["batch"]
     base = next((t for name, t in times.items() if name.startswith("shardwork")), None)
     rows = []
     for name, loss in losses.items():
-        seconds = times.get(name)
-        row = {"side": name, "step0_loss": loss, "timed": seconds is not None}
-        if seconds is not None:
+        rounds = times.get(name)
+        row = {"side": name, "step0_loss": loss, "timed": rounds is not None}
+        if rounds is not None:
+            seconds = statistics.median(rounds)
             row.update(step_ms=seconds * 1e3, tokens_per_s=tokens / seconds,
-                       ratio_vs_shardwork=seconds / base if base else None,
-                       peak_gib=memory.get(name))  # fmt: skip
+                       round_ms=[t * 1e3 for t in rounds], peak_gib=memory.get(name))  # fmt: skip
+            if base:
+                paired = [t / b for t, b in zip(rounds, base)]
+                row.update(ratio_vs_shardwork=statistics.median(paired),
+                           ratio_range=[min(paired), max(paired)])  # fmt: skip
             if peak:
                 row["mfu_pct"] = 100 * flops / seconds / peak
         rows.append(row)
@@ -502,23 +512,29 @@ def markdown(result: dict) -> str:
         "",
         f"{result['dtype']}, tokens per step {result['tokens_per_step']}, "
         f"AdamW on every side; median of {result['rounds']} interleaved rounds of "
-        f"{result['steps']} steps, {result['clock']} time, {result['threads']} thread(s). ratio = side's step time / shardwork's (> 1: shardwork "
-        "faster). MFU: model FLOPs (shardwork's calculator, causal) / datasheet dense bf16 peak.",
+        f"{result['steps']} steps, {result['clock']} time, {result['threads']} thread(s). ratio = "
+        "median over rounds of the side's step time / shardwork's in the same round (> 1: "
+        "shardwork faster); range: the smallest and largest round. MFU: model FLOPs (shardwork's "
+        "calculator, causal) / datasheet dense bf16 peak.",
         "",
-        "| side | step-0 loss | step ms | tokens/s | ratio | MFU % | peak GiB |",
-        "|---|---|---|---|---|---|---|",
+        "| side | step-0 loss | step ms | tokens/s | ratio | range | MFU % | peak GiB |",
+        "|---|---|---|---|---|---|---|---|",
     ]
 
     def fmt(value, spec):
         return "" if value is None else format(value, spec)
 
+    def spread(low_high):
+        return "" if low_high is None else f"{low_high[0]:.3f}–{low_high[1]:.3f}"
+
     for row in result["rows"]:
         if "not_run" in row:
-            lines.append(f"| {row['side']} | not run: {row['not_run'][:160]} | | | | | |")
+            lines.append(f"| {row['side']} | not run: {row['not_run'][:160]} | | | | | | |")
             continue
         lines.append(
             f"| {row['side']} | {row['step0_loss']:.6f} | {fmt(row.get('step_ms'), '.1f')} "
             f"| {fmt(row.get('tokens_per_s'), '.0f')} | {fmt(row.get('ratio_vs_shardwork'), '.3f')} "
+            f"| {spread(row.get('ratio_range'))} "
             f"| {fmt(row.get('mfu_pct'), '.1f')} | {fmt(row.get('peak_gib'), '.2f')} |"
         )
     if result.get("floor"):
