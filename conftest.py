@@ -3,8 +3,8 @@
 xdist's ``auto`` starts one worker per physical core of the machine, whatever the run may use.
 Here it is capped twice:
 
-- by the CPUs this process may run on (its affinity mask, e.g. ``taskset -c 0``, and a
-  container's cgroup CPU quota): oversubscribed workers hold memory and slow each other
+- by the CPUs this process may run on (its affinity mask, e.g. ``taskset -c 0``, and the CPU
+  quota of its cgroups): oversubscribed workers hold memory and slow each other
   (measured, the suite pinned to one of the 2 cores: xdist's 2 workers 10 min 17 s, one
   worker 9 min 38 s);
 - by the memory free when the run starts. Each worker imports torch and keeps a pool of
@@ -13,7 +13,11 @@ Here it is capped twice:
   worker 0.60-0.72 GiB, each rank process 0.40 GiB; pools hold 4 ranks after the common tests
   and 8 after the largest, so a worker holds ~2.2 GiB and up to ~3.9 GiB. One worker per core
   would need more memory than a many-core machine with less than ~4 GiB per core has (32
-  cores, 64 GiB: ~70-125 GiB), and the kernel would kill workers mid-run.
+  cores, 64 GiB: ~70-125 GiB), and the kernel would kill workers mid-run. The memory is the
+  smaller of ``MemAvailable`` and the headroom of the process's cgroups: its own and every
+  ancestor, cgroup v2 or v1 (a systemd unit's ``MemoryMax``, a container's ``--memory``;
+  ``MemAvailable`` shows the host's). Measured on this machine (cgroup v1), inside a 6 GiB
+  memory cgroup: 2 workers before stop 39, which read only a v2 limit at the root, 1 since.
 
 ``PYTEST_XDIST_AUTO_NUM_WORKERS`` (xdist's own override) and an explicit ``-n N`` still win.
 
@@ -48,37 +52,96 @@ def _meminfo_available() -> int | None:
     return None
 
 
-def _cgroup_headroom() -> int | None:
-    """The cgroup v2 limit less current use, or None without a limit."""
-    root = Path("/sys/fs/cgroup")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+SELF_CGROUP = Path("/proc/self/cgroup")
+V1_UNLIMITED = 2**62
+"""cgroup v1 writes "no limit" as a page-rounded 2^63 - 1; anything this large is none."""
+
+
+def cgroup_dirs(
+    controller: str, root: Path = CGROUP_ROOT, self_file: Path = SELF_CGROUP
+) -> list[Path]:
+    """The directories holding ``controller``'s limits for this process: its own cgroup and every
+    ancestor up to the hierarchy's root, for cgroup v2 (``root``) and v1 (``root/controller``).
+
+    A limit may sit at any level: a systemd unit's ``MemoryMax`` on the process's own cgroup,
+    a container's on the root its namespace shows. A cgroup path that is not there (the process
+    sees its own cgroup as the root, as in a container) leaves only the root."""
     try:
-        limit = (root / "memory.max").read_text().strip()
-        if limit == "max":
-            return None
-        return int(limit) - int((root / "memory.current").read_text())
-    except (OSError, ValueError):
+        lines = self_file.read_text().splitlines()
+    except OSError:
+        lines = []
+    found = []
+    for line in lines:
+        if line.count(":") < 2:
+            continue
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: "0::/path", at the root or, beside v1, under unified/
+            base = root if (root / "cgroup.controllers").exists() else root / "unified"
+        elif controller in controllers.split(","):
+            base = root / controller
+        else:
+            continue
+        if ".." in Path(path).parts:  # a cgroup outside this namespace: only its root shows
+            path = "/"
+        leaf = base / path.lstrip("/")
+        levels = [leaf, *leaf.parents]
+        found += [d for d in levels[: levels.index(base) + 1] if d.is_dir()]
+    return found
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
         return None
 
 
+def cgroup_memory_headroom(root: Path = CGROUP_ROOT, self_file: Path = SELF_CGROUP) -> int | None:
+    """The smallest ``limit - usage`` over this process's cgroups (v2 ``memory.max`` and
+    ``memory.current``, v1 ``memory.limit_in_bytes`` and ``memory.usage_in_bytes``), in bytes;
+    None without a limit."""
+    headrooms = []
+    for d in cgroup_dirs("memory", root, self_file):
+        for limit_file, usage_file in (("memory.max", "memory.current"),
+                                       ("memory.limit_in_bytes", "memory.usage_in_bytes")):  # fmt: skip
+            limit, usage = _read_int(d / limit_file), _read_int(d / usage_file)
+            if limit is not None and usage is not None and limit < V1_UNLIMITED:
+                headrooms.append(limit - usage)
+    return min(headrooms) if headrooms else None
+
+
+def cgroup_cpu_quota(root: Path = CGROUP_ROOT, self_file: Path = SELF_CGROUP) -> int | None:
+    """The smallest CPU quota over this process's cgroups, in whole CPUs rounded up (v2
+    ``cpu.max`` "quota period", v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``); None where no
+    level sets one ("max", -1)."""
+    quotas = []
+    for d in cgroup_dirs("cpu", root, self_file):
+        try:
+            quota, period = (d / "cpu.max").read_text().split()
+            pair = (None if quota == "max" else int(quota), int(period))
+        except (OSError, ValueError):
+            pair = (_read_int(d / "cpu.cfs_quota_us"), _read_int(d / "cpu.cfs_period_us"))
+        quota, period = pair
+        if quota is not None and quota > 0 and period:
+            quotas.append(max(1, math.ceil(quota / period)))
+    return min(quotas) if quotas else None
+
+
 def available_memory_bytes() -> int | None:
-    """Memory this run can use: the smaller of MemAvailable and the cgroup's headroom."""
-    known = [m for m in (_meminfo_available(), _cgroup_headroom()) if m is not None]
+    """Memory this run can use: the smaller of MemAvailable and the cgroups' headroom."""
+    known = [m for m in (_meminfo_available(), cgroup_memory_headroom()) if m is not None]
     return min(known) if known else None
 
 
 def usable_cpus() -> int | None:
-    """CPUs this process may run on: its affinity mask, and the cgroup v2 quota when lower."""
+    """CPUs this process may run on: its affinity mask, and the cgroups' CPU quota when lower."""
     try:
         count = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return None
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
-        if quota != "max":
-            count = min(count, max(1, math.ceil(int(quota) / int(period))))
-    except (OSError, ValueError):
-        pass
-    return count
+    quota = cgroup_cpu_quota()
+    return count if quota is None else min(count, quota)
 
 
 def workers_for(cores: int, memory: int | None) -> int:
