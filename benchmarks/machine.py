@@ -7,15 +7,23 @@ import platform
 from pathlib import Path
 
 
+def _first_cpu_fields() -> dict[str, str]:
+    """``/proc/cpuinfo``'s fields of the first CPU (``"model name"``, ``"cpu family"``, ...);
+    empty where there is no ``/proc``."""
+    try:
+        first_cpu = Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0]
+    except OSError:
+        return {}
+    fields = {}
+    for line in first_cpu.splitlines():
+        key, _, value = (part.strip() for part in line.partition(":"))
+        fields[key] = value
+    return fields
+
+
 def cpu_model() -> str:
     """The CPU's model name from ``/proc/cpuinfo``, or what ``platform`` knows elsewhere."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return _first_cpu_fields().get("model name") or platform.processor() or platform.machine()
 
 
 def cpu_identity() -> dict:
@@ -23,14 +31,9 @@ def cpu_identity() -> dict:
     ``/proc/cpuinfo``: cloud machines that all call themselves "AMD EPYC" differ in these (a
     Zen 4 with AVX-512 against a Zen 2 with AVX2 moves every product's time), so a result is
     only comparable with one from the same identity. Empty where there is no ``/proc``."""
-    fields = {}
-    try:
-        first_cpu = Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0]
-    except OSError:
-        return fields
-    for line in first_cpu.splitlines():
-        key, _, value = (part.strip() for part in line.partition(":"))
-        fields[key] = value
+    fields = _first_cpu_fields()
+    if not fields:
+        return {}
     flags = set(fields.get("flags", "").split())
     widest = next((isa for isa in ("avx512f", "avx2", "avx", "sse4_2") if isa in flags), "")
     return {

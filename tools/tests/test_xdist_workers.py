@@ -187,9 +187,10 @@ def test_a_real_cgroup_memory_limit_caps_the_workers(tmp_path):
     """Started inside a cgroup whose memory holds one worker, ``-n auto`` starts one. Before
     stop 39 the conftest read only a v2 limit at the hierarchy's root: under this machine's
     cgroup v1 it started a worker per core whatever the limit."""
-    cpus = len(os.sched_getaffinity(0))
-    if cpus < 2:
-        pytest.skip("one usable CPU: one worker whatever the memory")
+    # Outside a cgroup, the same conftest and a 1 GiB peak start a worker per core here; the
+    # test needs that to be more than one, or the cap could not show.
+    if _workers_started(tmp_path / "free", GIB) < 2:
+        pytest.skip("one worker even without a memory limit (one core or little free memory)")
     group = _memory_limited_cgroup(3 * GIB // 2)
     if group is None:
         pytest.skip("this machine does not let the test make a memory-limited cgroup")
@@ -199,6 +200,3 @@ def test_a_real_cgroup_memory_limit_caps_the_workers(tmp_path):
     finally:
         group.rmdir()
     assert started == 1
-    # The same conftest and peak outside the cgroup: a worker per CPU where memory allows.
-    if _root_conftest().available_memory_bytes() >= 2 * GIB:
-        assert _workers_started(tmp_path / "free", GIB) >= 2
