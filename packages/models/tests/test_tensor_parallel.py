@@ -105,7 +105,9 @@ def _attention_dropout_masks(model, seq: int) -> torch.Tensor:
     k = torch.randn(seq, 1, nkv, d, generator=gen, dtype=torch.float64)
     v = torch.eye(seq, dtype=torch.float64)[:, None, None, :].expand(seq, 1, nkv, d)
     with torch.no_grad():
-        out = attn._core(q, k, v, None).reshape(seq, nq, d)
+        # _core takes SDPA's [b, n, s, d] layout.
+        sdpa = [t.permute(1, 2, 0, 3) for t in (q, k, v)]
+        out = attn._core(*sdpa, None).reshape(seq, nq, d)
     causal = torch.ones(seq, seq, dtype=torch.bool).tril()[:, None, :]
     assert not ((out != 0) & ~causal).any()  # nothing beyond the causal mask
     return (out != 0) & causal

@@ -5,7 +5,8 @@ Ops (each differentiable, each with ``backend="auto"|"torch"|"triton"|"te"``):
 - :func:`rms_norm`, :func:`layer_norm` — float32 statistics, zero-centered gamma option.
 - :func:`swiglu`, :func:`geglu` — on a fused ``[gate | up]`` projection, optional per-token weights.
 - :func:`apply_rotary` with :func:`rotary_inv_freq` (linear / Llama-3 / YaRN scaling),
-  :func:`rotary_cos_sin` and :func:`packed_positions` — half-split or interleaved, partial.
+  :func:`rotary_cos_sin` and :func:`packed_positions` — half-split or interleaved, partial;
+  :func:`apply_rotary_qkv` splits a fused QKV projection into SDPA's inputs while rotating.
 - :func:`cross_entropy` — optionally vocab-parallel over ``tp_group``, label smoothing,
   ignore index, per-token losses.
 - :func:`linear_cross_entropy` — output projection + cross entropy in chunks, never the
@@ -45,7 +46,7 @@ from shardwork.fused_kernels.environment import environment_problems
 from shardwork.fused_kernels.linear_cross_entropy_op import linear_cross_entropy
 from shardwork.fused_kernels.norms import layer_norm, rms_norm
 from shardwork.fused_kernels.permute import permute_tokens, unpermute_tokens
-from shardwork.fused_kernels.rotary import apply_rotary
+from shardwork.fused_kernels.rotary import apply_rotary, apply_rotary_qkv
 from shardwork.fused_kernels.rotary_freqs import (
     LinearRopeScaling,
     Llama3RopeScaling,
@@ -66,6 +67,7 @@ __all__ = [
     "RouterTopK",
     "YarnRopeScaling",
     "apply_rotary",
+    "apply_rotary_qkv",
     "cross_entropy",
     "environment_problems",
     "geglu",

@@ -11,6 +11,8 @@
   only needs one table row per token.
 - ``inplace=True`` writes the result into ``x`` (safe for the rotation itself: its
   backward needs only cos/sin); refuse on a leaf that requires grad.
+- :func:`apply_rotary_qkv`: a fused ``[s, b, (nq + 2·nkv)·d]`` QKV projection split into
+  SDPA's ``[b, n, s, d]`` query, key and value, the first two rotated (the same values).
 - Gradients flow to ``x`` only (cos/sin are tables) in both backends: the torch backend runs
   :mod:`~shardwork.fused_kernels.eager_rotary` (no concatenation, a hand-written backward,
   the reference's values bit for bit; under ``torch.compile`` the reference itself, which
@@ -27,7 +29,7 @@ from shardwork.fused_kernels import eager_rotary
 from shardwork.fused_kernels._checks import acc_dtype, check_float, check_same_device
 from shardwork.fused_kernels.backend import resolve_backend
 
-__all__ = ["apply_rotary", "apply_rotary_reference"]
+__all__ = ["apply_rotary", "apply_rotary_qkv", "apply_rotary_reference"]
 
 
 def _rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -113,3 +115,52 @@ def apply_rotary(
         x.copy_(out)
         return x
     return out
+
+
+def _qkv_head_dim(qkv: torch.Tensor, num_heads: int, num_kv_heads: int) -> int:
+    """``d`` of a fused ``[s, b, (nq + 2·nkv)·d]`` projection, or a ValueError naming the field."""
+    check_float("qkv", qkv)
+    for name, count in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+        if not isinstance(count, int) or count < 1:
+            raise ValueError(f"{name}={count!r} must be a positive int")
+    heads = num_heads + 2 * num_kv_heads
+    if qkv.dim() != 3 or qkv.shape[-1] % heads:
+        raise ValueError(
+            f"qkv.shape={tuple(qkv.shape)} must be [s, b, (num_heads + 2*num_kv_heads) * "
+            f"head_dim] = [s, b, {heads} * head_dim]"
+        )
+    return qkv.shape[-1] // heads
+
+
+def apply_rotary_qkv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    interleaved: bool = False,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split a fused QKV projection into attention's inputs, queries and keys rotated.
+
+    ``qkv [s, b, (nq + 2·nkv)·d]``: sequence-first, ``[Q | K | V]`` blocks of whole heads (a
+    column-parallel shard of them). ``cos``/``sin`` broadcast to ``[s, b, rotary_dim]``.
+    Returns ``q [b, nq, s, d]``, ``k [b, nkv, s, d]``, ``v [b, nkv, s, d]``: the layout of
+    ``F.scaled_dot_product_attention``. Values and gradients equal ``apply_rotary`` on the
+    split heads, then permuted, bit for bit. The torch backend writes queries and keys in one
+    rotation into batch-first memory, which CPU SDPA reads faster than permuted sequence-first
+    views, and its backward writes the fused gradient block by block instead of concatenating
+    three.
+    """
+    d = _qkv_head_dim(qkv, num_heads, num_kv_heads)
+    heads = qkv.unflatten(-1, (num_heads + 2 * num_kv_heads, d))
+    q, k, v = heads.split((num_heads, num_kv_heads, num_kv_heads), dim=2)
+    _validate(q, cos, sin, inplace=False)
+    chosen = resolve_backend("rotary", backend, qkv.device, dtype=qkv.dtype)
+    if chosen == "torch" and not torch.compiler.is_compiling():
+        return eager_rotary.rotary_qkv(qkv, cos, sin, num_heads, num_kv_heads,
+                                       interleaved=interleaved)  # fmt: skip
+    q = apply_rotary(q, cos, sin, interleaved=interleaved, backend=chosen)
+    k = apply_rotary(k, cos, sin, interleaved=interleaved, backend=chosen)
+    return q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)

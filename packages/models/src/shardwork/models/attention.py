@@ -13,8 +13,11 @@ rank, ``d`` head dim.
 - QK-norm (Qwen3) is an RMSNorm over ``d`` before RoPE; RoPE uses
   ``shardwork.fused_kernels.apply_rotary`` with half-split pairing (the HF convention) on the
   first ``cos.shape[-1]`` channels of each head (``rotary_percent`` < 1 leaves the rest as
-  they are). With ``position_embedding_type="none"`` nothing is rotated.
-- Core attention is torch SDPA on strided views of q/k/v (no layout copies) with
+  they are). With ``position_embedding_type="none"`` nothing is rotated. Without QK-norm,
+  output gate or cp > 1, ``apply_rotary_qkv`` does the split, the rotation and SDPA's layout
+  in one op (the same values; on the torch backend batch-first q/k/v, which CPU SDPA reads
+  faster, and a fused gradient with no concatenation).
+- Core attention is torch SDPA on ``[b, n, s, d]`` q/k/v (strided views, any layout) with
   ``enable_gqa`` (K/V are not repeated per query head). The plain causal case uses
   ``is_causal``; packed sequences, context parallelism and sliding windows bring a
   :class:`~shardwork.models.block_mask.BlockMask` (query segments over contiguous key ranges,
@@ -42,7 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shardwork.fused_kernels import apply_rotary
+from shardwork.fused_kernels import apply_rotary, apply_rotary_qkv
 from shardwork.models.block_mask import BlockMask
 from shardwork.models.config import GPTConfig
 from shardwork.models.context_parallel import gather_in_position_order
@@ -152,12 +155,9 @@ class Attention(ShardedModule):
         )
 
     def _core(self, q, k, v, mask):
-        """Attention of ``q [s, b, nq, d]``, ``k/v [sk, b, nkv, d]`` -> ``[s, b, nq·d]``."""
-        # [s, b, n, d] -> [b, n, s, d], SDPA's layout: strided views, no copies (SDPA reads
-        # strides). GQA stays grouped: query head j uses kv head j // (nq / nkv).
-        q = q.permute(1, 2, 0, 3)
-        k = k.permute(1, 2, 0, 3)
-        v = v.permute(1, 2, 0, 3)
+        """Attention of ``q [b, nq, s, d]``, ``k/v [b, nkv, sk, d]`` (SDPA's layout, any
+        strides) -> ``[s, b, nq·d]``. GQA stays grouped: query head j uses kv head
+        j // (nq / nkv)."""
         p = self.dropout if self.training else 0.0
         attend = self._softcapped if self.softcap is not None else self._sdpa
         if p > 0:
@@ -209,6 +209,30 @@ class Attention(ShardedModule):
                 )
             inputs = inputs.sliding
         qkv = self.linear_qkv(hidden)
+        gate = None
+        cp = self.groups.size("cp")
+        if self.rotate and not self.gated and self.q_layernorm is None and cp == 1:
+            # The common case in one op: split, rotate q and k, SDPA's layout.
+            cos, sin = self._tables(inputs, qkv.dtype)
+            heads = dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads)
+            q, k, v = apply_rotary_qkv(qkv, cos, sin, **heads, backend=self.backend)
+        else:
+            q, k, v, gate = self._heads(qkv, inputs, cp)
+        mask = inputs.mask
+        # Selective recompute (Korthikanti et al. 2022): keep q/k/v, recompute the s x s scores,
+        # softmax and dropout in backward; checkpoint replays the same dropout draws.
+        if self.selective_recompute and self.training:
+            out = checkpoint(lambda q_, k_, v_: self._core(q_, k_, v_, mask), self.rng, q, k, v)
+        else:
+            out = self._core(q, k, v, mask)
+        if gate is not None:
+            # gate [s, b, nq·d] is in the same head-major order as the core output.
+            out = out * torch.sigmoid(gate)
+        return self.linear_proj(out)
+
+    def _heads(self, qkv, inputs: AttentionInputs, cp: int):
+        """``qkv [s, b, ...]`` -> ``q [b, nq, s, d]``, ``k/v [b, nkv, s·cp, d]`` (QK-norm, RoPE,
+        the cp gather of K/V) and the output gate ``[s, b, nq·d]`` (or None)."""
         s, b = qkv.shape[0], qkv.shape[1]
         d = self.head_dim
         q_len, kv_len = self.num_heads * d, self.num_kv_heads * d
@@ -226,25 +250,20 @@ class Attention(ShardedModule):
             q = self.q_layernorm(q)
             k = self.k_layernorm(k)
         if self.rotate:
-            q, k = self._rotary(q, k, inputs)
-        if self.groups.size("cp") > 1:
+            cos, sin = self._tables(inputs, q.dtype)
+            q = apply_rotary(q, cos, sin, backend=self.backend)
+            k = apply_rotary(k, cos, sin, backend=self.backend)
+        if cp > 1:
             # After RoPE, so every key carries its own global position; keys in position order,
             # as the block mask indexes them. All cp ranks issue k then v in this order.
             k = gather_in_position_order(k, self.groups.cp, dim=0)
             v = gather_in_position_order(v, self.groups.cp, dim=0)
-        mask = inputs.mask
-        # Selective recompute (Korthikanti et al. 2022): keep q/k/v, recompute the s x s scores,
-        # softmax and dropout in backward; checkpoint replays the same dropout draws.
-        if self.selective_recompute and self.training:
-            out = checkpoint(lambda q_, k_, v_: self._core(q_, k_, v_, mask), self.rng, q, k, v)
-        else:
-            out = self._core(q, k, v, mask)
-        if gate is not None:
-            # gate [s, b, nq·d] is in the same head-major order as the core output.
-            out = out * torch.sigmoid(gate)
-        return self.linear_proj(out)
+        # [s, b, n, d] -> [b, n, s, d], SDPA's layout: strided views, no copies (SDPA reads
+        # strides).
+        return q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), gate
 
-    def _rotary(self, q, k, inputs: AttentionInputs):
+    def _tables(self, inputs: AttentionInputs, dtype: torch.dtype):
+        """The RoPE ``(cos, sin)`` in the activations' ``dtype``."""
         if inputs.cos is None:
             raise ValueError(
                 "Attention with position_embedding_type='rope' got no rotary table: the model's "
@@ -253,7 +272,4 @@ class Attention(ShardedModule):
             )
         # Tables are fp32 (fp64 in fp64 runs); cast to the activations' dtype so the rotation does
         # not upcast q/k. Their width is the rotated one: apply_rotary leaves later channels as is.
-        cos, sin = inputs.cos.to(q.dtype), inputs.sin.to(q.dtype)
-        q = apply_rotary(q, cos, sin, backend=self.backend)
-        k = apply_rotary(k, cos, sin, backend=self.backend)
-        return q, k
+        return inputs.cos.to(dtype), inputs.sin.to(dtype)

@@ -39,8 +39,9 @@ arithmetic bytes (4, or 8 for float64). Per layer, recompute ``none``:
              ``T·(a/tp)·d·e``, k ``T·cp·(g/tp)·d·e``, v a view of the fused qkv output (which
              stays alive whole, ``T·(a+2g)/tp·d·e``; gathered over cp instead a new
              ``T·cp·(g/tp)·d·e``), the output ``T·(a/tp)·d·e`` and the log-sum-exp
-             ``T·(a/tp)·4``; with ``attn_logit_softcapping`` the explicit path (grouped heads
-             broadcast, k and v as above) keeps its tanh and softmax outputs
+             ``T·(a/tp)·4``; with ``attn_logit_softcapping`` the explicit path keeps its
+             matmuls' copies of q and of k and v broadcast over query heads (``3·T·(a/tp)·d·e``
+             at cp = 1; nothing keeps the qkv output), its tanh and softmax outputs
              ``T·(a/tp)·s·(e + c [+ e])`` instead of the log-sum-exp, an upper bound with
              packing or a window, where each query segment scores only its key span);
              sliding-window, packed and cp > 1 layers save no mask (block masks are rebuilt in
@@ -52,7 +53,9 @@ arithmetic bytes (4, or 8 for float64). Per layer, recompute ``none``:
              ``learned_absolute``) and QK-norm, q and k are views of the fused qkv output too;
              QK-norm adds its x̂ and rstd ``T·(a+g)/tp·(d+1)·c``; the output gate adds
              ``2·T·(n/tp)·d·e`` (its sigmoid and the gated output) and widens the kept qkv
-             output by its block. RoPE (the torch backend) keeps only its tables
+             output by its block. RoPE (the torch backend) keeps only its tables; with RoPE and
+             neither QK-norm, gate nor cp > 1 the torch backend's ``apply_rotary_qkv`` gives
+             SDPA new q, k and a copy of v (``T·(g/tp)·d·e``) and the qkv output is not kept
   MLA        ``q_down → norm → q_up`` and ``kv_down → latent norm → kv_up`` intermediates
   Mamba-2,   the convolution, scan or delta rule and gated norm, tensor by tensor in
   DeltaNet   :mod:`shardwork.models.calculator_memory_hybrid` (terms over the sequence rounded
@@ -437,12 +440,17 @@ def _attention_bytes(cfg: GPTConfig, t, tp, cp, seq, recompute, c, e) -> float:
         # Without RoPE (none, or learned positions added at the embedding) and QK-norm, q and k
         # reach SDPA (or the checkpoint) as views of qkv.
         q_view = cfg.position_embedding_type != "rope" and not cfg.qk_layernorm
-        # v not gathered over cp reaches SDPA, the soft-capped matmuls or the checkpoint as a
-        # view of the fused qkv output, and an unrotated q does too: either keeps it (gate block
-        # included) alive whole.
-        pinned = q_view or cp == 1
-        extra = t * (n + 2 * g + gate) * d * e if pinned else 0.0
         fused = fused_kernels(cfg)
+        # The torch backend's apply_rotary_qkv (RoPE, no QK-norm, no gate, cp == 1) writes q and
+        # k into one new buffer and copies v: nothing keeps the qkv output.
+        split_rotary = not (fused or q_view or cfg.qk_layernorm or gate or cp > 1)
+        # Otherwise v not gathered over cp reaches SDPA, the soft-capped matmuls or the checkpoint
+        # as a view of the fused qkv output, and an unrotated q does too: either keeps it (gate
+        # block included) alive whole.
+        pinned = (q_view or cp == 1) and not split_rotary
+        capped = cfg.attn_logit_softcapping is not None and recompute != "selective"
+        # The explicit soft-capped attention's matmuls save their own copies instead (below).
+        extra = t * (n + 2 * g + gate) * d * e if pinned and not capped else 0.0
         if cfg.qk_layernorm and fused:  # the kernel saves a contiguous copy of q and k
             extra += t * (n + g) * (d * e + 8)
         elif cfg.qk_layernorm:  # normalised q and k and their 1/rms, in float32
@@ -453,13 +461,14 @@ def _attention_bytes(cfg: GPTConfig, t, tp, cp, seq, recompute, c, e) -> float:
         kq = 0 if q_view else t * n * d  # q (rotated or normalised)
         # k (rotated or normalised, or gathered over cp); a view of qkv when neither
         kk = 0 if q_view and cp == 1 else t * cp * g * d
-        kv_ = 0 if cp == 1 else t * cp * g * d  # v gathered over cp
-        if cfg.attn_logit_softcapping is not None and recompute != "selective":
-            # Explicit soft-capped attention (grouped heads broadcast, no copies of k and v)
-            # instead of SDPA's log-sum-exp: tanh's output (e), softmax's (c) and, when c != e,
-            # the probabilities cast back for the AV matmul (e), each over the ``seq`` keys.
+        kv_ = t * cp * g * d if cp > 1 or split_rotary else 0  # v gathered over cp, or copied
+        if capped:
+            # Explicit soft-capped attention instead of SDPA's log-sum-exp: its matmuls save
+            # copies of q and of k and v broadcast over each group's query heads; tanh's output
+            # (e), softmax's (c) and, when c != e, the probabilities cast back for the AV matmul
+            # (e), each over the ``seq`` keys.
             probs = t * n * seq * (e + c + (0 if c == e else e))
-            return extra + (kq + kk + kv_) * e + t * n * d * e + probs
+            return extra + (t * n * d + 2 * t * cp * n * d) * e + t * n * d * e + probs
         # SDPA keeps q, k, v grouped (enable_gqa) and its output (linear_proj's input), plus the
         # log-sum-exp; selective recompute keeps the core's inputs and output only.
         lse = 0 if recompute == "selective" else t * n * 4
