@@ -149,9 +149,9 @@ def apply_rotary_qkv(
     Returns ``q [b, nq, s, d]``, ``k [b, nkv, s, d]``, ``v [b, nkv, s, d]``: the layout of
     ``F.scaled_dot_product_attention``. Values and gradients equal ``apply_rotary`` on the
     split heads, then permuted, bit for bit. The torch backend writes queries and keys in one
-    rotation into batch-first memory, which CPU SDPA reads faster than permuted sequence-first
-    views, and its backward writes the fused gradient block by block instead of concatenating
-    three.
+    rotation into batch-first memory and v beside them, so nothing keeps ``qkv`` alive for
+    backward, and its backward writes the fused gradient block by block instead of
+    concatenating three.
     """
     d = _qkv_head_dim(qkv, num_heads, num_kv_heads)
     heads = qkv.unflatten(-1, (num_heads + 2 * num_kv_heads, d))
