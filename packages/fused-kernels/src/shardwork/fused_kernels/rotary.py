@@ -148,10 +148,11 @@ def apply_rotary_qkv(
     column-parallel shard of them). ``cos``/``sin`` broadcast to ``[s, b, rotary_dim]``.
     Returns ``q [b, nq, s, d]``, ``k [b, nkv, s, d]``, ``v [b, nkv, s, d]``: the layout of
     ``F.scaled_dot_product_attention``. Values and gradients equal ``apply_rotary`` on the
-    split heads, then permuted, bit for bit. The torch backend writes queries and keys in one
-    rotation into batch-first memory and v beside them, so nothing keeps ``qkv`` alive for
-    backward, and its backward writes the fused gradient block by block instead of
-    concatenating three.
+    split heads, then permuted, bit for bit. q, k and v are new tensors on every backend, so
+    nothing keeps ``qkv`` alive for backward (a view of v would). The torch backend writes
+    queries and keys in one rotation into batch-first memory and v beside them, and its
+    backward writes the fused gradient block by block instead of concatenating three; Triton
+    and ``torch.compile`` rotate q and k separately and copy v.
     """
     d = _qkv_head_dim(qkv, num_heads, num_kv_heads)
     heads = qkv.unflatten(-1, (num_heads + 2 * num_kv_heads, d))
@@ -163,4 +164,6 @@ def apply_rotary_qkv(
                                        interleaved=interleaved)  # fmt: skip
     q = apply_rotary(q, cos, sin, interleaved=interleaved, backend=chosen)
     k = apply_rotary(k, cos, sin, interleaved=interleaved, backend=chosen)
+    # A copy of v, as the eager path makes: a view would keep all of qkv alive for backward.
+    v = v.contiguous()
     return q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)

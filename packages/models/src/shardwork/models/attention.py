@@ -15,8 +15,7 @@ rank, ``d`` head dim.
   first ``cos.shape[-1]`` channels of each head (``rotary_percent`` < 1 leaves the rest as
   they are). With ``position_embedding_type="none"`` nothing is rotated. Without QK-norm,
   output gate or cp > 1, ``apply_rotary_qkv`` does the split, the rotation and SDPA's layout
-  in one op (the same values; on the torch backend new batch-first q/k/v, so the qkv output
-  is not kept for backward, and a fused gradient with no concatenation).
+  in one op (the same values; new q/k/v, so the qkv output is not kept for backward).
 - Core attention is torch SDPA on ``[b, n, s, d]`` q/k/v (strided views, any layout) with
   ``enable_gqa`` (K/V are not repeated per query head). The plain causal case uses
   ``is_causal``; packed sequences, context parallelism and sliding windows bring a

@@ -54,8 +54,8 @@ arithmetic bytes (4, or 8 for float64). Per layer, recompute ``none``:
              QK-norm adds its x̂ and rstd ``T·(a+g)/tp·(d+1)·c``; the output gate adds
              ``2·T·(n/tp)·d·e`` (its sigmoid and the gated output) and widens the kept qkv
              output by its block. RoPE (the torch backend) keeps only its tables; with RoPE and
-             neither QK-norm, gate nor cp > 1 the torch backend's ``apply_rotary_qkv`` gives
-             SDPA new q, k and a copy of v (``T·(g/tp)·d·e``) and the qkv output is not kept
+             neither QK-norm, gate nor cp > 1 ``apply_rotary_qkv`` gives SDPA new q, k and a
+             copy of v (``T·(g/tp)·d·e``) and the qkv output is not kept
   MLA        ``q_down → norm → q_up`` and ``kv_down → latent norm → kv_up`` intermediates
   Mamba-2,   the convolution, scan or delta rule and gated norm, tensor by tensor in
   DeltaNet   :mod:`shardwork.models.calculator_memory_hybrid` (terms over the sequence rounded
@@ -441,9 +441,9 @@ def _attention_bytes(cfg: GPTConfig, t, tp, cp, seq, recompute, c, e) -> float:
         # reach SDPA (or the checkpoint) as views of qkv.
         q_view = cfg.position_embedding_type != "rope" and not cfg.qk_layernorm
         fused = fused_kernels(cfg)
-        # The torch backend's apply_rotary_qkv (RoPE, no QK-norm, no gate, cp == 1) writes q and
-        # k into one new buffer and copies v: nothing keeps the qkv output.
-        split_rotary = not (fused or q_view or cfg.qk_layernorm or gate or cp > 1)
+        # apply_rotary_qkv (RoPE, no QK-norm, no gate, cp == 1) gives SDPA new q and k and a copy
+        # of v: nothing keeps the qkv output.
+        split_rotary = not (q_view or cfg.qk_layernorm or gate or cp > 1)
         # Otherwise v not gathered over cp reaches SDPA, the soft-capped matmuls or the checkpoint
         # as a view of the fused qkv output, and an unrotated q does too: either keeps it (gate
         # block included) alive whole.
