@@ -252,6 +252,10 @@ class Attention(ShardedModule):
             cos, sin = self._tables(inputs, q.dtype)
             q = apply_rotary(q, cos, sin, backend=self.backend)
             k = apply_rotary(k, cos, sin, backend=self.backend)
+        if cp == 1 and (self.rotate or self.q_layernorm is not None):
+            # q and k are new tensors: with a copy of v too, nothing keeps the qkv output (gate
+            # block included) for backward, as apply_rotary_qkv does.
+            v = v.contiguous()
         if cp > 1:
             # After RoPE, so every key carries its own global position; keys in position order,
             # as the block mask indexes them. All cp ranks issue k then v in this order.

@@ -53,9 +53,9 @@ arithmetic bytes (4, or 8 for float64). Per layer, recompute ``none``:
              ``learned_absolute``) and QK-norm, q and k are views of the fused qkv output too;
              QK-norm adds its x̂ and rstd ``T·(a+g)/tp·(d+1)·c``; the output gate adds
              ``2·T·(n/tp)·d·e`` (its sigmoid and the gated output) and widens the kept qkv
-             output by its block. RoPE (the torch backend) keeps only its tables; with RoPE and
-             neither QK-norm, gate nor cp > 1 ``apply_rotary_qkv`` gives SDPA new q, k and a
-             copy of v (``T·(g/tp)·d·e``) and the qkv output is not kept
+             output by its block. RoPE (the torch backend) keeps only its tables. Where q and k
+             are new tensors (RoPE or QK-norm) v is copied at cp = 1 (``T·(g/tp)·d·e``) and the
+             qkv output is not kept
   MLA        ``q_down → norm → q_up`` and ``kv_down → latent norm → kv_up`` intermediates
   Mamba-2,   the convolution, scan or delta rule and gated norm, tensor by tensor in
   DeltaNet   :mod:`shardwork.models.calculator_memory_hybrid` (terms over the sequence rounded
@@ -441,13 +441,10 @@ def _attention_bytes(cfg: GPTConfig, t, tp, cp, seq, recompute, c, e) -> float:
         # reach SDPA (or the checkpoint) as views of qkv.
         q_view = cfg.position_embedding_type != "rope" and not cfg.qk_layernorm
         fused = fused_kernels(cfg)
-        # apply_rotary_qkv (RoPE, no QK-norm, no gate, cp == 1) gives SDPA new q and k and a copy
-        # of v: nothing keeps the qkv output.
-        split_rotary = not (q_view or cfg.qk_layernorm or gate or cp > 1)
-        # Otherwise v not gathered over cp reaches SDPA, the soft-capped matmuls or the checkpoint
-        # as a view of the fused qkv output, and an unrotated q does too: either keeps it (gate
-        # block included) alive whole.
-        pinned = (q_view or cp == 1) and not split_rotary
+        # Where q and k are new tensors (rotated or normalised), so is v: copied at cp == 1
+        # (apply_rotary_qkv, or Attention._heads), gathered at cp > 1; nothing keeps the qkv
+        # output. Otherwise q and k are views of it and keep it alive whole (gate block included).
+        pinned = q_view
         capped = cfg.attn_logit_softcapping is not None and recompute != "selective"
         # The explicit soft-capped attention's matmuls save their own copies instead (below).
         extra = t * (n + 2 * g + gate) * d * e if pinned and not capped else 0.0
@@ -461,7 +458,7 @@ def _attention_bytes(cfg: GPTConfig, t, tp, cp, seq, recompute, c, e) -> float:
         kq = 0 if q_view else t * n * d  # q (rotated or normalised)
         # k (rotated or normalised, or gathered over cp); a view of qkv when neither
         kk = 0 if q_view and cp == 1 else t * cp * g * d
-        kv_ = t * cp * g * d if cp > 1 or split_rotary else 0  # v gathered over cp, or copied
+        kv_ = kk  # v likewise: a view of qkv, or copied, or gathered over cp
         if capped:
             # Explicit soft-capped attention instead of SDPA's log-sum-exp: its matmuls save
             # copies of q and of k and v broadcast over each group's query heads; tanh's output
