@@ -36,9 +36,10 @@ arithmetic bytes (4, or 8 for float64). Per layer, recompute ``none``:
              next matmul's input); LayerNorm ``Tn·(2h+1)·c + T·h·e`` (x − mean, rstd, their
              product; the bias add saves nothing); a sandwich post-norm without the matmul term
   attention  flash-style SDPA with ``enable_gqa`` (query and value head widths equal): q
-             ``T·(a/tp)·d·e``, k ``T·cp·(g/tp)·d·e``, v a view of the fused qkv output (which
-             stays alive whole, ``T·(a+2g)/tp·d·e``; gathered over cp instead a new
-             ``T·cp·(g/tp)·d·e``), the output ``T·(a/tp)·d·e`` and the log-sum-exp
+             ``T·(a/tp)·d·e``, k and v ``T·cp·(g/tp)·d·e`` each (v copied at cp = 1, gathered
+             over cp otherwise; without RoPE and QK-norm q, k and v at cp = 1 are views of the
+             fused qkv output instead, which stays alive whole, ``T·(a+2g)/tp·d·e``), the
+             output ``T·(a/tp)·d·e`` and the log-sum-exp
              ``T·(a/tp)·4``; with ``attn_logit_softcapping`` the explicit path keeps its
              matmuls' copies of q and of k and v broadcast over query heads (``3·T·(a/tp)·d·e``
              at cp = 1; nothing keeps the qkv output), its tanh and softmax outputs
