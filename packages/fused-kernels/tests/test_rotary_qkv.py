@@ -51,6 +51,13 @@ def run(fn, qkv, grads):
     return (q, k, v), dqkv
 
 
+def op_and_composition(qkv, cos, sin, nq, nkv, interleaved, backend, grads):
+    """``((q, k, v), dqkv)`` of ``apply_rotary_qkv`` on ``backend``, then of the composition."""
+    heads = dict(num_heads=nq, num_kv_heads=nkv, interleaved=interleaved, backend=backend)
+    fused = run(lambda x: fk.apply_rotary_qkv(x, cos, sin, **heads), qkv, grads)
+    return fused, run(lambda x: composed(x, cos, sin, nq, nkv, interleaved), qkv, grads)
+
+
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize(("s", "b", "nq", "nkv", "d", "rdim"), SHAPES)
@@ -64,12 +71,9 @@ def test_torch_backend_equals_the_composition_bit_for_bit(
     cos, sin = tables(s, b, rdim, interleaved, dtype, per_token=s % 2 == 1)
     grads = [torch.randn(b, n, s, d, generator=gen).to(dtype) for n in (nq, nkv, nkv)]
 
-    def fused(x):
-        return fk.apply_rotary_qkv(x, cos, sin, num_heads=nq, num_kv_heads=nkv,
-                                   interleaved=interleaved, backend="torch")  # fmt: skip
-
-    outs, dqkv = run(fused, qkv, grads)
-    ref_outs, ref_dqkv = run(lambda x: composed(x, cos, sin, nq, nkv, interleaved), qkv, grads)
+    (outs, dqkv), (ref_outs, ref_dqkv) = op_and_composition(
+        qkv, cos, sin, nq, nkv, interleaved, "torch", grads
+    )
     for out, ref in zip(outs, ref_outs, strict=True):
         assert out.shape == ref.shape and out.dtype == dtype
         assert torch.equal(out, ref)
@@ -85,12 +89,9 @@ def test_triton_matches_the_composition(interleaved, triton_device, tol):
     cos, sin = tables(s, b, rdim, interleaved, torch.float32, per_token=True, device=qkv.device)
     grads = [torch.randn(b, n, s, d, generator=gen).to(triton_device) for n in (nq, nkv, nkv)]
 
-    def fused(x):
-        return fk.apply_rotary_qkv(x, cos, sin, num_heads=nq, num_kv_heads=nkv,
-                                   interleaved=interleaved, backend="triton")  # fmt: skip
-
-    outs, dqkv = run(fused, qkv, grads)
-    ref_outs, ref_dqkv = run(lambda x: composed(x, cos, sin, nq, nkv, interleaved), qkv, grads)
+    (outs, dqkv), (ref_outs, ref_dqkv) = op_and_composition(
+        qkv, cos, sin, nq, nkv, interleaved, "triton", grads
+    )
     for out, ref in zip(outs, ref_outs, strict=True):
         torch.testing.assert_close(out, ref, **tol(torch.float32))
     torch.testing.assert_close(dqkv, ref_dqkv, **tol(torch.float32))

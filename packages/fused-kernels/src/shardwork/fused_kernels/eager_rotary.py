@@ -137,8 +137,8 @@ class _RotaryQKV(torch.autograd.Function):
         v.transpose(0, 1).copy_(heads[:, :, nqk:])
         ctx.save_for_backward(cos, sin)
         ctx.layout = (num_heads, num_kv_heads, interleaved)
-        q_out = qk[:, :, :num_heads].transpose(1, 2)
-        return q_out, qk[:, :, num_heads:].transpose(1, 2), v.transpose(1, 2)
+        q, k = qk.split((num_heads, num_kv_heads), dim=2)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
