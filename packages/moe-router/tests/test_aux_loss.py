@@ -163,6 +163,24 @@ def test_scale_object_is_per_owner():
     assert float(a.value) == 0.5 and float(b.value) == 1.0
 
 
+def test_scale_refuses_non_numbers():
+    for make in (AuxLossScale, AuxLossScale().set):
+        with pytest.raises(TypeError, match=r"value='abc' is invalid: it must be a real number"):
+            make("abc")
+        with pytest.raises(TypeError, match="value=True is invalid"):
+            make(True)
+        with pytest.raises(ValueError, match="value=inf is invalid: it must be finite"):
+            make(float("inf"))
+        with pytest.raises(ValueError, match=r"shape \(2,\) .* is invalid"):
+            make(torch.tensor([1.0, 2.0]))
+    # ints, one-element tensors (the loss gradient the transformers integration passes)
+    assert float(AuxLossScale(3).value) == 3.0
+    scale = AuxLossScale()
+    scale.set(torch.tensor([0.25], dtype=torch.float64))
+    assert scale.value.shape == () and scale.value.dtype == torch.float32
+    assert float(scale.value) == 0.25
+
+
 def test_tracker_validates():
     with pytest.raises(ValueError, match="num_layers"):
         AuxLossTracker(num_layers=0, num_experts=4)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import re
 
 import pytest
 import torch
@@ -105,6 +106,81 @@ def test_bad_values_name_the_option(kwargs, fragment):
         RouterConfig(**{**BASE, **kwargs})
 
 
+BOOL_FIELDS = (
+    "pre_softmax",
+    "pad_to_capacity",
+    "add_bias",
+    "enable_expert_bias",
+    "force_load_balancing",
+    "calculate_per_token_loss",
+    "check_finite",
+)
+
+
+def test_bool_fields_are_every_bool_field():
+    """The list below covers every bool field (a new one is checked by its annotation)."""
+    bools = {f.name for f in dataclasses.fields(RouterConfig) if f.type == "bool"}
+    assert bools == set(BOOL_FIELDS)
+
+
+@pytest.mark.parametrize("name", BOOL_FIELDS)
+@pytest.mark.parametrize("value", ["False", "no", 0, 1, None])
+def test_bool_fields_refuse_non_bools(name, value):
+    # "False" is truthy: accepted, it would act as True and route silently wrong.
+    with pytest.raises(TypeError, match=re.escape(f"RouterConfig.{name}={value!r}")):
+        RouterConfig(**BASE, **{name: value})
+
+
+def test_bool_fields_accept_bools():
+    for name in BOOL_FIELDS:
+        assert getattr(RouterConfig(**BASE, **{name: False}), name) is False
+    on = RouterConfig(
+        **BASE,
+        score_function="sigmoid",
+        enable_expert_bias=True,
+        add_bias=True,
+        force_load_balancing=True,
+        calculate_per_token_loss=True,
+        check_finite=True,
+        capacity_factor=1.0,
+        pad_to_capacity=True,
+    )
+    assert on.enable_expert_bias and on.pad_to_capacity and on.check_finite
+    assert RouterConfig(**BASE, pre_softmax=True).pre_softmax is True
+
+
+INF, NAN = float("inf"), float("nan")
+NOT_FINITE = [
+    ({"capacity_factor": INF}, "capacity_factor=inf"),
+    ({"capacity_factor": NAN}, "capacity_factor=nan"),
+    ({"aux_loss_coeff": INF}, "aux_loss_coeff=inf"),
+    ({"aux_loss_coeff": NAN}, "aux_loss_coeff=nan"),
+    (
+        {"load_balancing_type": ("aux_loss", "seq_aux_loss"), "aux_loss_coeff": (0.1, INF)},
+        "aux_loss_coeff=(0.1, inf)",
+    ),
+    ({"z_loss_coeff": INF}, "z_loss_coeff=inf"),
+    ({"top_k_scaling_factor": INF}, "top_k_scaling_factor=inf"),
+    ({"input_jitter_eps": NAN}, "input_jitter_eps=nan"),
+    ({"expert_bias_update_rate": INF}, "expert_bias_update_rate=inf"),
+    ({"init_std": INF}, "init_std=inf"),
+]
+
+
+@pytest.mark.parametrize("kwargs,fragment", NOT_FINITE, ids=[c[1] for c in NOT_FINITE])
+def test_numbers_must_be_finite(kwargs, fragment):
+    with pytest.raises(ValueError, match=re.escape(fragment) + ".*finite"):
+        RouterConfig(**{**BASE, **kwargs})
+
+
+def test_large_finite_numbers_still_accepted():
+    big = RouterConfig(**BASE, capacity_factor=1e6, aux_loss_coeff=1e3, z_loss_coeff=1e3)
+    assert big.capacity_factor == 1e6
+    router = TopKRouter(big)
+    # capacity far above T: nothing dropped, every token keeps its K experts
+    assert router(torch.randn(5, 16))[1].sum() == 5 * 2
+
+
 def test_good_configs_and_coefficients():
     c = RouterConfig(
         **BASE,
@@ -159,6 +235,33 @@ def test_wrong_hidden_size_and_mask_shape_rejected():
         router(torch.randn(4, 2, 8))
     with pytest.raises(ValueError, match="padding_mask"):
         router(torch.randn(4, 2, 16), padding_mask=torch.zeros(8, dtype=torch.bool))
+
+
+def test_integer_hidden_rejected():
+    router = TopKRouter(RouterConfig(**BASE))
+    with pytest.raises(TypeError, match=r"hidden of dtype torch\.int64 is invalid"):
+        router(torch.randint(0, 5, (6, 16)))
+    assert router(torch.randn(6, 16, dtype=torch.float64).float())[0].dtype == torch.float32
+
+
+def test_route_checks_logits_against_seq_len_batch_and_experts():
+    router = TopKRouter(RouterConfig(**BASE, aux_loss_coeff=0.01))
+    # E = 5 logits for an 8-expert router, in eval (formerly a [6, 5] result)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"logits_TE of shape \(6, 5\)"):
+        router.eval().route(torch.randn(6, 5), seq_len=3, batch=2)
+    # 4 * 2 = 8 != 6 tokens (formerly a RuntimeError inside the sequence aux loss)
+    logits = torch.randn(6, 8, requires_grad=True)
+    with pytest.raises(ValueError, match=r"expected .* = \(8, 8\) for seq_len=4, batch=2"):
+        router.train().route(logits, seq_len=4, batch=2)
+    with pytest.raises(ValueError, match=r"seq_len=3\.0"):
+        router.route(logits, seq_len=3.0, batch=2)
+    with pytest.raises(TypeError, match=r"logits_TE of dtype torch\.int64"):
+        router.route(torch.zeros(6, 8, dtype=torch.long), seq_len=3, batch=2)
+    with pytest.raises(ValueError, match=r"padding_mask of shape \(5,\)"):
+        router.route(logits, seq_len=3, batch=2, padding_mask=torch.zeros(5, dtype=torch.bool))
+    # the matching shape routes, in training (sequence aux loss) too
+    probs, rmap = router.route(logits, seq_len=3, batch=2, padding_mask=torch.zeros(6).bool())
+    assert probs.shape == (6, 8) and rmap.sum() == 6 * 2
 
 
 def test_quantile_balancing_refuses_padding_and_uneven_token_counts():

@@ -230,3 +230,67 @@ def test_tp_replicated_input(dispatcher, ep):
         e_sl = slice(res["ep_rank"] * L, (res["ep_rank"] + 1) * L)
         for n in ("w_up", "w_gate", "w_down"):
             torch.testing.assert_close(res["expert_grads"][n], w_grads[n][e_sl], **tol)
+
+
+def _dispatch_with_rank_settings(dispatcher: str, settings: list[dict]):
+    """Rank r dispatches with ``settings[r]`` (num_experts, hidden, dtype): every rank must get
+    the same ValueError from the first dispatch's check, not an abort inside the exchange."""
+    from shardwork.moe_router import AllGatherDispatcher, AllToAllDispatcher
+
+    mine = settings[dist.get_rank()]
+    cls = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}[dispatcher]
+    d = cls(mine["num_experts"], ep_group=dist.group.WORLD)
+    probs = torch.rand(4, mine["num_experts"], dtype=mine["dtype"])
+    rmap = probs > 0.5
+    try:
+        d.dispatch(torch.randn(4, mine["hidden"], dtype=mine["dtype"]), probs * rmap, rmap)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+SAME = {"num_experts": 4, "hidden": 8, "dtype": torch.float32}
+DISAGREEMENTS = [
+    pytest.param("alltoall", {"num_experts": 6}, "num_experts=6", id="a2a-num-experts"),
+    pytest.param("alltoall", {"hidden": 6}, "hidden size=6", id="a2a-hidden"),
+    pytest.param("allgather", {"dtype": torch.float64}, "dtype=torch.float64", id="ag-dtype"),
+]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("dispatcher,change,fragment", DISAGREEMENTS)
+def test_ranks_that_disagree_raise_on_every_rank(dispatcher, change, fragment):
+    settings = [SAME, {**SAME, **change}]
+    messages = testing.run_on_ranks(
+        _dispatch_with_rank_settings, 2, args=(dispatcher, settings), timeout=60
+    )
+    assert messages[0] == messages[1]  # the same error on both ranks
+    assert "the ranks of ep_group disagree" in messages[0]
+    assert "ranks [0]: num_experts=4, hidden size=8" in messages[0]
+    assert fragment in messages[0].split("ranks [1]: ")[1]  # rank 1's own setting
+
+
+def _count_gathers_per_dispatch():
+    """All-gathers issued by the first and the second dispatch of one dispatcher."""
+    from shardwork.moe_router import AllToAllDispatcher
+
+    original = dist.all_gather_into_tensor
+    calls = []
+    dist.all_gather_into_tensor = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        d = AllToAllDispatcher(4, ep_group=dist.group.WORLD)
+        counts = []
+        for _ in range(2):
+            before = len(calls)
+            probs = torch.rand(4, 4)
+            d.dispatch(torch.randn(4, 8), probs, probs > 0.5)
+            counts.append(len(calls) - before)
+    finally:
+        dist.all_gather_into_tensor = original
+    return counts
+
+
+@pytest.mark.multirank
+def test_agreement_is_checked_once_per_dispatcher():
+    for first, second in testing.run_on_ranks(_count_gathers_per_dispatch, 2, timeout=60):
+        assert first == second + 1  # one extra all-gather at the first dispatch only

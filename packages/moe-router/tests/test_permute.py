@@ -129,3 +129,68 @@ def test_unpermute_inverts_permute_for_any_map(T, E, density, seed):
     torch.testing.assert_close(out, x * probs.sum(1, keepdim=True))
     _, _, idx2, _ = permute(x, rmap, num_out_tokens=int(rmap.sum()))
     assert torch.equal(idx, idx2)
+
+
+def _six_tokens():
+    x = torch.randn(6, 8)
+    rmap = torch.zeros(6, 4, dtype=torch.bool)
+    rmap[torch.arange(6), torch.tensor([0, 1, 2, 3, 0, 1])] = True
+    return x, rmap
+
+
+def test_permute_refuses_maps_probs_and_counts_that_do_not_fit():
+    x, rmap = _six_tokens()
+    # a map for 5 tokens silently dropped token 5; one for 7 raised IndexError
+    for rows in (rmap[:5], torch.cat([rmap, rmap[:1]])):
+        with pytest.raises(ValueError, match=rf"routing_map_TE of shape \({rows.shape[0]}, 4\)"):
+            permute(x, rows)
+    with pytest.raises(ValueError, match=r"probs_TE of shape \(6, 3\) is invalid"):
+        permute(x, rmap, probs_TE=torch.rand(6, 3))
+    # 20 > the 6 routed pairs (formerly 14 rows of unrouted pairs), -1, more than T*E
+    for n in (20, 5):
+        with pytest.raises(ValueError, match=f"num_out_tokens={n} is invalid: .* routes 6"):
+            permute(x, rmap, num_out_tokens=n)
+    for n in (-1, 25, 6.0):
+        with pytest.raises(ValueError, match=rf"num_out_tokens={n} is invalid: .* T\*E = 24"):
+            permute(x, rmap, num_out_tokens=n)
+    # the exact count, and an empty map with 0, still permute
+    rows, _, _, counts = permute(x, rmap, num_out_tokens=6)
+    assert rows.shape == (6, 8) and counts.tolist() == [2, 2, 1, 1]
+    empty = torch.zeros_like(rmap)
+    assert permute(x, empty, num_out_tokens=0)[0].shape == (0, 8)
+
+
+def test_unpermute_refuses_sizes_that_do_not_match():
+    x, rmap = _six_tokens()
+    rows, probs, idx, _ = permute(x, rmap, probs_TE=torch.rand(6, 4))
+    with pytest.raises(ValueError, match=r"num_tokens=3 is invalid .* tokens 0\.\.5"):
+        unpermute(rows, idx, num_tokens=3)
+    with pytest.raises(ValueError, match="num_tokens=-1 is invalid"):
+        unpermute(rows, idx, num_tokens=-1)
+    with pytest.raises(ValueError, match=r"probs_N of shape \(5,\) is invalid"):
+        unpermute(rows, idx, num_tokens=6, probs_N=probs[:5])
+    with pytest.raises(ValueError, match=r"sorted_indices_N of shape \(5,\) is invalid"):
+        unpermute(rows, idx[:5], num_tokens=6)
+    with pytest.raises(TypeError, match=r"sorted_indices_N of dtype torch\.float32"):
+        unpermute(rows, idx.float(), num_tokens=6)
+    # num_tokens = max index + 1 is the boundary that works (a trailing unrouted token stays 0)
+    out = unpermute(rows, idx, num_tokens=7, probs_N=probs)
+    assert out.shape == (7, 8) and not out[6].any()
+
+
+def test_pad_routing_map_refuses_multiples_it_cannot_meet():
+    _, rmap = _six_tokens()
+    with pytest.raises(ValueError, match=r"multiple=2\.5 is invalid: it must be an integer"):
+        pad_routing_map(rmap, 2.5)
+    with pytest.raises(ValueError, match="multiple=True is invalid"):
+        pad_routing_map(rmap, True)
+    # expert 0 holds 2 tokens: their next multiple of 16 is more than the 6 tokens there are
+    with pytest.raises(ValueError, match=r"multiple=16 is invalid .* expert 0 has 2 tokens"):
+        pad_routing_map(rmap, 16)
+    full = rmap.clone()
+    full[:5, 0] = True  # 5 tokens round up to 8 > 6 (2 tokens round up to 4 and fit)
+    with pytest.raises(ValueError, match=r"multiple=4 is invalid .* expert 0 has 5 tokens, .* 8"):
+        pad_routing_map(full, 4)
+    # multiple == T: every count rounds up to 0 or T
+    padded = pad_routing_map(rmap, 6)
+    assert padded.sum(0).tolist() == [6, 6, 6, 6]

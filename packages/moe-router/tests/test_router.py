@@ -99,6 +99,16 @@ def test_expert_bias_counts_skip_padding_and_update_rule():
     assert router.local_tokens_per_expert.sum() == 0
 
 
+def test_update_expert_bias_refuses_non_routers():
+    router = TopKRouter(RouterConfig(**BASE, score_function="sigmoid", enable_expert_bias=True))
+    with pytest.raises(
+        TypeError, match=r"routers\[1\]=2 is invalid: every entry must be a TopKRouter"
+    ):
+        update_expert_bias([router, 2])
+    update_expert_bias(r for r in [router])  # any iterable of routers
+    assert router.local_tokens_per_expert.sum() == 0
+
+
 def test_expert_bias_changes_selection_not_weights():
     cfg = RouterConfig(**BASE, score_function="sigmoid", enable_expert_bias=True, top_k=2)
     router = TopKRouter(cfg, device="cpu")

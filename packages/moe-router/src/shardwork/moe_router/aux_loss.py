@@ -14,19 +14,43 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
+
+
+def _scale_tensor(value: float | torch.Tensor, where: str) -> torch.Tensor:
+    """``value`` as a fresh 0-d fp32 tensor; TypeError / ValueError naming ``where`` for
+    anything but a finite real number or a one-element numeric tensor (not read: no sync)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+            raise ValueError(
+                f"{where}: value of shape {tuple(value.shape)} and dtype {value.dtype} is "
+                "invalid: it must be a one-element real tensor or a Python number"
+            )
+        # Copied so a later in-place change to the caller's tensor cannot change the scale.
+        return value.detach().to(torch.float32).reshape(()).clone()
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise TypeError(
+            f"{where}: value={value!r} is invalid: it must be a real number or a one-element "
+            f"tensor (got {type(value).__name__})"
+        )
+    if not math.isfinite(value):
+        raise ValueError(f"{where}: value={value!r} is invalid: it must be finite")
+    return torch.tensor(float(value), dtype=torch.float32)
 
 
 class AuxLossScale:
     """Multiplier applied to every aux-loss gradient; ``set`` it once per step (or micro-batch)."""
 
     def __init__(self, value: float | torch.Tensor = 1.0) -> None:
-        # Copied so a later in-place change to the caller's tensor cannot change the scale.
-        self._value = torch.as_tensor(value, dtype=torch.float32).detach().clone()
+        self._value = _scale_tensor(value, "AuxLossScale")
 
     def set(self, value: float | torch.Tensor) -> None:
-        """Replace the scale (a Python number or a 0-d tensor; tensors are copied)."""
-        self._value = torch.as_tensor(value, dtype=torch.float32).detach().clone()
+        """Replace the scale (a finite Python number or a one-element tensor; tensors are
+        copied, not read, so no host sync)."""
+        self._value = _scale_tensor(value, "AuxLossScale.set")
 
     @property
     def value(self) -> torch.Tensor:
@@ -120,7 +144,13 @@ def switch_loss_factor(
 def z_loss(
     logits_TE: torch.Tensor, coeff: float, padding_mask_T: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Router z-loss (ST-MoE): coeff * mean over valid tokens of logsumexp(logits)^2."""
+    """Router z-loss (ST-MoE): coeff * mean over valid tokens of logsumexp(logits)^2.
+
+    ``padding_mask_T`` (True = padding, left out) must be a bool tensor of the logits' shape
+    without the expert dim; ValueError / TypeError otherwise, before any work.
+    """
+    if padding_mask_T is not None:
+        _check_padding_mask(logits_TE, padding_mask_T)
     # Router z-loss of ST-MoE (Zoph et al., 2022): squared log-partition of each token's logits.
     values_T = torch.square(torch.logsumexp(logits_TE, dim=-1))
     if padding_mask_T is None:
@@ -128,3 +158,18 @@ def z_loss(
     valid_T = ~padding_mask_T
     # clamp: an all-padding batch gives 0 / 1 = 0 rather than 0 / 0 = NaN.
     return (values_T * valid_T).sum() / torch.clamp(valid_T.sum(), min=1.0) * coeff
+
+
+def _check_padding_mask(logits_TE: torch.Tensor, padding_mask_T: torch.Tensor) -> None:
+    """One bool entry per token of ``logits_TE`` (its shape without the expert dim)."""
+    if not isinstance(padding_mask_T, torch.Tensor) or padding_mask_T.dtype != torch.bool:
+        what = getattr(padding_mask_T, "dtype", type(padding_mask_T).__name__)
+        raise TypeError(
+            f"z_loss: padding_mask_T of type {what} is invalid: it must be a bool tensor "
+            "(True marks padding)"
+        )
+    if padding_mask_T.shape != logits_TE.shape[:-1]:
+        raise ValueError(
+            f"z_loss: padding_mask_T of shape {tuple(padding_mask_T.shape)} is invalid: it must "
+            f"be {tuple(logits_TE.shape[:-1])}, logits_TE's shape without the expert dim"
+        )

@@ -3,7 +3,9 @@
 - One frozen, keyword-only dataclass; each field carries its documentation as an
   attribute docstring (the README's option table is generated from the same text).
 - Validated at construction: a bad value raises ``ValueError`` naming the field,
-  the value and what would be valid, before any module or process group exists.
+  the value and what would be valid, before any module or process group exists; a bool
+  field holding anything but ``True`` / ``False`` (the string ``"False"`` is true) raises
+  ``TypeError``. Numbers must be finite (no ``inf`` / ``nan``).
 - Field names drop Megatron-Core's ``moe_`` prefix; ``docs/moe-router.md`` maps
   each one to its Megatron-Core flag.
 """
@@ -11,7 +13,15 @@
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+
+from shardwork.moe_router.checks import (
+    check_bool,
+    check_groups,
+    check_top_k,
+    is_finite_number,
+    is_int,
+)
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 LOAD_BALANCING_TYPES = (
@@ -26,14 +36,6 @@ AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
 DROP_POLICIES = ("probs", "position")
 ROUTER_DTYPES = (None, "fp32", "fp64")
 FUSED_BACKENDS = (None, "auto", "torch", "triton", "te")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,6 +129,7 @@ class RouterConfig:
     _coeffs: dict[str, float] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        self._check_bools()
         self._check_sizes()
         self._check_choices()
         self._check_losses()
@@ -141,79 +144,35 @@ class RouterConfig:
                 coeffs[name] = float(coeff)
         object.__setattr__(self, "_coeffs", coeffs)
 
+    def _check_bools(self) -> None:
+        """Every ``bool`` field must hold a real bool: ``pre_softmax="False"`` would act as
+        True and route silently wrong."""
+        for f in fields(self):
+            if f.type == "bool":
+                check_bool("RouterConfig.", f.name, getattr(self, f.name))
+
     def _check_sizes(self) -> None:
-        for name in ("num_experts", "hidden_size", "top_k"):
+        for name in ("num_experts", "hidden_size"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(
                     f"RouterConfig.{name}={value!r} is invalid: it must be an integer >= 1"
                 )
-        if self.top_k > self.num_experts:
-            raise ValueError(
-                f"RouterConfig.top_k={self.top_k} is invalid: it must be <= num_experts={self.num_experts}"
-            )
-        if (self.num_groups is None) != (self.group_top_k is None):
-            raise ValueError(
-                f"RouterConfig.num_groups={self.num_groups!r} and group_top_k={self.group_top_k!r}: "
-                "group-limited routing needs both set (or both None)"
-            )
-        if self.num_groups is not None:
-            for name in ("num_groups", "group_top_k"):
-                value = getattr(self, name)
-                if not _is_int(value) or value < 1:
-                    raise ValueError(
-                        f"RouterConfig.{name}={value!r} is invalid: it must be None or an integer >= 1"
-                    )
-            if self.num_experts % self.num_groups != 0:
-                raise ValueError(
-                    f"RouterConfig.num_groups={self.num_groups} is invalid: num_experts="
-                    f"{self.num_experts} must be divisible by it"
-                )
-            if self.group_top_k > self.num_groups:
-                raise ValueError(
-                    f"RouterConfig.group_top_k={self.group_top_k} is invalid: it must be <= "
-                    f"num_groups={self.num_groups}"
-                )
-            self._check_group_split()
-        self._check_group_score()
+        check_top_k("RouterConfig.", self.top_k, self.num_experts)
+        check_groups(
+            "RouterConfig.",
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            num_groups=self.num_groups,
+            group_top_k=self.group_top_k,
+            group_score_top_n=self.group_score_top_n,
+        )
+        self._check_fused_group_score()
 
-    def _check_group_split(self) -> None:
-        """Megatron's group score (``group_score_top_n=None``) takes ``top_k / group_top_k``
-        experts per group, so it needs a whole number; an explicit group score (transformers'
-        top-2 rule, e.g. DeepSeek-style top-6 of 4 kept groups) only needs enough eligible
-        experts for the top-k."""
-        per_group = self.num_experts // self.num_groups
-        if self.group_score_top_n is None:
-            if self.top_k % self.group_top_k != 0 or self.top_k // self.group_top_k > per_group:
-                raise ValueError(
-                    f"RouterConfig.group_top_k={self.group_top_k} is invalid with top_k="
-                    f"{self.top_k}: with group_score_top_n=None (Megatron's group score) top_k "
-                    f"must be a multiple of group_top_k and top_k/group_top_k <= experts per "
-                    f"group ({per_group}); or set group_score_top_n"
-                )
-        elif self.top_k > self.group_top_k * per_group:
-            raise ValueError(
-                f"RouterConfig.top_k={self.top_k} is invalid: group_top_k={self.group_top_k} "
-                f"groups of {per_group} experts leave only {self.group_top_k * per_group} to "
-                "choose from"
-            )
-
-    def _check_group_score(self) -> None:
+    def _check_fused_group_score(self) -> None:
+        """The fused router scores a group by its top ``top_k // group_top_k`` only."""
         n = self.group_score_top_n
-        if n is None:
-            return
-        if self.num_groups is None:
-            raise ValueError(
-                f"RouterConfig.group_score_top_n={n!r} is invalid without group-limited routing: "
-                "set num_groups and group_top_k, or leave it None"
-            )
-        per_group = self.num_experts // self.num_groups
-        if not _is_int(n) or not 1 <= n <= per_group:
-            raise ValueError(
-                f"RouterConfig.group_score_top_n={n!r} is invalid: it must be None or an integer "
-                f"from 1 to the experts per group ({per_group})"
-            )
-        if self.fused_backend is not None and n != self.top_k // self.group_top_k:
+        if n is not None and self.fused_backend is not None and n != self.top_k // self.group_top_k:
             raise ValueError(
                 f"RouterConfig.group_score_top_n={n} is invalid with fused_backend="
                 f"{self.fused_backend!r}: the fused router scores a group by its top "
@@ -269,15 +228,16 @@ class RouterConfig:
             )
         for name in ("top_k_scaling_factor", "input_jitter_eps", "z_loss_coeff"):
             value = getattr(self, name)
-            if value is not None and (not _is_number(value) or value < 0):
+            if value is not None and (not is_finite_number(value) or value < 0):
                 raise ValueError(
-                    f"RouterConfig.{name}={value!r} is invalid: it must be None or a number >= 0"
+                    f"RouterConfig.{name}={value!r} is invalid: it must be None or a finite "
+                    "number >= 0"
                 )
         for name in ("expert_bias_update_rate", "init_std"):
             value = getattr(self, name)
-            if not _is_number(value) or value < 0:
+            if not is_finite_number(value) or value < 0:
                 raise ValueError(
-                    f"RouterConfig.{name}={value!r} is invalid: it must be a number >= 0"
+                    f"RouterConfig.{name}={value!r} is invalid: it must be a finite number >= 0"
                 )
 
     def _check_losses(self) -> None:
@@ -294,10 +254,10 @@ class RouterConfig:
                     f"RouterConfig.load_balancing_type={lb!r} is invalid: use one of "
                     f"{LOAD_BALANCING_TYPES} or a tuple of {AUX_LOSS_TYPES}"
                 )
-            if not _is_number(coeff) or coeff < 0:
+            if not is_finite_number(coeff) or coeff < 0:
                 raise ValueError(
                     f"RouterConfig.aux_loss_coeff={coeff!r} is invalid: with a single "
-                    "load_balancing_type it must be one number >= 0"
+                    "load_balancing_type it must be one finite number >= 0"
                 )
             if lb == "sinkhorn" and coeff != 0:
                 raise ValueError(
@@ -321,19 +281,20 @@ class RouterConfig:
         if (
             not isinstance(coeff, tuple)
             or len(coeff) != len(lb)
-            or any(not _is_number(c) or c < 0 for c in coeff)
+            or any(not is_finite_number(c) or c < 0 for c in coeff)
         ):
             raise ValueError(
                 f"RouterConfig.aux_loss_coeff={coeff!r} is invalid: with load_balancing_type={lb!r} "
-                f"it must be a tuple of {len(lb)} numbers >= 0, one per type"
+                f"it must be a tuple of {len(lb)} finite numbers >= 0, one per type"
             )
 
     def _check_capacity(self) -> None:
         cf = self.capacity_factor
         if cf is not None:
-            if not _is_number(cf) or cf <= 0:
+            if not is_finite_number(cf) or cf <= 0:
                 raise ValueError(
-                    f"RouterConfig.capacity_factor={cf!r} is invalid: it must be None or a number > 0"
+                    f"RouterConfig.capacity_factor={cf!r} is invalid: it must be None or a finite "
+                    "number > 0 (None: no dropping)"
                 )
             if self.load_balancing_type == "sinkhorn":
                 raise ValueError(
@@ -347,7 +308,7 @@ class RouterConfig:
 
     def _check_quantile_balancing(self) -> None:
         ema = self.quantile_balancing_ema
-        if not _is_number(ema) or not 0 <= ema <= 1:
+        if not is_finite_number(ema) or not 0 <= ema <= 1:
             raise ValueError(
                 f"RouterConfig.quantile_balancing_ema={ema!r} is invalid: it must be a number "
                 "from 0 to 1"

@@ -27,6 +27,10 @@ Both dispatchers have the same two calls::
   (no sequence parallelism). Each TP rank then dispatches only its 1/TP share of the tokens and
   the output is all-gathered back; gradients stay exact.
 - The handle keeps per-call state, so several micro-batches can be in flight.
+- The first ``dispatch`` of each dispatcher checks, in one small all-gather over ETP and one
+  over EP, that every rank uses the same number of experts, hidden size and dtypes: a rank
+  that differs would otherwise abort the process inside a collective (gloo: "Received data
+  size doesn't match"). Every rank then raises the same ValueError. Later calls skip it.
 - Only torch.distributed collectives, wrapped in the autograd ops of ``comm.py``.
 """
 
@@ -35,7 +39,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
+from shardwork.moe_router.checks import check_tensor, is_int
 from shardwork.moe_router.comm import (
     all_gather_rows,
     all_to_all_rows,
@@ -76,10 +82,19 @@ class DispatchHandle:
     row_order: torch.Tensor | None = None
 
 
+# Every torch dtype, in a fixed order: a dtype's index is the same number on every rank.
+_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+
+
 class _Dispatcher:
     def __init__(self, num_experts: int, *, ep_group=None, etp_group=None, tp_group=None) -> None:
         ep = group_size(ep_group)
-        if not isinstance(num_experts, int) or num_experts < 1 or num_experts % ep:
+        if not is_int(num_experts):
+            raise TypeError(
+                f"{type(self).__name__}: num_experts={num_experts!r} is invalid: it must be an "
+                f"integer (got {type(num_experts).__name__})"
+            )
+        if num_experts < 1 or num_experts % ep:
             raise ValueError(
                 f"num_experts={num_experts!r} is invalid: it must be a positive multiple of the "
                 f"ep_group size ({ep})"
@@ -90,6 +105,7 @@ class _Dispatcher:
         self.etp_size, self.etp_rank = group_size(etp_group), group_rank(etp_group)
         self.num_local_experts = num_experts // ep
         self.local_start = self.ep_rank * self.num_local_experts
+        self._ranks_agree = False  # set by the first dispatch's check
 
     @property
     def local_expert_indices(self) -> range:
@@ -107,6 +123,8 @@ class _Dispatcher:
             raise ValueError(
                 f"hidden has {h.shape[0]} tokens but probs has {probs_TE.shape[0]} rows"
             )
+        if not self._ranks_agree:
+            self._check_ranks_agree(h, probs_TE)
         if self.tp_group is not None and group_size(self.tp_group) > 1:
             # hidden is replicated over TP: each TP rank dispatches only its 1/TP of the tokens (so
             # no token is processed TP times); _finish gathers the outputs back.
@@ -116,6 +134,64 @@ class _Dispatcher:
                 group_rank(self.tp_group)
             ]
         return h, probs_TE, routing_map_TE
+
+    def _check_ranks_agree(self, h: torch.Tensor, probs_TE: torch.Tensor) -> None:
+        """One all-gather of (num_experts, hidden size, dtype codes) over ETP and over EP; every
+        rank raises the same ValueError when they differ (instead of a collective that aborts
+        the process on mismatched sizes). Run once per dispatcher."""
+        mine = (
+            self.num_experts,
+            h.shape[-1],
+            _DTYPES.index(h.dtype),
+            _DTYPES.index(probs_TE.dtype),
+        )
+        for name, group in (("etp_group", self.etp_group), ("ep_group", self.ep_group)):
+            world = group_size(group)
+            if world == 1:
+                continue
+            local = torch.tensor(mine, dtype=torch.int64, device=h.device)
+            every = torch.empty(world * len(mine), dtype=torch.int64, device=h.device)
+            dist.all_gather_into_tensor(every, local, group=group)
+            values = [tuple(v) for v in every.view(world, len(mine)).tolist()]
+            if len(set(values)) > 1:
+                raise ValueError(self._disagreement(name, values))
+        self._ranks_agree = True
+
+    def _disagreement(self, group_name: str, values: list[tuple[int, ...]]) -> str:
+        """The error naming each distinct setting and the ranks (in the group) that use it."""
+        ranks: dict[tuple[int, ...], list[int]] = {}
+        for rank, value in enumerate(values):
+            ranks.setdefault(value, []).append(rank)
+        settings = "; ".join(
+            f"ranks {r}: num_experts={e}, hidden size={hs}, hidden dtype={_DTYPES[hd]}, "
+            f"probs dtype={_DTYPES[pd]}"
+            for (e, hs, hd, pd), r in ranks.items()
+        )
+        return (
+            f"{type(self).__name__}.dispatch: the ranks of {group_name} disagree ({settings}): "
+            "every rank must dispatch with the same num_experts, hidden size and dtypes"
+        )
+
+    def _expert_rows(self, handle: DispatchHandle) -> int:
+        """Rows the local experts received from the dispatch that made ``handle``."""
+        return handle.sorted_indices.shape[0]
+
+    def _check_combine_input(self, expert_out_NH: torch.Tensor, handle: DispatchHandle) -> None:
+        """``expert_out_NH`` must be [N, H]: the rows this handle's dispatch returned."""
+        name = f"{type(self).__name__}.combine: "
+        if not isinstance(handle, DispatchHandle):
+            raise TypeError(
+                f"{name}handle={handle!r} is invalid: pass the DispatchHandle that dispatch "
+                "returned"
+            )
+        check_tensor(name, "expert_out_NH", expert_out_NH)
+        expected = (self._expert_rows(handle), handle.hidden_shape[-1])
+        if expert_out_NH.shape != expected:
+            raise ValueError(
+                f"{name}expert_out_NH of shape {tuple(expert_out_NH.shape)} is invalid: "
+                f"expected [N, H] = {expected}, one row per row dispatch returned for this "
+                "handle, H the dispatched hidden size"
+            )
 
     def _finish(self, out_TH: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         if self.tp_group is not None:
@@ -154,6 +230,7 @@ class AllGatherDispatcher(_Dispatcher):
         self, expert_out_NH: torch.Tensor, handle: DispatchHandle, *, apply_probs: bool = True
     ) -> torch.Tensor:
         """Weight by probs, sum back to tokens, reduce-scatter over EP then ETP."""
+        self._check_combine_input(expert_out_NH, handle)
         out = unpermute(
             expert_out_NH,
             handle.sorted_indices,
@@ -168,6 +245,12 @@ class AllGatherDispatcher(_Dispatcher):
 
 class AllToAllDispatcher(_Dispatcher):
     """All-to-all over EP plus all-gather over ETP (see module docstring)."""
+
+    def _expert_rows(self, handle: DispatchHandle) -> int:
+        # After an exchange the expert rows are the received ones (row_order sorts them).
+        if handle.row_order is not None:
+            return handle.row_order.shape[0]
+        return handle.sorted_indices.shape[0]
 
     def _counts(self, counts_E: torch.Tensor) -> torch.Tensor:
         """[ep, etp, E] token counts of every rank of the ETP×EP grid (host copy)."""
@@ -229,6 +312,7 @@ class AllToAllDispatcher(_Dispatcher):
         self, expert_out_NH: torch.Tensor, handle: DispatchHandle, *, apply_probs: bool = True
     ) -> torch.Tensor:
         """Reverse of dispatch; probs are applied on the way back to the source tokens."""
+        self._check_combine_input(expert_out_NH, handle)
         y = expert_out_NH
         if handle.row_order is not None:
             # inverse = argsort(row_order): undoes the (local expert, src etp, src ep) sort.

@@ -12,11 +12,16 @@ Legend: T tokens, H hidden, E experts, N routed (token, expert) pairs = routing_
   that keeps no row-sized product alive for backward.
 - ``pad_routing_map`` rounds each expert's count up to a multiple (FP8/FP4 GEMM alignment)
   by marking the earliest unrouted tokens as zero-probability slots.
+- Arguments are checked before any work: shapes always (free); checks that read values
+  (indices in range, a routed count) run exactly on CPU tensors only, since on an
+  accelerator they would cost a host sync; there the docstrings state the contract.
 """
 
 from __future__ import annotations
 
 import torch
+
+from shardwork.moe_router.checks import check_tensor, is_int
 
 
 def permute(
@@ -33,15 +38,30 @@ def permute(
         routing_map_TE: bool map, True where token t goes to expert e.
         probs_TE: optional combine weights; the selected ones are returned in permuted order.
         num_out_tokens: N when known (e.g. T*K when dropless): avoids a host sync by using a
-            stable argsort instead of nonzero.
+            stable argsort instead of nonzero. It must equal the map's True count: a larger
+            value returns rows of unrouted (token, expert) pairs, a smaller one drops routed
+            ones. Checked exactly on CPU; on an accelerator only ``0 <= num_out_tokens <=
+            T*E`` is checked (the count would need the sync this argument avoids).
 
     Returns:
         (permuted_NH, permuted_probs_N or None, sorted_indices_N (source token of each row),
         tokens_per_expert_E (int64)).
+
+    Raises ValueError when the map is not [T, E] for the T rows of ``tokens_TH``, when
+    ``probs_TE`` is not the map's shape, or for a bad ``num_out_tokens``.
     """
+    _check_permute_args(tokens_TH, routing_map_TE, probs_TE, num_out_tokens)
     num_tokens = routing_map_TE.shape[0]
     # [T, E] -> [E, T]: flattening then gives expert-major order, token order inside each expert.
     map_ET = routing_map_TE.bool().t().contiguous()
+    tokens_per_expert_E = map_ET.sum(dim=1)
+    if num_out_tokens is not None and map_ET.device.type == "cpu":
+        routed = int(tokens_per_expert_E.sum())
+        if num_out_tokens != routed:
+            raise ValueError(
+                f"permute: num_out_tokens={num_out_tokens} is invalid: the routing map routes "
+                f"{routed} (token, expert) pairs; pass that count or None"
+            )
     if num_out_tokens is None:
         flat = map_ET.reshape(-1).nonzero().squeeze(1)
     else:
@@ -56,7 +76,34 @@ def permute(
         # Same [E, T] flattening as the map, so ``flat`` indexes the matching probabilities.
         permuted_probs = probs_TE.t().reshape(-1).index_select(0, flat)
     permuted = tokens_TH.index_select(0, sorted_indices)
-    return permuted, permuted_probs, sorted_indices, map_ET.sum(dim=1)
+    return permuted, permuted_probs, sorted_indices, tokens_per_expert_E
+
+
+def _check_permute_args(tokens_TH, routing_map_TE, probs_TE, num_out_tokens) -> None:
+    """Shape checks of :func:`permute` (no tensor values read)."""
+    owner = "permute: "
+    check_tensor(owner, "tokens_TH", tokens_TH)
+    check_tensor(owner, "routing_map_TE", routing_map_TE, dims=2)
+    num_tokens, num_experts = routing_map_TE.shape
+    if tokens_TH.dim() < 1 or tokens_TH.shape[0] != num_tokens:
+        raise ValueError(
+            f"permute: routing_map_TE of shape {tuple(routing_map_TE.shape)} is invalid for "
+            f"tokens_TH of shape {tuple(tokens_TH.shape)}: it must have one row per token"
+        )
+    if probs_TE is not None:
+        check_tensor(owner, "probs_TE", probs_TE)
+        if probs_TE.shape != routing_map_TE.shape:
+            raise ValueError(
+                f"permute: probs_TE of shape {tuple(probs_TE.shape)} is invalid: it must have "
+                f"routing_map_TE's shape {tuple(routing_map_TE.shape)}"
+            )
+    if num_out_tokens is not None and (
+        not is_int(num_out_tokens) or not 0 <= num_out_tokens <= num_tokens * num_experts
+    ):
+        raise ValueError(
+            f"permute: num_out_tokens={num_out_tokens!r} is invalid: it must be None or the "
+            f"routed pair count, an integer from 0 to T*E = {num_tokens * num_experts}"
+        )
 
 
 class _Unpermute(torch.autograd.Function):
@@ -109,20 +156,87 @@ def unpermute(
     router runs in fp32) and summed there; without them, bf16/fp16 rows are summed in fp32.
     The result has ``permuted_NH``'s dtype. Backward saves only the index (plus the rows and
     probabilities when the probabilities need a gradient).
+
+    Checked first (ValueError): ``num_tokens`` an integer >= 0, ``sorted_indices_N`` of shape
+    [N] for the N rows of ``permuted_NH``, ``probs_N`` of shape [N]; on CPU also every index
+    in ``[0, num_tokens)`` (on an accelerator that would cost a host sync: an index out of
+    range there fails inside ``index_add``).
     """
+    _check_unpermute_args(permuted_NH, sorted_indices_N, num_tokens, probs_N)
     acc = _acc(permuted_NH, probs_N)
     return _Unpermute.apply(permuted_NH, sorted_indices_N, probs_N, num_tokens, acc)
 
 
+def _check_unpermute_args(permuted_NH, sorted_indices_N, num_tokens, probs_N) -> None:
+    """Shape checks of :func:`unpermute`; the index range only on CPU (no sync)."""
+    owner = "unpermute: "
+    if not is_int(num_tokens) or num_tokens < 0:
+        raise ValueError(f"{owner}num_tokens={num_tokens!r} is invalid: it must be an integer >= 0")
+    check_tensor(owner, "permuted_NH", permuted_NH)
+    check_tensor(owner, "sorted_indices_N", sorted_indices_N)
+    rows = (permuted_NH.shape[0],) if permuted_NH.dim() >= 1 else ()
+    if not rows or sorted_indices_N.shape != rows:
+        raise ValueError(
+            f"{owner}sorted_indices_N of shape {tuple(sorted_indices_N.shape)} is invalid for "
+            f"permuted_NH of shape {tuple(permuted_NH.shape)}: it must be [N], one source "
+            "token per row"
+        )
+    if sorted_indices_N.dtype not in (torch.int32, torch.int64):
+        raise TypeError(
+            f"{owner}sorted_indices_N of dtype {sorted_indices_N.dtype} is invalid: it must be "
+            "int64 or int32 (token indices)"
+        )
+    if probs_N is not None:
+        check_tensor(owner, "probs_N", probs_N)
+        if probs_N.shape != rows:
+            raise ValueError(
+                f"{owner}probs_N of shape {tuple(probs_N.shape)} is invalid: it must be "
+                f"[N] = {rows}, one probability per row of permuted_NH"
+            )
+    if sorted_indices_N.device.type == "cpu" and sorted_indices_N.numel() > 0:
+        low, high = (int(v) for v in torch.aminmax(sorted_indices_N))
+        if low < 0 or high >= num_tokens:
+            raise ValueError(
+                f"{owner}num_tokens={num_tokens} is invalid for sorted_indices_N holding tokens "
+                f"{low}..{high}: every index must be in [0, num_tokens)"
+            )
+
+
 def pad_routing_map(routing_map_TE: torch.Tensor, multiple: int) -> torch.Tensor:
     """Round every expert's token count up to a multiple of ``multiple`` (extra slots are the
-    earliest tokens not routed to that expert; their probability is zero)."""
-    if multiple < 1:
-        raise ValueError(f"multiple={multiple} is invalid: it must be >= 1")
+    earliest tokens not routed to that expert; their probability is zero).
+
+    ``multiple`` must be an integer >= 1. The contract needs, for every expert, its count
+    rounded up to ``multiple`` to fit in the T tokens; on CPU a map where it does not raises
+    ValueError naming the expert. On an accelerator that check would cost a host sync and is
+    skipped: such an expert then gets every free token, a count short of the multiple.
+    """
+    if not is_int(multiple) or multiple < 1:
+        raise ValueError(
+            f"pad_routing_map: multiple={multiple!r} is invalid: it must be an integer >= 1"
+        )
+    check_tensor("pad_routing_map: ", "routing_map_TE", routing_map_TE, dims=2)
     routed = routing_map_TE.bool()
+    counts_E = routed.sum(dim=0)
+    if routed.device.type == "cpu":
+        _check_padding_fits(counts_E, multiple, routed.shape[0])
     # Slots each expert lacks to reach the next multiple: (-count) mod multiple.
-    need_E = (-routed.sum(dim=0)) % multiple
+    need_E = (-counts_E) % multiple
     free = ~routed
     # Per expert column, the first need_E tokens not routed there become zero-probability slots.
     extra = free & (torch.cumsum(free.to(torch.int32), dim=0) <= need_E)
     return routed | extra
+
+
+def _check_padding_fits(counts_E: torch.Tensor, multiple: int, num_tokens: int) -> None:
+    """ValueError when an expert's count rounded up to ``multiple`` exceeds the T tokens."""
+    padded_E = (counts_E + multiple - 1) // multiple * multiple
+    over = (padded_E > num_tokens).nonzero().flatten()
+    if over.numel():
+        e = int(over[0])
+        raise ValueError(
+            f"pad_routing_map: multiple={multiple} is invalid for this map: expert {e} has "
+            f"{int(counts_E[e])} tokens, and the next multiple, {int(padded_E[e])}, exceeds the "
+            f"{num_tokens} tokens there are; use a multiple whose round-up fits T={num_tokens} "
+            "(e.g. a divisor of T), or more tokens"
+        )

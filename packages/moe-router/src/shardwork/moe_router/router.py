@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from shardwork.moe_router.aux_loss import AuxLossScale
+from shardwork.moe_router.checks import check_tensor, is_int
 from shardwork.moe_router.comm import group_size
 from shardwork.moe_router.config import RouterConfig
 from shardwork.moe_router.counts import routed_token_counts
@@ -207,6 +208,11 @@ class TopKRouter(torch.nn.Module):
                 f"hidden shape {tuple(hidden.shape)} is invalid: expected [S, B, H] or [T, H] with "
                 f"H = RouterConfig.hidden_size = {cfg.hidden_size}"
             )
+        if not hidden.is_floating_point():
+            raise TypeError(
+                f"hidden of dtype {hidden.dtype} is invalid: it must be floating point (token "
+                "vectors, not token ids)"
+            )
         seq_len = hidden.shape[0]
         batch = hidden.shape[1] if hidden.dim() == 3 else 1
         if padding_mask is not None:
@@ -242,8 +248,14 @@ class TopKRouter(torch.nn.Module):
         batch: int,
         padding_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Routing from logits (z-loss, selection, dropping, aux losses, expert-bias counts)."""
+        """Routing from logits (z-loss, selection, dropping, aux losses, expert-bias counts).
+
+        ``logits_TE`` [T, E] floating, T = ``seq_len * batch`` tokens in row-major [S, B]
+        order (the sequence aux loss reads sequences from it); ``padding_mask`` a bool [T].
+        Shapes are checked first (ValueError / TypeError).
+        """
         cfg = self.config
+        self._check_route_args(logits_TE, seq_len, batch, padding_mask)
         if padding_mask is not None and cfg.load_balancing_type == "quantile_balancing":
             raise ValueError(
                 "padding_mask is invalid with RouterConfig.load_balancing_type="
@@ -276,6 +288,35 @@ class TopKRouter(torch.nn.Module):
             )
         self._count_routed_tokens(top_TK, map_TE, padding_mask)
         return probs_TE, map_TE
+
+    def _check_route_args(self, logits_TE, seq_len, batch, padding_mask) -> None:
+        """``route``'s inputs must describe ``seq_len * batch`` tokens of this router's E."""
+        for name, value in (("seq_len", seq_len), ("batch", batch)):
+            if not is_int(value) or value < 0:
+                raise ValueError(
+                    f"TopKRouter.route: {name}={value!r} is invalid: it must be an integer >= 0"
+                )
+        check_tensor("TopKRouter.route: ", "logits_TE", logits_TE)
+        expected = (seq_len * batch, self.config.num_experts)
+        if logits_TE.shape != expected:
+            raise ValueError(
+                f"TopKRouter.route: logits_TE of shape {tuple(logits_TE.shape)} is invalid: "
+                f"expected (seq_len * batch, num_experts) = {expected} for seq_len={seq_len}, "
+                f"batch={batch}, RouterConfig.num_experts={self.config.num_experts}"
+            )
+        if not logits_TE.is_floating_point():
+            raise TypeError(
+                f"TopKRouter.route: logits_TE of dtype {logits_TE.dtype} is invalid: it must be "
+                "floating point"
+            )
+        if padding_mask is None:
+            return
+        check_tensor("TopKRouter.route: ", "padding_mask", padding_mask)
+        if padding_mask.shape != expected[:1] or padding_mask.dtype != torch.bool:
+            raise ValueError(
+                f"TopKRouter.route: padding_mask of shape {tuple(padding_mask.shape)} and dtype "
+                f"{padding_mask.dtype} is invalid: expected a bool tensor of shape {expected[:1]}"
+            )
 
     def _select(self, logits_TE: torch.Tensor) -> tuple:
         """(probs_TE, map_TE, top_TK, scores_TE, plain_top_TK) of the configured selection.
@@ -389,7 +430,16 @@ def update_expert_bias(routers, *, group=None) -> None:
     ``group`` (the ranks that saw different tokens of this step: TP×CP×DP), then
     ``bias += rate * sign(mean_i(c_i) - c)`` and zero the counts. All routers' counts travel in
     one all-reduce; every rank of ``group`` must call this with the same routers.
+    ``routers``: an iterable of :class:`TopKRouter` (TypeError otherwise, before the
+    all-reduce).
     """
+    routers = list(routers)
+    for i, r in enumerate(routers):
+        if not isinstance(r, TopKRouter):
+            raise TypeError(
+                f"update_expert_bias: routers[{i}]={r!r} is invalid: every entry must be a "
+                f"TopKRouter (got {type(r).__name__})"
+            )
     active = [r for r in routers if r.expert_bias is not None and r.training]
     if not active:
         return

@@ -14,6 +14,9 @@ Legend: T tokens, E experts, K = top_k, G groups.
 - ``sinkhorn``: Sinkhorn-Knopp balancing of exp(logits).
 - ``drop_to_capacity``: token dropping by probability or by position, optional padding.
 - No Python loop over tokens or experts anywhere: everything is a handful of batched ops.
+- The public functions check their arguments first with the rules :class:`RouterConfig`
+  uses (:mod:`.checks`; shapes and Python values only, no host sync); the router's own
+  forward calls the unchecked internals, its config having been checked once.
 """
 
 from __future__ import annotations
@@ -21,6 +24,17 @@ from __future__ import annotations
 import math
 
 import torch
+
+from shardwork.moe_router.checks import (
+    check_bool,
+    check_capacity_factor,
+    check_groups,
+    check_tensor,
+    check_top_k,
+    is_finite_number,
+    is_int,
+)
+from shardwork.moe_router.config import DROP_POLICIES, SCORE_FUNCTIONS
 
 
 def score_dtype(logits: torch.Tensor) -> torch.dtype:
@@ -123,7 +137,38 @@ def group_limited_topk(
     transformers' DeepSeek-V3 always sums the top 2. The final top-k runs on the kept groups
     only (gathered, not masked), which selects the same experts as masking the others to -inf.
     Returns (values_TK, indices_TK).
+
+    Raises ValueError for arguments :class:`RouterConfig` refuses: ``num_groups`` not dividing
+    E, ``group_top_k > num_groups``, a top-k the kept groups cannot fill, ...
     """
+    owner = "group_limited_topk: "
+    check_tensor(owner, "scores_TE", scores_TE, dims=2)
+    num_experts = scores_TE.shape[1]
+    check_top_k(owner, top_k, num_experts)
+    if num_groups is None or group_top_k is None:
+        raise ValueError(
+            f"{owner}num_groups={num_groups!r} and group_top_k={group_top_k!r} are invalid: "
+            "both must be integers >= 1"
+        )
+    check_groups(
+        owner,
+        num_experts=num_experts,
+        top_k=top_k,
+        num_groups=num_groups,
+        group_top_k=group_top_k,
+        group_score_top_n=group_score_top_n,
+    )
+    return _group_limited_topk(scores_TE, top_k, num_groups, group_top_k, group_score_top_n)
+
+
+def _group_limited_topk(
+    scores_TE: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    group_top_k: int,
+    group_score_top_n: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`group_limited_topk` without the argument checks (the router's path)."""
     num_tokens, num_experts = scores_TE.shape
     per_group = num_experts // num_groups
     # [T, E] -> [T, G, E/G]: experts of one group are contiguous.
@@ -148,14 +193,62 @@ def select_topk(
     """(values, indices) of each row's ``top_k`` largest scores, group-limited when
     ``group_top_k`` is set; the one selection the reference and the fast path share."""
     if group_top_k:
-        return group_limited_topk(
-            scores_TE,
-            top_k,
-            num_groups=num_groups,
-            group_top_k=group_top_k,
-            group_score_top_n=group_score_top_n,
-        )
+        return _group_limited_topk(scores_TE, top_k, num_groups, group_top_k, group_score_top_n)
     return torch.topk(scores_TE, k=top_k, dim=1)
+
+
+def _check_topk_routing_args(
+    logits_TE,
+    top_k,
+    *,
+    score_function,
+    pre_softmax,
+    num_groups,
+    group_top_k,
+    group_score_top_n,
+    scaling_factor,
+    expert_bias,
+) -> None:
+    """ValueError / TypeError naming the first bad argument of :func:`topk_routing`."""
+    owner = "topk_routing: "
+    check_tensor(owner, "logits_TE", logits_TE, dims=2)
+    if not logits_TE.is_floating_point():
+        raise TypeError(
+            f"{owner}logits_TE of dtype {logits_TE.dtype} is invalid: it must be floating point"
+        )
+    num_experts = logits_TE.shape[1]
+    check_top_k(owner, top_k, num_experts)
+    if score_function not in SCORE_FUNCTIONS:
+        raise ValueError(
+            f"{owner}score_function={score_function!r} is invalid: use one of {SCORE_FUNCTIONS}"
+        )
+    check_bool(owner, "pre_softmax", pre_softmax)
+    check_groups(
+        owner,
+        num_experts=num_experts,
+        top_k=top_k,
+        num_groups=num_groups,
+        group_top_k=group_top_k,
+        group_score_top_n=group_score_top_n,
+    )
+    if scaling_factor is not None and (not is_finite_number(scaling_factor) or scaling_factor < 0):
+        raise ValueError(
+            f"{owner}scaling_factor={scaling_factor!r} is invalid: it must be None or a finite "
+            "number >= 0"
+        )
+    if expert_bias is None:
+        return
+    check_tensor(owner, "expert_bias", expert_bias)
+    if expert_bias.shape != (num_experts,):
+        raise ValueError(
+            f"{owner}expert_bias of shape {tuple(expert_bias.shape)} is invalid: it must be "
+            f"[E] = ({num_experts},), one entry per expert of logits_TE"
+        )
+    if score_function == "softmax":
+        raise ValueError(
+            f"{owner}expert_bias is invalid with score_function='softmax': it steers "
+            "sigmoid / sqrtsoftplus selection only; pass None or change the score function"
+        )
 
 
 def topk_routing(
@@ -182,7 +275,22 @@ def topk_routing(
     map and have the logits' dtype; scores_TE are the dense scores over all experts where they
     were computed (pre-softmax, sigmoid, sqrtsoftplus; None for post-softmax), reused by the
     aux losses.
+
+    Arguments are checked first, with :class:`RouterConfig`'s rules: 2-D floating logits,
+    ``1 <= top_k <= E``, valid groups, ``expert_bias`` of shape [E] and only with sigmoid /
+    sqrtsoftplus scores (softmax would ignore it).
     """
+    _check_topk_routing_args(
+        logits_TE,
+        top_k,
+        score_function=score_function,
+        pre_softmax=pre_softmax,
+        num_groups=num_groups,
+        group_top_k=group_top_k,
+        group_score_top_n=group_score_top_n,
+        scaling_factor=scaling_factor,
+        expert_bias=expert_bias,
+    )
     num_tokens = logits_TE.shape[0]
     dtype = score_dtype(logits_TE)
     scores_TE = None
@@ -261,7 +369,19 @@ def sinkhorn(cost_TE: torch.Tensor, tol: float = 1e-4, max_iters: int = 1000) ->
     Iterates d0 = 1/(T * (exp(C) d1)), d1 = 1/(E * (d0^T exp(C))) until the mean change of
     d1 is below ``tol`` or ``max_iters`` is reached (Megatron-Core has no cap and can spin for
     minutes on large logits); returns diag(d0) exp(C) diag(d1). Runs without autograd.
+    ``cost_TE`` must be a 2-D floating tensor, ``tol`` a finite number >= 0 and ``max_iters``
+    an integer >= 1 (checked first).
     """
+    owner = "sinkhorn: "
+    check_tensor(owner, "cost_TE", cost_TE, dims=2)
+    if not cost_TE.is_floating_point():
+        raise TypeError(
+            f"{owner}cost_TE of dtype {cost_TE.dtype} is invalid: it must be floating point"
+        )
+    if not is_finite_number(tol) or tol < 0:
+        raise ValueError(f"{owner}tol={tol!r} is invalid: it must be a finite number >= 0")
+    if not is_int(max_iters) or max_iters < 1:
+        raise ValueError(f"{owner}max_iters={max_iters!r} is invalid: it must be an integer >= 1")
     cost = torch.exp(cost_TE)
     d0 = torch.ones(cost.shape[0], device=cost.device, dtype=cost.dtype)
     d1 = torch.ones(cost.shape[1], device=cost.device, dtype=cost.dtype)
@@ -306,7 +426,25 @@ def sinkhorn_routing(
 
 
 def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
-    """Slots per expert: ceil(num_tokens * top_k / num_experts * capacity_factor)."""
+    """Slots per expert: ceil(num_tokens * top_k / num_experts * capacity_factor).
+
+    Checked first: ``num_tokens`` an integer >= 0, ``num_experts`` >= 1, ``1 <= top_k <=
+    num_experts``, ``capacity_factor`` a finite number > 0 (ValueError naming the argument).
+    """
+    owner = "expert_capacity: "
+    if not is_int(num_tokens) or num_tokens < 0:
+        raise ValueError(f"{owner}num_tokens={num_tokens!r} is invalid: it must be an integer >= 0")
+    if not is_int(num_experts) or num_experts < 1:
+        raise ValueError(
+            f"{owner}num_experts={num_experts!r} is invalid: it must be an integer >= 1"
+        )
+    check_top_k(owner, top_k, num_experts)
+    check_capacity_factor(owner, capacity_factor)
+    return _capacity(num_tokens, num_experts, top_k, capacity_factor)
+
+
+def _capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
+    """:func:`expert_capacity` without the argument checks."""
     return math.ceil((num_tokens * top_k / num_experts) * capacity_factor)
 
 
@@ -332,21 +470,48 @@ def drop_to_capacity(
     an arbitrary subset; this keeps the first ones, as the policy's name says).
     With ``pad_to_capacity`` every expert column holds exactly ``capacity`` slots (zero
     probability where padded) when capacity <= T.
+
+    Checked first: 2-D ``probs_TE``, a bool ``routing_map_TE`` of the same shape, ``1 <=
+    top_k <= E``, ``capacity_factor`` a finite number > 0, a known ``drop_policy``.
     """
+    _check_drop_args(probs_TE, routing_map_TE, top_k, capacity_factor, drop_policy, pad_to_capacity)
     num_tokens, num_experts = probs_TE.shape
-    capacity = expert_capacity(num_tokens, num_experts, top_k, capacity_factor)
+    capacity = _capacity(num_tokens, num_experts, top_k, capacity_factor)
     if capacity > num_tokens:
         keep_TE = torch.ones_like(routing_map_TE)
     elif drop_policy == "probs":
         # topk over the token axis: each expert keeps its `capacity` highest-probability tokens.
         idx = torch.topk(probs_TE, k=capacity, dim=0, sorted=False)[1]
         keep_TE = torch.zeros_like(routing_map_TE).scatter_(0, idx, True)
-    elif drop_policy == "position":
+    else:  # "position"
         keep_TE = _first_by_position(routing_map_TE, capacity)
         if pad_to_capacity:
             free_E = capacity - keep_TE.sum(dim=0)
             keep_TE = keep_TE | _first_by_position(~routing_map_TE, free_E)
-    else:
-        raise ValueError(f"drop_policy={drop_policy!r} is invalid: use 'probs' or 'position'")
     final_map_TE = keep_TE if pad_to_capacity else routing_map_TE & keep_TE
     return probs_TE * final_map_TE, final_map_TE
+
+
+def _check_drop_args(
+    probs_TE, routing_map_TE, top_k, capacity_factor, drop_policy, pad_to_capacity
+) -> None:
+    """ValueError / TypeError naming the first bad argument of :func:`drop_to_capacity`."""
+    owner = "drop_to_capacity: "
+    check_tensor(owner, "probs_TE", probs_TE, dims=2)
+    check_tensor(owner, "routing_map_TE", routing_map_TE)
+    if routing_map_TE.shape != probs_TE.shape:
+        raise ValueError(
+            f"{owner}routing_map_TE of shape {tuple(routing_map_TE.shape)} is invalid: it must "
+            f"have probs_TE's shape {tuple(probs_TE.shape)}"
+        )
+    if routing_map_TE.dtype != torch.bool:
+        raise TypeError(
+            f"{owner}routing_map_TE of dtype {routing_map_TE.dtype} is invalid: it must be bool"
+        )
+    check_top_k(owner, top_k, probs_TE.shape[1])
+    check_capacity_factor(owner, capacity_factor)
+    if drop_policy not in DROP_POLICIES:
+        raise ValueError(
+            f"{owner}drop_policy={drop_policy!r} is invalid: use one of {DROP_POLICIES}"
+        )
+    check_bool(owner, "pad_to_capacity", pad_to_capacity)
