@@ -3,6 +3,8 @@ the Triton kernels vs the autograd reference (forward + grads, token weights).""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -163,6 +165,28 @@ def test_bad_inputs_name_the_field():
         fk.swiglu(torch.randn(3, 8), token_weights=torch.rand(4))
     with pytest.raises(ValueError, match="approximate='fast'"):
         fk.geglu(torch.randn(3, 8), approximate="fast")
+
+
+@pytest.mark.parametrize("name", ["swiglu", "geglu"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_inplace_backward_refuses_a_leaf_that_requires_grad(name, backend, request):
+    # The backward would write dL/dx over the user's leaf (as apply_rotary's inplace=True
+    # would): refused on every backend, before any work.
+    op = OPS[name][0]
+    device = request.getfixturevalue("triton_device") if backend == "triton" else "cpu"
+    leaf = torch.randn(4, 16, device=device, requires_grad=True)
+    before = leaf.detach().clone()
+    with pytest.raises(ValueError, match=re.escape(
+        "inplace_backward=True on x, a leaf tensor that requires grad")):  # fmt: skip
+        op(leaf, inplace_backward=True, backend=backend)
+    assert torch.equal(leaf.detach(), before)
+    # A leaf without grad has no backward to overwrite it: accepted.
+    assert op(leaf.detach(), inplace_backward=True, backend=backend).shape == (4, 8)
+
+
+def test_inplace_backward_must_be_a_bool():
+    with pytest.raises(TypeError, match=re.escape("inplace_backward='False' must be a bool")):
+        fk.swiglu(torch.randn(3, 8), inplace_backward="False")
 
 
 @pytest.mark.gpu

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -146,6 +148,25 @@ def test_grouped_linear_refuses_counts_that_do_not_cover_the_rows():
     x, w = torch.randn(6, 8), torch.randn(2, 4, 8)
     with pytest.raises(ValueError, match=r"counts=\[2, 3\] must have 2 entries .* 6 rows"):
         onednn_grouped_linear(x, w, [2, 3])
+
+
+@pytest.mark.parametrize("backend", [None, "torch"])
+def test_linear_names_mismatched_shapes(backend, amd):
+    # Before: oneDNN's "could not create a primitive descriptor" (auto) or torch's mat1/mat2
+    # message, neither naming the argument.
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match=re.escape(
+        "weight.shape=(3, 7) must be [out, in] with in = x.shape[-1] = 8 (x.shape=(4, 8))")):  # fmt: skip
+        linear(x, torch.randn(3, 7), backend=backend)
+    with pytest.raises(ValueError, match=re.escape(
+        "bias.shape=(4,) must be (3,) = [out] of weight.shape=(3, 8)")):  # fmt: skip
+        linear(x, torch.randn(3, 8), torch.randn(4), backend=backend)
+    with pytest.raises(ValueError, match=re.escape("weight.shape=(3, 7) must be [out, in]")):
+        onednn_linear(x, torch.randn(3, 7))
+    # Matching shapes, with and without a bias: accepted.
+    w, b = torch.randn(3, 8), torch.randn(3)
+    torch.testing.assert_close(linear(x, w, b, backend=backend), F.linear(x, w, b))
+    assert linear(x, w, backend=backend).shape == (4, 3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -157,6 +158,168 @@ def test_bad_inputs_name_the_field():
         fk.cross_entropy(logits, torch.zeros(4, dtype=torch.long), label_smoothing=1.5)
     with pytest.raises(ValueError, match="labels must be an int64/int32"):
         fk.cross_entropy(logits, torch.zeros(4))
+
+
+def _backend_device(backend, request):
+    """CPU for the torch backend; the Triton backend's device (CPU under the interpreter)."""
+    if backend == "triton":
+        return request.getfixturevalue("triton_device")
+    return torch.device("cpu")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_labels_outside_the_vocabulary_are_refused(backend, request):
+    # Before this check a label >= V (or a negative one other than ignore_index) gave
+    # loss = logsumexp silently: its logit was taken as 0.
+    device = _backend_device(backend, request)
+    if device.type != "cpu":
+        pytest.skip("the exact check (ValueError) runs on CPU tensors")
+    logits = torch.randn(4, 10)
+    cases = [([1, 10, -1, 99], 1, 10), ([1, 2, -1, 3], 2, -1), ([0, 9, 3, -7], 3, -7)]
+    for values, position, bad in cases:
+        with pytest.raises(ValueError) as info:
+            fk.cross_entropy(logits, torch.tensor(values), backend=backend)
+        assert str(info.value).startswith(f"labels[{position}]={bad} is out of range; ")
+        assert "valid: ignore_index=-100 or 0 <= label < 10 (logits.shape[1]=10)" in str(info.value)
+    # A custom ignore_index is the one exception below 0; -100 is then a bad label.
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "labels[2]=-100 is out of range; valid: ignore_index=-1 or 0 <= label < 10"
+        ),
+    ):
+        fk.cross_entropy(logits, torch.tensor([-1, 0, -100, 2]), ignore_index=-1, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("ignore_index", [-100, -1])
+def test_last_class_and_ignore_index_are_accepted(backend, ignore_index, request):
+    device = _backend_device(backend, request)
+    logits = torch.randn(5, 10, generator=torch.Generator().manual_seed(2))
+    labels = torch.tensor([9, ignore_index, 0, 9, 4])
+    loss, grad = _loss_and_grad(fk.cross_entropy, logits.to(device), labels.to(device), "none",
+                                ignore_index=ignore_index, backend=backend)  # fmt: skip
+    ref = _loss_and_grad(F.cross_entropy, logits, labels, "none", ignore_index=ignore_index)
+    torch.testing.assert_close(loss.cpu(), ref[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad.cpu(), ref[1], atol=1e-6, rtol=1e-5)
+
+
+def test_label_check_is_a_device_assert_where_a_host_sync_would_be(monkeypatch):
+    # Off the CPU (or while torch.compile traces) the labels go through torch._assert_async,
+    # which needs no host sync; on a CPU tensor that assert raises at once, so forcing the
+    # branch here shows its condition and message.
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    logits = torch.randn(3, 10)
+    assert torch.isfinite(fk.cross_entropy(logits, torch.tensor([9, -100, 0]), backend="torch"))
+    with pytest.raises(
+        RuntimeError,
+        match=re.escape(
+            "labels: a label is out of range; valid: ignore_index=-100 or 0 <= label < 10"
+        ),
+    ):
+        fk.cross_entropy(logits, torch.tensor([9, 10, 0]), backend="torch")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_inplace_backward_refuses_a_leaf_that_requires_grad(backend, request):
+    device = _backend_device(backend, request)
+    leaf = torch.randn(4, 10, device=device, requires_grad=True)
+    before = leaf.detach().clone()
+    labels = torch.tensor([1, 2, 3, 4], device=device)
+    with pytest.raises(ValueError, match=re.escape(
+        "inplace_backward=True on logits, a leaf tensor that requires grad")):  # fmt: skip
+        fk.cross_entropy(leaf, labels, inplace_backward=True, backend=backend)
+    assert torch.equal(leaf.detach(), before)
+    # Without grad nothing can be overwritten: accepted (as is a non-leaf, tested above).
+    loss = fk.cross_entropy(leaf.detach(), labels, inplace_backward=True, backend=backend)
+    assert torch.isfinite(loss)
+
+
+def test_option_types_are_checked_before_values():
+    logits, labels = torch.randn(4, 10), torch.tensor([1, 2, 3, 4])
+    with pytest.raises(TypeError, match=re.escape("label_smoothing='0.1' must be a number")):
+        fk.cross_entropy(logits, labels, label_smoothing="0.1")
+    with pytest.raises(TypeError, match=re.escape("ignore_index=-100.0 must be an int")):
+        fk.cross_entropy(logits, labels, ignore_index=-100.0)
+    with pytest.raises(TypeError, match=re.escape("inplace_backward='False' must be a bool")):
+        fk.cross_entropy(logits * 1.0, labels, inplace_backward="False")
+
+
+def _vocab_parallel_label_check(backend):
+    """Every rank: the error for a label past the whole vocabulary (V_local 5 x 2 ranks) and
+    the loss of labels at the edges (V - 1, 0, ignore_index)."""
+    if backend == "triton":
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch.distributed as dist
+
+    from shardwork.parallel_state import ParallelConfig, init_process_groups
+
+    groups = init_process_groups(ParallelConfig(tp=dist.get_world_size()))
+    logits = torch.randn(4, 10, generator=torch.Generator().manual_seed(4))
+    shard = logits.chunk(2, dim=1)[groups.rank("tp")].contiguous()
+    try:
+        fk.cross_entropy(shard, torch.tensor([9, 10, 0, 1]), tp_group=groups.tp, backend=backend)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    edges = torch.tensor([9, -100, 0, 5])
+    loss = fk.cross_entropy(shard, edges, tp_group=groups.tp, reduction="none", backend=backend)
+    return error, loss
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_vocab_parallel_labels_are_checked_against_the_whole_vocabulary(backend):
+    run_on_ranks = pytest.importorskip("shardwork.parallel_state.testing").run_on_ranks
+    if backend == "triton":
+        pytest.importorskip("triton")
+        if torch.cuda.is_available():
+            pytest.skip("Triton on gloo ranks needs the CPU interpreter (a CPU-only host)")
+    results = run_on_ranks(_vocab_parallel_label_check, 2, args=(backend,))
+    logits = torch.randn(4, 10, generator=torch.Generator().manual_seed(4))
+    ref = F.cross_entropy(logits, torch.tensor([9, -100, 0, 5]), reduction="none")
+    for error, loss in results:
+        assert error == (
+            "labels[1]=10 is out of range; valid: ignore_index=-100 or 0 <= label < 10 "
+            "(V_local=5 x 2 ranks of tp_group)"
+        )
+        torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+
+
+def _unequal_shards(backend):
+    """Rank 0 holds 5 vocabulary columns, rank 1 holds 6: the error each rank raises."""
+    if backend == "triton":
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch.distributed as dist
+
+    from shardwork.parallel_state import ParallelConfig, init_process_groups
+
+    groups = init_process_groups(ParallelConfig(tp=dist.get_world_size()))
+    shard = torch.randn(4, 5 + groups.rank("tp"))
+    try:
+        fk.cross_entropy(shard, torch.tensor([0, 3, 7, -100]), tp_group=groups.tp, backend=backend)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_vocab_parallel_refuses_unequal_shards_on_every_rank(backend):
+    # The widths ride on the MAX all-reduce the op already does: every rank raises there,
+    # before the SUM, so none is left waiting in a collective.
+    run_on_ranks = pytest.importorskip("shardwork.parallel_state.testing").run_on_ranks
+    if backend == "triton":
+        pytest.importorskip("triton")
+        if torch.cuda.is_available():
+            pytest.skip("Triton on gloo ranks needs the CPU interpreter (a CPU-only host)")
+    errors = run_on_ranks(_unequal_shards, 2, args=(backend,))
+    for rank, error in enumerate(errors):
+        assert error is not None and error.startswith(
+            f"logits.shape[1]={5 + rank} on this rank, but the shards of tp_group have 5 to 6 "
+            "columns; vocab-parallel cross entropy needs logits.shape[1] (V_local) equal on "
+            "every rank of tp_group"
+        )
 
 
 @pytest.mark.gpu

@@ -17,6 +17,7 @@ softmax and a capped block's in separate passes; the cases below cover both.
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -215,6 +216,57 @@ def test_bad_inputs_name_the_field():
         fk.linear_cross_entropy(hidden, weight, labels, backend="te")
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_labels_past_the_real_vocabulary_are_refused(backend, request):
+    # Before this check such a label's logit was taken as 0: loss = logsumexp, silently.
+    if backend == "triton" and request.getfixturevalue("triton_device").type != "cpu":
+        pytest.skip("the exact check (ValueError) runs on CPU tensors")
+    hidden, weight, _, _ = _data(4, 6, 10, torch.float32)
+
+    def loss_of(labels, **kwargs):
+        return fk.linear_cross_entropy(
+            hidden, weight, torch.tensor(labels), backend=backend, **kwargs
+        )
+
+    with pytest.raises(ValueError, match=re.escape(
+        "labels[1]=10 is out of range; valid: ignore_index=-100 or 0 <= label < 10 "
+        "(weight.shape[0]=10)")):  # fmt: skip
+        loss_of([1, 10, -1, 99])
+    with pytest.raises(ValueError, match=re.escape(
+        "labels[1]=9 is out of range; valid: ignore_index=-100 or 0 <= label < 9 "
+        "(vocab_size=9)")):  # fmt: skip
+        loss_of([1, 9, 2, 3], vocab_size=9)
+    with pytest.raises(ValueError, match=re.escape("labels[0]=-1 is out of range")):
+        loss_of([-1, 2, 3, 4])
+
+
+@pytest.mark.parametrize("ignore_index", [-100, -1])
+def test_last_real_class_and_ignore_index_are_accepted(ignore_index):
+    hidden, weight, _, _ = _data(4, 6, 10, torch.float64)
+    labels = torch.tensor([8, ignore_index, 0, 8])  # vocab_size 9: row 9 is padding
+    ours = fk.linear_cross_entropy(hidden, weight, labels, vocab_size=9, ignore_index=ignore_index)
+    logits = hidden @ weight[:9].t()
+    torch.testing.assert_close(ours, F.cross_entropy(logits, labels, ignore_index=ignore_index))
+
+
+def test_option_types_are_named():
+    hidden, weight, labels, _ = _data(4, 6, 10, torch.float32)
+    cases = [
+        (
+            {"label_smoothing": "0.1"},
+            "label_smoothing='0.1' must be a number (int or float), not str",
+        ),
+        ({"softcap": "30"}, "softcap='30' must be a number (int or float), not str"),
+        ({"ignore_index": None}, "ignore_index=None must be an int, not NoneType"),
+        ({"grad_in_forward": "no"}, "grad_in_forward='no' must be a bool (True or False), not str"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(TypeError, match=re.escape(message)):
+            fk.linear_cross_entropy(hidden, weight, labels, **kwargs)
+    with pytest.raises(ValueError, match=re.escape("softcap=inf must be a finite number > 0")):
+        fk.linear_cross_entropy(hidden, weight, labels, softcap=float("inf"))
+
+
 # Triton: 7 tokens in chunks of 3 rows (ragged), a vocabulary of 37 classes with 2 rows of
 # padding (not a power of two, so the kernels mask their last block), hidden 12.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -334,3 +386,37 @@ def _check_against_single_rank(world, args):
     assert_close_at_scale(d_hidden, ref[1], rtol=0, ulps=ulps, dtype=dtype, name="d hidden")
     d_weight = torch.cat([r[2] for r in results])
     assert_close_at_scale(d_weight, ref[2], rtol=0, ulps=ulps, dtype=dtype, name="d weight")
+
+
+def _vocab_parallel_label_check():
+    """Every rank: the error for label 45 of a 45-class vocabulary padded to 48 over the TP
+    group (checked before the first collective), then the loss at labels 44 and -100."""
+    import torch.distributed as dist
+
+    from shardwork.parallel_state import ParallelConfig, init_process_groups
+
+    groups = init_process_groups(ParallelConfig(tp=dist.get_world_size()))
+    hidden, weight, _, _ = _data(3, 10, 48, torch.float64, seed=11)
+    shard = weight.chunk(groups.size("tp"), dim=0)[groups.rank("tp")]
+    kwargs = dict(tp_group=groups.tp, vocab_size=45, reduction="sum")
+    try:
+        fk.linear_cross_entropy(hidden, shard, torch.tensor([3, 45, 0]), **kwargs)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    return error, fk.linear_cross_entropy(hidden, shard, torch.tensor([44, -100, 0]), **kwargs)
+
+
+@pytest.mark.multirank
+def test_vocab_parallel_labels_are_checked_against_vocab_size():
+    run_on_ranks = pytest.importorskip("shardwork.parallel_state.testing").run_on_ranks
+    results = run_on_ranks(_vocab_parallel_label_check, 2)
+    hidden, weight, _, _ = _data(3, 10, 48, torch.float64, seed=11)
+    labels = torch.tensor([44, -100, 0])
+    ref = F.cross_entropy(hidden @ weight[:45].t(), labels, reduction="sum")
+    for error, loss in results:
+        assert error == (
+            "labels[1]=45 is out of range; valid: ignore_index=-100 or 0 <= label < 45 "
+            "(vocab_size=45)"
+        )
+        torch.testing.assert_close(loss, ref)

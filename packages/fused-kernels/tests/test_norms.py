@@ -3,6 +3,8 @@ RMSNorm backward and the Triton kernels vs the autograd reference (forward + gra
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -152,6 +154,23 @@ def test_bad_inputs_name_the_field():
         fk.rms_norm(x, torch.randn(8), eps=0)
     with pytest.raises(ValueError, match=r"x\.dtype=torch\.int64"):
         fk.rms_norm(torch.ones(3, 8, dtype=torch.long), torch.randn(8))
+
+
+@pytest.mark.parametrize("op", [fk.rms_norm, fk.layer_norm])
+def test_number_arguments_are_checked_by_name(op):
+    x, w = torch.randn(3, 8), torch.ones(8)
+    with pytest.raises(
+        TypeError, match=re.escape("eps='1e-5' must be a number (int or float), not str")
+    ):
+        op(x, w, eps="1e-5")
+    with pytest.raises(TypeError, match=re.escape("eps=True must be a number")):
+        op(x, w, eps=True)
+    with pytest.raises(ValueError, match=re.escape("eps=inf must be a finite number > 0")):
+        op(x, w, eps=float("inf"))
+    with pytest.raises(TypeError, match=re.escape("zero_centered_gamma=1 must be a bool")):
+        op(x, w, zero_centered_gamma=1)
+    # An int eps is a number: accepted.
+    torch.testing.assert_close(op(x, w, eps=1), op(x, w, eps=1.0))
 
 
 @pytest.mark.gpu

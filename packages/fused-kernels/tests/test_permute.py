@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -115,6 +117,58 @@ def test_bad_inputs_name_the_field():
             probs=torch.rand(4, 2),
             restore_shape=(4, 3),
         )
+
+
+def test_num_out_tokens_past_the_routed_pairs_is_refused():
+    tokens = torch.randn(5, 8)
+    routing_map = torch.zeros(5, 4, dtype=torch.bool)
+    routing_map[[0, 1, 1, 3, 4], [2, 0, 3, 1, 2]] = True  # 5 routed pairs of 20
+    with pytest.raises(ValueError, match=re.escape(
+        "num_out_tokens=8 exceeds the 5 routed (token, expert) pairs of routing_map; "
+        "valid: 0 to 5")):  # fmt: skip
+        fk.permute_tokens(tokens, routing_map, num_out_tokens=8)
+    with pytest.raises(TypeError, match=re.escape("num_out_tokens='5' must be an int")):
+        fk.permute_tokens(tokens, routing_map, num_out_tokens="5")
+    with pytest.raises(TypeError, match=re.escape("num_out_tokens=True must be an int")):
+        fk.permute_tokens(tokens, routing_map, num_out_tokens=True)
+    # Every routed pair, or fewer: accepted.
+    rows, _, idx = fk.permute_tokens(tokens, routing_map, num_out_tokens=5)
+    assert rows.shape == (5, 8) and sorted(idx.tolist()) == [0, 1, 1, 3, 4]
+    assert fk.permute_tokens(tokens, routing_map, num_out_tokens=2)[0].shape == (2, 8)
+
+
+def test_unpermute_refuses_bad_restore_shapes_and_index_types():
+    rows, idx = torch.randn(3, 8), torch.tensor([0, 2, 2])
+    with pytest.raises(ValueError, match=re.escape("restore_shape=(-1, 8): N=-1 must be >= 0")):
+        fk.unpermute_tokens(rows, idx, restore_shape=(-1, 8))
+    with pytest.raises(TypeError, match=re.escape("restore_shape=(3.0, 8): N=3.0 must be an int")):
+        fk.unpermute_tokens(rows, idx, restore_shape=(3.0, 8))
+    with pytest.raises(TypeError, match=re.escape("restore_shape=3 must be a tuple (N, H)")):
+        fk.unpermute_tokens(rows, idx, restore_shape=3)
+    with pytest.raises(ValueError, match=re.escape("restore_shape=(3, 8, 1) must be (N, H)")):
+        fk.unpermute_tokens(rows, idx, restore_shape=(3, 8, 1))
+    with pytest.raises(ValueError, match=re.escape(
+        "sorted_indices must be an int64/int32 tensor (as permute_tokens returns), got "
+        "torch.float32")):  # fmt: skip
+        fk.unpermute_tokens(rows, idx.float(), restore_shape=(3, 8))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_unpermute_refuses_indices_outside_the_restored_rows(backend, request):
+    # Before: a RuntimeError from index_add (torch) or an IndexError from the Triton
+    # backend's destination table, neither naming the argument.
+    if backend == "triton" and request.getfixturevalue("triton_device").type != "cpu":
+        pytest.skip("the exact check runs on CPU tensors")
+    rows = torch.randn(3, 8)
+    for indices, position, bad in (([0, 1, 2], 2, 2), ([0, -1, 1], 1, -1)):
+        with pytest.raises(ValueError, match=re.escape(
+            f"sorted_indices[{position}]={bad} is not a token row of restore_shape[0]=2; "
+            "valid: 0 <= index < 2")):  # fmt: skip
+            fk.unpermute_tokens(rows, torch.tensor(indices), restore_shape=(2, 8), backend=backend)
+    # The last row (N - 1), int32 indices and a torch.Size: accepted, equal to a plain sum.
+    out = fk.unpermute_tokens(rows, torch.tensor([1, 0, 1], dtype=torch.int32),
+                              restore_shape=torch.Size([2, 8]), backend=backend)  # fmt: skip
+    torch.testing.assert_close(out, torch.stack([rows[1], rows[0] + rows[2]]))
 
 
 @pytest.mark.gpu

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -259,6 +260,26 @@ def test_bad_inputs_name_the_field():
         fk.YarnRopeScaling(
             factor=4.0, original_max_position_embeddings=10, beta_fast=1.0, beta_slow=2.0
         )
+
+
+def test_number_arguments_are_checked_by_name():
+    with pytest.raises(TypeError, match=re.escape("rotary_dim=64.0 must be an int")):
+        fk.rotary_inv_freq(64.0)
+    with pytest.raises(TypeError, match=re.escape("base='1e4' must be a number")):
+        fk.rotary_inv_freq(64, base="1e4")
+    with pytest.raises(ValueError, match=re.escape("base=inf must be a finite number > 1")):
+        fk.rotary_inv_freq(64, base=float("inf"))
+    with pytest.raises(TypeError, match=re.escape("YarnRopeScaling.factor='4' must be a number")):
+        fk.YarnRopeScaling(factor="4", original_max_position_embeddings=4096)
+    with pytest.raises(TypeError, match=re.escape(
+        "Llama3RopeScaling.original_max_position_embeddings=8192.0 must be an int")):  # fmt: skip
+        fk.Llama3RopeScaling(original_max_position_embeddings=8192.0)
+    with pytest.raises(
+        TypeError, match=re.escape("LinearRopeScaling.factor=True must be a number")
+    ):
+        fk.LinearRopeScaling(factor=True)
+    # Ints where floats are expected are numbers: accepted.
+    torch.testing.assert_close(fk.rotary_inv_freq(64, base=10000), fk.rotary_inv_freq(64))
 
 
 @pytest.mark.gpu

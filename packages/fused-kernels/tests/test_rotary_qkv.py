@@ -106,6 +106,8 @@ def test_bad_inputs_name_the_field():
         fk.apply_rotary_qkv(qkv.flatten(0, 1), cos, sin, num_heads=4, num_kv_heads=2)
     with pytest.raises(ValueError, match="num_kv_heads=0 must be a positive int"):
         fk.apply_rotary_qkv(qkv, cos, sin, num_heads=8, num_kv_heads=0)
+    with pytest.raises(TypeError, match="num_kv_heads=True must be an int, not bool"):
+        fk.apply_rotary_qkv(qkv, cos, sin, num_heads=6, num_kv_heads=True)  # 8 heads if True = 1
     with pytest.raises(ValueError, match="must broadcast"):
         fk.apply_rotary_qkv(qkv, cos[:3], sin[:3], num_heads=4, num_kv_heads=2)
     with pytest.raises(ValueError, match=r"cos.shape\[-1\]=18 \(rotary_dim\)"):

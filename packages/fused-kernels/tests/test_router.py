@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import re
 
 import pytest
 import torch
@@ -150,6 +151,23 @@ def test_expert_bias_steers_selection_not_probs():
     s = torch.sigmoid(logits)
     expect = torch.where(out.routing_map, s, 0.0)
     torch.testing.assert_close(out.probs, expect / expect.sum(-1, keepdim=True))
+
+
+def test_number_arguments_are_checked_by_name():
+    x = torch.randn(4, 8)
+    with pytest.raises(TypeError, match=re.escape("topk=True must be an int")):
+        fk.router_topk(x, topk=True)
+    with pytest.raises(TypeError, match=re.escape("topk='2' must be an int")):
+        fk.router_topk(x, topk="2")
+    with pytest.raises(TypeError, match=re.escape("num_groups=2.0 must be an int")):
+        fk.router_topk(x, topk=2, num_groups=2.0, group_topk=1)
+    with pytest.raises(TypeError, match=re.escape("scaling_factor='2.5' must be a number")):
+        fk.router_topk(x, topk=2, scaling_factor="2.5")
+    with pytest.raises(
+        ValueError, match=re.escape("scaling_factor=inf must be a finite number > 0")
+    ):
+        fk.router_topk(x, topk=2, scaling_factor=float("inf"))
+    assert fk.router_topk(x, topk=8, scaling_factor=2).routing_map.all()  # topk = num_experts
 
 
 def test_bad_inputs_name_the_field():

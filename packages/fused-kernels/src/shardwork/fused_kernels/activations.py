@@ -21,7 +21,13 @@ import torch
 import torch.nn.functional as F
 
 from shardwork.fused_kernels import eager_activations, te_ops
-from shardwork.fused_kernels._checks import acc_dtype, check_float, check_same_device
+from shardwork.fused_kernels._checks import (
+    acc_dtype,
+    check_bool,
+    check_float,
+    check_not_leaf_overwrite,
+    check_same_device,
+)
 from shardwork.fused_kernels.backend import resolve_backend
 
 __all__ = ["geglu", "geglu_reference", "swiglu", "swiglu_reference"]
@@ -56,12 +62,16 @@ def geglu_reference(
     return y.to(x.dtype)
 
 
-def _validate(x: torch.Tensor, token_weights: torch.Tensor | None) -> None:
+def _validate(x: torch.Tensor, token_weights: torch.Tensor | None, inplace_backward: bool) -> None:
     check_float("x", x)
     if x.dim() == 0 or x.shape[-1] % 2 != 0:
         raise ValueError(
             f"x.shape={tuple(x.shape)}: last dim must be even ([gate | up] halves of 2*I)"
         )
+    check_bool("inplace_backward", inplace_backward)
+    # Refused on every backend (as apply_rotary's inplace=True is): the flag promises that x's
+    # storage may take the gradient, which a parameter or a user's input cannot give.
+    check_not_leaf_overwrite("inplace_backward", "x", x, inplace_backward)
     if token_weights is not None:
         check_float("token_weights", token_weights)
         lead = tuple(x.shape[:-1])
@@ -83,9 +93,10 @@ def swiglu(
 
     ``inplace_backward=True``: the torch backend writes the input gradient into ``x``'s own
     storage (for an ``x`` nothing else reads, e.g. an MLP's fc1 output; one backward only).
-    The other backends allocate the gradient as usual; results are the same.
+    The other backends allocate the gradient as usual; results are the same. Every backend
+    refuses it (ValueError) on a leaf that requires grad, whose values must survive backward.
     """
-    _validate(x, token_weights)
+    _validate(x, token_weights, inplace_backward)
     chosen = resolve_backend("swiglu", backend, x.device, dtype=x.dtype)
     if chosen == "triton":
         from shardwork.fused_kernels import triton_activations
@@ -112,7 +123,7 @@ def geglu(
 
     ``inplace_backward``: as for :func:`swiglu`.
     """
-    _validate(x, token_weights)
+    _validate(x, token_weights, inplace_backward)
     if approximate not in _APPROXIMATE:
         raise ValueError(f"approximate={approximate!r}; valid: {', '.join(_APPROXIMATE)}")
     chosen = resolve_backend("geglu", backend, x.device, dtype=x.dtype)

@@ -201,6 +201,26 @@ class _OneDnnLinear(torch.autograd.Function):
         return dx, dw, db
 
 
+def _check_linear_shapes(x, weight, bias) -> None:
+    """``x [..., in]``, ``weight [out, in]``, ``bias [out]`` or None: a ``ValueError`` naming the
+    shapes before oneDNN's own error ("could not create a primitive descriptor") can occur."""
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if x.dim() == 0:
+        raise ValueError(f"x.shape={tuple(x.shape)} must be [..., in] with at least one dim")
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(
+            f"weight.shape={tuple(weight.shape)} must be [out, in] with in = x.shape[-1] = "
+            f"{x.shape[-1]} (x.shape={tuple(x.shape)})"
+        )
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(
+            f"bias.shape={tuple(bias.shape)} must be ({weight.shape[0]},) = [out] of "
+            f"weight.shape={tuple(weight.shape)}"
+        )
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -209,7 +229,9 @@ def linear(
     backend: str | None = None,
 ) -> torch.Tensor:
     """``x [..., in] · weight [out, in]ᵀ + bias [out]``, as ``F.linear``; on oneDNN
-    (:func:`onednn_linear`) where :func:`onednn_preferred`."""
+    (:func:`onednn_linear`) where :func:`onednn_preferred`. Shapes are checked first, on every
+    path (:func:`_check_linear_shapes`)."""
+    _check_linear_shapes(x, weight, bias)
     if onednn_preferred(backend, x, weight, bias):
         return _OneDnnLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -219,6 +241,7 @@ def onednn_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """:func:`linear` on oneDNN whatever the CPU (no double backward); float32 CPU tensors."""
+    _check_linear_shapes(x, weight, bias)
     _check_operands(x=x, weight=weight, bias=bias)
     return _OneDnnLinear.apply(x, weight, bias)
 

@@ -1,7 +1,14 @@
 """Cross entropy from logits, optionally vocab-parallel over a tensor-parallel group.
 
 - ``logits [N, V_local]`` hold this rank's vocab shard; shards are equal and in
-  rank order over ``tp_group`` (rank r owns ids ``[r*V_local, (r+1)*V_local)``).
+  rank order over ``tp_group`` (rank r owns ids ``[r*V_local, (r+1)*V_local)``). Equal
+  widths are checked inside the MAX all-reduce below, which also carries ``(V_local,
+  -V_local)``: no collective of its own, so the check comes after the shard statistics (no
+  write, and every rank raises together, before the SUM). Not checked on ``backend="te"``.
+- Checked before any work: each label is ``ignore_index`` or in ``[0, V_local·tp)``
+  (``ValueError`` naming the first bad one on CPU tensors; a device-side assert,
+  ``torch._assert_async``, elsewhere, so no host sync); ``inplace_backward=True`` is refused
+  on a leaf that requires grad (its values would be overwritten by backward).
 - Per token the backend computes float32 statistics of its shard (its logsumexp, or max and
   sum of ``exp(x - max)``; the label's logit, 0 when the label is elsewhere; the sum of logits
   for label smoothing), then one MAX and one SUM all-reduce combine them
@@ -25,7 +32,15 @@ import torch
 import torch.distributed as dist
 
 from shardwork.fused_kernels import te_ops
-from shardwork.fused_kernels._checks import check_float, check_same_device
+from shardwork.fused_kernels._checks import (
+    check_bool,
+    check_float,
+    check_fraction,
+    check_int,
+    check_labels,
+    check_not_leaf_overwrite,
+    check_same_device,
+)
 from shardwork.fused_kernels.backend import resolve_backend
 from shardwork.fused_kernels.cross_entropy_shard import combine_shard_stats, shard_grad, shard_stats
 
@@ -61,7 +76,8 @@ class _CrossEntropy(torch.autograd.Function):
             )
         else:
             stats = shard_stats(logits, local_labels, in_shard, smoothing=smoothing > 0)
-        lse, target, total = combine_shard_stats(stats, tp_group)
+        # vocab_local: the MAX all-reduce also compares the shards' widths (equal on every rank).
+        lse, target, total = combine_shard_stats(stats, tp_group, vocab_local=vocab)
         loss = lse - (1.0 - smoothing) * target
         if smoothing:
             loss = loss - smoothing * total / vocab_total
@@ -90,6 +106,35 @@ class _CrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None, None, None
 
 
+def _check_inputs(logits, labels, tp_group, ignore_index, label_smoothing, reduction,
+                  inplace_backward) -> None:  # fmt: skip
+    """Every mistake of :func:`cross_entropy`'s arguments, before any work or collective."""
+    check_float("logits", logits)
+    if logits.dim() != 2:
+        raise ValueError(f"logits.shape={tuple(logits.shape)} must be 2-D [N, V_local]")
+    if not isinstance(labels, torch.Tensor) or labels.dtype not in (torch.int64, torch.int32):
+        raise ValueError(
+            f"labels must be an int64/int32 tensor, got {getattr(labels, 'dtype', type(labels))}"
+        )
+    if tuple(labels.shape) != (logits.shape[0],):
+        raise ValueError(f"labels.shape={tuple(labels.shape)} must be ({logits.shape[0]},) = [N]")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r}; valid: {', '.join(_REDUCTIONS)}")
+    check_int("ignore_index", ignore_index)
+    check_fraction("label_smoothing", label_smoothing)
+    check_bool("inplace_backward", inplace_backward)
+    check_not_leaf_overwrite("inplace_backward", "logits", logits, inplace_backward)
+    check_same_device(logits=logits, labels=labels)
+    world = 1 if tp_group is None else dist.get_world_size(tp_group)
+    vocab_local = logits.shape[1]
+    classes = f"logits.shape[1]={vocab_local}"
+    if world > 1:
+        classes = f"V_local={vocab_local} x {world} ranks of tp_group"
+    check_labels(
+        labels, ignore_index=ignore_index, num_classes=vocab_local * world, classes=classes
+    )
+
+
 def cross_entropy(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -108,23 +153,14 @@ def cross_entropy(
     the number of non-ignored tokens. Every rank of ``tp_group`` gets the same
     value. ``inplace_backward=True`` writes the logits gradient into the logits' own
     storage (no second logits-sized buffer; the logits are garbage afterwards — use it
-    when nothing else reads them, e.g. straight out of the output layer).
+    when nothing else reads them, e.g. straight out of the output layer; refused on a leaf
+    that requires grad). ``labels``: each ``ignore_index`` or in ``[0, V_local·tp)`` (ValueError
+    on CPU; a device-side assert on other devices). Vocab shards must be equal over
+    ``tp_group`` (ValueError from the MAX all-reduce on every rank; device-side assert on GPU).
     ``backend="te"`` is Transformer Engine's ``parallel_cross_entropy``.
     """
-    check_float("logits", logits)
-    if logits.dim() != 2:
-        raise ValueError(f"logits.shape={tuple(logits.shape)} must be 2-D [N, V_local]")
-    if not isinstance(labels, torch.Tensor) or labels.dtype not in (torch.int64, torch.int32):
-        raise ValueError(
-            f"labels must be an int64/int32 tensor, got {getattr(labels, 'dtype', type(labels))}"
-        )
-    if tuple(labels.shape) != (logits.shape[0],):
-        raise ValueError(f"labels.shape={tuple(labels.shape)} must be ({logits.shape[0]},) = [N]")
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction={reduction!r}; valid: {', '.join(_REDUCTIONS)}")
-    if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
-    check_same_device(logits=logits, labels=labels)
+    _check_inputs(logits, labels, tp_group, ignore_index, label_smoothing, reduction,
+                  inplace_backward)  # fmt: skip
     chosen = resolve_backend("cross_entropy", backend, logits.device, dtype=logits.dtype)
     labels = labels.long()
     if chosen == "te":

@@ -222,19 +222,31 @@ def softmax_grad(
 
 
 def combine_shard_stats(
-    stats: torch.Tensor, tp_group
+    stats: torch.Tensor, tp_group, *, vocab_local: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Combine per-shard stats ``[N, 4]`` over ``tp_group``: (lse, label logit, Σx), each ``[N]``.
 
     Two all-reduces when the group has more than one rank (MAX, then one SUM of three columns);
-    every rank of the group must call it for the same rows.
+    every rank of the group must call it for the same rows. ``vocab_local`` (this rank's shard
+    width): the MAX also carries ``(V_local, -V_local)``, so every rank learns the widest and the
+    narrowest shard at no extra collective and all of them raise together, before the SUM, when
+    the shards differ (:func:`_check_equal_shards`).
     """
     m = stats[:, 0]
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         # MAX before SUM (every TP rank issues both in this order): the rescale below needs the
         # global max. exp(m - M) * sum exp(x - m) = sum exp(x - M).
-        global_max = m.clone()
-        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
+        n = m.shape[0]
+        extra = 0 if vocab_local is None else 2
+        reduced = m.new_empty(n + extra)
+        reduced[:n] = m
+        if extra:  # fills from Python scalars: no host-device copy
+            reduced[n] = vocab_local
+            reduced[n + 1] = -vocab_local
+        dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=tp_group)
+        if extra:
+            _check_equal_shards(reduced[n], -reduced[n + 1], vocab_local)
+        global_max = reduced[:n]
         # One SUM for all three: sum exp, the label logit (nonzero on one rank only), sum of logits.
         sums = stats[:, 1:].clone()
         sums[:, 0] *= (m - global_max).exp()
@@ -244,3 +256,20 @@ def combine_shard_stats(
         sums = stats[:, 1:]
     # lse = M + log(sum exp(x - M)).
     return m + sums[:, 0].log(), sums[:, 1], sums[:, 2]
+
+
+def _check_equal_shards(widest: torch.Tensor, narrowest: torch.Tensor, vocab_local: int) -> None:
+    """``ValueError`` (CPU, exact) or a device-side assert (elsewhere, no host sync) unless the
+    widest and the narrowest vocabulary shard of the group (0-d, all-reduced) are equal: rank r
+    owns ids ``[r*V_local, (r+1)*V_local)`` only when every shard has ``V_local`` columns."""
+    what = (
+        "vocab-parallel cross entropy needs logits.shape[1] (V_local) equal on every rank of "
+        "tp_group (pad the vocabulary to a multiple of the TP size)"
+    )
+    if widest.device.type != "cpu" or torch.compiler.is_compiling():
+        torch._assert_async(widest == narrowest, what)
+    elif widest != narrowest:
+        raise ValueError(
+            f"logits.shape[1]={vocab_local} on this rank, but the shards of tp_group have "
+            f"{int(narrowest)} to {int(widest)} columns; {what}"
+        )

@@ -40,7 +40,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from shardwork.fused_kernels._checks import acc_dtype, check_float, check_same_device
+from shardwork.fused_kernels._checks import (
+    acc_dtype,
+    check_bool,
+    check_float,
+    check_fraction,
+    check_int,
+    check_labels,
+    check_positive,
+    check_same_device,
+)
 from shardwork.fused_kernels.backend import resolve_backend
 from shardwork.fused_kernels.cpu_gemm import onednn_mm_nt, onednn_preferred
 from shardwork.fused_kernels.cross_entropy_shard import (
@@ -247,7 +256,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return dh, dw, None, None, None
 
 
-def _check_inputs(hidden, weight, labels, token_weights, reduction, label_smoothing, softcap):
+def _check_inputs(hidden, weight, labels, token_weights) -> None:
+    """Dtypes, shapes and devices of :func:`linear_cross_entropy`'s tensors."""
     check_float("hidden", hidden)
     check_float("weight", weight)
     if hidden.dim() != 2:
@@ -275,16 +285,32 @@ def _check_inputs(hidden, weight, labels, token_weights, reduction, label_smooth
                 f"token_weights.shape={tuple(token_weights.shape)} must be "
                 f"({hidden.shape[0]},) = [N]"
             )
+    check_same_device(hidden=hidden, weight=weight, labels=labels, token_weights=token_weights)
+
+
+def _check_options(reduction, ignore_index, label_smoothing, softcap, grad_in_forward) -> None:
+    """The non-tensor arguments of :func:`linear_cross_entropy`: types first, then values."""
     if reduction not in _REDUCTIONS:
         raise ValueError(
             f"reduction={reduction!r}; valid: {', '.join(_REDUCTIONS)} (per-token losses need the "
             "logits: use cross_entropy on the output layer's logits)"
         )
-    if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap={softcap} must be None or > 0")
-    check_same_device(hidden=hidden, weight=weight, labels=labels, token_weights=token_weights)
+    check_int("ignore_index", ignore_index)
+    check_fraction("label_smoothing", label_smoothing)
+    if softcap is not None:
+        check_positive("softcap", softcap)
+    check_bool("grad_in_forward", grad_in_forward)
+
+
+def _check_labels(labels, ignore_index, vocab_total, vocab_size, world) -> None:
+    """Every label is ``ignore_index`` or a real class ``[0, vocab_total)`` (exact on CPU)."""
+    if vocab_size is not None:
+        classes = f"vocab_size={vocab_size}"
+    elif world > 1:
+        classes = f"V_local={vocab_total // world} x {world} ranks of tp_group"
+    else:
+        classes = f"weight.shape[0]={vocab_total}"
+    check_labels(labels, ignore_index=ignore_index, num_classes=vocab_total, classes=classes)
 
 
 def _vocab_layout(weight, tp_group, vocab_size) -> tuple[int, int, int]:
@@ -325,10 +351,16 @@ def linear_cross_entropy(
     count of non-ignored tokens without weights; NaN if there are none, as torch does). The
     result is a 0-d float32 tensor (float64 for float64 inputs), equal on every rank of
     ``tp_group``. ``vocab_size``: real classes over the group (default ``V_local·tp``); labels
-    must be below it or ``ignore_index``. ``softcap``: logits become ``cap·tanh(z / cap)``.
+    must be below it or ``ignore_index`` (checked before any work: ValueError naming the first
+    bad label on CPU tensors, a device-side assert elsewhere). Weight shards must have equal
+    ``V_local`` on every rank (chunk boundaries, and so the collectives, depend on it; not
+    checked). ``softcap``: logits become ``cap·tanh(z / cap)``.
     """
-    _check_inputs(hidden, weight, labels, token_weights, reduction, label_smoothing, softcap)
+    _check_inputs(hidden, weight, labels, token_weights)
+    _check_options(reduction, ignore_index, label_smoothing, softcap, grad_in_forward)
     vocab_start, num_valid, vocab_total = _vocab_layout(weight, tp_group, vocab_size)
+    world = 1 if tp_group is None else dist.get_world_size(tp_group)
+    _check_labels(labels, ignore_index, vocab_total, vocab_size, world)
     impl = resolve_backend("linear_cross_entropy", backend, hidden.device, dtype=hidden.dtype)
     labels = labels.long()
     acc = acc_dtype(hidden)

@@ -19,8 +19,10 @@ import torch
 from shardwork.fused_kernels import eager_norms, te_ops
 from shardwork.fused_kernels._checks import (
     acc_dtype,
+    check_bool,
     check_float,
     check_last_dim,
+    check_positive,
     check_same_device,
 )
 from shardwork.fused_kernels.backend import resolve_backend
@@ -59,7 +61,7 @@ def layer_norm_reference(
     return y.to(x.dtype)
 
 
-def _validate(x, weight, bias, eps) -> None:
+def _validate(x, weight, bias, eps, zero_centered_gamma) -> None:
     check_float("x", x)
     check_float("weight", weight)
     if weight.dim() != 1:
@@ -71,8 +73,8 @@ def _validate(x, weight, bias, eps) -> None:
             raise ValueError(
                 f"bias.shape={tuple(bias.shape)} must equal weight.shape={tuple(weight.shape)}"
             )
-    if not eps > 0:
-        raise ValueError(f"eps={eps} must be > 0")
+    check_positive("eps", eps)
+    check_bool("zero_centered_gamma", zero_centered_gamma)
     check_same_device(x=x, weight=weight, bias=bias)
 
 
@@ -88,7 +90,7 @@ def rms_norm(
 
     ``backend``: ``"auto" | "torch" | "triton" | "te"`` or None for the process default.
     """
-    _validate(x, weight, None, eps)
+    _validate(x, weight, None, eps, zero_centered_gamma)
     chosen = resolve_backend("rms_norm", backend, x.device, dtype=x.dtype)
     if chosen == "triton":
         from shardwork.fused_kernels import triton_norms
@@ -113,7 +115,7 @@ def layer_norm(
     backend: str | None = None,
 ) -> torch.Tensor:
     """LayerNorm of ``x [..., hidden]`` with ``weight [hidden]`` and optional ``bias [hidden]``."""
-    _validate(x, weight, bias, eps)
+    _validate(x, weight, bias, eps, zero_centered_gamma)
     chosen = resolve_backend("layer_norm", backend, x.device, dtype=x.dtype)
     if chosen == "triton":
         from shardwork.fused_kernels import triton_norms

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from shardwork.fused_kernels import eager_rotary
-from shardwork.fused_kernels._checks import acc_dtype, check_float, check_same_device
+from shardwork.fused_kernels._checks import acc_dtype, check_float, check_int, check_same_device
 from shardwork.fused_kernels.backend import resolve_backend
 
 __all__ = ["apply_rotary", "apply_rotary_qkv", "apply_rotary_reference"]
@@ -121,7 +121,8 @@ def _qkv_head_dim(qkv: torch.Tensor, num_heads: int, num_kv_heads: int) -> int:
     """``d`` of a fused ``[s, b, (nq + 2·nkv)·d]`` projection, or a ValueError naming the field."""
     check_float("qkv", qkv)
     for name, count in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-        if not isinstance(count, int) or count < 1:
+        check_int(name, count)
+        if count < 1:
             raise ValueError(f"{name}={count!r} must be a positive int")
     heads = num_heads + 2 * num_kv_heads
     if qkv.dim() != 3 or qkv.shape[-1] % heads:

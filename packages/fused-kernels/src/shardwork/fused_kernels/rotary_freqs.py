@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shardwork.fused_kernels._checks import check_int, check_number
+
 __all__ = [
     "LinearRopeScaling",
     "Llama3RopeScaling",
@@ -44,6 +46,12 @@ class Llama3RopeScaling:
     """Context length the model was pretrained at."""
 
     def __post_init__(self) -> None:
+        for field in ("factor", "low_freq_factor", "high_freq_factor"):
+            check_number(f"Llama3RopeScaling.{field}", getattr(self, field))
+        check_int(
+            "Llama3RopeScaling.original_max_position_embeddings",
+            self.original_max_position_embeddings,
+        )
         if not self.factor > 0:
             raise ValueError(f"Llama3RopeScaling.factor={self.factor} must be > 0")
         if not self.high_freq_factor > self.low_freq_factor > 0:
@@ -84,6 +92,15 @@ class YarnRopeScaling:
     """Round the correction range to whole dims (HF default True)."""
 
     def __post_init__(self) -> None:
+        for field in ("factor", "beta_fast", "beta_slow"):
+            check_number(f"YarnRopeScaling.{field}", getattr(self, field))
+        for field in ("mscale", "mscale_all_dim", "attention_factor_override"):
+            if getattr(self, field) is not None:
+                check_number(f"YarnRopeScaling.{field}", getattr(self, field))
+        check_int(
+            "YarnRopeScaling.original_max_position_embeddings",
+            self.original_max_position_embeddings,
+        )
         if not self.factor > 0:
             raise ValueError(f"YarnRopeScaling.factor={self.factor} must be > 0")
         if self.original_max_position_embeddings <= 0:
@@ -123,7 +140,8 @@ class LinearRopeScaling:
     """Divisor of every frequency (new context length / original)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.factor, bool) or not self.factor > 0:
+        check_number("LinearRopeScaling.factor", self.factor)
+        if not self.factor > 0:
             raise ValueError(f"LinearRopeScaling.factor={self.factor!r} must be a number > 0")
 
 
@@ -178,10 +196,12 @@ def rotary_inv_freq(
     rotary_dim: int, *, base: float = 10000.0, scaling: RopeScaling | None = None
 ) -> torch.Tensor:
     """Inverse frequencies ``[rotary_dim // 2]`` (float32, CPU) for rotary embedding of ``rotary_dim`` features."""
+    check_int("rotary_dim", rotary_dim)
     if rotary_dim <= 0 or rotary_dim % 2 != 0:
         raise ValueError(f"rotary_dim={rotary_dim} must be a positive even number")
-    if not base > 1:
-        raise ValueError(f"base={base} must be > 1")
+    check_number("base", base)
+    if not 1 < base < math.inf:
+        raise ValueError(f"base={base} must be a finite number > 1")
     if scaling is None:
         return _base_inv_freq(rotary_dim, base)
     if isinstance(scaling, Llama3RopeScaling):

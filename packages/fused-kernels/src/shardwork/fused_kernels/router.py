@@ -29,7 +29,13 @@ from __future__ import annotations
 import torch
 
 from shardwork.fused_kernels import te_ops
-from shardwork.fused_kernels._checks import acc_dtype, check_float, check_same_device
+from shardwork.fused_kernels._checks import (
+    acc_dtype,
+    check_float,
+    check_int,
+    check_positive,
+    check_same_device,
+)
 from shardwork.fused_kernels.backend import resolve_backend
 from shardwork.fused_kernels.router_output import RouterTopK, default_normalize
 
@@ -122,7 +128,8 @@ def _validate(logits, topk, score_function, num_groups, group_topk, expert_bias,
             f"logits.shape={tuple(logits.shape)} must be 2-D [num_tokens, num_experts]"
         )
     e = logits.shape[1]
-    if not isinstance(topk, int) or not 1 <= topk <= e:
+    check_int("topk", topk)
+    if not 1 <= topk <= e:
         raise ValueError(f"topk={topk!r} must be an int in [1, num_experts={e}]")
     if score_function not in SCORE_FUNCTIONS:
         raise ValueError(f"score_function={score_function!r}; valid: {', '.join(SCORE_FUNCTIONS)}")
@@ -131,6 +138,8 @@ def _validate(logits, topk, score_function, num_groups, group_topk, expert_bias,
             f"num_groups={num_groups} and group_topk={group_topk} must be given together (or neither)"
         )
     if group_topk is not None:
+        check_int("num_groups", num_groups)
+        check_int("group_topk", group_topk)
         if num_groups <= 0 or e % num_groups:
             raise ValueError(f"num_groups={num_groups} must be > 0 and divide num_experts={e}")
         if not 1 <= group_topk <= num_groups:
@@ -150,8 +159,8 @@ def _validate(logits, topk, score_function, num_groups, group_topk, expert_bias,
         if tuple(expert_bias.shape) != (e,):
             raise ValueError(f"expert_bias.shape={tuple(expert_bias.shape)} must be ({e},)")
         check_same_device(logits=logits, expert_bias=expert_bias)
-    if scaling_factor is not None and not scaling_factor > 0:
-        raise ValueError(f"scaling_factor={scaling_factor} must be > 0 (or None)")
+    if scaling_factor is not None:
+        check_positive("scaling_factor", scaling_factor)
 
 
 def router_topk(
