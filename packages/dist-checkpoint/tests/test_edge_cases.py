@@ -1,9 +1,19 @@
 """One-process round trips of unusual leaves: dtypes, scalars, empty tensors, non-contiguous
-views, dtype casts on load, nested lists/tuples of plain values."""
+views, dtype casts on load (within a kind of dtype; across kinds refused), nested lists/tuples
+of plain values."""
 
+import re
+
+import pytest
 import torch
 
-from shardwork.dist_checkpoint import ShardedObject, ShardedTensor, load, save
+from shardwork.dist_checkpoint import (
+    CheckpointMismatchError,
+    ShardedObject,
+    ShardedTensor,
+    load,
+    save,
+)
 
 
 def test_round_trip_of_unusual_leaves(tmp_path):
@@ -83,3 +93,53 @@ def test_thread_count_writes_one_file_per_thread(tmp_path):
     template = {k: ShardedTensor.from_rank_offsets(k, torch.zeros(64, 16)) for k in tensors}
     out = load(template, tmp_path / "c")
     assert all(torch.equal(out[k], v) for k, v in tensors.items())
+
+
+def _dtype_state(dtypes: dict[str, torch.dtype], fill: float) -> dict[str, ShardedTensor]:
+    return {
+        k: ShardedTensor.from_rank_offsets(k, torch.full((3,), fill).to(dtype))
+        for k, dtype in dtypes.items()
+    }
+
+
+SAVED_DTYPES = {
+    "f32": torch.float32,
+    "i64": torch.int64,
+    "b": torch.bool,
+    "c64": torch.complex64,
+}
+
+
+@pytest.mark.parametrize(
+    ("key", "wanted", "saved_text", "wanted_text"),
+    [
+        ("f32", torch.int64, "torch.float32 (floating point)", "torch.int64 (integer)"),
+        ("f32", torch.bool, "torch.float32 (floating point)", "torch.bool (bool)"),
+        ("i64", torch.float32, "torch.int64 (integer)", "torch.float32 (floating point)"),
+        ("b", torch.uint8, "torch.bool (bool)", "torch.uint8 (integer)"),
+        ("c64", torch.float64, "torch.complex64 (complex)", "torch.float64 (floating point)"),
+    ],
+)
+def test_a_dtype_of_another_kind_is_refused_before_reading(
+    tmp_path, key, wanted, saved_text, wanted_text
+):
+    """Casting on copy would truncate (2.5 -> 2), saturate (into bool) or drop a part: refused
+    whatever ``strict``, naming the key and both dtypes, with the template untouched."""
+    save(_dtype_state(SAVED_DTYPES, 2.5), tmp_path / "c")
+    template = _dtype_state({key: wanted}, 7)
+    expected = f"{key!r}: checkpoint has dtype {saved_text}, template has dtype {wanted_text}"
+    with pytest.raises(CheckpointMismatchError, match=re.escape(expected)) as info:
+        load(template, tmp_path / "c", strict=False)
+    assert info.value.mismatched == [(key, f"dtype {saved_text}", f"dtype {wanted_text}")]
+    assert torch.equal(template[key].data, torch.full((3,), 7).to(wanted))
+
+
+def test_dtypes_of_one_kind_are_cast_on_load(tmp_path):
+    save(_dtype_state(SAVED_DTYPES, 2.5), tmp_path / "c")
+    wanted = {"f32": torch.bfloat16, "i64": torch.int32, "b": torch.bool, "c64": torch.complex128}
+    out = load(_dtype_state(wanted, 0), tmp_path / "c")
+    assert torch.equal(out["f32"], torch.full((3,), 2.5, dtype=torch.bfloat16))
+    assert torch.equal(out["i64"], torch.full((3,), 2, dtype=torch.int32))  # saved as 2
+    assert out["b"].all() and torch.equal(
+        out["c64"], torch.full((3,), 2.5 + 0j).to(torch.complex128)
+    )

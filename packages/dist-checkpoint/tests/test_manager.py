@@ -1,5 +1,7 @@
 """CheckpointManager in one process: retention, granular loads, strictness and key errors."""
 
+import re
+
 import pytest
 import torch
 
@@ -113,6 +115,38 @@ def test_key_errors_name_the_keys(tmp_path):
         manager.load(template, step=9)
     with pytest.raises(ValueError, match="include="):
         manager.load(template, include="model")
+
+
+def test_include_exclude_names_must_be_sections(tmp_path):
+    """A misspelt section would load nothing (include) or exclude nothing: refused, naming
+    the valid sections, before anything is loaded (the template keeps its NaN)."""
+    manager = CheckpointManager(tmp_path)
+    _save_steps(manager, [1])
+    template = example_state(0, 1, seed=0, fill=False)
+    valid = re.escape("valid: ['model', 'optimizer', 'rng']")
+    with pytest.raises(
+        ValueError, match=r"include=\('modle',\): 'modle' is not a top-level .*" + valid
+    ):
+        manager.load(template, include=("modle",))
+    with pytest.raises(
+        ValueError, match=r"exclude=\('rgn',\): 'rgn' is not a top-level .*" + valid
+    ):
+        manager.load(template, exclude=("rgn",))
+    with pytest.raises(
+        ValueError, match=r"exclude=\['rng', 'optimiser'\]: 'optimiser' is not a top-level"
+    ):
+        manager.load(template, exclude=["rng", "optimiser"])
+    with pytest.raises(TypeError, match=r"include=\(0,\) is not valid: 0 is a int; valid: section"):
+        manager.load(template, include=(0,))
+    assert torch.isnan(template["model"]["matrix"].data).all()
+
+    # a section the checkpoint has but this template lacks may be excluded (the trainer does so
+    # when it does not load the optimizer) and may be included (where another rank holds it)
+    model_only = {"model": example_state(0, 1, seed=0, fill=False)["model"]}
+    out = manager.load(model_only, exclude=("optimizer", "rng"))
+    assert torch.equal(out["model"]["matrix"], example_global(1)["matrix"])
+    out = manager.load({}, include=("model",), strict="missing")
+    assert out == {}
 
 
 def test_manager_argument_checks(tmp_path):

@@ -2,7 +2,8 @@
 raises `CheckpointCorruptError` naming the checkpoint, the file and the found vs recorded
 CRC-32 (computed here with zlib from the file as it is on disk), at world 1 and on every rank
 of a 2-rank load; format-version-1 checkpoints (no version field, no marker CRC) still load
-and are still verified."""
+and are still verified, while a version-2 marker damaged so that it lacks its CRC (or has keys
+no marker has) is refused by `verify` and `load` alike."""
 
 import json
 import zlib
@@ -13,7 +14,14 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from shardwork.dist_checkpoint import CheckpointCorruptError, load, read_info, save
+from shardwork.dist_checkpoint import (
+    CheckpointCorruptError,
+    UnsupportedFormatError,
+    load,
+    read_info,
+    save,
+    verify,
+)
 from shardwork.dist_checkpoint.testing import example_global, example_state
 
 pytest.importorskip("shardwork.parallel_state")
@@ -169,6 +177,91 @@ def test_unknown_format_version_is_refused(ckpt):
     (ckpt / "COMMITTED").write_text(json.dumps(marker))
     with pytest.raises(ValueError, match=r"format_version=99 .* valid: \[1, 2\]"):
         load(example_state(0, 1, seed=0, fill=False), ckpt)
+
+
+def _flip_world_size(ckpt: Path) -> None:
+    """One bit of shardwork.json: ``"world_size": 1`` becomes 3 (still valid JSON)."""
+    raw = bytearray((ckpt / "shardwork.json").read_bytes())
+    at = bytes(raw).index(b'"world_size": 1') + len(b'"world_size": ')
+    raw[at] ^= 0x02
+    (ckpt / "shardwork.json").write_bytes(bytes(raw))
+    assert json.loads(raw)["world_size"] == 3
+
+
+def _rename_crc_key_one_bit(ckpt: Path) -> None:
+    raw = bytearray((ckpt / "COMMITTED").read_bytes())
+    raw[bytes(raw).index(b"info_crc32") + 9] ^= 0x01  # info_crc32 -> info_crc33
+    (ckpt / "COMMITTED").write_bytes(bytes(raw))
+
+
+def _edit_marker(ckpt: Path, edit) -> None:
+    marker = json.loads((ckpt / "COMMITTED").read_text())
+    edit(marker)
+    (ckpt / "COMMITTED").write_text(json.dumps(marker))
+
+
+MARKER_DAMAGE = {
+    # the auditor's case: with the CRC key gone, shardwork.json was no longer checked
+    "crc key renamed by one bit": (
+        _rename_crc_key_one_bit,
+        "COMMITTED has unknown keys ['info_crc33']; valid keys: ['committed', 'info_crc32', 'time']",
+    ),
+    "crc key deleted": (
+        lambda ckpt: _edit_marker(ckpt, lambda m: m.pop("info_crc32")),
+        "COMMITTED has no 'info_crc32' (keys: ['committed', 'time']), which every marker of "
+        "format_version >= 2 records; shardwork.json says format_version=2",
+    ),
+    "unknown key added": (
+        lambda ckpt: _edit_marker(ckpt, lambda m: m.update(extra=1)),
+        "COMMITTED has unknown keys ['extra']",
+    ),
+    "time deleted": (
+        lambda ckpt: _edit_marker(ckpt, lambda m: m.pop("time")),
+        "COMMITTED lacks ['time']",
+    ),
+    "committed false": (
+        lambda ckpt: _edit_marker(ckpt, lambda m: m.update(committed=False)),
+        "COMMITTED has committed=False; valid: true",
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", list(MARKER_DAMAGE))
+def test_a_damaged_commit_marker_is_refused_by_verify_and_load(ckpt, damage):
+    """A marker that lacks ``info_crc32`` must not pass as format version 1 (which would
+    leave shardwork.json unchecked: its world_size is then flipped 1 -> 3 too; with the CRC
+    still there, that flip would be found by it, so it is made only without)."""
+    verify(ckpt)  # pristine: verifies and loads
+    _assert_intact_load(ckpt)
+    edit, expected = MARKER_DAMAGE[damage]
+    edit(ckpt)
+    if b'"info_crc32"' not in (ckpt / "COMMITTED").read_bytes():
+        _flip_world_size(ckpt)
+    for action in (lambda: verify(ckpt), lambda: load(example_state(0, 1, seed=0), ckpt)):
+        with pytest.raises(CheckpointCorruptError) as info:
+            action()
+        assert f"checkpoint {str(ckpt)!r} is corrupt: " in str(info.value)
+        assert expected in str(info.value)
+        assert info.value.checkpoint == str(ckpt) and info.value.files == ("COMMITTED",)
+
+
+def test_version_1_marker_with_an_unknown_key_is_refused(ckpt):
+    _as_version_1(ckpt)
+    _edit_marker(ckpt, lambda m: m.update(info_crc33=0))
+    with pytest.raises(
+        CheckpointCorruptError, match=r"COMMITTED has unknown keys \['info_crc33'\]"
+    ):
+        verify(ckpt)
+
+
+def test_a_newer_format_with_new_marker_keys_is_unsupported_not_corrupt(ckpt):
+    """A newer writer's marker may hold keys this version does not know: said as such."""
+    info = json.loads((ckpt / "shardwork.json").read_text())
+    info["format_version"] = 3
+    (ckpt / "shardwork.json").write_text(json.dumps(info))
+    (ckpt / "COMMITTED").write_text(json.dumps({"committed": True, "time": 0.0, "info_sha": 1}))
+    with pytest.raises(UnsupportedFormatError, match=r"format_version=3 .* valid: \[1, 2\]"):
+        verify(ckpt)
 
 
 def _load_where_only_rank_1_reads(path: str):

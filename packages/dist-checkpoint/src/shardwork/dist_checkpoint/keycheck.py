@@ -1,9 +1,10 @@
 """Comparing a load's template with what a checkpoint holds, before any data is read.
 
 `find_keys` lists this rank's findings: *missing* (in the template, not saved), *mismatched*
-(saved with another global shape or kind, as ``(key, checkpoint has, template has)``) and
-the keys the template wants. `load` all-gathers them, so every rank judges the union and
-raises the same `CheckpointMismatchError`.
+(saved with another global shape, as another kind of leaf, or with a dtype of another kind,
+see `dtype_kind`; as ``(key, checkpoint has, template has)``) and the keys the template wants.
+`load` all-gathers them, so every rank judges the union and raises the same
+`CheckpointMismatchError`.
 
 The error's message is a summary a person can act on: the count of each finding and the
 first few of each (a model of another width differs in dozens of keys; listing all of them
@@ -26,7 +27,7 @@ from torch.distributed.checkpoint.metadata import (
 from shardwork.dist_checkpoint.plan import LocalState
 from shardwork.dist_checkpoint.tree import path_str
 
-__all__ = ["CheckpointMismatchError", "KeyFindings", "find_keys"]
+__all__ = ["CheckpointMismatchError", "KeyFindings", "dtype_kind", "find_keys"]
 
 #: findings of each kind shown in a message; the rest are counted
 SHOWN = 3
@@ -79,7 +80,8 @@ class CheckpointMismatchError(ValueError):
 
 
 _ADVICE = (
-    "valid: a template with the saved keys and global shapes, or strict='missing' / "
+    "valid: a template with the saved keys, global shapes and kinds of dtype (a load casts "
+    "float32 to bfloat16, never floating point to integer or bool), or strict='missing' / "
     "strict=False / key_filter to load a subset"
 )
 
@@ -89,6 +91,19 @@ def _first(kind: str, keys: list[str]) -> list[str]:
         return []
     more = f" and {len(keys) - SHOWN} more" if len(keys) > SHOWN else ""
     return [f"  {kind}: " + ", ".join(repr(k) for k in keys[:SHOWN]) + more]
+
+
+def dtype_kind(dtype: torch.dtype) -> str:
+    """``"bool"``, ``"integer"``, ``"floating point"`` or ``"complex"``: a load casts between
+    dtypes of one kind (float32 into bfloat16), never across kinds, where the copy would
+    truncate (float into int), saturate (into bool) or drop a part (complex into real)."""
+    if dtype == torch.bool:
+        return "bool"
+    if dtype.is_complex:
+        return "complex"
+    if dtype.is_floating_point:
+        return "floating point"
+    return "integer"
 
 
 @dataclass
@@ -118,6 +133,15 @@ def find_keys(local: LocalState, saved: dict[str, Any], info: dict[str, Any]) ->
         elif tuple(meta.size) != st.global_shape:
             found.mismatched.append(
                 (st.key, f"global shape {tuple(meta.size)}", f"global shape {st.global_shape}")
+            )
+        elif dtype_kind(meta.properties.dtype) != dtype_kind(st.data.dtype):
+            saved_dtype, wanted_dtype = meta.properties.dtype, st.data.dtype
+            found.mismatched.append(
+                (
+                    st.key,
+                    f"dtype {saved_dtype} ({dtype_kind(saved_dtype)})",
+                    f"dtype {wanted_dtype} ({dtype_kind(wanted_dtype)})",
+                )
             )
         else:
             for piece in pieces:

@@ -7,7 +7,8 @@
 - Key checks (`keycheck`) run before any data is read, and every rank's findings are
   all-gathered so all ranks raise the same `CheckpointMismatchError`: *missing* (in the
   template, not in the checkpoint), *unexpected* (in the checkpoint, in no rank's template),
-  *mismatch* (global shape or kind differs). ``strict=True`` raises on missing and
+  *mismatch* (global shape, kind of leaf, or kind of dtype differs: a float checkpoint
+  tensor is not loaded into an integer or bool template tensor, see `keycheck.dtype_kind`). ``strict=True`` raises on missing and
   unexpected, ``strict="missing"`` only on missing, ``strict=False`` on neither (missing
   entries keep the template's values). Mismatches always raise.
 - ``key_filter(path, key)`` restricts the load to some leaves (granular loads); the others are
@@ -223,7 +224,9 @@ def load(
 
     Args:
         template: sharded state dict describing what this rank wants; its `ShardedTensor`
-            data are filled in place (any device, dtype cast on copy).
+            data are filled in place (any device; dtype cast on copy between dtypes of
+            one kind, e.g. float32 into bfloat16, while a saved dtype of another kind, e.g.
+            float32 into int64, raises `CheckpointMismatchError`).
         path: a committed checkpoint directory.
         group: ranks that load together (None: world, or one process).
         strict: True, ``"missing"`` or False (see the module docstring).

@@ -24,7 +24,7 @@ import datetime
 import os
 import re
 import shutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,70 @@ def _check_timeout(value: Any) -> None:
         raise ValueError(
             f"async_timeout={value!r} is not valid; valid: None or a positive datetime.timedelta"
         )
+
+
+def _section_names(name: str, value: Any) -> tuple[str, ...]:
+    """``include`` / ``exclude`` as a tuple of section names (ValueError for a bare str or a
+    non-iterable, TypeError naming an element that is not a str: sections are str)."""
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        raise ValueError(f"{name}={value!r} is not valid; valid: a sequence of names")
+    names = tuple(value)
+    for item in names:
+        if not isinstance(item, str):
+            raise TypeError(
+                f"{name}={value!r} is not valid: {item!r} is a {type(item).__name__}; valid: "
+                f"section names (str), the top-level keys of the state dict"
+            )
+    return names
+
+
+def _template_sections(template: Any) -> set[str]:
+    """The sections (`tree.section_of`) the template's leaves can be in: its top-level keys
+    (indices of a list/tuple), also those whose subtree is empty on this rank."""
+    if isinstance(template, dict):
+        return {str(key) for key in template}
+    if isinstance(template, (list, tuple)):
+        return {str(index) for index in range(len(template))}
+    return {""}
+
+
+def _recorded_paths(path: Path) -> list[str] | None:
+    """Every leaf path ``shardwork.json`` records (None if it cannot be read: `load` then
+    reports why, on every rank)."""
+    try:
+        info = md.read_info(path)
+        paths = [p for entry in info.get("keys", {}).values() for p in entry["paths"]]
+        return paths + list(info.get("plain_paths", []))
+    # Unreadable, corrupt, or not shardwork's layout (IncompleteCheckpointError is a ValueError).
+    except (md.CheckpointCorruptError, OSError, ValueError, TypeError, AttributeError, KeyError):
+        return None
+
+
+def _check_sections_exist(
+    template: Any, path: Path, given: dict[str, tuple[Any, Sequence[str]]]
+) -> None:
+    """ValueError naming an ``include`` / ``exclude`` name that is a section of neither the
+    template nor the checkpoint, with the valid names (the checkpoint's are read only when
+    the template lacks a name). ``given``: argument name -> (value as passed, its names)."""
+    in_template = _template_sections(template)
+    unknown = [
+        (arg, name)
+        for arg, (_, names) in given.items()
+        for name in names
+        if name not in in_template
+    ]
+    if not unknown:
+        return
+    recorded = _recorded_paths(path)
+    if recorded is None:
+        return
+    for arg, name in unknown:
+        if not any(p == name or p.startswith(name + "/") for p in recorded):
+            valid = sorted(in_template | {p.split("/")[0] for p in recorded})
+            raise ValueError(
+                f"{arg}={given[arg][0]!r}: {name!r} is not a top-level section of the template "
+                f"or of checkpoint {str(path)!r}; valid: {valid}"
+            )
 
 
 class CheckpointManager:
@@ -290,18 +354,23 @@ class CheckpointManager:
         ``include`` / ``exclude`` select top-level sections of the state dict (model only:
         ``include=("model",)``; no optimizer: ``exclude=("optimizer",)``; no RNG:
         ``exclude=("rng",)``); ``key_filter(path, key)`` narrows further. Leaves not selected
-        are returned as in the template. ``verify_files`` checks checksums first (on the
-        first rank) and raises `CheckpointCorruptError` naming a bad file.
+        are returned as in the template. Each name must be a top-level section of the template
+        or of the checkpoint (``shardwork.json`` is read for a name the template lacks): a
+        misspelt name raises ValueError listing the valid ones before anything is loaded
+        (it would silently select nothing, or exclude nothing). ``verify_files`` checks
+        checksums first (on the first rank) and raises `CheckpointCorruptError` naming a bad
+        file.
         """
-        for name, value in (("include", include), ("exclude", exclude)):
-            if isinstance(value, str):
-                raise ValueError(f"{name}={value!r} is not valid; valid: a sequence of names")
+        include_names = None if include is None else _section_names("include", include)
+        exclude_names = _section_names("exclude", exclude)
         step = self._resolve_step(step)
         path = self.step_path(step)
+        given = {"include": (include, include_names or ()), "exclude": (exclude, exclude_names)}
+        _check_sections_exist(template, path, given)
         if verify_files:
             self.verify(step)
-        include_set = set(include) if include is not None else None
-        exclude_set = set(exclude)
+        include_set = set(include_names) if include_names is not None else None
+        exclude_set = set(exclude_names)
 
         def keep(p: TreePath, key: str) -> bool:
             section = section_of(p)

@@ -11,6 +11,10 @@ A checkpoint directory holds DCP's files (``__<rank>_<n>.distcp`` data, ``.metad
   any point before it leaves an incomplete directory that readers ignore. From format version
   2 it records the CRC-32 of ``shardwork.json`` (``info_crc32``), which `read_info` checks, so
   every file of a checkpoint except the marker itself is covered by a recorded checksum.
+  The marker itself is checked for shape: ``committed`` and ``time``, ``info_crc32`` where
+  ``shardwork.json`` says version 2, and no other key; a marker damaged so that it lacks
+  ``info_crc32`` (a flipped bit in the key's name) is refused, not read as version 1, since
+  that would turn the check of ``shardwork.json`` off.
 
 Format versions: 1 (no ``info_crc32``; also assumed when ``format_version`` is absent) and 2.
 Both record CRC-32 per file; `checksum_kind` maps a version to the checksum it used, so a
@@ -90,7 +94,7 @@ def checksum_kind(info: dict[str, Any]) -> str:
     by a newer shardwork-dist-checkpoint) raises `UnsupportedFormatError` naming it.
     """
     version = info.get("format_version", 1)
-    if version not in _CHECKSUMS:
+    if isinstance(version, bool) or not isinstance(version, int) or version not in _CHECKSUMS:
         raise UnsupportedFormatError(
             f"format_version={version!r} of this checkpoint is not known to "
             f"shardwork-dist-checkpoint {shardwork_version()}; valid: {sorted(_CHECKSUMS)} "
@@ -167,8 +171,10 @@ def read_info(path: str | os.PathLike, *, require_commit: bool = True) -> dict[s
 
     Raises `IncompleteCheckpointError` if the directory has no commit marker (unless
     ``require_commit=False``) or no metadata file, and `CheckpointCorruptError` if the marker
-    is unreadable or ``shardwork.json`` does not match the CRC-32 the marker recorded (format
-    version 2; a version-1 marker records none).
+    is unreadable or holds other keys than a marker of format version 1 or 2, if
+    ``shardwork.json`` does not match the CRC-32 the marker recorded, or if the marker records
+    no CRC-32 although ``shardwork.json`` says format version 2 (which always records one: a
+    damaged marker must not turn the check off). A version-1 marker records none.
     """
     path = Path(path)
     if not path.is_dir():
@@ -182,7 +188,8 @@ def read_info(path: str | os.PathLike, *, require_commit: bool = True) -> dict[s
     if not info_path.is_file():
         raise IncompleteCheckpointError(f"{str(path)!r} has no {INFO_FILE}")
     raw = info_path.read_bytes()
-    expected = _recorded_info_crc(path)
+    marker = _read_marker(path)
+    expected = None if marker is None else marker.get(_MARKER_CRC_KEY)
     if expected is not None and crc32(raw) != expected:
         raise CheckpointCorruptError(
             f"checkpoint {str(path)!r} is corrupt: {INFO_FILE}: checksum mismatch (crc32 "
@@ -191,29 +198,86 @@ def read_info(path: str | os.PathLike, *, require_commit: bool = True) -> dict[s
             files=(INFO_FILE,),
         )
     try:
-        return json.loads(raw)
+        info = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointCorruptError(
             f"checkpoint {str(path)!r} is corrupt: {INFO_FILE} is not valid JSON: {exc}",
             checkpoint=str(path),
             files=(INFO_FILE,),
         ) from exc
+    if not isinstance(info, dict):
+        raise CheckpointCorruptError(
+            f"checkpoint {str(path)!r} is corrupt: {INFO_FILE} holds a JSON "
+            f"{type(info).__name__}, not an object",
+            checkpoint=str(path),
+            files=(INFO_FILE,),
+        )
+    if marker is not None:
+        _check_marker_fits(path, marker, info)
+    return info
 
 
-def _recorded_info_crc(path: Path) -> int | None:
-    """The ``info_crc32`` the commit marker records (None: no marker, or a version-1 one)."""
+#: The keys of a commit marker: every version writes these ...
+_MARKER_REQUIRED = ("committed", "time")
+#: ... and from this format version on also the CRC-32 of ``shardwork.json``.
+_MARKER_CRC_KEY = "info_crc32"
+_INFO_CRC_SINCE = 2
+
+
+def _marker_error(path: Path, problem: str) -> CheckpointCorruptError:
+    return CheckpointCorruptError(
+        f"checkpoint {str(path)!r} is corrupt: {COMMIT_MARKER} {problem}",
+        checkpoint=str(path),
+        files=(COMMIT_MARKER,),
+    )
+
+
+def _read_marker(path: Path) -> dict[str, Any] | None:
+    """The commit marker's record (None: no marker), checked for shape: a JSON object with
+    ``committed`` (true) and ``time`` (a number), optionally ``info_crc32`` (an unsigned
+    32-bit int), nothing else. Whether ``info_crc32`` must be there depends on the format
+    version of ``shardwork.json`` (`_check_marker_fits`)."""
     marker = path / COMMIT_MARKER
     if not marker.is_file():
         return None
     try:
         record = json.loads(marker.read_bytes())
-        crc = record.get("info_crc32")
-        if crc is not None and not isinstance(crc, int):
-            raise TypeError(f"info_crc32={crc!r} is not an int")
-        return crc
-    except (ValueError, TypeError, AttributeError) as exc:  # JSON, decoding, shape
-        raise CheckpointCorruptError(
-            f"checkpoint {str(path)!r} is corrupt: {COMMIT_MARKER} is not readable: {exc}",
-            checkpoint=str(path),
-            files=(COMMIT_MARKER,),
-        ) from exc
+    except ValueError as exc:  # JSON and UTF-8 decoding errors
+        raise _marker_error(path, f"is not readable: {exc}") from exc
+    if not isinstance(record, dict):
+        raise _marker_error(path, f"holds a JSON {type(record).__name__}, not an object")
+    missing = [key for key in _MARKER_REQUIRED if key not in record]
+    if missing:
+        raise _marker_error(path, f"lacks {missing} (keys: {sorted(record)})")
+    if record["committed"] is not True:
+        raise _marker_error(path, f"has committed={record['committed']!r}; valid: true")
+    if isinstance(record["time"], bool) or not isinstance(record["time"], (int, float)):
+        raise _marker_error(path, f"has time={record['time']!r}; valid: a number")
+    crc = record.get(_MARKER_CRC_KEY)
+    if _MARKER_CRC_KEY in record and (
+        isinstance(crc, bool) or not isinstance(crc, int) or not 0 <= crc < 2**32
+    ):
+        raise _marker_error(path, f"has {_MARKER_CRC_KEY}={crc!r}; valid: an int in [0, 2**32)")
+    return record
+
+
+def _check_marker_fits(path: Path, marker: dict[str, Any], info: dict[str, Any]) -> None:
+    """Refuse a marker with unknown keys, or without ``info_crc32`` where the format version
+    of ``shardwork.json`` says its writer recorded one (only then was the CRC-32 checked).
+    A format version this package does not know raises `UnsupportedFormatError` first."""
+    known = {*_MARKER_REQUIRED, _MARKER_CRC_KEY}
+    unknown = sorted(set(marker) - known)
+    if unknown:
+        checksum_kind(info)  # a newer writer's marker: say so first
+        raise _marker_error(path, f"has unknown keys {unknown}; valid keys: {sorted(known)}")
+    if _MARKER_CRC_KEY in marker:
+        return
+    checksum_kind(info)
+    version = info.get("format_version", 1)
+    if version >= _INFO_CRC_SINCE:
+        raise _marker_error(
+            path,
+            f"has no {_MARKER_CRC_KEY!r} (keys: {sorted(marker)}), which every marker of "
+            f"format_version >= {_INFO_CRC_SINCE} records; {INFO_FILE} says "
+            f"format_version={version!r}, so its CRC-32 cannot be checked",
+        )

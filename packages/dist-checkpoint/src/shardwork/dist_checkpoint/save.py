@@ -2,7 +2,9 @@
 
 Phases (each timed, see `SaveResult.timings`):
 
-1. **plan** (training thread, ``group``): sort the leaves, gather a small description of
+1. **plan** (training thread, ``group``): sort the leaves (a sync save pickles its objects and
+   plain values now, so a value that does not pickle is refused on every rank with its path
+   before anything is touched; the bytes are what is written), gather a small description of
    every rank's pieces on the first rank, which validates globally and chooses one writer per
    distinct rectangle for all ranks at once (`plan.build_rank_plans`), then scatters to each
    rank only its writes, or the error that every rank then raises before anything is touched;
@@ -28,6 +30,7 @@ anything, so two saves never overlap silently.
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import threading
@@ -70,6 +73,7 @@ from shardwork.dist_checkpoint.inflight import (
 from shardwork.dist_checkpoint.layout import describe_layout, group_ranks
 from shardwork.dist_checkpoint.plan import (
     COMMON_KEY,
+    LocalState,
     RankAssignment,
     build_rank_plans,
     collect_local,
@@ -174,8 +178,11 @@ def _clear_target(path: Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
 
 
-def _write_items(local: Any, plan: RankAssignment, rank: int) -> tuple[list, dict]:
-    """This rank's DCP write items and the data behind each."""
+def _write_items(
+    local: Any, plan: RankAssignment, rank: int, pickled: dict[str, bytes]
+) -> tuple[list, dict]:
+    """This rank's DCP write items and the data behind each (for a byte item, its bytes from
+    ``pickled`` when there: `_pickle_byte_items`)."""
     items: list[WriteItem] = []
     data: dict[tuple[str, Any], Any] = {}
     wanted = set(plan.mine_tensors)
@@ -215,13 +222,68 @@ def _write_items(local: Any, plan: RankAssignment, rank: int) -> tuple[list, dic
         if obj.unique_key in plan.mine_objects:
             plan.mine_objects.discard(obj.unique_key)
             items.append(WriteItem(index=MetadataIndex(obj.unique_key), type=WriteItemType.BYTE_IO))
-            data[(obj.unique_key, None)] = obj.data
+            data[(obj.unique_key, None)] = pickled.get(obj.unique_key, obj.data)
     # Plain values are taken from the first rank only.
     if rank == 0:
         common = {path_str(path): value for path, value in local.plain}
         items.append(WriteItem(index=MetadataIndex(COMMON_KEY), type=WriteItemType.BYTE_IO))
-        data[(COMMON_KEY, None)] = common
+        data[(COMMON_KEY, None)] = pickled.get(COMMON_KEY, common)
     return items, data
+
+
+def _pickled(value: Any) -> bytes:
+    """``value`` as the writer stores a byte item (`planners.PlannedSavePlanner`)."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _short_repr(value: Any) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # a broken __repr__ must not hide the pickling error
+        text = f"<{type(value).__name__} object>"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _unpicklable(what: str, value: Any, exc: BaseException) -> str:
+    return (
+        f"{what}={_short_repr(value)} cannot be pickled ({type(exc).__name__}: {exc}); valid: "
+        f"a picklable value (plain values and ShardedObject data are pickled into the checkpoint)"
+    )
+
+
+def _pickle_byte_items(local: LocalState, rank: int) -> tuple[dict[str, bytes], str | None]:
+    """Pickle, before anything is planned or touched, what a sync save writes as byte items:
+    this rank's primary objects and, on the first rank, the plain values (taken from it only).
+
+    Returns the bytes by DCP key, handed to the write so that each is pickled once, or the
+    error text naming the first value that does not pickle and its path in the state (the
+    first rank refuses the save on every rank with it: `_plan_on_first_rank`).
+    """
+    pickled: dict[str, bytes] = {}
+    for path, obj in local.objects:
+        if obj.replica_id != 0:  # only the primary is written
+            continue
+        try:
+            pickled[obj.unique_key] = _pickled(obj.data)
+        except Exception as exc:
+            return {}, _unpicklable(
+                f"state[{path_str(path)!r}] (ShardedObject {obj.key!r}).data", obj.data, exc
+            )
+    if rank != 0:
+        return pickled, None
+    try:
+        pickled[COMMON_KEY] = _pickled({path_str(path): value for path, value in local.plain})
+    except Exception as whole:
+        for path, value in local.plain:  # which value: the first that fails on its own
+            try:
+                _pickled(value)
+            except Exception as exc:
+                return {}, _unpicklable(f"state[{path_str(path)!r}]", value, exc)
+        problem = f"{type(whole).__name__}: {whole}"
+        return {}, f"the plain values of the state cannot be pickled together ({problem})"
+    return pickled, None
 
 
 def _run_write(job: _Job) -> None:
@@ -294,6 +356,21 @@ def _finalize(job: _Job, agree_g: GroupInfo) -> SaveResult:
     return SaveResult(job.path, dict(job.timings), job.plan.nbytes, [m["bytes"] for m in everyone])
 
 
+def _user_error(
+    summaries: list[dict[str, Any]], path: Path, overwrite: bool
+) -> tuple[str, str] | None:
+    """The first rank's verdict on a mistake found before planning: a value that does not
+    pickle on some rank (``"unpicklable"``, raised as TypeError), or a target that must not
+    be written (``"invalid"``, ValueError); None if neither."""
+    for rank, summary in enumerate(summaries):
+        problem = summary.get("unpicklable")
+        if problem is not None:
+            where = f" (on rank {rank})" if len(summaries) > 1 else ""
+            return "unpicklable", f"save to {str(path)!r}: {problem}{where}; nothing was written"
+    error = _inspect_target(path, overwrite)
+    return None if error is None else ("invalid", error)
+
+
 def _plan_on_first_rank(
     summary: dict[str, Any], path: Path, overwrite: bool, g: GroupInfo
 ) -> tuple[RankAssignment, dict[str, Any]]:
@@ -301,7 +378,7 @@ def _plan_on_first_rank(
 
     The first rank checks the target directory and the summaries; its verdict (each rank's
     `RankAssignment`, or an error text) is scattered, so every rank raises the same ValueError
-    before anything is touched (an unexpected failure there: `CheckpointSaveError` on the
+    (TypeError for a value a sync save cannot pickle) before anything is touched (an unexpected failure there: `CheckpointSaveError` on the
     others, the original exception on the first rank). Returns this rank's writes and, on the first rank only, the
     plan's part of ``shardwork.json`` (catalogue, plain paths, bytes per rank; {} elsewhere).
     """
@@ -310,13 +387,13 @@ def _plan_on_first_rank(
     record: dict[str, Any] = {}
     crash: Exception | None = None
     if summaries is not None:
-        error = None
+        error: tuple[str, str] | None = None
         try:
-            error = _inspect_target(path, overwrite)
+            error = _user_error(summaries, path, overwrite)
             if error is None:
                 plan, shares = build_rank_plans(summaries)
         except ValueError as exc:
-            error = str(exc)
+            error = ("invalid", str(exc))
         except Exception as exc:
             # Not a user error, but the others must not wait in the scatter for a plan.
             crash = exc
@@ -324,7 +401,7 @@ def _plan_on_first_rank(
             text = f"planning on the first rank failed: {type(crash).__name__}: {crash}"
             outgoing = [("failed", text)] * g.size
         elif error is not None:
-            outgoing = [("invalid", error)] * g.size
+            outgoing = [error] * g.size
         else:
             outgoing = [("ok", share) for share in shares]
             record = {
@@ -338,6 +415,8 @@ def _plan_on_first_rank(
         raise crash
     if verdict == "invalid":
         raise ValueError(mine)
+    if verdict == "unpicklable":
+        raise TypeError(mine)
     if verdict == "failed":
         raise CheckpointSaveError(f"save to {str(path)!r}: {mine}; nothing was written")
     return mine, record
@@ -483,6 +562,14 @@ def save(
 
     Returns:
         `SaveResult` once committed (sync), or an `AsyncSave` handle (async).
+
+    Raises:
+        ValueError: an invalid argument, target directory or layout of shards (every rank,
+            before anything is written).
+        TypeError: (sync) a plain value or `ShardedObject` data that cannot be pickled,
+            named by its path in ``state`` (every rank, before anything is written; an async
+            save finds it while staging: see `_stage_on_every_rank`).
+        CheckpointSaveError: the write or the commit failed on some rank.
     """
     if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
         raise ValueError(f"thread_count={thread_count!r} is not valid; valid: an int >= 1")
@@ -506,12 +593,16 @@ def save(
     timings: dict[str, float] = {"stage": 0.0}
 
     local = collect_local(state)
-    share, record = _plan_on_first_rank(summarize(local), path, overwrite, g)
+    summary = summarize(local)
+    pickled: dict[str, bytes] = {}
+    if not async_save:  # (an async save pickles while staging, before its write starts)
+        pickled, summary["unpicklable"] = _pickle_byte_items(local, g.rank)
+    share, record = _plan_on_first_rank(summary, path, overwrite, g)
     if g.rank == 0:
         _clear_target(path)
     # No rank may write into the directory before the first rank has cleared it.
     barrier(g)
-    items, data = _write_items(local, share, g.rank)
+    items, data = _write_items(local, share, g.rank, pickled)
     timings["plan"] = time.perf_counter() - blocking_start
 
     info = {
