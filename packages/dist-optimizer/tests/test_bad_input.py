@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from shardwork.dist_optimizer import (
+    AdamW,
     ChainedOptimizer,
+    ConstantLossScaler,
     DDPConfig,
     DistributedDataParallel,
     DistributedOptimizer,
@@ -256,3 +260,274 @@ def test_state_numel_counts_adam_moments(sharded):
     ddp(torch.randn(3, 4)).square().sum().backward()
     opt.step()
     assert opt.state_numel() == 2 * sum(p.numel() for p in model.parameters())
+
+
+# ---------------------------------------------------------------- argument types and values
+DDP_BOOL_FIELDS = (
+    "overlap_grad_reduce",
+    "use_distributed_optimizer",
+    "average_in_collective",
+    "average_gradients",
+    "grad_reduce_in_fp32",
+)
+
+
+@pytest.mark.parametrize("field", DDP_BOOL_FIELDS)
+def test_ddp_config_bools_must_be_bools(field):
+    """A string such as "False" is truthy: it used to act as True (silently wrong)."""
+    with pytest.raises(TypeError, match=re.escape(f"DDPConfig.{field}='False'; valid: True or")):
+        DDPConfig(**{field: "False"})
+    with pytest.raises(TypeError, match=re.escape(f"DDPConfig.{field}=1;")):
+        DDPConfig(**{field: 1})
+    for value in (True, False):
+        assert getattr(DDPConfig(**{field: value}), field) is value
+
+
+def test_average_gradients_false_sums():
+    """The audit's case with a real bool: grad_divisor=4 divides only when averaging."""
+    for average, want in ((False, 1.0), (True, 0.25)):
+        model = nn.Linear(2, 1)
+        ddp = DistributedDataParallel(
+            model, config=DDPConfig(average_gradients=average), grad_divisor=4
+        )
+        ddp(torch.ones(1, 2)).sum().backward()
+        ddp.finish_grad_sync()
+        assert model.bias.main_grad.item() == want
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "text"),
+    [
+        ({"bucket_size": 1.5}, TypeError, "DDPConfig.bucket_size=1.5; valid: an int >= 1 or None"),
+        ({"bucket_size": "big"}, TypeError, "DDPConfig.bucket_size='big'; valid: an int"),
+        ({"bucket_size": True}, TypeError, "DDPConfig.bucket_size=True;"),
+        ({"bucket_size": 0}, ValueError, "DDPConfig.bucket_size=0; valid: an int >= 1 or None"),
+        ({"pad_multiple": 2.0}, TypeError, "DDPConfig.pad_multiple=2.0; valid: an int >= 1"),
+        ({"pad_multiple": 0}, ValueError, "DDPConfig.pad_multiple=0; valid: an int >= 1"),
+    ],
+)
+def test_ddp_config_ints_must_be_ints(kwargs, error, text):
+    with pytest.raises(error, match=re.escape(text)):
+        DDPConfig(**kwargs)
+
+
+def test_ddp_config_int_boundaries_are_accepted():
+    assert DDPConfig(bucket_size=1, pad_multiple=1).bucket_size == 1
+    assert DDPConfig(bucket_size=None).bucket_size is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "text"),
+    [
+        ({"module": None}, TypeError, "module=None is a NoneType; valid: the nn.Module to wrap"),
+        (
+            {"config": {"bucket_size": 10}},
+            TypeError,
+            "config={'bucket_size': 10} is a dict; valid: a DDPConfig",
+        ),
+        (
+            {"process_groups": ParallelConfig()},
+            TypeError,
+            "process_groups=ParallelConfig(tp=1",
+        ),
+        ({"grad_divisor": 2.5}, TypeError, "grad_divisor=2.5; valid: an int >= 1 or None"),
+        ({"grad_divisor": True}, TypeError, "grad_divisor=True;"),
+        ({"grad_divisor": 0}, ValueError, "grad_divisor=0; valid: an int >= 1 or None"),
+    ],
+)
+def test_ddp_arguments_are_type_checked(kwargs, error, text):
+    """Each used to fail later with an AttributeError naming no argument (or be accepted)."""
+    kwargs = {"module": mlp(), **kwargs}
+    with pytest.raises(error, match=re.escape(f"DistributedDataParallel: {text}")):
+        DistributedDataParallel(kwargs.pop("module"), **kwargs)
+
+
+def test_ddp_valid_arguments_are_accepted():
+    ddp = DistributedDataParallel(
+        mlp(), config=None, process_groups=ProcessGroups.single(), grad_divisor=1
+    )
+    assert ddp.grad_divisor == 1 and ddp.config == DDPConfig()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "text"),
+    [
+        ({"clip_grad": "1.0"}, TypeError, "OptimizerConfig.clip_grad='1.0'; valid: a real number"),
+        ({"clip_grad": float("nan")}, ValueError, "OptimizerConfig.clip_grad=nan; valid:"),
+        ({"skip_nonfinite": "False"}, TypeError, "OptimizerConfig.skip_nonfinite='False'"),
+        ({"overlap_param_gather": 1}, TypeError, "OptimizerConfig.overlap_param_gather=1"),
+        ({"count_zeros": None}, TypeError, "OptimizerConfig.count_zeros=None"),
+    ],
+)
+def test_optimizer_config_fields_are_checked(kwargs, error, text):
+    with pytest.raises(error, match=re.escape(text)):
+        OptimizerConfig(**kwargs)
+
+
+def test_optimizer_config_boundaries_are_accepted():
+    assert OptimizerConfig(clip_grad=0).clip_grad == 0
+    assert OptimizerConfig(clip_grad=float("inf"), skip_nonfinite=False).clip_grad == float("inf")
+
+
+class ScaleOnly:
+    """Has a scale but none of the methods the optimizer calls."""
+
+    scale = 4.0
+
+
+class DuckScaler:
+    """A loss scaler of the user's own: what the optimizers call, nothing more."""
+
+    def __init__(self) -> None:
+        self.scale = 4.0
+        self.updates: list[bool] = []
+
+    def update(self, found_nonfinite: bool) -> None:
+        self.updates.append(found_nonfinite)
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = state["scale"]
+
+
+@pytest.mark.parametrize("kind", ["zero", "layerwise", "chained"])
+def test_config_and_loss_scaler_are_checked_at_construction(kind):
+    """A dict config or a bare number as loss scaler used to construct fine and fail at the
+    first step() with an AttributeError."""
+    owner = {"zero": "DistributedOptimizer", "layerwise": "LayerWiseDistributedOptimizer"}
+
+    def build(**kwargs):
+        if kind == "chained":
+            part = DistributedOptimizer(DistributedDataParallel(mlp(), config=ZERO), sgd)
+            return ChainedOptimizer([part], **kwargs)
+        sharded = kind == "zero"
+        ddp = DistributedDataParallel(mlp(), config=ZERO if sharded else DDPConfig())
+        return (DistributedOptimizer if sharded else LayerWiseDistributedOptimizer)(
+            ddp, sgd, **kwargs
+        )
+
+    name = owner.get(kind, "ChainedOptimizer")
+    with pytest.raises(
+        TypeError, match=re.escape(f"{name}: config={{'clip_grad': 1.0}} is a dict")
+    ):
+        build(config={"clip_grad": 1.0})
+    with pytest.raises(TypeError, match=re.escape(f"{name}: loss_scaler=2.0 is a float without")):
+        build(loss_scaler=2.0)
+    with pytest.raises(TypeError, match=r"loss_scaler=<.*ScaleOnly.*without update, state_dict"):
+        build(loss_scaler=ScaleOnly())
+    # valid: a scaler of the package, or any object with what the step calls
+    assert build(loss_scaler=ConstantLossScaler(2.0)).loss_scale == 2.0
+    scaler = DuckScaler()
+    opt = build(loss_scaler=scaler, config=OptimizerConfig(clip_grad=1.0))
+    if kind != "chained":
+        opt.models[0](torch.randn(3, 4)).sum().backward()
+    else:
+        opt.parts[0].models[0](torch.randn(3, 4)).sum().backward()
+    assert opt.step().update_successful and scaler.updates == [False]
+
+
+def test_process_groups_of_an_optimizer_are_type_checked():
+    ddp = DistributedDataParallel(mlp(), config=ZERO)
+    with pytest.raises(
+        TypeError, match=re.escape("DistributedOptimizer: process_groups=ParallelConfig(")
+    ):
+        DistributedOptimizer(ddp, sgd, process_groups=ParallelConfig())
+
+
+@pytest.mark.parametrize("sharded", [True, False], ids=["zero", "layerwise"])
+def test_optimizer_factory_must_be_callable_and_return_an_optimizer(sharded):
+    kind = DistributedOptimizer if sharded else LayerWiseDistributedOptimizer
+    config = ZERO if sharded else DDPConfig()
+    instance = torch.optim.AdamW(nn.Linear(2, 2).parameters())
+    with pytest.raises(
+        TypeError, match=rf"{kind.__name__}: optimizer_factory=AdamW .* is an AdamW, not callable"
+    ):
+        kind(DistributedDataParallel(mlp(), config=config), instance)
+    # a rank without masters never calls the factory, but still refuses a non-callable one
+    no_params = DistributedDataParallel(nn.Sequential(nn.Tanh()), config=config)
+    with pytest.raises(TypeError, match="optimizer_factory='sgd' is a str, not callable"):
+        kind(no_params, "sgd")
+    with pytest.raises(
+        TypeError, match=re.escape("optimizer_factory returned None (a NoneType); valid: a torch")
+    ):
+        kind(DistributedDataParallel(mlp(), config=config), lambda groups: None)
+    assert kind(no_params, sgd).optimizer is None  # valid: a callable, even with nothing to build
+
+
+def test_chained_parts_must_be_distributed_optimizers():
+    with pytest.raises(TypeError, match=r"ChainedOptimizer: parts\[1\]=AdamW .* is an AdamW"):
+        ChainedOptimizer(
+            [
+                DistributedOptimizer(DistributedDataParallel(mlp(), config=ZERO), sgd),
+                torch.optim.AdamW(nn.Linear(2, 2).parameters()),
+            ]
+        )
+    layerwise = LayerWiseDistributedOptimizer(DistributedDataParallel(mlp(1)), sgd)
+    assert ChainedOptimizer([layerwise]).parts == [layerwise]
+
+
+def linear_params() -> list[nn.Parameter]:
+    return list(nn.Linear(2, 2).parameters())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "text"),
+    [
+        ({"lr": "1e-3"}, TypeError, "AdamW.lr='1e-3'; valid: a finite real number >= 0"),
+        ({"lr": float("inf")}, ValueError, "AdamW.lr=inf; valid: a finite real number >= 0"),
+        ({"betas": (0.9,)}, ValueError, "AdamW.betas=(0.9,) has 1 entries; valid: a pair"),
+        ({"betas": 0.9}, TypeError, "AdamW.betas=0.9; valid: a pair (beta1, beta2)"),
+        ({"betas": (0.9, 1.0)}, ValueError, "AdamW.betas[1]=1.0; valid: a finite real number in"),
+        ({"betas": (0.9, "0.99")}, TypeError, "AdamW.betas[1]='0.99'; valid:"),
+        ({"eps": -1e-8}, ValueError, "AdamW.eps=-1e-08; valid: a finite real number >= 0"),
+        ({"weight_decay": -0.1}, ValueError, "AdamW.weight_decay=-0.1; valid: a finite real"),
+    ],
+)
+def test_adamw_arguments_are_checked(kwargs, error, text):
+    """betas=(0.9,) used to raise an IndexError; a negative weight decay (which grows the
+    weights; torch.optim.AdamW refuses it) used to be accepted."""
+    with pytest.raises(error, match=re.escape(text)):
+        AdamW(linear_params(), **kwargs)
+
+
+def test_adamw_param_group_values_are_checked():
+    """A group's own value is checked too (param_group_fn overrides end up there), and a
+    refused group added later is not kept."""
+    with pytest.raises(
+        ValueError, match=re.escape("AdamW.param_groups[1]['weight_decay']=-1.0; valid:")
+    ):
+        AdamW([{"params": linear_params()}, {"params": linear_params(), "weight_decay": -1.0}])
+    opt = AdamW(linear_params(), lr=0, betas=[0, 0.999], eps=0, weight_decay=0)  # boundaries
+    with pytest.raises(TypeError, match=re.escape("AdamW.param_groups[1]['lr']='0.1'")):
+        opt.add_param_group({"params": linear_params(), "lr": "0.1"})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": linear_params(), "lr": 0.1, "betas": (0.5, 0.5)})
+    assert len(opt.param_groups) == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "text"),
+    [
+        ({"weight_decay": -1.0}, ValueError, "Muon.weight_decay=-1.0; valid: a finite real"),
+        ({"lr": "0.02"}, TypeError, "Muon.lr='0.02'; valid: a finite real number >= 0"),
+        ({"momentum": 1.0}, ValueError, "Muon.momentum=1.0; valid: a finite real number in [0, 1)"),
+        ({"nesterov": "yes"}, TypeError, "Muon.nesterov='yes'; valid: True or False"),
+        ({"ns_steps": 5.0}, TypeError, "Muon.ns_steps=5.0; valid: an int >= 1"),
+        ({"ns_steps": 0}, ValueError, "Muon.ns_steps=0; valid: an int >= 1"),
+        ({"adam_betas": (0.9,)}, ValueError, "Muon.adam_betas=(0.9,) has 1 entries"),
+        ({"adam_eps": -1.0}, ValueError, "Muon.adam_eps=-1.0; valid:"),
+        ({"use_muon": "True"}, TypeError, "Muon.use_muon='True'; valid: True or False"),
+        ({"head_dim": 0}, ValueError, "Muon.head_dim=0; valid: an int >= 1 or None"),
+        ({"fused_blocks": 3.0}, TypeError, "Muon.fused_blocks=3.0; valid: an int >= 2 or None"),
+    ],
+)
+def test_muon_arguments_are_checked(kwargs, error, text):
+    with pytest.raises(error, match=re.escape(text)):
+        Muon(linear_params(), **kwargs)
+
+
+def test_muon_boundary_values_are_accepted():
+    opt = Muon(linear_params(), lr=0, momentum=0, weight_decay=0, ns_steps=1, use_muon=None)
+    assert opt.defaults["weight_decay"] == 0

@@ -452,3 +452,16 @@ def test_config_and_missing_group_refused():
         FSDPConfig(param_dtype=torch.int32)
     with pytest.raises(ValueError, match="dp_group is None"):
         FullyShardedDataParallel(Net(torch.float32), blocks=[])
+    for name in ("reshard_after_forward", "reduce_per_micro_batch"):
+        # "False" would act as True
+        with pytest.raises(TypeError, match=rf"FSDPConfig.{name}='False'; valid: True or False"):
+            FSDPConfig(**{name: "False"})
+        assert getattr(FSDPConfig(**{name: False}), name) is False
+    with pytest.raises(
+        TypeError, match=r"FullyShardedDataParallel: config=\{'forward_prefetch': 2\} is a dict"
+    ):
+        FullyShardedDataParallel(Net(torch.float32), blocks=[], config={"forward_prefetch": 2})
+    with pytest.raises(
+        TypeError, match=r"FullyShardedDataParallel: process_groups=ParallelConfig\(tp=1"
+    ):
+        FullyShardedDataParallel(Net(torch.float32), blocks=[], process_groups=ParallelConfig())

@@ -4,6 +4,8 @@ separate Q, K, V matrices or separate heads); Newton–Schulz and owner assignme
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -301,3 +303,53 @@ def test_fused_blocks_option_checks_the_layout():
         Muon([{"params": [torch.nn.Parameter(torch.randn(4, 4))], "fused_blocks": 3}])
     with pytest.raises(ValueError, match="head_dim"):
         Muon([fused], head_dim=0)
+
+
+def test_muon_param_group_mistakes_raise_at_construction():
+    """head_dim that does not divide a block, or use_muon=True on a 1-D parameter, used to
+    construct fine and fail only at the first step()."""
+    rows6 = torch.nn.Parameter(torch.randn(6, 4))
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "Muon.param_groups[0]['head_dim']=4 does not divide a block of 6 rows of parameter "
+            "0 of the group (shape (6, 4))"
+        ),
+    ):
+        Muon([{"params": [rows6], "head_dim": 4}])
+    bias = torch.nn.Parameter(torch.randn(4))
+    with pytest.raises(
+        ValueError,
+        match=re.escape("Muon.param_groups[1]['use_muon']=True but parameter 1 of the group has "),
+    ):
+        matrix = torch.nn.Parameter(torch.randn(2, 2))
+        Muon([{"params": [rows6]}, {"params": [matrix, bias], "use_muon": True}])
+    # a refused group added later is not kept; valid groups still work and step
+    opt = Muon([{"params": [rows6], "head_dim": 3}], lr=0.1)
+    with pytest.raises(ValueError, match=re.escape("Muon.param_groups[1]['use_muon']=True")):
+        opt.add_param_group({"params": [bias], "use_muon": True})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": [bias], "head_dim": 4})  # AdamW parameter: head_dim unused
+    rows6.grad, bias.grad = torch.randn(6, 4), torch.randn(4)
+    opt.step()
+
+
+def _muon_head_dim_over_tp():
+    """TP=2: each rank holds half of every block of a fused [8 | 4 | 4]-row weight."""
+    pg = init_process_groups(ParallelConfig(tp=2))
+    local = torch.nn.Parameter(torch.randn(8, 3))
+    set_param_meta(local, ParamMeta(tp_axis=0, tp_partition_sizes=(8, 4, 4)))
+    Muon([{"params": [local], "head_dim": 4}], tp_group=pg.tp)  # local blocks 4, 2, 2
+    try:
+        Muon([{"params": [local], "head_dim": 8}], tp_group=pg.tp)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.multirank
+def test_muon_head_dim_is_checked_against_the_full_tp_blocks():
+    """The step orthogonalises the TP-gathered matrix, so head_dim must divide its blocks
+    (4 divides 8, 4, 4 though not the local 2), not the local slices."""
+    for error in run_on_ranks(_muon_head_dim_over_tp, 2, timeout=60):
+        assert error is not None and "['head_dim']=8 does not divide a block of 4 rows" in error

@@ -11,16 +11,33 @@ stochastic rounding). It works per element, so it runs unchanged on a ZeRO shard
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
+from shardwork.dist_optimizer.validation import check_betas, check_real, option_label
+
 __all__ = ["AdamW"]
 
 
+def check_options(options: Mapping[str, Any], group_index: int | None = None) -> None:
+    """TypeError/ValueError for a bad ``lr``, ``betas``, ``eps`` or ``weight_decay`` among
+    ``options`` (the constructor's, or param group ``group_index``'s): finite, >= 0 (a
+    negative weight decay would grow the weights; torch.optim.AdamW refuses it too)."""
+    for name in ("lr", "eps", "weight_decay"):
+        if name in options:
+            check_real(option_label("AdamW", name, group_index), options[name], at_least=0)
+    if "betas" in options:
+        check_betas(option_label("AdamW", "betas", group_index), options["betas"])
+
+
 class AdamW(torch.optim.Optimizer):
-    """AdamW whose moments are stored in ``state_dtype``."""
+    """AdamW whose moments are stored in ``state_dtype``.
+
+    ``lr``, ``eps``, ``weight_decay`` (finite, >= 0) and ``betas`` (two numbers in [0, 1)) are
+    checked for the constructor and for each param group's own values (see
+    :func:`check_options`)."""
 
     def __init__(
         self,
@@ -32,19 +49,21 @@ class AdamW(torch.optim.Optimizer):
         *,
         state_dtype: torch.dtype = torch.float32,
     ) -> None:
-        if not lr >= 0:
-            raise ValueError(f"AdamW.lr={lr}; valid: >= 0")
-        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
-            raise ValueError(f"AdamW.betas={betas}; valid: each in [0, 1)")
-        if not eps >= 0:
-            raise ValueError(f"AdamW.eps={eps}; valid: >= 0")
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        check_options(defaults)
         if state_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(
                 f"AdamW.state_dtype={state_dtype}; valid: torch.float32, torch.bfloat16, torch.float16"
             )
-        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
         self.state_dtype = state_dtype
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Check the group's options (with the defaults it inherits), then add it (torch's
+        rules): a bad value raises here, not at the first step, and the group is not added."""
+        if isinstance(param_group, dict):
+            check_options({**self.defaults, **param_group}, len(self.param_groups))
+        super().add_param_group(param_group)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:

@@ -18,15 +18,36 @@ from shardwork.dist_optimizer.distributed_optimizer import DistributedOptimizer
 from shardwork.dist_optimizer.fsdp import FullyShardedDataParallel
 from shardwork.dist_optimizer.fsdp_optimizer import FSDPOptimizer
 from shardwork.dist_optimizer.layerwise import LayerWiseDistributedOptimizer
-from shardwork.dist_optimizer.local_masters import OptimizerConfig, OptimizerFactory, as_models
+from shardwork.dist_optimizer.local_masters import (
+    LocalMastersOptimizer,
+    OptimizerConfig,
+    OptimizerFactory,
+    as_models,
+    check_optimizer_options,
+)
 from shardwork.dist_optimizer.step_flow import StepResult, run_step
+from shardwork.dist_optimizer.validation import short_repr, with_article
 from shardwork.parallel_state import ProcessGroups
 
 __all__ = ["ChainedOptimizer", "build_optimizer"]
 
 
+def check_parts(parts: Sequence[Any]) -> None:
+    """TypeError for a part that is not one of this package's distributed optimizers (the
+    chain drives their step phases; a torch optimizer has none of them)."""
+    for i, part in enumerate(parts):
+        if not isinstance(part, LocalMastersOptimizer):
+            raise TypeError(
+                f"ChainedOptimizer: parts[{i}]={short_repr(part, 60)} is "
+                f"{with_article(type(part).__name__)}; valid: DistributedOptimizer, "
+                "LayerWiseDistributedOptimizer or FSDPOptimizer parts (a torch.optim optimizer "
+                "goes inside one of them, built by its optimizer_factory)"
+            )
+
+
 class ChainedOptimizer:
-    """Step ``parts`` (DistributedOptimizer / LayerWiseDistributedOptimizer) together.
+    """Step ``parts`` (DistributedOptimizer / LayerWiseDistributedOptimizer / FSDPOptimizer)
+    together.
 
     ``config`` (default: the first part's) gives clipping, inf/nan skipping and zero
     counting; ``loss_scaler`` (default: the first part's) scales the whole chain.
@@ -42,6 +63,8 @@ class ChainedOptimizer:
         parts = list(parts)
         if not parts:
             raise ValueError("ChainedOptimizer(parts=[]); valid: at least one optimizer")
+        check_parts(parts)
+        check_optimizer_options("ChainedOptimizer", config, loss_scaler)
         if len({id(p) for p in parts}) != len(parts):
             raise ValueError("ChainedOptimizer: a part appears twice; valid: each optimizer once")
         owned: set[int] = set()

@@ -33,9 +33,26 @@ from torch import nn
 
 from shardwork.dist_optimizer.buffers import Bucket, LaunchQueue, ParamAndGradBuffer
 from shardwork.dist_optimizer.layout import BufferKey, ParamIndexMap
+from shardwork.dist_optimizer.validation import (
+    check_bool,
+    check_int,
+    check_process_groups,
+    check_type,
+    short_repr,
+    with_article,
+)
 from shardwork.parallel_state import ProcessGroups, group_size
 
 __all__ = ["DDPConfig", "DistributedDataParallel"]
+
+
+_BOOL_FIELDS = (
+    "overlap_grad_reduce",
+    "use_distributed_optimizer",
+    "average_in_collective",
+    "average_gradients",
+    "grad_reduce_in_fp32",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,10 +78,11 @@ class DDPConfig:
     """Buckets are padded to a multiple of ``lcm(dp_size, pad_multiple)`` (distributed optimizer)."""
 
     def __post_init__(self) -> None:
-        if self.bucket_size is not None and self.bucket_size < 1:
-            raise ValueError(f"DDPConfig.bucket_size={self.bucket_size}; valid: >= 1 or None")
-        if self.pad_multiple < 1:
-            raise ValueError(f"DDPConfig.pad_multiple={self.pad_multiple}; valid: >= 1")
+        """Check every field: a bool given as ``"False"`` would silently act as True."""
+        for name in _BOOL_FIELDS:
+            check_bool(f"DDPConfig.{name}", getattr(self, name))
+        check_int("DDPConfig.bucket_size", self.bucket_size, minimum=1, allow_none=True)
+        check_int("DDPConfig.pad_multiple", self.pad_multiple, minimum=1)
         if not callable(self.fp32_grad_params) and isinstance(self.fp32_grad_params, str):
             raise ValueError(
                 f"DDPConfig.fp32_grad_params={self.fp32_grad_params!r}; valid: a sequence of "
@@ -81,6 +99,24 @@ def check_member(group: Any, field: str) -> None:
         )
 
 
+def check_arguments(module: Any, config: Any, process_groups: Any, grad_divisor: Any) -> None:
+    """TypeError/ValueError for a :class:`DistributedDataParallel` argument of the wrong kind
+    (each would otherwise fail later with an AttributeError that names nothing)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"DistributedDataParallel: module={short_repr(module)} is "
+            f"{with_article(type(module).__name__)}; valid: the nn.Module to wrap"
+        )
+    check_type(
+        "DistributedDataParallel: config",
+        config,
+        DDPConfig,
+        "e.g. DDPConfig(bucket_size=10), or DDPConfig(**d) for a dict d of its fields",
+    )
+    check_process_groups("DistributedDataParallel: process_groups", process_groups)
+    check_int("DistributedDataParallel: grad_divisor", grad_divisor, minimum=1, allow_none=True)
+
+
 class DistributedDataParallel(nn.Module):
     """Data-parallel wrapper with bucketed, overlapped gradient reduction.
 
@@ -90,7 +126,10 @@ class DistributedDataParallel(nn.Module):
         process_groups: take ``dp_cp`` (dense) and ``edp`` (expert) from this bundle.
         dp_group / expert_dp_group: explicit groups (override ``process_groups``); None with
             no bundle means one replica.
-        grad_divisor: number of loss replicas to average over; default ``size(dp_cp)``.
+        grad_divisor: number of loss replicas to average over (an int >= 1); default
+            ``size(dp_cp)``.
+
+    Wrong argument types raise a TypeError naming the argument before anything is built.
     """
 
     def __init__(
@@ -103,6 +142,7 @@ class DistributedDataParallel(nn.Module):
         expert_dp_group: Any = None,
         grad_divisor: int | None = None,
     ) -> None:
+        check_arguments(module, config, process_groups, grad_divisor)
         super().__init__()
         config = config or DDPConfig()
         if process_groups is not None:
@@ -114,8 +154,6 @@ class DistributedDataParallel(nn.Module):
         check_member(dp_group, "dp_group")
         check_member(expert_dp_group, "expert_dp_group")
         divisor = grad_divisor if grad_divisor is not None else group_size(dp_group)
-        if divisor < 1:
-            raise ValueError(f"grad_divisor={grad_divisor}; valid: >= 1")
         self.module = module
         self.config = config
         self.dp_group = dp_group

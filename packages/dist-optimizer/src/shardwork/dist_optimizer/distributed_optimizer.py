@@ -81,7 +81,11 @@ class DistributedOptimizer(LocalMastersOptimizer):
         pp_rank: pipeline stage (shared embedding counted on stage 0 only).
         param_group_fn: ``(name, param) -> dict | None`` of per-parameter overrides (e.g.
             ``{"weight_decay": 0.0}``); parameters with equal overrides share a param group.
-        loss_scaler: a :class:`DynamicLossScaler` / :class:`ConstantLossScaler` (fp16), or None.
+        loss_scaler: a :class:`DynamicLossScaler` / :class:`ConstantLossScaler` (fp16), any
+            object with a real ``.scale`` and ``update``, ``state_dict``, ``load_state_dict``
+            methods, or None.
+
+    Wrong argument types raise a TypeError naming the argument at construction.
     """
 
     def __init__(

@@ -44,6 +44,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from shardwork.dist_optimizer.ddp import check_member
 from shardwork.dist_optimizer.fsdp_units import check_blocks, expert_containers, own_parameters
+from shardwork.dist_optimizer.validation import check_bool, check_process_groups, check_type
 from shardwork.parallel_state import (
     ProcessGroups,
     carry_param_attributes,
@@ -78,6 +79,9 @@ class FSDPConfig:
     """Blocks behind whose all-gather a block's backward starts (0: torch's implicit order)."""
 
     def __post_init__(self) -> None:
+        for name in ("reshard_after_forward", "reduce_per_micro_batch"):
+            # "False" would silently act as True.
+            check_bool(f"FSDPConfig.{name}", getattr(self, name))
         for name in ("forward_prefetch", "backward_prefetch"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -95,6 +99,25 @@ class FSDPConfig:
 def _mesh(group: Any, device_type: str) -> DeviceMesh:
     """A 1-D mesh over an existing communicator (no new group is created)."""
     return DeviceMesh.from_group(group, device_type=device_type)
+
+
+def _data_parallel_groups(process_groups, dp_group, expert_dp_group) -> tuple[Any, Any]:
+    """``(dp_group, expert_dp_group)``: the explicit groups, else ``process_groups``' dp_cp and
+    edp groups; the expert group defaults to the dense one. Each must hold this rank."""
+    if process_groups is not None:
+        dp_group = dp_group if dp_group is not None else process_groups.group("dp_cp")
+        if expert_dp_group is None:
+            expert_dp_group = process_groups.group("edp")
+    if expert_dp_group is None:
+        expert_dp_group = dp_group
+    if dp_group is None:
+        raise ValueError(
+            "FullyShardedDataParallel: dp_group is None (no torch.distributed); valid: a "
+            "data-parallel process group (FSDP shards over its communicator)"
+        )
+    check_member(dp_group, "dp_group")
+    check_member(expert_dp_group, "expert_dp_group")
+    return dp_group, expert_dp_group
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -118,6 +141,13 @@ class FullyShardedDataParallel(nn.Module):
         dp_group: Any = None,
         expert_dp_group: Any = None,
     ) -> None:
+        check_type(
+            "FullyShardedDataParallel: config",
+            config,
+            FSDPConfig,
+            "e.g. FSDPConfig(forward_prefetch=2), or FSDPConfig(**d) for a dict d of its fields",
+        )
+        check_process_groups("FullyShardedDataParallel: process_groups", process_groups)
         super().__init__()
         config = config or FSDPConfig()
         missing = [name for name in _NEEDED_TORCH_API if not hasattr(FSDPModule, name)]
@@ -126,19 +156,7 @@ class FullyShardedDataParallel(nn.Module):
                 f"FullyShardedDataParallel needs torch's FSDPModule.{missing[0]} (torch "
                 f"{torch.__version__} lacks it); valid: a torch that has it (2.10 or newer)"
             )
-        if process_groups is not None:
-            dp_group = dp_group if dp_group is not None else process_groups.group("dp_cp")
-            if expert_dp_group is None:
-                expert_dp_group = process_groups.group("edp")
-        if expert_dp_group is None:
-            expert_dp_group = dp_group
-        if dp_group is None:
-            raise ValueError(
-                "FullyShardedDataParallel: dp_group is None (no torch.distributed); valid: a "
-                "data-parallel process group (FSDP shards over its communicator)"
-            )
-        check_member(dp_group, "dp_group")
-        check_member(expert_dp_group, "expert_dp_group")
+        dp_group, expert_dp_group = _data_parallel_groups(process_groups, dp_group, expert_dp_group)
         frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
         if frozen:
             raise ValueError(

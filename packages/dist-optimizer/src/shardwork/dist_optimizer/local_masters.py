@@ -34,6 +34,15 @@ from shardwork.dist_optimizer.sharded_state import (
     optimizer_sharded_state_dict,
 )
 from shardwork.dist_optimizer.step_flow import StepResult, run_step
+from shardwork.dist_optimizer.validation import (
+    check_bool,
+    check_loss_scaler,
+    check_process_groups,
+    check_real,
+    check_type,
+    short_repr,
+    with_article,
+)
 from shardwork.parallel_state import ProcessGroups, group_rank
 
 __all__ = [
@@ -41,6 +50,7 @@ __all__ = [
     "OptimizerConfig",
     "OptimizerFactory",
     "as_models",
+    "check_optimizer_options",
     "group_ranks",
 ]
 
@@ -62,8 +72,11 @@ class OptimizerConfig:
     """Count zero gradient elements (costs one comparison per element)."""
 
     def __post_init__(self) -> None:
-        if not self.clip_grad >= 0:
-            raise ValueError(f"OptimizerConfig.clip_grad={self.clip_grad}; valid: >= 0 (0 = off)")
+        """Check every field: a bool given as ``"False"`` would silently act as True."""
+        # Infinity is allowed: it never clips, like 0.
+        check_real("OptimizerConfig.clip_grad", self.clip_grad, at_least=0, finite=False)
+        for name in ("overlap_param_gather", "skip_nonfinite", "count_zeros"):
+            check_bool(f"OptimizerConfig.{name}", getattr(self, name))
 
 
 def as_models(model: Any, wrapper: type = DistributedDataParallel) -> list[Any]:
@@ -83,6 +96,19 @@ def as_models(model: Any, wrapper: type = DistributedDataParallel) -> list[Any]:
             raise ValueError(f"model[{i}] appears twice; valid: each model chunk once")
         seen.add(id(m))
     return models
+
+
+def check_optimizer_options(owner: str, config: Any, loss_scaler: Any) -> None:
+    """TypeError for a ``config`` that is not an :class:`OptimizerConfig` or a ``loss_scaler``
+    that lacks what :func:`run_step` and the checkpoint methods call (both would otherwise
+    fail only at the first step or save). Shared by the optimizers and the chain."""
+    check_type(
+        f"{owner}: config",
+        config,
+        OptimizerConfig,
+        "e.g. OptimizerConfig(clip_grad=1.0), or OptimizerConfig(**d) for a dict d of its fields",
+    )
+    check_loss_scaler(f"{owner}: loss_scaler", loss_scaler)
 
 
 class LocalMastersOptimizer(ABC):
@@ -137,6 +163,8 @@ class LocalMastersOptimizer(ABC):
         sharded_grads: bool | None,
         why: str,
     ) -> None:
+        check_optimizer_options(type(self).__name__, config, loss_scaler)
+        check_process_groups(f"{type(self).__name__}: process_groups", process_groups)
         self.models = as_models(model, self.wrapper)
         self.config = config or OptimizerConfig()
         self.expert = expert
@@ -179,7 +207,16 @@ class LocalMastersOptimizer(ABC):
         self, optimizer_factory: OptimizerFactory, param_group_fn: ParamGroupFn | None
     ) -> None:
         """The local optimizer over ``self.masters`` (None when this rank holds none), one
-        param group per distinct ``param_group_fn`` override dict."""
+        param group per distinct ``param_group_fn`` override dict. TypeError for a factory
+        that is not callable (on every rank) or that returns no torch optimizer (on a rank
+        with masters: one without never calls it)."""
+        if not callable(optimizer_factory):
+            raise TypeError(
+                f"{type(self).__name__}: optimizer_factory={short_repr(optimizer_factory, 60)} "
+                f"is {with_article(type(optimizer_factory).__name__)}, not callable; valid: a "
+                "function from a list of param-group dicts to the optimizer over them, e.g. "
+                "lambda groups: torch.optim.AdamW(groups, lr=1e-3) (not an optimizer itself)"
+            )
         if not self.masters:
             return
         grouped: dict[tuple, dict[str, Any]] = {}
@@ -192,8 +229,20 @@ class LocalMastersOptimizer(ABC):
             grouped.setdefault(signature, {"params": [], **overrides})["params"].append(
                 owned.master
             )
-        self.optimizer = optimizer_factory(list(grouped.values()))
-        built = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        optimizer = optimizer_factory(list(grouped.values()))
+        self._check_built(optimizer)
+        self.optimizer = optimizer
+
+    def _check_built(self, optimizer: Any) -> None:
+        """TypeError unless the factory returned a torch optimizer, ValueError unless it covers
+        exactly this rank's masters (a master left out would never be updated)."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"{type(self).__name__}: optimizer_factory returned {short_repr(optimizer, 60)} "
+                f"({with_article(type(optimizer).__name__)}); valid: a torch.optim.Optimizer "
+                "built over the param groups it is given (did the function forget to return it?)"
+            )
+        built = {id(p) for g in optimizer.param_groups for p in g["params"]}
         if built != {id(owned.master) for owned in self.masters}:
             raise ValueError(
                 "optimizer_factory must build an optimizer over exactly the param groups it "

@@ -28,12 +28,19 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from shardwork.dist_optimizer.validation import (
+    check_betas,
+    check_bool,
+    check_int,
+    check_real,
+    option_label,
+)
 from shardwork.parallel_state import ParamMeta, get_param_meta, group_rank, group_size
 
 __all__ = ["Muon", "newton_schulz", "orthogonalize"]
@@ -106,6 +113,27 @@ def _local_tp(full: torch.Tensor, meta: ParamMeta, group: Any) -> torch.Tensor:
     return torch.cat([b.chunk(size, dim=axis)[rank] for b in blocks], dim=axis)
 
 
+def check_options(options: Mapping[str, Any], group_index: int | None = None) -> None:
+    """TypeError/ValueError for a bad Muon option among ``options`` (the constructor's, or
+    param group ``group_index``'s). A negative weight decay would grow the weights."""
+
+    def label(name: str) -> str:
+        return option_label("Muon", name, group_index)
+
+    for name, below in (("lr", None), ("momentum", 1), ("weight_decay", None), ("adam_eps", None)):
+        if name in options:
+            check_real(label(name), options[name], at_least=0, below=below)
+    for name, minimum in (("ns_steps", 1), ("head_dim", 1), ("fused_blocks", 2)):
+        if name in options:
+            check_int(label(name), options[name], minimum=minimum, allow_none=name != "ns_steps")
+    if "nesterov" in options:
+        check_bool(label("nesterov"), options["nesterov"])
+    if options.get("use_muon") is not None:
+        check_bool(label("use_muon"), options["use_muon"])
+    if "adam_betas" in options:
+        check_betas(label("adam_betas"), options["adam_betas"])
+
+
 class Muon(torch.optim.Optimizer):
     """Muon for matrices, AdamW for the rest (see the module docstring).
 
@@ -115,6 +143,10 @@ class Muon(torch.optim.Optimizer):
     QKV weights in their own param group) and ``fused_blocks`` (every parameter of the group
     must carry ``ParamMeta.tp_partition_sizes`` with this many blocks; ValueError otherwise).
     ``tp_group`` is the group TP-sharded parameters are split over (None: not split).
+
+    Options are checked for the constructor and for each group's own values, and a group's
+    parameters when it is added (``use_muon=True`` only on 2-D ones, ``head_dim`` dividing
+    every block): a mistake raises there, not at the first step.
     """
 
     def __init__(
@@ -133,12 +165,6 @@ class Muon(torch.optim.Optimizer):
         fused_blocks: int | None = None,
         tp_group: Any = None,
     ) -> None:
-        if not lr >= 0:
-            raise ValueError(f"Muon.lr={lr}; valid: >= 0")
-        if not 0 <= momentum < 1:
-            raise ValueError(f"Muon.momentum={momentum}; valid: in [0, 1)")
-        if ns_steps < 1:
-            raise ValueError(f"Muon.ns_steps={ns_steps}; valid: >= 1")
         defaults = {
             "lr": lr,
             "momentum": momentum,
@@ -151,21 +177,41 @@ class Muon(torch.optim.Optimizer):
             "head_dim": head_dim,
             "fused_blocks": fused_blocks,
         }
-        super().__init__(params, defaults)
+        check_options(defaults)
+        # Before torch adds the groups: add_param_group checks head_dim against TP-split blocks.
         self.tp_group = tp_group
+        super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group (torch's rules), then check its ``head_dim`` and ``fused_blocks``."""
+        """Check the group's options (with the defaults it inherits), add it (torch's rules),
+        then check its parameters against ``use_muon``, ``head_dim`` and ``fused_blocks``: a
+        mistake raises here, not at the first step, and the group is not added."""
+        index = len(self.param_groups)
+        if isinstance(param_group, dict):
+            check_options({**self.defaults, **param_group}, index)
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        head_dim = group["head_dim"]
-        if head_dim is not None and not (isinstance(head_dim, int) and head_dim >= 1):
-            raise ValueError(f"Muon head_dim={head_dim!r}; valid: a positive int or None")
+        try:
+            self._check_group_params(self.param_groups[-1], index)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    def _check_group_params(self, group: dict[str, Any], index: int) -> None:
+        """ValueError for a parameter the group's options cannot apply to (see
+        :meth:`add_param_group`)."""
+        for i, p in enumerate(group["params"]):
+            use_muon = group["use_muon"] if group["use_muon"] is not None else p.dim() == 2
+            if use_muon and p.dim() != 2:
+                raise ValueError(
+                    f"Muon.param_groups[{index}]['use_muon']=True but parameter {i} of the group "
+                    f"has shape {tuple(p.shape)}; valid: only 2-D parameters (matrices) with "
+                    "use_muon=True; use_muon=None (2-D ones only) or False for the rest (AdamW)"
+                )
+            if use_muon and group["head_dim"] is not None:
+                self._check_head_dim(p, group["head_dim"], index, i)
         blocks = group["fused_blocks"]
         if blocks is None:
             return
-        if not (isinstance(blocks, int) and blocks >= 2):
-            raise ValueError(f"Muon fused_blocks={blocks!r}; valid: an int >= 2 or None")
         for i, p in enumerate(group["params"]):
             sizes = get_param_meta(p).tp_partition_sizes
             if sizes is None or len(sizes) != blocks:
@@ -173,6 +219,22 @@ class Muon(torch.optim.Optimizer):
                     f"Muon fused_blocks={blocks}: parameter {i} of the group (shape "
                     f"{tuple(p.shape)}) has ParamMeta.tp_partition_sizes={sizes}; valid: a "
                     f"fused weight of {blocks} blocks along tp_axis (e.g. 3 for [Q | K | V])"
+                )
+
+    def _check_head_dim(self, p: torch.Tensor, head_dim: int, index: int, i: int) -> None:
+        """ValueError unless ``head_dim`` divides every block :func:`orthogonalize` will cut
+        parameter ``i`` of group ``index`` into (blocks of the full matrix when TP-split)."""
+        meta = get_param_meta(p)
+        axis = meta.tp_axis if meta.tp_axis is not None else 0
+        size = p.size(axis)
+        if meta.tp_axis is not None:
+            size *= group_size(self.tp_group)  # the step orthogonalises the gathered matrix
+        for block in _blocks(meta, size):
+            if block % head_dim:
+                raise ValueError(
+                    f"Muon.param_groups[{index}]['head_dim']={head_dim} does not divide a block "
+                    f"of {block} rows of parameter {i} of the group (shape {tuple(p.shape)}); "
+                    "valid: the head size of that weight's Q/K/V blocks, or None"
                 )
 
     @torch.no_grad()
