@@ -40,7 +40,7 @@ QWEN3 = "tiny-qwen3-8b"  # 4 heads, 2 kv heads, head_dim 16, QK-norm
         (dict(mlp_activation="gelu"), r"mlp_activation='gelu'.*'swiglu', 'relu2'"),
         (dict(rotary_percent=0.0), r"rotary_percent=0.0 .*\(0, 1\]"),
         (dict(rotary_percent=1.5), r"rotary_percent=1.5 .*\(0, 1\]"),
-        (dict(rotary_percent="half"), r"rotary_percent='half' .*\(0, 1\]"),
+        (dict(rotary_percent="half"), r"rotary_percent='half' is invalid: it must be a number"),
         # head_dim 16: a tenth rotates int(1.6) = 1 channel, RoPE needs pairs.
         (dict(rotary_percent=0.1), r"rotary_percent=0.1 .*int\(0.1·16\)=1 .*even number >= 2"),
         (

@@ -50,7 +50,7 @@ def hybrid_spec(cfg: GPTConfig) -> DecoderSpec:
     ("changes", "message"),
     [
         ({"num_heads": 0}, "MambaConfig.num_heads=0 is invalid: it must be an integer >= 1"),
-        ({"head_dim": 2.5}, "MambaConfig.head_dim=2.5 is invalid: it must be an integer >= 1"),
+        ({"head_dim": 2.5}, "MambaConfig.head_dim=2.5 is invalid: it must be an integer"),
         ({"num_groups": 3}, "MambaConfig.num_groups=3 is invalid: it must divide num_heads=4"),
         ({"chunk_size": -1}, "MambaConfig.chunk_size=-1 is invalid"),
         ({"conv_kernel": True}, "MambaConfig.conv_kernel=True is invalid"),

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardwork.fused_kernels import LinearRopeScaling, Llama3RopeScaling, YarnRopeScaling
+from shardwork.models.field_types import check_field_types
 from shardwork.models.hybrid_pattern import parse_hybrid_pattern
 from shardwork.models.layer_options import check_layer_options
 
@@ -179,6 +180,7 @@ class GPTConfig:
     per layer. Needs ``linear_attention``. None: attention everywhere."""
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size"):
             _positive_int(name, getattr(self, name))
         _positive_int("vocab_size", self.vocab_size)

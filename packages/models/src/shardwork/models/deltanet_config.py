@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardwork.models.deltanet_kernels import FLA_GATED_DELTA_RULE
+from shardwork.models.field_types import check_field_types
 from shardwork.models.scan_kernels import check_scan_backend
 
 __all__ = ["GatedDeltaNetConfig"]
@@ -58,6 +59,7 @@ class GatedDeltaNetConfig:
     kernel for CUDA tensors when it imports); see :mod:`shardwork.models.scan_kernels`."""
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         for name in (
             "num_key_heads",
             "num_value_heads",

@@ -45,6 +45,7 @@ from shardwork.models.block_mask import build_block_mask
 from shardwork.models.config import GPTConfig, check_sequence_length
 from shardwork.models.context_parallel import local_positions, slice_for_context_parallel
 from shardwork.models.embedding import LMHead, VocabParallelEmbedding
+from shardwork.models.id_range import check_token_ids
 from shardwork.models.layer_kinds import WHOLE_SEQUENCE_MIXERS, BuildContext, attach_model_state
 from shardwork.models.loss import token_loss
 from shardwork.models.module import ShardedModule, to_empty_keep_meta
@@ -295,6 +296,7 @@ class GPTModel(ShardedModule):
         if self.pre_process:
             if input_ids is None:
                 raise ValueError("input_ids is required on the first pipeline stage")
+            check_token_ids("input_ids", input_ids, cfg.vocab_size)
             local_len = input_ids.shape[1]
             check_sequence_length(cfg, local_len * g.size("cp"), tp=g.size("tp"), cp=g.size("cp"))
             if cu_seqlens is not None and input_ids.shape[0] != 1:
@@ -327,6 +329,8 @@ class GPTModel(ShardedModule):
         tied = self.embedding.weight if self.output_layer.linear.weight is None else None
         if labels is None:
             return self.output_layer(hidden, tied)
+        # -100: the ignore_index of the head losses below (token_loss, linear_token_loss).
+        check_token_ids("labels", labels, cfg.vocab_size, ignore_index=-100)
         head_input = hidden
         if self.mtp is not None:
             # The MTP loss joins backward through the head's input (fused) or logits (unfused);

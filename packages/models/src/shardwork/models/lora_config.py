@@ -20,6 +20,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from shardwork.models.field_types import check_field_types
+
 __all__ = ["LoRAConfig", "lora_key_names"]
 
 
@@ -41,6 +43,7 @@ class LoRAConfig:
     """Module-name suffixes (tuple) or one full-name regular expression (str)."""
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ValueError(
                 f"LoRAConfig.rank={self.rank!r} is invalid: it must be an integer >= 1"

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from shardwork.models.field_types import check_field_types
 from shardwork.models.mamba_kernels import MAMBA_SSD_KERNEL
 from shardwork.models.scan_kernels import check_scan_backend
 
@@ -75,6 +76,7 @@ class MambaConfig:
     tensors when it imports); see :mod:`shardwork.models.scan_kernels`."""
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         for name in ("num_heads", "head_dim", "state_size", "num_groups", "chunk_size"):
             _positive(name, getattr(self, name))
         _positive("conv_kernel", self.conv_kernel)

@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from shardwork.models.field_types import check_field_types
+
 __all__ = ["MLAConfig"]
 
 
@@ -35,6 +37,7 @@ class MLAConfig:
     """Query latent width ``rq`` (DeepSeek-V3: 1536); None: one full query projection (V2-Lite)."""
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             _positive(name, getattr(self, name))
         if self.q_lora_rank is not None:

@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from shardwork.models.field_types import check_field_types
+
 __all__ = ["MTPConfig"]
 
 
@@ -23,6 +25,7 @@ class MTPConfig:
     """Weight λ of the MTP loss (averaged over depths) in the objective."""
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if (
             isinstance(self.num_layers, bool)
             or not isinstance(self.num_layers, int)

@@ -58,6 +58,7 @@ def load_hf_weights(model: GPTModel, folder: str | Path) -> GPTModel:
 def _load_dense(model: GPTModel, folder: Path, rules: list[tuple[str, str]]) -> GPTModel:
     """The ``dense`` layout: every shardwork key is one HF tensor, read by slices."""
     files = weight_files(folder)
+    _refuse_unused_tensors(model.config, files, rules, folder)
     by_file: dict[Path, list[tuple[str, Any]]] = {}
     for key, st in model.sharded_state_dict().items():
         name = to_hf_key(key, rules)
@@ -80,6 +81,31 @@ def _load_dense(model: GPTModel, folder: Path, rules: list[tuple[str, str]]) -> 
                 index = tuple(slice(o, o + s) for o, s in zip(st.global_offset, st.data.shape))
                 st.data.copy_(piece[index].to(st.data.dtype))
     return model
+
+
+# Buffers that older transformers versions saved with the weights; no model reads them back.
+_SAVED_BUFFERS = ("rotary_emb.inv_freq",)
+
+
+def _refuse_unused_tensors(config, files: dict[str, Path], rules, folder: Path) -> None:
+    """Raise ``ValueError`` if ``folder`` holds weights that no key of the whole model (every
+    stage) maps to: a ``config.json`` with fewer layers than the weights, or tied embeddings
+    beside an ``lm_head.weight``, would otherwise load part of the checkpoint silently."""
+    # Key names do not depend on the layout; one process cannot build sequence parallelism.
+    whole = GPTModel(config.replace(sequence_parallel=False), device="meta")
+    expected = {to_hf_key(key, rules) for key in whole.sharded_state_dict() if is_base_key(key)}
+    unused = sorted(
+        name for name in files if name not in expected and not name.endswith(_SAVED_BUFFERS)
+    )
+    if unused:
+        shown = ", ".join(repr(name) for name in unused[:4])
+        more = f" and {len(unused) - 4} more" if len(unused) > 4 else ""
+        raise ValueError(
+            f"{folder!s} holds {len(unused)} tensor(s) that a model of this config does not "
+            f"have: {shown}{more}. The weights do not match the config (num_layers="
+            f"{config.num_layers}, tie_word_embeddings={config.tie_word_embeddings}): check "
+            "config.json, or the model you load into"
+        )
 
 
 def from_pretrained(

@@ -29,13 +29,27 @@ def read_hf_config(folder: str | Path) -> dict[str, Any]:
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise ValueError(f"{folder!s} has no config.json; valid: a Hugging Face checkpoint folder")
-    return json.loads(path.read_text())
+    try:
+        hf = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path!s} is not valid JSON ({err}); valid: a config.json") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path!s} holds a {type(hf).__name__}; valid: a JSON object")
+    return hf
 
 
 def gpt_config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
     """A ``GPTConfig`` for the HF config dict ``hf`` (``overrides`` win, e.g. dtypes, tp options)."""
     adapter = adapter_for(hf.get("model_type"))
-    return GPTConfig(**(adapter.fields_from_hf(hf) | overrides))
+    try:
+        fields = adapter.fields_from_hf(hf)
+    except KeyError as err:
+        # The adapters index the fields every config.json of their family has.
+        raise ValueError(
+            f"config.json (model_type={hf.get('model_type')!r}) has no {err.args[0]!r} field, "
+            "which this family's config.json always has: is the file complete?"
+        ) from None
+    return GPTConfig(**(fields | overrides))
 
 
 def hf_config_from_gpt(config: GPTConfig, *, dtype: torch.dtype | None = None) -> dict[str, Any]:

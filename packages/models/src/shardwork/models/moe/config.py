@@ -20,6 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from shardwork.models.field_types import check_field_types
 from shardwork.moe_router import RouterConfig
 
 __all__ = ["DISPATCHERS", "GROUPED_GEMM", "MoEConfig"]
@@ -60,6 +61,7 @@ class MoEConfig:
     ``auto`` (grouped_mm when the dtype and strides allow it)."""
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if not isinstance(self.router, RouterConfig):
             raise ValueError(
                 f"MoEConfig.router={self.router!r} is invalid: it must be a "
