@@ -179,6 +179,20 @@ def _data_config_missing_prefix(scratch: Path, trained: Path | None) -> None:
     (scratch / "blend.json").write_text(json.dumps(blend))
 
 
+def _weightless_train_blend(scratch: Path, trained: Path | None) -> None:
+    _byte_dataset(scratch)
+    blend = {"train": [[0, str(scratch / "data")]], "valid": [[1.0, str(scratch / "data")]]}
+    (scratch / "blend.json").write_text(json.dumps(blend))
+
+
+def _empty_dataset(scratch: Path, trained: Path | None) -> None:
+    _byte_dataset(scratch, "empty", docs=0)
+
+
+def _binary_config(scratch: Path, trained: Path | None) -> None:
+    (scratch / "binary.toml").write_bytes(bytes(range(0xB0, 0xF0)))
+
+
 def _bpe_dataset(scratch: Path, trained: Path | None) -> None:
     """``scratch/bpe_data`` tokenized with a small BPE tokenizer trained here."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -206,6 +220,16 @@ def _copied_checkpoint(scratch: Path, trained: Path | None) -> Path:
     target = scratch / "ckpt" / trained.name
     shutil.copytree(trained, target)
     return target
+
+
+def _renamed_checkpoint(scratch: Path, trained: Path | None) -> None:
+    """An intact copy of the trained checkpoint under a name that is not ``step_<N>``."""
+    shutil.copytree(trained, scratch / "best")
+
+
+def _run_directory(scratch: Path, trained: Path | None) -> None:
+    """A run directory: the checkpoints sit in its ``checkpoints`` folder."""
+    shutil.copytree(trained, scratch / "run1" / "checkpoints" / trained.name)
 
 
 def _truncated_checkpoint(scratch: Path, trained: Path | None) -> None:
@@ -316,6 +340,57 @@ CASES: list[Case] = [
             "schedule": {"global_batch_size": 12},
         },
         ["num_experts=8", "ep=3"],
+    ),
+    config_case(
+        "eod-token-with-byte-tokenizer",
+        1,
+        {"data": {"eod_token": "</s>"}},
+        ["data.eod_token='</s>'", "data.tokenizer='byte' has a fixed end-of-document id"],
+    ),
+    config_case(
+        "nan-weight-decay",
+        1,
+        {"optimizer": {"weight_decay": float("nan")}},
+        ["optimizer.weight_decay=nan: must be a finite number"],
+    ),
+    config_case(
+        "infinite-timeout",
+        1,
+        {"parallel": {"timeout_minutes": float("inf")}},
+        ["parallel.timeout_minutes=inf: must be a finite number"],
+    ),
+    config_case(
+        "negative-loss-scale",
+        1,
+        {"precision": {"initial_loss_scale": -1.0}},
+        ["precision.initial_loss_scale=-1.0: must be > 0"],
+    ),
+    config_case(
+        "zero-peak-tflops",
+        1,
+        {"logging": {"peak_tflops": 0.0}},
+        ["logging.peak_tflops=0.0: must be > 0"],
+    ),
+    Case(
+        "config-is-a-directory",
+        "train",
+        ("--config", "{d}"),
+        EXIT_USAGE,
+        ("--config='{d}': is a directory; valid: a TOML file",),
+    ),
+    config_case(
+        "experts-on-a-dense-model",
+        2,
+        {"parallel": {"ep": 2}, "schedule": {"micro_batch_size": 8}},
+        ["parallel.ep=2", "expert parallelism needs a model with experts"],
+    ),
+    Case(
+        "config-not-utf8",
+        "train",
+        ("--config", "{d}/binary.toml"),
+        EXIT_USAGE,
+        ("--config='{d}/binary.toml': not UTF-8 text, so not a TOML file",),
+        _binary_config,
     ),
     config_case(
         "order-not-a-permutation",
@@ -550,6 +625,22 @@ CASES: list[Case] = [
         setup=_data_config_missing_prefix,
     ),
     config_case(
+        "train-blend-weighs-nothing",
+        1,
+        {"data": {"data_config": "{d}/blend.json"}},
+        ["the 'train' blend of data.data_config='{d}/blend.json'", "docs, weight 0", "weight > 0"],
+        code=EXIT_DATA,
+        setup=_weightless_train_blend,
+    ),
+    config_case(
+        "empty-dataset",
+        1,
+        {"data": {"prefixes": ["{d}/empty"]}},
+        ["data.prefixes=['{d}/empty']", "gives the train split no documents"],
+        code=EXIT_DATA,
+        setup=_empty_dataset,
+    ),
+    config_case(
         "eval-steps-beyond-validation-split",
         1,
         {"data": {"prefixes": ["{d}/data"], "split": "90,10,0"}, "eval": {"steps": 50}},
@@ -692,6 +783,24 @@ CASES: list[Case] = [
         _junk_step,
     ),
     Case(
+        "generate-renamed-checkpoint",
+        "generate",
+        ("{d}/best",),
+        EXIT_CHECKPOINT,
+        ("CHECKPOINT='{d}/best': it is a complete checkpoint", "named step_<N>"),
+        _renamed_checkpoint,
+        needs_checkpoint=True,
+    ),
+    Case(
+        "generate-run-directory",
+        "generate",
+        ("{d}/run1",),
+        EXIT_CHECKPOINT,
+        ("CHECKPOINT='{d}/run1': it looks like a run directory: pass '{d}/run1/checkpoints'",),
+        _run_directory,
+        needs_checkpoint=True,
+    ),
+    Case(
         "generate-truncated-checkpoint",
         "generate",
         ("{d}/ckpt",),
@@ -810,6 +919,20 @@ CASES: list[Case] = [
         (*PLAN, "--dp", "16", "--global_batch", "100"),
         EXIT_USAGE,
         ("--global_batch=100 is not divisible by --dp=16",),
+    ),
+    Case(
+        "plan-experts-on-a-dense-model",
+        "plan",
+        (*PLAN, "--ep", "8"),
+        EXIT_USAGE,
+        ("--ep=8: expert parallelism needs an MoE model", "is dense"),
+    ),
+    Case(
+        "plan-tp-past-the-heads",
+        "plan",
+        (*PLAN, "--tp", "64"),
+        EXIT_USAGE,
+        ("--tp=64: tensor parallelism splits the", "attention heads", "valid: a divisor of"),
     ),
     Case(
         "plan-unknown-preset",

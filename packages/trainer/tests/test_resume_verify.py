@@ -220,3 +220,19 @@ def test_generate_refuses_a_hostile_checkpoint(reference, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "refused" in err and "Traceback" not in err
     assert not marker.exists()
+
+
+def test_resuming_past_train_steps_says_there_is_nothing_to_train(reference, tmp_path):
+    """The step-4 checkpoint resumed with ``train_steps=3``: no step runs, and a notice says
+    why instead of the run ending silently."""
+    root = _interrupted(reference, tmp_path)
+    config = tiny_config(
+        tmp_path / "run",
+        schedule={"train_steps": 3, "warmup_steps": 1},
+        eval={"interval": None, "at_end": False},
+        checkpoint={**SAVES, "dir": str(root), "resume": "auto"},
+    )
+    stream = io.StringIO()
+    result = train(config, stream=stream)
+    assert result.train_losses == {}
+    assert "the checkpoint is at step 4, at or past schedule.train_steps=3" in stream.getvalue()

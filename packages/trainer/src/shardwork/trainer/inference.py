@@ -25,7 +25,7 @@ from shardwork.trainer.config.validate_peft import lora_config_of
 from shardwork.trainer.data.tokenizer import load_tokenizer
 from shardwork.trainer.errors import CheckpointError
 from shardwork.trainer.model_factory import build_model_chunks, gpt_config
-from shardwork.trainer.run.checkpointing import locate_checkpoint
+from shardwork.trainer.run.checkpointing import locate_checkpoint, no_checkpoint_reason
 from shardwork.trainer.run.hf import import_hf_weights
 from shardwork.trainer.run.megatron import import_megatron_weights
 
@@ -36,7 +36,8 @@ def load_for_inference(checkpoint: str | Path):
     manager = CheckpointManager(root)
     step = manager.latest() if step is None else step
     if step is None:
-        raise CheckpointError(f"CHECKPOINT={str(checkpoint)!r}: no complete checkpoint there")
+        reason = no_checkpoint_reason(checkpoint)
+        raise CheckpointError(f"CHECKPOINT={str(checkpoint)!r}: {reason}")
     info = read_info(manager.step_path(step))
     text = (info.get("user_metadata") or {}).get("train_config")
     if text is None:

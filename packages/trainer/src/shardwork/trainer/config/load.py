@@ -88,6 +88,8 @@ def config_from_dict(table: dict[str, Any], notices: list[str] | None = None) ->
 def load_config(path: str | Path) -> TrainConfig:
     """Read a TOML config file; each conversion from an older format is a notice on stderr."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError([f"--config={str(path)!r}: is a directory; valid: a TOML file"])
     if not path.is_file():
         raise ConfigError([f"--config={str(path)!r}: no such file"])
     try:
@@ -95,6 +97,13 @@ def load_config(path: str | Path) -> TrainConfig:
             table = tomllib.load(f)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError([f"--config={str(path)!r}: not valid TOML ({exc})"]) from exc
+    except UnicodeDecodeError as exc:  # TOML is UTF-8 text: a binary or Latin-1 file
+        raise ConfigError(
+            [
+                f"--config={str(path)!r}: not UTF-8 text, so not a TOML file ({exc.reason} at byte "
+                f"{exc.start})"
+            ]
+        ) from None
     except OSError as exc:
         raise ConfigError([f"--config={str(path)!r}: cannot read it ({exc.strerror})"]) from exc
     notices: list[str] = []

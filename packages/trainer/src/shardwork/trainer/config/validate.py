@@ -15,6 +15,7 @@ run and checkpoint directories), which is what ``--print-config`` shows.
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import torch
@@ -26,7 +27,7 @@ from shardwork.models.pipeline import layers_per_rank, standalone_last_stage_lay
 from shardwork.parallel_state import ORDER_TOKENS, ParallelConfig
 from shardwork.trainer.config.load import ConfigError
 from shardwork.trainer.config.model_settings import read_settings
-from shardwork.trainer.config.sections import DEMO_MODEL, TrainConfig
+from shardwork.trainer.config.sections import DEMO_MODEL, ModelSection, TrainConfig
 from shardwork.trainer.config.validate_data import check_data, check_tokenizer
 from shardwork.trainer.config.validate_fsdp import check_fsdp
 from shardwork.trainer.config.validate_hf import (
@@ -157,6 +158,13 @@ def _check_model(config: TrainConfig, problems: list[str]):
         problems.append(f"model: {exc}")
         return None
     check_hf_shapes(config, model, problems)
+    p = config.parallel
+    if model.moe is None and (p.ep > 1 or (p.etp is not None and p.etp != p.tp)):
+        problems.append(
+            f"parallel.ep={p.ep} / parallel.etp={p.etp}: expert parallelism needs a model with "
+            "experts, and this one is dense (no model.moe); valid: ep=1 and etp unset, or an "
+            "MoE model (e.g. model.preset='tiny-mixtral-8x7b')"
+        )
     if _order_problem(config.parallel.order) is not None:
         return model  # reported by _check_parallel
     try:
@@ -328,6 +336,35 @@ def _check_rest(config: TrainConfig, problems: list[str]) -> None:
         problems.append(f"seed={config.seed!r}: must be an integer >= 0")
 
 
+def _non_finite_numbers(section, path: str = ""):
+    """``(dotted field, value)`` of every nan / infinite float in ``section`` and the sections
+    it holds (the ``[model]`` table's values are GPTConfig's, checked by the model)."""
+    for field in dataclasses.fields(section):
+        value = getattr(section, field.name)
+        where = f"{path}{field.name}"
+        if dataclasses.is_dataclass(value) and not isinstance(value, ModelSection):
+            yield from _non_finite_numbers(value, f"{where}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            yield where, value
+
+
+def _check_numbers(config: TrainConfig, problems: list[str]) -> None:
+    """Every float setting finite (a nan passes ``<`` / ``>`` checks and fails mid-run), and
+    the positive ones positive."""
+    for where, value in _non_finite_numbers(config):
+        problems.append(f"{where}={value}: must be a finite number")
+    if not config.precision.initial_loss_scale > 0:
+        problems.append(
+            f"precision.initial_loss_scale={config.precision.initial_loss_scale}: must be > 0"
+        )
+    peak = config.logging.peak_tflops
+    if peak is not None and not peak > 0:
+        problems.append(
+            f'logging.peak_tflops={peak}: must be > 0 (one device\'s peak TFLOP/s) or "none" '
+            "(the known GPU table, or a measured matmul rate on CPU)"
+        )
+
+
 def _check_environment(problems: list[str]) -> None:
     """The shardwork environment variables the run would read mid-step or at its first save
     (kernel backend, CPU product library, checkpoint fault injection), checked up front."""
@@ -365,6 +402,7 @@ def validate_config(config: TrainConfig, *, world_size: int) -> TrainConfig:
     _check_schedule(resolved, dp, problems)
     _check_quantile_balancing(resolved, model, problems)
     _check_rest(resolved, problems)
+    _check_numbers(resolved, problems)
     check_peft(resolved, model, _expert_tp(resolved), problems)
     check_fsdp(resolved, world_size, problems)
     _check_environment(problems)

@@ -80,6 +80,12 @@ def check_data(config: TrainConfig, problems: list[str]) -> None:
                 f"data.split={d.split!r} has no validation part but evaluation is on: give it one "
                 "or set eval.interval='none' and eval.at_end=false"
             )
+    if d.tokenizer == "byte" and d.eod_token is not None:
+        problems.append(
+            f"data.eod_token={d.eod_token!r} names a token of a tokenizer file, but "
+            "data.tokenizer='byte' has a fixed end-of-document id (256); valid: leave "
+            'data.eod_token unset ("none"), or give data.tokenizer a tokenizer JSON file'
+        )
     if d.tokenizer != "byte" and not Path(d.tokenizer).expanduser().is_file():
         problems.append(
             f"data.tokenizer={d.tokenizer!r}: must be 'byte' or an existing tokenizer JSON file"

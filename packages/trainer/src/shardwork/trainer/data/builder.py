@@ -60,9 +60,18 @@ def read_data_config(path: str | Path) -> dict[str, list[tuple[float, str]]]:
                 if not (isinstance(item, list | tuple) and len(item) == 2):
                     raise ValueError(f"{split}: entry {item!r} must be [weight, prefix]")
                 weight, prefix = item
-            if not isinstance(weight, int | float) or weight < 0:
-                raise ValueError(f"{split}: weight {weight!r} of {prefix!r} must be >= 0")
-            pairs.append((float(weight), str(prefix)))
+            if isinstance(weight, bool) or not isinstance(weight, int | float):
+                raise ValueError(
+                    f"{split}: entry {list(item)!r} has weight {weight!r}, not a number; valid: "
+                    '[weight, prefix] pairs such as [1.0, "data/corpus"], or {"prefix": weight}'
+                )
+            if not weight >= 0 or weight == float("inf"):
+                raise ValueError(
+                    f"{split}: weight {weight!r} of {prefix!r} must be >= 0 and finite"
+                )
+            if not isinstance(prefix, str):
+                raise ValueError(f"{split}: prefix {prefix!r} of weight {weight!r} must be a path")
+            pairs.append((float(weight), prefix))
         blends[split] = pairs
     return blends
 

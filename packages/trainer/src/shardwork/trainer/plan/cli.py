@@ -141,6 +141,25 @@ def load_model(spec: str):
         raise UserError(f"--model={spec!r}: {path} is not a supported config ({exc})") from None
 
 
+def check_sizes_against_model(args: PlanArgs, model) -> None:
+    """UserError for a size filter no layout of ``model`` can have (the table would only say
+    that no layout fits, without why)."""
+    problems = []
+    if args.ep is not None and args.ep > 1 and model.moe is None:
+        problems.append(
+            f"--ep={args.ep}: expert parallelism needs an MoE model, and --model={args.model!r} "
+            "is dense; valid: --ep 1 or no --ep"
+        )
+    heads = model.num_attention_heads
+    if args.tp is not None and heads % args.tp != 0:
+        problems.append(
+            f"--tp={args.tp}: tensor parallelism splits the {heads} attention heads of "
+            f"--model={args.model!r}; valid: a divisor of {heads}"
+        )
+    if problems:
+        raise UserError("; ".join(problems))
+
+
 def _cluster(args: PlanArgs):
     base = dict(CLUSTERS[args.cluster]) if args.cluster else dict(gpu=GPUS[args.gpu])
     if args.cluster is None:
@@ -160,6 +179,7 @@ def run(args: PlanArgs) -> str:
     """Plan and return the table (writes the plot if asked)."""
     check_args(args)
     model = load_model(args.model)
+    check_sizes_against_model(args, model)
     result = plan(
         model,
         _cluster(args),

@@ -94,6 +94,26 @@ def locate_checkpoint(path: str | Path) -> tuple[Path, int | None]:
     return path, None
 
 
+def no_checkpoint_reason(path: str | Path) -> str:
+    """Why ``path`` names no checkpoint to load, with what to pass instead: the trainer reads
+    ``step_<N>`` directories (or their parent), and the message must say so when ``path`` is a
+    complete checkpoint under another name or a run directory."""
+    path = Path(path)
+    if not path.exists():
+        return "no such directory"
+    if is_committed(path):
+        return (
+            "it is a complete checkpoint, but checkpoints are read from directories named "
+            "step_<N> (N = its step, e.g. step_000000006): rename it, or pass its parent when "
+            "that holds step_<N> directories"
+        )
+    if (path / "checkpoints").is_dir():
+        return f"it looks like a run directory: pass {str(path / 'checkpoints')!r}"
+    if (path / ".metadata").is_file():
+        return "a checkpoint whose save never finished (no COMMITTED marker): it is incomplete"
+    return "no step_<N> directory with a COMMITTED marker there (no complete checkpoint)"
+
+
 class ResumeError(ValueError):
     """``checkpoint.resume`` names no checkpoint this run can resume: none complete there, none
     intact, or one whose tensors do not fit this run's model."""
@@ -198,7 +218,7 @@ class Checkpointer:
         manager = CheckpointManager(root)
         step = manager.latest() if step is None else step
         if step is None:
-            raise ResumeError(f"checkpoint.resume={c.resume!r}: no complete checkpoint there")
+            raise ResumeError(f"checkpoint.resume={c.resume!r}: {no_checkpoint_reason(c.resume)}")
         try:
             return self._resume_from(manager, step, say=say)
         except CheckpointCorruptError as exc:

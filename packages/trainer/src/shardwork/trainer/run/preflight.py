@@ -64,6 +64,7 @@ def preflight(config: TrainConfig) -> list[str]:
     warnings = [w for w in [free_space_warning(config)] if w is not None]
     for field, prefix in dataset_prefixes(config):
         check_dataset(field, prefix, vocab_size=config.model.settings["vocab_size"])
+    check_train_split(config)
     check_eval_steps(config)
     return warnings
 
@@ -166,6 +167,27 @@ def check_dataset(field: str, prefix: str, *, vocab_size: int) -> None:
     except DataError as exc:
         raise DataError(f"{field}={prefix!r}: {exc}") from None
     check_token_range(ds, vocab_size, field=f"{field}={prefix!r}")
+
+
+def check_train_split(config: TrainConfig) -> None:
+    """Refuse a run whose ``train`` split has no documents, or only ones of weight 0 (an
+    empty dataset, a data config whose train blend weighs nothing): nothing to sample from."""
+    components = split_components(config.data)["train"]
+    if any(c.weight > 0 and c.documents.size for c in components):
+        return
+    d = config.data
+    source = (
+        f"the 'train' blend of data.data_config={d.data_config!r}"
+        if d.data_config is not None
+        else f"data.prefixes={list(d.prefixes)} with data.split={d.split!r}"
+    )
+    held = ", ".join(
+        f"{c.prefix!r}: {c.documents.size} docs, weight {c.weight:g}" for c in components
+    )
+    raise DataError(
+        f"{source} gives the train split no documents to sample ({held or 'no datasets'}); "
+        "valid: at least one dataset with documents and a weight > 0"
+    )
 
 
 def check_eval_steps(config: TrainConfig) -> None:

@@ -199,6 +199,17 @@ class Trainer:
         self.stream = stream or sys.stderr
         self.assembly: Assembly | None = None
 
+    def _say_if_nothing_left(self, start_step: int) -> None:
+        """A resumed checkpoint at or past ``schedule.train_steps`` trains nothing: say why,
+        instead of a run that ends without a step."""
+        train_steps = self.config.schedule.train_steps
+        if start_step > 0 and start_step >= train_steps:
+            self.say(
+                f"notice: the checkpoint is at step {start_step}, at or past "
+                f"schedule.train_steps={train_steps}: nothing left to train (raise "
+                "schedule.train_steps to continue)"
+            )
+
     def say(self, text: str) -> None:
         """Print a message on the logging rank (through the progress bar when there is one;
         ``logging.progress = "none"`` silences progress lines, never messages)."""
@@ -327,6 +338,7 @@ class Trainer:
         checkpointer = Checkpointer(config, runtime, assembly)
         with self._phase("start-up (checkpoint resume)", ("world",)):
             start_step = checkpointer.maybe_resume(say=self.say)
+        self._say_if_nothing_left(start_step)
         result = RunResult(final_step=start_step, run_dir=str(run_dir))
         writer = self._open_writer(run_dir)
         result.bigram_nats = baseline = _baseline(comps["train"] + comps["valid"], runtime)
