@@ -143,6 +143,26 @@ def test_free_space_warning(tmp_path, monkeypatch, corpus_env):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_fresh_start_among_earlier_checkpoints_is_warned(tmp_path, corpus_env):
+    """resume='none' in a checkpoint.dir holding committed checkpoints: a warning naming the
+    newest; none for an empty dir, an uncommitted step or resume='auto'."""
+    from shardwork.trainer.run.trainer import train
+    from shardwork.trainer.testing import tiny_config
+
+    quick = {"schedule": {"train_steps": 2, "warmup_steps": 1}}
+    first = tiny_config(tmp_path / "run", **quick, checkpoint={"save_at_end": True})
+    assert pf.earlier_checkpoints_warning(first) is None
+    train(first, stream=io.StringIO())
+    (tmp_path / "run" / "checkpoints" / "step_000000009").mkdir()  # a save that never finished
+    warning = pf.earlier_checkpoints_warning(first)
+    assert warning.startswith(
+        f"warning: checkpoint.dir='{tmp_path / 'run' / 'checkpoints'}' already holds 1 "
+        "checkpoint(s) (newest step_000000002)"
+    )
+    auto = tiny_config(tmp_path / "run", **quick, checkpoint={"resume": "auto"})
+    assert pf.earlier_checkpoints_warning(auto) is None
+
+
 def test_eval_steps_against_the_validation_split(tmp_path, corpus_env):
     """The pydoc corpus's validation split at seq_length 32 and global batch 8: the largest
     accepted eval.steps is its sample count // 8, counted here from the documents."""

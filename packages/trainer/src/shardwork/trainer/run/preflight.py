@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from shardwork.dist_checkpoint import is_committed
 from shardwork.models.block_compile import compile_problem
 from shardwork.models.calculator import num_parameters
 from shardwork.trainer.config.load import ConfigError
@@ -61,7 +62,8 @@ def preflight(config: TrainConfig) -> list[str]:
             problems.append(f"precision.compile=true: {problem}; or set precision.compile = false")
     if problems:
         raise ConfigError(problems)
-    warnings = [w for w in [free_space_warning(config)] if w is not None]
+    found = [free_space_warning(config), earlier_checkpoints_warning(config)]
+    warnings = [w for w in found if w is not None]
     for field, prefix in dataset_prefixes(config):
         check_dataset(field, prefix, vocab_size=config.model.settings["vocab_size"])
     check_train_split(config)
@@ -138,6 +140,25 @@ def free_space_warning(config: TrainConfig) -> str | None:
         f"warning: checkpoint.dir={c.dir!r}: {free / gib:.2f} GiB free on its file system, but "
         f"checkpoint.keep_last={c.keep_last} checkpoints plus the one being written need about "
         f"{needed / gib:.2f} GiB ({per_checkpoint / gib:.2f} GiB each); saving may fail"
+    )
+
+
+def earlier_checkpoints_warning(config: TrainConfig) -> str | None:
+    """A warning when ``checkpoint.resume = "none"`` starts a run in a ``checkpoint.dir`` that
+    already holds complete checkpoints: this run's join them, retention counts both, and a
+    later ``resume = "auto"`` takes the newest step of either run (another model's, perhaps)."""
+    c = config.checkpoint
+    root = Path(c.dir).expanduser()
+    if c.resume != "none" or not root.is_dir():
+        return None
+    steps = sorted(p.name for p in root.glob("step_*") if p.is_dir() and is_committed(p))
+    if not steps:
+        return None
+    return (
+        f"warning: checkpoint.dir={c.dir!r} already holds {len(steps)} checkpoint(s) (newest "
+        f"{steps[-1]}) and checkpoint.resume='none' starts afresh: this run's checkpoints join "
+        "them, checkpoint.keep_last counts both, and a later resume='auto' takes the newest of "
+        "either run; use a new checkpoint.dir to keep them apart"
     )
 
 

@@ -60,8 +60,9 @@ def mismatch_message(exc: CheckpointMismatchError, *, saved_toml: str | None, ru
         if flags:
             lines.append(f"To resume it, run with the checkpoint's model: {flags}.")
     lines.append(
-        "To train this model from scratch instead, pass --checkpoint.resume none or a new "
-        "--checkpoint.dir."
+        "To train this model from scratch instead, pass a new --checkpoint.dir (--checkpoint.resume "
+        "none also starts afresh, but keeps these checkpoints beside the new ones, where a later "
+        "resume 'auto' may pick them)."
     )
     return "\n".join(lines)
 
