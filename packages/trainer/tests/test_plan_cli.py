@@ -1,5 +1,6 @@
 """``shardwork-plan``: its table against ``plan()``, Hugging Face config input, the SVG plot,
-the size filters, and argument errors (exit 2, one paragraph naming the option)."""
+the size filters, argument errors (exit 2, one paragraph naming the option) and the exit code
+when nothing fits (3)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from shardwork.models import preset
 from shardwork.models.hf import hf_config_from_gpt
 from shardwork.trainer.plan.cli import main
-from shardwork.trainer.plan.cluster import CLUSTERS, Cluster
+from shardwork.trainer.plan.cluster import CLUSTERS, GPUS, Cluster
 from shardwork.trainer.plan.planner import plan
 
 ARGS = ["--model", "llama3-8b", "--gpus", "64", "--global_batch", "128", "--seq_length", "4096"]
@@ -66,6 +67,22 @@ def test_size_filters_keep_only_matching_layouts(capsys):
     assert main([*ARGS, "--tp", "2", "--pp", "2"]) == 0
     rows = _table_rows(capsys.readouterr().out)
     assert rows and all(" TP2 " in f" {r} " and " PP2" in r for r in rows)
+
+
+def test_nothing_fits_prints_the_refusals_and_exits_3(capsys):
+    """A 70B model on two 80 GiB GPUs: no layout holds its weights and optimizer state."""
+    args = ["--model", "llama3-70b", "--gpus", "2", "--global_batch", "2", "--seq_length", "4096"]
+    expected = plan(
+        preset("llama3-70b"),
+        Cluster(num_gpus=2, gpus_per_node=8, internode=400 / 8 * 1e9, gpu=GPUS["h100-sxm"]),
+        global_batch=2,
+        seq_length=4096,
+    )
+    assert expected.rows == [] and expected.refused  # the planner itself finds nothing
+    assert main(args) == 3
+    captured = capsys.readouterr()
+    assert "(no layout fits)" in captured.out and "0 parallel layouts fit" in captured.out
+    assert captured.out.count("  refused ") >= 1 and captured.err == ""
 
 
 @pytest.mark.parametrize(

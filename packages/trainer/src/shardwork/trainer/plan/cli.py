@@ -4,7 +4,9 @@
 --seq_length 8192 [--plot plan.svg]`` prints the ranked table; ``--tp/--cp/--pp/--dp/--ep``
 restrict the search to layouts with those sizes. Every argument is checked before any layout
 is priced; a mistake exits with 2 and one paragraph naming the option, the value and what
-would be valid (:mod:`shardwork.trainer.errors`). The plot is written to a temporary name and
+would be valid (:mod:`shardwork.trainer.errors`). When no layout fits, the table (which lists
+why each layout was refused) is still printed and the exit code is 3, so a script that sweeps
+models or cluster sizes can tell "nothing fits" from a plan without reading the text. The plot is written to a temporary name and
 renamed, so an interrupted run leaves no partial file.
 """
 
@@ -30,12 +32,14 @@ from shardwork.trainer.plan.report import render_svg, render_table
 __all__ = ["PlanArgs", "check_args", "main"]
 
 PROG = "shardwork-plan"
+EXIT_NOTHING_FITS = 3
 
 
 @dataclass(kw_only=True)
 class PlanArgs:
-    """Rank the parallel layouts of a training run by predicted step time. Exit codes: 0 ok,
-    1 internal error, 2 usage error."""
+    """Rank the parallel layouts of a training run by predicted step time. Exit codes: 0 at
+    least one layout fits, 1 internal error, 2 usage error, 3 no layout fits (the table says
+    why each was refused)."""
 
     model: str
     """A shardwork.models preset name, a Hugging Face config.json, or a folder holding one."""
@@ -175,8 +179,8 @@ def _matches(row, sizes: dict) -> bool:
     return all(getattr(row.layout, k) == v for k, v in sizes.items())
 
 
-def run(args: PlanArgs) -> str:
-    """Plan and return the table (writes the plot if asked)."""
+def run(args: PlanArgs) -> tuple[str, int]:
+    """Plan; return the table and how many parallel layouts fit (writes the plot if asked)."""
     check_args(args)
     model = load_model(args.model)
     check_sizes_against_model(args, model)
@@ -196,7 +200,7 @@ def run(args: PlanArgs) -> str:
         tmp = Path(args.plot).with_name(f".{Path(args.plot).name}.tmp")
         tmp.write_text(render_svg(result, top=args.top))
         os.replace(tmp, args.plot)
-    return render_table(result, top=args.top, refused=args.refused)
+    return render_table(result, top=args.top, refused=args.refused), len(result.ranked())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,10 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         PlanArgs, args=sys.argv[1:] if argv is None else argv, use_underscores=True, prog=PROG
     )
     try:
-        print(run(args))
+        table, fitting = run(args)
     except UserError as exc:
         return report(PROG, str(exc), exc.exit_code)
-    return 0
+    print(table)
+    return 0 if fitting else EXIT_NOTHING_FITS
 
 
 if __name__ == "__main__":
