@@ -8,6 +8,8 @@ in ``[0, vocab_size)``, a valid label too or ``-100``.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -67,3 +69,21 @@ def test_boundary_ids_and_ignored_labels_are_accepted(model):
 def test_input_ids_of_the_wrong_kind_are_refused(model, ids, pattern):
     with pytest.raises(ValueError, match=pattern):
         model(ids)
+
+
+@pytest.mark.parametrize("name", ["input_ids", "labels"])
+def test_range_check_is_a_device_assert_where_a_host_sync_would_be(model, monkeypatch, name):
+    # Off the CPU (or while torch.compile traces forward) the range goes through
+    # torch._assert_async, which needs no host sync; on a CPU tensor that assert raises at once,
+    # so forcing the branch here shows its condition and message (a GPU session runs it for real).
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    vocab = model.config.vocab_size
+    ids, labels = _ids(vocab), _ids(vocab, 1)
+    labels[0, 2] = -100
+    loss_sum, _ = model(ids, labels=labels)  # in range: the assert passes
+    assert torch.isfinite(loss_sum)
+    bad = {"input_ids": ids, "labels": labels}[name]
+    bad[1, 4] = vocab
+    allowed = f"[0, {vocab})" + (" or -100" if name == "labels" else "")
+    with pytest.raises(RuntimeError, match=re.escape(f"{name} holds an id outside {allowed}")):
+        model(ids, labels=labels)

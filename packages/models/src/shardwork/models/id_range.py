@@ -4,7 +4,8 @@ An id at or above ``vocab_size`` is a tokenizer/config mismatch that must not tr
 below the padded vocabulary it would read (and train) a padding row of the embedding, and a
 label there would score a logit no real token has. The shape and dtype checks are free; the
 range check reads the values, so it runs exactly on CPU tensors and as a device-side assert
-elsewhere (``torch._assert_async``: no host synchronisation in the step).
+elsewhere, or while ``torch.compile`` traces the caller (``torch._assert_async``: no host
+synchronisation in the step and no graph break).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def check_token_ids(
     if ignore_index is not None:
         valid |= ids == ignore_index
     allowed = f"[0, {vocab_size})" + ("" if ignore_index is None else f" or {ignore_index}")
-    if ids.device.type != "cpu":
+    if ids.device.type != "cpu" or torch.compiler.is_compiling():
         torch._assert_async(valid.all(), f"{name} holds an id outside {allowed}")
         return
     if bool(valid.all()):
