@@ -99,6 +99,23 @@ def check_member(group: Any, field: str) -> None:
         )
 
 
+def data_parallel_groups(
+    process_groups: ProcessGroups | None, dp_group: Any, expert_dp_group: Any
+) -> tuple[Any, Any]:
+    """``(dp_group, expert_dp_group)`` of a data-parallel wrapper: the explicit groups, else
+    ``process_groups``' ``dp_cp`` and ``edp`` groups; the expert group defaults to the dense
+    one. ValueError if this rank is not in one of them (None, one replica, is accepted here)."""
+    if process_groups is not None:
+        dp_group = dp_group if dp_group is not None else process_groups.group("dp_cp")
+        if expert_dp_group is None:
+            expert_dp_group = process_groups.group("edp")
+    if expert_dp_group is None:
+        expert_dp_group = dp_group
+    check_member(dp_group, "dp_group")
+    check_member(expert_dp_group, "expert_dp_group")
+    return dp_group, expert_dp_group
+
+
 def check_arguments(module: Any, config: Any, process_groups: Any, grad_divisor: Any) -> None:
     """TypeError/ValueError for a :class:`DistributedDataParallel` argument of the wrong kind
     (each would otherwise fail later with an AttributeError that names nothing)."""
@@ -145,14 +162,7 @@ class DistributedDataParallel(nn.Module):
         check_arguments(module, config, process_groups, grad_divisor)
         super().__init__()
         config = config or DDPConfig()
-        if process_groups is not None:
-            dp_group = dp_group if dp_group is not None else process_groups.group("dp_cp")
-            if expert_dp_group is None:
-                expert_dp_group = process_groups.group("edp")
-        if expert_dp_group is None:
-            expert_dp_group = dp_group
-        check_member(dp_group, "dp_group")
-        check_member(expert_dp_group, "expert_dp_group")
+        dp_group, expert_dp_group = data_parallel_groups(process_groups, dp_group, expert_dp_group)
         divisor = grad_divisor if grad_divisor is not None else group_size(dp_group)
         self.module = module
         self.config = config

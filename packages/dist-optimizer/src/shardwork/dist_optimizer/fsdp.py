@@ -42,7 +42,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from shardwork.dist_optimizer.ddp import check_member
+from shardwork.dist_optimizer.ddp import data_parallel_groups
 from shardwork.dist_optimizer.fsdp_units import check_blocks, expert_containers, own_parameters
 from shardwork.dist_optimizer.validation import check_bool, check_process_groups, check_type
 from shardwork.parallel_state import (
@@ -101,22 +101,15 @@ def _mesh(group: Any, device_type: str) -> DeviceMesh:
     return DeviceMesh.from_group(group, device_type=device_type)
 
 
-def _data_parallel_groups(process_groups, dp_group, expert_dp_group) -> tuple[Any, Any]:
-    """``(dp_group, expert_dp_group)``: the explicit groups, else ``process_groups``' dp_cp and
-    edp groups; the expert group defaults to the dense one. Each must hold this rank."""
-    if process_groups is not None:
-        dp_group = dp_group if dp_group is not None else process_groups.group("dp_cp")
-        if expert_dp_group is None:
-            expert_dp_group = process_groups.group("edp")
-    if expert_dp_group is None:
-        expert_dp_group = dp_group
+def _sharding_groups(process_groups, dp_group, expert_dp_group) -> tuple[Any, Any]:
+    """DDP's group resolution (:func:`data_parallel_groups`), except that FSDP needs a real
+    data-parallel group: it shards over that group's communicator."""
+    dp_group, expert_dp_group = data_parallel_groups(process_groups, dp_group, expert_dp_group)
     if dp_group is None:
         raise ValueError(
             "FullyShardedDataParallel: dp_group is None (no torch.distributed); valid: a "
             "data-parallel process group (FSDP shards over its communicator)"
         )
-    check_member(dp_group, "dp_group")
-    check_member(expert_dp_group, "expert_dp_group")
     return dp_group, expert_dp_group
 
 
@@ -156,7 +149,7 @@ class FullyShardedDataParallel(nn.Module):
                 f"FullyShardedDataParallel needs torch's FSDPModule.{missing[0]} (torch "
                 f"{torch.__version__} lacks it); valid: a torch that has it (2.10 or newer)"
             )
-        dp_group, expert_dp_group = _data_parallel_groups(process_groups, dp_group, expert_dp_group)
+        dp_group, expert_dp_group = _sharding_groups(process_groups, dp_group, expert_dp_group)
         frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
         if frozen:
             raise ValueError(
