@@ -6,6 +6,7 @@ and are still verified, while a version-2 marker damaged so that it lacks its CR
 no marker has) is refused by `verify` and `load` alike."""
 
 import json
+import warnings
 import zlib
 from pathlib import Path
 
@@ -288,3 +289,21 @@ def test_two_ranks_all_raise_when_one_finds_a_bad_file(ckpt, kind):
         assert files == (name,)
         for part in _expected_message_parts(ckpt, name, recorded):
             assert part in message
+
+
+def test_a_damaged_object_record_is_refused_without_torchs_warning(ckpt):
+    """Torch decodes a pickle whose protocol byte was flipped with a warning that asks the
+    user to file a torch issue; next to the corruption error it would only mislead, so `load`
+    drops the decode warnings of a file it finds damaged, and passes on the others."""
+    name, offset, length = _item_range(ckpt, "rng")
+    blob = (ckpt / name).read_bytes()[offset : offset + length]
+    _flip(ckpt / name, offset + blob.index(b"\x80\x02") + 1)  # the pickle's protocol number
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(CheckpointCorruptError, match=r"__0_0\.distcp: checksum mismatch"):
+            load(example_state(0, 1, seed=0, fill=False), ckpt)
+    assert [str(w.message) for w in caught] == []
+    # Unverified, the same record decodes and torch's warning reaches the caller as before.
+    with pytest.warns(UserWarning, match="Detected pickle protocol 88"):
+        out = load(example_state(0, 1, seed=0, fill=False), ckpt, verify=False)
+    assert out["rng"] == {"rank": 0, "seed": SEED}

@@ -32,7 +32,8 @@ ranks a generic error): it is appended to `ShardworkReader.corrupt`, and `load` 
 the union of every rank's findings. A read that fails on a file that differs from its record
 (a truncated file, a header whose flipped byte breaks parsing) is reported the same way; one
 that fails on an intact file is re-raised. ``.metadata`` is checked against its record before
-it is decoded.
+it is decoded. Warnings raised while reading (torch warns about some damaged pickles) reach
+the caller only if every file read matched its record.
 
 Nothing in the checkpoint runs code or reaches outside it: ``.metadata`` is decoded with an
 allow-list (`decode.decode_metadata`), every file name and byte range it records is checked
@@ -48,6 +49,7 @@ import itertools
 import math
 import os
 import threading
+import warnings
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -214,21 +216,33 @@ class ShardworkReader(FileSystemReader):
             # not verified: only DCP's own writer with extensions writes transforms, and its
             # checkpoints have no shardwork.json, hence no records (load refuses them anyway)
             return super().read_data(plan, planner)
-        per_file = self._by_file(plan.items)
+        # Torch decodes some damaged pickles with a warning that asks the user to file a torch
+        # issue; next to the corruption error that follows it would only mislead. So warnings
+        # raised while reading are held (from every reader thread: the filter state is
+        # process-wide) and passed on only if no file this rank read differs from its record.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            self._read_all(self._by_file(plan.items), planner)
+        for w in caught if not self.corrupt else ():
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+        return _done()
+
+    def _read_all(self, per_file: dict[str, list[ReadItem]], planner: LoadPlanner) -> None:
+        """Object records first (`_decode_objects`), then every file's tensors, ``thread_count``
+        files at a time."""
         self._decode_objects(per_file, planner)
         if self.corrupt:  # a damaged object record: do not fill tensors from this checkpoint
-            return _done()
+            return
         jobs = list(per_file.items())
         threads = min(self.thread_count, len(jobs))
         if threads <= 1:
             for relative_path, reqs in jobs:
                 self._read_file(relative_path, reqs, planner)
-        else:
-            with ThreadPoolExecutor(threads, thread_name_prefix="shardwork-ckpt-reader") as pool:
-                futures = [pool.submit(self._read_file, p, reqs, planner) for p, reqs in jobs]
-                for f in futures:
-                    f.result()
-        return _done()
+            return
+        with ThreadPoolExecutor(threads, thread_name_prefix="shardwork-ckpt-reader") as pool:
+            futures = [pool.submit(self._read_file, p, reqs, planner) for p, reqs in jobs]
+            for f in futures:
+                f.result()
 
     def _by_file(self, items: list[ReadItem]) -> dict[str, list[ReadItem]]:
         per_file: dict[str, list[ReadItem]] = {}
