@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -226,7 +227,8 @@ class DistributedDataParallel(nn.Module):
         all-gather launched (:meth:`start_param_sync` with overlap) and each wait for one (a
         forward pre-hook, or :meth:`finish_param_sync`) since the last
         :meth:`zero_grad_buffer`, in order (for tests and debugging)."""
-        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(p)) for p in trainable]
+        hook = self._make_hook()
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in trainable]
         if config.use_distributed_optimizer:
             for submodule in module.modules():
                 if any(p.requires_grad for p in submodule.parameters(recurse=False)):
@@ -252,25 +254,40 @@ class DistributedDataParallel(nn.Module):
             queues.append(LaunchQueue(buckets))
         return queues
 
-    def _make_hook(self, param: nn.Parameter) -> Callable[[torch.Tensor], None]:
-        bucket = self._bucket_of[id(param)]  # fixed at construction: looked up once
+    def _make_hook(self) -> Callable[[torch.Tensor], None]:
+        """The post-accumulate-grad hook of every trainable parameter.
 
-        def hook(p: torch.Tensor) -> None:
-            if bucket.grad_launched or bucket.marked_ready(param):
-                raise RuntimeError(self._late_gradient_message(param, bucket.grad_launched))
-            if p.grad is not None:
-                # Fold into the flat accumulator and free p.grad: one gradient copy per parameter.
-                p.main_grad.add_(p.grad)
-                p.grad = None
-            self._grads_dirty = True
-            # Under no_sync nothing is marked ready; finish_grad_sync launches every bucket at the
-            # end.
-            overlap = self._sync_enabled and self.config.overlap_grad_reduce
-            if overlap and bucket.mark_ready(param):
-                for q in self._queues:
-                    q.launch_ready()
+        Autograd keeps a parameter's hooks in its C++ metadata, where Python's collector cannot
+        see them: a hook holding this wrapper (or the parameter, or a bucket listing it) would
+        close a cycle the collector cannot break, and the model, its buffers and its process
+        groups (each with its gloo sockets and threads) would live as long as the process. So
+        the hook holds a weak reference to the wrapper only, and gets the parameter as its
+        argument; once the wrapper is gone it does nothing."""
+        wrapper = weakref.ref(self)
+
+        def hook(param: torch.Tensor) -> None:
+            ddp = wrapper()
+            if ddp is not None:
+                ddp._gradient_ready(param)
 
         return hook
+
+    def _gradient_ready(self, param: torch.Tensor) -> None:
+        """Fold ``param.grad`` into its ``main_grad`` and, with overlap, launch the buckets
+        that became complete."""
+        bucket = self._bucket_of[id(param)]
+        if bucket.grad_launched or bucket.marked_ready(param):
+            raise RuntimeError(self._late_gradient_message(param, bucket.grad_launched))
+        if param.grad is not None:
+            # Fold into the flat accumulator and free p.grad: one gradient copy per parameter.
+            param.main_grad.add_(param.grad)
+            param.grad = None
+        self._grads_dirty = True
+        # Under no_sync nothing is marked ready; finish_grad_sync launches every bucket at the end.
+        overlap = self._sync_enabled and self.config.overlap_grad_reduce
+        if overlap and bucket.mark_ready(param):
+            for q in self._queues:
+                q.launch_ready()
 
     def _late_gradient_message(self, param: nn.Parameter, launched: bool) -> str:
         what = (
@@ -337,13 +354,9 @@ class DistributedDataParallel(nn.Module):
         return self._grads_dirty
 
     def remove_hooks(self) -> None:
-        """Detach this wrapper from its module: gradients are no longer folded or reduced.
-
-        Call it when training with the wrapper is over. Each parameter's post-accumulate-grad
-        hook holds the wrapper, and through it the module and the parameter itself, in a cycle
-        that passes through autograd's C++ hook table, which Python's collector cannot see:
-        without this a finished model, its buffers and its process groups (with their gloo
-        threads) stay alive until the process ends, run after run in one process."""
+        """Detach this wrapper from its module: gradients are no longer folded or reduced, and
+        backward leaves plain ``p.grad`` as without the wrapper. (Dropping the wrapper and the
+        module frees both without it: the hooks hold the wrapper weakly, see `_make_hook`.)"""
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
