@@ -82,3 +82,28 @@ def test_back_to_back_trivial_calls_never_break_the_rendezvous():
     pids = run_on_ranks(_pid, world_size=2)
     for _ in range(100):
         assert run_on_ranks(_pid, world_size=2, timeout=30) == pids
+
+
+class _SelfReferring:
+    def __init__(self, groups):
+        self.groups = groups
+        self.me = self  # a cycle: only the garbage collector frees it
+
+
+def _groups_in_a_cycle():
+    from shardwork.parallel_state import ParallelConfig, init_process_groups
+
+    _SelfReferring(init_process_groups(ParallelConfig()))  # every group's sockets, then dropped
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
+def test_groups_kept_by_cycles_do_not_pile_up_open_files():
+    """Each call leaves its process groups (about 65 descriptors at world 2: sockets, pipes,
+    epoll) in a reference cycle. The ranks collect garbage once they hold FD_COLLECT_THRESHOLD
+    open descriptors, so 24 calls stay below that plus two calls' worth; without it they
+    accumulate ~1,600, past the common soft limit of 1,024 ("Too many open files" in gloo)."""
+    from shardwork.parallel_state.testing.pool import FD_COLLECT_THRESHOLD
+
+    counts = [max(run_on_ranks(_groups_in_a_cycle, world_size=2)) for _ in range(24)]
+    assert max(counts) < FD_COLLECT_THRESHOLD + 2 * 65, counts
