@@ -6,8 +6,8 @@ restrict the search to layouts with those sizes. Every argument is checked befor
 is priced; a mistake exits with 2 and one paragraph naming the option, the value and what
 would be valid (:mod:`shardwork.trainer.errors`). When no layout fits, the table (which lists
 why each layout was refused) is still printed and the exit code is 3, so a script that sweeps
-models or cluster sizes can tell "nothing fits" from a plan without reading the text. The plot is written to a temporary name and
-renamed, so an interrupted run leaves no partial file.
+models or cluster sizes can tell "nothing fits" from a plan without reading the text. The
+plot is written to a temporary name and renamed, so an interrupted run leaves no partial file.
 """
 
 from __future__ import annotations
