@@ -70,6 +70,25 @@ def _single_state(template):
     return ref, state
 
 
+def test_a_damaged_head_cannot_make_the_parser_allocate_what_it_claims():
+    """The head is parsed before its file's CRC-32 is compared. One flipped bit turned a
+    ``BINPUT`` into ``LONG_BINPUT`` (``q`` -> ``r``) whose 4-byte index the C unpickler sized its
+    memo by (30 GB asked for in the bit-flip sweep, which ran CI out of memory). Here the index
+    is 2**24: 128 MiB of memo for the C unpickler; the parser must stay under 1 MiB."""
+    import tracemalloc
+
+    raw = _blob(torch.randn(8, 8))
+    at = raw.index(b"q\x00", raw.index(b"\x80\x02"))  # the pickle's first BINPUT (index 0)
+    damaged = raw[:at] + b"r" + (1 << 24).to_bytes(4, "little") + raw[at + 2 :]
+    tracemalloc.start()
+    try:
+        parse_tensor_blob(damaged[:HEAD_BYTES], len(damaged))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20, f"parsing the damaged head allocated {peak / 2**20:.0f} MiB"
+
+
 def test_single_process_direct_and_staged_paths(tmp_path):
     ref, state = _single_state(template=False)
     save(state, tmp_path / "c")

@@ -37,7 +37,7 @@ from shardwork.dist_checkpoint import (
     verify,
 )
 from shardwork.dist_checkpoint.cli import main as ckpt_main
-from shardwork.dist_checkpoint.decode import decode_metadata
+from shardwork.dist_checkpoint.decode import decode_metadata, decode_object
 from shardwork.dist_checkpoint.hostile import RunsCommand, rewrite_metadata, write_info
 from shardwork.dist_checkpoint.testing import example_global, example_state
 
@@ -277,3 +277,21 @@ def test_getattr_of_anything_but_an_enum_member_is_refused(owner, name, fragment
     with pytest.raises(CheckpointRefusedError, match="refused to decode DCP metadata") as info:
         decode_metadata(raw, name="crafted/.metadata")
     assert fragment in str(info.value)
+
+
+def test_a_damaged_object_record_is_refused_before_torch_decodes_it():
+    """Object records are decoded before their file's CRC-32 is compared, and torch.load sizes
+    a storage by the element count in the pickle: a flipped bit there is an allocation of that
+    size. Each entry of the record's archive is checked against its own CRC-32 first."""
+    record = io.BytesIO()
+    state = torch.get_rng_state()  # a uint8 tensor, as the trainer's RNG state holds
+    torch.save({"cpu_rng": state, "step": 7}, record)
+    raw = record.getvalue()
+    assert torch.equal(decode_object(raw, name="rng")["cpu_rng"], state)
+    count = state.numel().to_bytes(2, "little")  # BININT2 in the storage's persistent id
+    at = raw.index(b"M" + count) + 2
+    damaged = bytearray(raw)
+    damaged[at] ^= 0x80  # numel 5056 -> 37824: larger than the record holds
+    with pytest.raises(CheckpointRefusedError, match=r"archive/data\.pkl of its torch\.save "
+                       r"archive does not match its CRC-32"):  # fmt: skip
+        decode_object(bytes(damaged), name="rng")

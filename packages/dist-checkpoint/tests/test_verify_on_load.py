@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from shardwork.dist_checkpoint import (
     CheckpointCorruptError,
+    CheckpointRefusedError,
     UnsupportedFormatError,
     load,
     read_info,
@@ -293,17 +294,36 @@ def test_two_ranks_all_raise_when_one_finds_a_bad_file(ckpt, kind):
 
 def test_a_damaged_object_record_is_refused_without_torchs_warning(ckpt):
     """Torch decodes a pickle whose protocol byte was flipped with a warning that asks the
-    user to file a torch issue; next to the corruption error it would only mislead, so `load`
-    drops the decode warnings of a file it finds damaged, and passes on the others."""
+    user to file a torch issue. The record's archive fails its own CRC-32 first, so nothing is
+    decoded and nothing warns, with or without `load`'s verification of the file."""
     name, offset, length = _item_range(ckpt, "rng")
     blob = (ckpt / name).read_bytes()[offset : offset + length]
     _flip(ckpt / name, offset + blob.index(b"\x80\x02") + 1)  # the pickle's protocol number
+    for checked, error in ((True, CheckpointCorruptError), (False, CheckpointRefusedError)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(error, match=r"__0_0\.distcp"):
+                load(example_state(0, 1, seed=0, fill=False), ckpt, verify=checked)
+        assert [str(w.message) for w in caught] == [], checked
+
+
+def test_warnings_while_reading_reach_the_caller_only_from_intact_files(ckpt, monkeypatch):
+    """`load` holds the warnings raised while it reads and passes them on only when every
+    file it read matched its record: a decoder's warning about damaged bytes would only
+    mislead next to the corruption error."""
+    real_load = torch.load
+
+    def warning_load(*args, **kwargs):
+        warnings.warn("a decoder's remark", UserWarning, stacklevel=2)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", warning_load)
+    with pytest.warns(UserWarning, match="a decoder's remark"):
+        _assert_intact_load(ckpt)
+    name, offset = _payload(ckpt, "matrix")
+    _flip(ckpt / name, offset)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with pytest.raises(CheckpointCorruptError, match=r"__0_0\.distcp: checksum mismatch"):
             load(example_state(0, 1, seed=0, fill=False), ckpt)
     assert [str(w.message) for w in caught] == []
-    # Unverified, the same record decodes and torch's warning reaches the caller as before.
-    with pytest.warns(UserWarning, match="Detected pickle protocol 88"):
-        out = load(example_state(0, 1, seed=0, fill=False), ckpt, verify=False)
-    assert out["rng"] == {"rank": 0, "seed": SEED}

@@ -13,6 +13,8 @@ Design: the pickle is read by a restricted unpickler that accepts only what ``to
 a plain tensor writes (``_rebuild_tensor_v2``, a typed-storage class, ``OrderedDict``); anything
 else (another serialisation, a subclass, a compressed record, a head that ends too early)
 returns None and the caller falls back to ``torch.load``, so unusual files stay readable.
+The head is parsed before its file's checksum is compared, so parsing it must not trust its
+sizes (see `_SpecUnpickler`).
 """
 
 from __future__ import annotations
@@ -72,7 +74,12 @@ def _rebuild_spec(
     return storage, int(storage_offset), tuple(size), tuple(stride)
 
 
-class _SpecUnpickler(pickle.Unpickler):
+# The pure-Python unpickler, not the C one: this pickle is read before its file's checksum can
+# be compared, and the C unpickler sizes buffers from the bytes it reads (a memo index, a
+# length), so one flipped bit (``R`` -> ``r``: LONG_BINPUT with a 4-byte index) made it
+# allocate 30 GB, which ran CI's machine out of memory. The Python one keeps the memo in a dict
+# and reads at most what the head holds; it costs ~24 us a chunk instead of ~12.
+class _SpecUnpickler(pickle._Unpickler):
     """Unpickles ``torch.save(tensor)``'s data.pkl into a layout tuple, nothing else."""
 
     def find_class(self, module: str, name: str) -> Any:

@@ -17,7 +17,11 @@ constructor that writes a file). Here:
   which resolves here to a lookup that returns only a member of an allowed enum, so a
   checkpoint written under either Python loads under the other.
 - `decode_object` uses ``torch.load(weights_only=True)``: torch's own allow-list decoder
-  (tensors, dtypes, plain scalars, strings and containers).
+  (tensors, dtypes, plain scalars, strings and containers). Object records are decoded before
+  their file's checksum can be compared (see `reader`), so each entry of the record's zip
+  archive is first checked against the CRC-32 the archive itself holds: torch.load trusts the
+  sizes in the pickle, and one flipped bit there made it allocate 20-27 GB (the bit-flip
+  sweep ran the machine out of memory).
 
 A refusal raises `CheckpointRefusedError` naming the record and the refused global.
 """
@@ -28,6 +32,7 @@ import enum
 import importlib
 import io
 import pickle
+import zipfile
 from pathlib import Path
 from typing import IO, Any
 
@@ -117,10 +122,28 @@ def decode_metadata(raw: bytes, *, name: str) -> Metadata:
     return value
 
 
+def _check_archive(stream: IO[bytes], name: str) -> None:
+    """`CheckpointRefusedError` unless ``stream`` is a zip archive whose every entry matches its
+    recorded CRC-32 (reads at most the stream's own bytes); the stream is rewound."""
+    start = stream.tell()
+    try:
+        with zipfile.ZipFile(stream) as archive:
+            bad = archive.testzip()
+    except Exception as exc:  # zipfile raises many kinds on a damaged header (even NotImplemented)
+        bad = f"(unreadable archive: {exc})"
+    stream.seek(start)
+    if bad is not None:
+        raise CheckpointRefusedError(
+            f"{name}: refused to decode object record: entry {bad} of its torch.save archive "
+            "does not match its CRC-32 (a damaged record)"
+        )
+
+
 def decode_object(data: bytes | IO[bytes], *, name: str) -> Any:
     """The value ``torch.save`` wrote into the object record ``name``, decoded with torch's
     allow-list (``weights_only=True``); `CheckpointRefusedError` names what was refused."""
     stream = io.BytesIO(data) if isinstance(data, bytes) else data
+    _check_archive(stream, name)
     try:
         return torch.load(stream, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:

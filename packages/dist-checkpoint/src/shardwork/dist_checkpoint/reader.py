@@ -342,6 +342,12 @@ class ShardworkReader(FileSystemReader):
                     blob = _pread(fd, info.length, info.offset, relative_path)
                     if check is not None:
                         check.add(info.offset, blob)
+                        # A chunk our parser cannot read is, in a checkpoint we wrote, a damaged
+                        # one: check the whole file before torch.load decodes it, since a flipped
+                        # size in its pickle makes torch allocate that size (20-27 GB seen).
+                        problem = file_problem(path, relative_path, record)
+                        if problem is not None:
+                            return problem
                     # weights_only: a checkpoint file never gets to unpickle arbitrary objects.
                     tensor = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
                     for dim, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
