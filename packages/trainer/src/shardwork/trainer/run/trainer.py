@@ -233,9 +233,9 @@ class Trainer:
         try:
             return self._run(config, runtime, t_start)
         finally:
-            # The DDP hooks hold the model in a cycle Python's collector cannot see: without
-            # this, train() called again in one process keeps every earlier run's model,
-            # optimizer and process groups alive.
+            # Detach the DDP wrappers: a model the caller keeps after train() gets plain
+            # gradients again. (Freeing a dropped run no longer depends on this: the wrappers'
+            # gradient hooks hold them weakly.)
             for chunk in self.assembly.chunks if self.assembly is not None else ():
                 if isinstance(chunk, DistributedDataParallel):
                     chunk.remove_hooks()
