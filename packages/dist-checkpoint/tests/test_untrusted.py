@@ -24,6 +24,7 @@ import json
 import pickle
 import pickletools
 import shutil
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,12 @@ from shardwork.dist_checkpoint import (
 )
 from shardwork.dist_checkpoint.cli import main as ckpt_main
 from shardwork.dist_checkpoint.decode import decode_metadata, decode_object
-from shardwork.dist_checkpoint.hostile import RunsCommand, rewrite_metadata, write_info
+from shardwork.dist_checkpoint.hostile import (
+    RunsCommand,
+    rerecord,
+    rewrite_metadata,
+    write_info,
+)
 from shardwork.dist_checkpoint.testing import example_global, example_state
 
 pytest.importorskip("shardwork.parallel_state")
@@ -295,3 +301,78 @@ def test_a_damaged_object_record_is_refused_before_torch_decodes_it():
     with pytest.raises(CheckpointRefusedError, match=r"archive/data\.pkl of its torch\.save "
                        r"archive does not match its CRC-32"):  # fmt: skip
         decode_object(bytes(damaged), name="rng")
+
+
+def _rezipped(raw: bytes, method: int, *, length: int = 0, pickle_edit=None) -> bytes:
+    """The ``torch.save`` archive ``raw`` written again entry by entry with ``method``, CRCs
+    consistent (zipfile computes them); ``pickle_edit`` rewrites ``data.pkl``'s bytes; an
+    archive comment pads the result to ``length`` bytes (if given)."""
+
+    def write(comment: bytes) -> bytes:
+        out = io.BytesIO()
+        with zipfile.ZipFile(io.BytesIO(raw)) as src, zipfile.ZipFile(out, "w") as dst:
+            for entry in src.infolist():
+                data = src.read(entry.filename)
+                if pickle_edit and entry.filename.endswith("/data.pkl"):
+                    data = pickle_edit(data)
+                dst.writestr(entry.filename, data, compress_type=method)
+            dst.comment = comment
+        return out.getvalue()
+
+    packed = write(b"")
+    if not length:
+        return packed
+    assert 0 < length - len(packed) < 65536, (length, len(packed))
+    return write(b"#" * (length - len(packed)))
+
+
+def test_a_compressed_object_record_is_refused_before_torch_expands_it():
+    """torch.load expands a deflated entry to the size its header states: ~1,000x the record's
+    bytes for a constant tensor. torch.save never compresses, so a compressed entry is refused
+    even with every CRC consistent."""
+    record = io.BytesIO()
+    torch.save({"w": torch.full((1 << 21,), 0.5)}, record)  # 8 MiB of one value
+    bomb = _rezipped(record.getvalue(), zipfile.ZIP_DEFLATED)
+    assert len(bomb) < 16 << 10  # 8 MiB in under 16 KiB
+    assert torch.load(io.BytesIO(bomb), weights_only=True)["w"].numel() == 1 << 21  # live
+    with pytest.raises(CheckpointRefusedError, match=r"entry archive/data\.pkl .* is compressed"):
+        decode_object(bomb, name="rng")
+
+
+def test_a_compressed_tensor_chunk_is_refused_with_or_without_records(tmp_path):
+    """A chunk the head parser cannot read goes to torch.load; a deflated one (padded to its
+    recorded length, the file re-recorded) holds the saved values and would load. The reader
+    refuses it before torch.load expands it, also with ``verify=False`` (no records)."""
+    path = _saved(tmp_path)
+    with open(path / ".metadata", "rb") as f:
+        storage = pickle.load(f).storage_data  # our own, just saved
+    (info,) = [v for k, v in storage.items() if k.fqn == "matrix"]
+    data = bytearray((path / info.relative_path).read_bytes())
+    chunk = bytes(data[info.offset : info.offset + info.length])
+    packed = _rezipped(chunk, zipfile.ZIP_DEFLATED, length=info.length)
+    assert torch.equal(torch.load(io.BytesIO(packed), weights_only=True),
+                       torch.load(io.BytesIO(chunk), weights_only=True))  # fmt: skip
+    data[info.offset : info.offset + info.length] = packed
+    (path / info.relative_path).write_bytes(bytes(data))
+    rerecord(path, info.relative_path)
+    for check in (True, False):
+        with pytest.raises(CheckpointRefusedError, match=r"archive/data\.pkl .* is compressed"):
+            load(_template(), path, verify=check)
+
+
+def test_an_element_count_in_a_record_sizes_no_allocation():
+    """What the reader relies on (not checked again there): torch.load compares a storage's
+    element count with its stored entry's length before it allocates, so a consistent
+    archive (CRCs match) claiming 2**40 float32 elements (4 TiB) is refused, not allocated."""
+    record = io.BytesIO()
+    torch.save({"w": torch.randn(10, generator=torch.Generator().manual_seed(5))}, record)
+    huge = b"\x8a\x06" + (1 << 40).to_bytes(6, "little")  # LONG1: 2**40
+
+    def claim_huge(pkl: bytes) -> bytes:
+        at = pkl.index(b"X\x03\x00\x00\x00cpu")  # the location; the count follows
+        rest = pkl.index(b"K\x0a", at)  # BININT1 10 (the element count)
+        return pkl[:rest] + huge + pkl[rest + 2 :]
+
+    crafted = _rezipped(record.getvalue(), zipfile.ZIP_STORED, pickle_edit=claim_huge)
+    with pytest.raises(CheckpointRefusedError, match=r"record size \(40 bytes\) does not match"):
+        decode_object(crafted, name="rng")

@@ -18,10 +18,12 @@ constructor that writes a file). Here:
   checkpoint written under either Python loads under the other.
 - `decode_object` uses ``torch.load(weights_only=True)``: torch's own allow-list decoder
   (tensors, dtypes, plain scalars, strings and containers). Object records are decoded before
-  their file's checksum can be compared (see `reader`), so each entry of the record's zip
-  archive is first checked against the CRC-32 the archive itself holds: torch.load trusts the
-  sizes in the pickle, and one flipped bit there made it allocate 20-27 GB (the bit-flip
-  sweep ran the machine out of memory).
+  their file's checksum can be compared (see `reader`), so `check_archive` first checks each
+  entry of the record's zip archive against the CRC-32 the archive itself holds and refuses
+  compressed entries: torch.load allocates an entry at the size its zip header states, and one
+  flipped bit there made it allocate 20-27 GB (the bit-flip sweep ran the machine out of
+  memory). The element counts in the pickle size nothing: torch compares them with the
+  entry's length first.
 
 A refusal raises `CheckpointRefusedError` naming the record and the refused global.
 """
@@ -41,7 +43,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from shardwork.dist_checkpoint.metadata import CheckpointRefusedError
 
-__all__ = ["METADATA_GLOBALS", "decode_metadata", "decode_object"]
+__all__ = ["METADATA_GLOBALS", "check_archive", "decode_metadata", "decode_object"]
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 
@@ -122,19 +124,34 @@ def decode_metadata(raw: bytes, *, name: str) -> Metadata:
     return value
 
 
-def _check_archive(stream: IO[bytes], name: str) -> None:
-    """`CheckpointRefusedError` unless ``stream`` is a zip archive whose every entry matches its
-    recorded CRC-32 (reads at most the stream's own bytes); the stream is rewound."""
+def check_archive(stream: IO[bytes], name: str) -> None:
+    """`CheckpointRefusedError` unless ``stream`` is a zip archive of stored (uncompressed)
+    entries whose every entry matches its recorded CRC-32; the stream is rewound.
+
+    torch.load allocates each entry at its uncompressed size before anything else can look at
+    it. ``torch.save`` never compresses, so a stored entry is at most the record's own length;
+    a deflated one can claim ~1,000x its bytes (a 20 MB record that asks for 20 GB), and a
+    damaged header any size at all. Checking CRCs reads the stream once, in bounded blocks.
+    """
     start = stream.tell()
     try:
         with zipfile.ZipFile(stream) as archive:
-            bad = archive.testzip()
+            packed = [
+                e.filename for e in archive.infolist() if e.compress_type != zipfile.ZIP_STORED
+            ]
+            bad = None if packed else archive.testzip()
     except Exception as exc:  # zipfile raises many kinds on a damaged header (even NotImplemented)
-        bad = f"(unreadable archive: {exc})"
+        packed, bad = [], f"(unreadable archive: {exc})"
     stream.seek(start)
+    if packed:
+        raise CheckpointRefusedError(
+            f"{name}: refused to decode record: entry {packed[0]} of its torch.save archive is "
+            "compressed; torch.save stores entries uncompressed, and a compressed entry may "
+            "expand to any size when decoded"
+        )
     if bad is not None:
         raise CheckpointRefusedError(
-            f"{name}: refused to decode object record: entry {bad} of its torch.save archive "
+            f"{name}: refused to decode record: entry {bad} of its torch.save archive "
             "does not match its CRC-32 (a damaged record)"
         )
 
@@ -143,7 +160,7 @@ def decode_object(data: bytes | IO[bytes], *, name: str) -> Any:
     """The value ``torch.save`` wrote into the object record ``name``, decoded with torch's
     allow-list (``weights_only=True``); `CheckpointRefusedError` names what was refused."""
     stream = io.BytesIO(data) if isinstance(data, bytes) else data
-    _check_archive(stream, name)
+    check_archive(stream, name)
     try:
         return torch.load(stream, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:

@@ -18,7 +18,8 @@ and then copies the requested part into the destination. This reader, per data f
   the region covers into one temporary buffer and ``copy_`` the strided view into the
   destination (which also casts and moves to the device);
 - **fallback**: a chunk that is not a plain uncompressed tensor archive, or a checkpoint using
-  DCP storage transforms, goes through ``torch.load`` as DCP does.
+  DCP storage transforms, goes through ``torch.load`` as DCP does (after
+  `decode.check_archive`: its entries' own CRCs, none compressed).
 
 Files are read by up to ``thread_count`` threads (one file per thread; ``preadv`` releases
 the GIL). A short read (a truncated file) raises `OSError` naming the file. The counts of
@@ -63,7 +64,7 @@ from torch.futures import Future
 from shardwork.dist_checkpoint.blob import HEAD_BYTES, StoredTensor, parse_tensor_blob
 from shardwork.dist_checkpoint.checksum import crc32
 from shardwork.dist_checkpoint.confine import check_storage_ranges
-from shardwork.dist_checkpoint.decode import decode_metadata
+from shardwork.dist_checkpoint.decode import check_archive, decode_metadata
 from shardwork.dist_checkpoint.integrity import FileCheck, file_problem, mismatch
 from shardwork.dist_checkpoint.metadata import (
     DCP_METADATA_FILE,
@@ -348,8 +349,11 @@ class ShardworkReader(FileSystemReader):
                         problem = file_problem(path, relative_path, record)
                         if problem is not None:
                             return problem
-                    # weights_only: a checkpoint file never gets to unpickle arbitrary objects.
-                    tensor = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+                    # Also without records: the archive's own CRCs and no compressed entry
+                    # (one could expand to any size), then weights_only (no arbitrary objects).
+                    stream = io.BytesIO(blob)
+                    check_archive(stream, f"{relative_path} at byte {info.offset}")
+                    tensor = torch.load(stream, map_location="cpu", weights_only=True)
                     for dim, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
                         tensor = tensor.narrow(dim, o, n)
                     dest.copy_(tensor)
