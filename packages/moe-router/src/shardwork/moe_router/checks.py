@@ -52,6 +52,19 @@ def check_tensor(owner: str, name: str, value: object, *, dims: int | None = Non
         )
 
 
+def check_same_shape(
+    owner: str, name: str, value: object, like_name: str, like: torch.Tensor
+) -> None:
+    """TypeError unless ``value`` is a tensor; ValueError unless it has the shape of the tensor
+    ``like`` (the argument ``like_name``), e.g. gate weights beside up weights."""
+    check_tensor(owner, name, value)
+    if value.shape != like.shape:
+        raise ValueError(
+            f"{owner}{name} of shape {tuple(value.shape)} is invalid: it must have "
+            f"{like_name}'s shape {tuple(like.shape)}"
+        )
+
+
 def check_top_k(owner: str, top_k: object, num_experts: int) -> None:
     """``top_k`` must be an integer from 1 to ``num_experts``."""
     if not is_int(top_k) or top_k < 1:

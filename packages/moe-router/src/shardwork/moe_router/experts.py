@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from shardwork.moe_router.checks import check_bool, check_tensor, is_int
+from shardwork.moe_router.checks import check_bool, check_same_shape, check_tensor, is_int
 
 
 class GroupedMLP(torch.nn.Module):
@@ -213,12 +213,7 @@ def _check_full_weights(w_up, w_down, w_gate) -> None:
             f"{(E, F, H)} from w_up's shape {tuple(w_up.shape)} = [E, H, F]"
         )
     if w_gate is not None:
-        check_tensor(owner, "w_gate", w_gate)
-        if w_gate.shape != w_up.shape:
-            raise ValueError(
-                f"{owner}w_gate of shape {tuple(w_gate.shape)} is invalid: it must have "
-                f"w_up's shape {tuple(w_up.shape)} = [E, H, F]"
-            )
+        check_same_shape(owner, "w_gate", w_gate, "w_up", w_up)
 
 
 def _check_rank(kind: str, rank: object, size: object) -> None:

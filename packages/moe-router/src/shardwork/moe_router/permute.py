@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwork.moe_router.checks import check_tensor, is_int
+from shardwork.moe_router.checks import check_same_shape, check_tensor, is_int
 
 
 def permute(
@@ -91,12 +91,7 @@ def _check_permute_args(tokens_TH, routing_map_TE, probs_TE, num_out_tokens) -> 
             f"tokens_TH of shape {tuple(tokens_TH.shape)}: it must have one row per token"
         )
     if probs_TE is not None:
-        check_tensor(owner, "probs_TE", probs_TE)
-        if probs_TE.shape != routing_map_TE.shape:
-            raise ValueError(
-                f"permute: probs_TE of shape {tuple(probs_TE.shape)} is invalid: it must have "
-                f"routing_map_TE's shape {tuple(routing_map_TE.shape)}"
-            )
+        check_same_shape(owner, "probs_TE", probs_TE, "routing_map_TE", routing_map_TE)
     if num_out_tokens is not None and (
         not is_int(num_out_tokens) or not 0 <= num_out_tokens <= num_tokens * num_experts
     ):
