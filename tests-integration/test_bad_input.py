@@ -75,6 +75,8 @@ class Case:
     """What stderr starts with; None: the CLI's name and a colon."""
     max_problems: int | None = None
     """Configuration errors: at most this many listed problems."""
+    env: tuple[tuple[str, str | None], ...] = ()
+    """Launcher variables set (None: unset) over the torchrun-like ones of `prepared`."""
 
 
 def _fill(value, scratch: Path):
@@ -288,6 +290,25 @@ def _hf_folder(with_weights: bool, config_text: str):
     return setup
 
 
+def _empty_documents(scratch: Path, trained: Path | None) -> None:
+    """``scratch/empty``: 40 documents of no tokens (text preprocessed with --no_append_eod
+    from empty lines)."""
+    from shardwork.trainer.data.indexed import IndexedDatasetWriter
+
+    with IndexedDatasetWriter(scratch / "empty") as writer:
+        for _ in range(40):
+            writer.add_document(np.array([], dtype=np.int64))
+
+
+# A small Llama config.json: validation reads it before the weights.
+LLAMA_CONFIG = json.dumps(
+    {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+     "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+     "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 128,
+     "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False}
+)  # fmt: skip
+
+
 def _jsonl(lines: list[str]):
     return _write_text("docs.jsonl", "\n".join(lines) + "\n")
 
@@ -370,6 +391,24 @@ CASES: list[Case] = [
         1,
         {"logging": {"peak_tflops": 0.0}},
         ["logging.peak_tflops=0.0: must be > 0"],
+    ),
+    config_case(
+        "logging-name-empty",
+        1,
+        {"logging": {"name": ""}},
+        ["logging.name='': must be one folder name"],
+    ),
+    config_case(
+        "logging-name-leaves-runs",
+        1,
+        {"logging": {"name": "../escaped"}},
+        ["logging.name='../escaped': must be one folder name", "no '/'"],
+    ),
+    config_case(
+        "peft-init-without-lora",
+        1,
+        {"peft": {"init": "{d}/adapters"}},
+        ["peft.init='{d}/adapters' needs peft.method='lora'"],
     ),
     Case(
         "config-is-a-directory",
@@ -545,7 +584,51 @@ CASES: list[Case] = [
         {"data": {"cache_dir": "/sys/shardwork-cache"}},
         ["data.cache_dir='/sys/shardwork-cache'", "cannot write there"],
     ),
+    # ---- the launcher's environment ----
+    config_case(
+        "env-world-size-not-a-number",
+        1,
+        {},
+        ["environment: WORLD_SIZE='abc' is not valid", "an integer >= 1", "torchrun"],
+        env=(("WORLD_SIZE", "abc"),),
+    ),
+    config_case(
+        "env-world-without-rank",
+        2,
+        {},
+        ["environment: WORLD_SIZE=2 but RANK is not set", "torchrun"],
+        env=(("RANK", None),),
+    ),
+    config_case(
+        "env-rank-outside-the-world",
+        2,
+        {},
+        ["environment: RANK=3 is not valid for WORLD_SIZE=2; valid: 0..1"],
+        env=(("RANK", "3"),),
+    ),
+    config_case(
+        "env-master-port-not-a-port",
+        2,
+        {},
+        ["environment: MASTER_PORT='abc' is not valid; valid: a TCP port, 1..65535"],
+        env=(("MASTER_PORT", "abc"),),
+    ),
+    config_case(
+        "env-no-master-addr",
+        2,
+        {},
+        ["environment: MASTER_ADDR is not set"],
+        env=(("MASTER_ADDR", None),),
+    ),
     # ---- data files ----
+    config_case(
+        "data-documents-all-empty",
+        1,
+        {"data": {"prefixes": ["{d}/empty"]}},
+        ["dataset '{d}/empty'", "'train' split", "holds 0 tokens", "at least 2"],
+        code=EXIT_DATA,
+        setup=_empty_documents,
+    ),
     config_case(
         "missing-dataset", 1, {"data": {"prefixes": ["{d}/no/such"]}}, ["{d}/no/such", ".bin"]
     ),
@@ -691,6 +774,13 @@ CASES: list[Case] = [
         {"checkpoint": {"hf_init": "{d}/hf"}},
         ["checkpoint.hf_init='{d}/hf'", "its config.json cannot be imported"],
         setup=_hf_folder(True, "{not json"),
+    ),
+    config_case(
+        "hf-init-weights-not-safetensors",
+        1,
+        {"checkpoint": {"hf_init": "{d}/hf"}},
+        ["checkpoint.hf_init='{d}/hf'", "model.safetensors is not a readable safetensors file"],
+        setup=_hf_folder(True, LLAMA_CONFIG),
     ),
     config_case(
         "hf-export-not-empty",
@@ -1004,9 +1094,16 @@ def prepared(request, tmp_path, corpus_cache, monkeypatch):
 
     def prepare(case: Case):
         monkeypatch.setenv("SHARDWORK_CACHE", corpus_cache)
-        monkeypatch.setenv("WORLD_SIZE", str(case.world))
-        monkeypatch.setenv("RANK", "0")
-        monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+        # what torchrun gives rank 0 (no process group is ever created by these cases)
+        launcher = dict(WORLD_SIZE=str(case.world), RANK="0", LOCAL_RANK="0",
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")  # fmt: skip
+        for name, value in [*launcher.items(), *case.env]:
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        for name in ("LOCAL_WORLD_SIZE", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_RUN_ID"):
+            monkeypatch.delenv(name, raising=False)
         monkeypatch.chdir(tmp_path)
         ckpt = request.getfixturevalue("trained") if case.needs_checkpoint else None
         if case.setup is not None:

@@ -101,3 +101,44 @@ def test_a_config_that_is_not_json_is_refused(tmp_path, folder):
     (copy / "config.json").write_text('{"model_type": "llama",')
     with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
         from_pretrained(copy)
+
+
+def _copy(tmp_path, folder):
+    for item in folder.iterdir():
+        (tmp_path / item.name).write_bytes(item.read_bytes())
+    return tmp_path
+
+
+def test_weight_files_are_checked_from_their_headers(tmp_path, folder):
+    """`check_weight_files` reads headers only and names the file: junk where the weights
+    should be (a failed download), an index that is not JSON, one naming a missing shard or a
+    tensor its shard lacks. The folder transformers wrote passes; each damaged copy also fails
+    to load, so the check refuses only what the load would."""
+    from shardwork.models.hf.files import check_weight_files
+
+    check_weight_files(folder)
+    single = folder / "model.safetensors"
+    tensors = load_file(single)
+    cases = {}
+    (tmp_path / "junk").mkdir()
+    junk = _copy(tmp_path / "junk", folder)
+    (junk / "model.safetensors").write_bytes(single.read_bytes()[:7])  # a cut-off download
+    cases[junk] = r"junk/model\.safetensors is not a readable safetensors file"
+    for name, index, pattern in [
+        ("not_json", "{weight_map", r"model\.safetensors\.index\.json is not a safetensors index"),
+        ("missing_shard", {"weight_map": dict.fromkeys(tensors, "part-2.safetensors")},
+         r"part-2\.safetensors \(holding '.*' by the index\) does not exist"),
+        ("lacks", {"weight_map": {**dict.fromkeys(tensors, "model.safetensors"), "extra.w": "model.safetensors"}},
+         r"lacks 1 tensor\(s\) its index maps to it, e\.g\. 'extra\.w'"),
+    ]:  # fmt: skip
+        path = tmp_path / name
+        path.mkdir()
+        _copy(path, folder)
+        text = index if isinstance(index, str) else json.dumps(index)
+        (path / "model.safetensors.index.json").write_text(text)
+        cases[path] = pattern
+    for path, pattern in cases.items():
+        with pytest.raises(ValueError, match=pattern):
+            check_weight_files(path)
+        with pytest.raises((ValueError, OSError)):  # the load refuses the same folder
+            from_pretrained(path)

@@ -273,3 +273,17 @@ def test_a_finished_run_leaves_no_model_behind(tmp_path):
         config = tiny_config(tmp_path / str(run), schedule={"train_steps": 1, "warmup_steps": 1})
         train(config, stream=io.StringIO())
         assert alive() == before, f"run {run} left its model alive"
+
+
+def test_resuming_a_finished_run_trains_nothing_and_plots_nothing(tmp_path):
+    """A checkpoint at or past ``train_steps`` resumes into a run that logs no train loss; it
+    finishes normally (exit 0 from the CLI) without plots, instead of the plotter refusing a
+    log with nothing to plot at the very end."""
+    quick = {"schedule": {"train_steps": 2, "warmup_steps": 1}, "eval": {"interval": None}}
+    done = train(tiny_config(tmp_path / "a", **quick, checkpoint={"save_at_end": True}))
+    again = tiny_config(
+        tmp_path / "b", **quick, checkpoint={"resume": done.checkpoint}, logging={"plot": True}
+    )
+    result = train(again)
+    assert result.train_losses == {}
+    assert not (tmp_path / "b" / "plots").exists()

@@ -19,7 +19,6 @@ flags are parsed before any of it, so ``--help`` and flag errors take 0.3 s inst
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Sequence
 
@@ -44,10 +43,11 @@ def _checked_config(argv: list[str]):
     raises a UserError (ConfigError, DataError) for a mistake."""
     config, print_config = parse_train_args(argv)  # --help and flag errors exit here
     # deferred import: torch loads here, after train_main set OpenMP's wait policy (docstring)
+    from shardwork.trainer.config.launch_env import launch_world_size
     from shardwork.trainer.config.validate import validate_config
     from shardwork.trainer.run.preflight import preflight
 
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = launch_world_size()
     resolved = validate_config(config, world_size=world_size)
     if not print_config:
         for warning in preflight(resolved):
@@ -64,7 +64,7 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     except UserError as exc:
         return report(PROG, str(exc), exc.exit_code)
     if print_config:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if is_reporting_rank():
             print(config_to_toml(resolved), end="")
         return 0
     # deferred import: the run's modules (torch), imported once the flags are valid

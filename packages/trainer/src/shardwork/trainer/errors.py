@@ -57,9 +57,16 @@ class DataError(UserError, ValueError):
 
 
 def is_reporting_rank() -> bool:
-    """Rank 0 of a torchrun job (or a single process): every rank finds the same mistake before
-    any process group exists, and one of them reports it."""
-    return int(os.environ.get("RANK", "0")) == 0
+    """Whether this process prints a mistake it found: rank 0 of a torchrun job (every rank
+    finds the same mistake before any process group exists, and one of them reports it), and
+    any process that torchrun did not start (ranks started by hand each have their own
+    terminal, and rank 0 may not exist) or whose ``RANK`` is not a number."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return True
+    try:
+        return int(os.environ.get("RANK", "0")) == 0
+    except ValueError:
+        return True
 
 
 def report(prog: str, message: str, exit_code: int) -> int:

@@ -12,8 +12,16 @@
   small models this is meant for on a CPU).
 - Arguments are checked before the model is loaded (``--max_new_tokens`` >= 1,
   ``--temperature`` >= 0 with 0 meaning greedy, ``--top_k`` >= 0 with 0 meaning the whole
-  vocabulary, an existing CHECKPOINT path): a mistake exits with 2, a path without a usable
-  checkpoint with 4, each with one paragraph and no traceback (:mod:`.errors`).
+  vocabulary, a ``--prompt`` that is valid UTF-8, an existing CHECKPOINT path and
+  ``--tokenizer`` file), and so are the shardwork environment variables, with the same check
+  as ``shardwork-train`` (``SHARDWORK_KERNEL_BACKEND``, ``SHARDWORK_CPU_GEMM``): a mistake exits
+  with 2, a path without a usable checkpoint with 4, each with one paragraph and no traceback
+  (:mod:`.errors`).
+- The run's tokenizer is read from its stored ``data.tokenizer`` (a relative path from the
+  current folder); when that file is not found from here the message says so, and
+  ``--tokenizer PATH`` gives it (its vocabulary must match the model's).
+- The text is printed as it is generated (the prompt first), so a long ``--max_new_tokens``
+  shows progress; Ctrl-C stops it with exit 130 and no traceback.
 - Like ``shardwork-train``, the command lets idle OpenMP threads sleep (set before torch is
   imported): on a shared 2-core machine spinning threads made a run 3x slower (30.7 s vs
   10.9 s measured for 80 tokens from the demo checkpoint). So this module and its top-level
@@ -31,7 +39,7 @@ from pathlib import Path
 import tyro
 
 from shardwork.trainer.cpu_runtime import set_cpu_runtime_env
-from shardwork.trainer.errors import CheckpointError, UserError, report
+from shardwork.trainer.errors import EXIT_INTERRUPTED, CheckpointError, UserError, report
 
 
 @dataclass(kw_only=True)
@@ -51,6 +59,9 @@ class GenerateArgs:
     """Sample among the k most likely tokens (>= 0); 0: the whole vocabulary."""
     seed: int = 0
     """Sampling seed."""
+    tokenizer: str | None = None
+    """'byte' or a tokenizer JSON file replacing the run's stored one (e.g. when that file has
+    moved); its vocabulary must match the model's. Default: the run's data.tokenizer."""
 
 
 def check_args(args: GenerateArgs) -> None:
@@ -65,11 +76,36 @@ def check_args(args: GenerateArgs) -> None:
         )
     if args.top_k < 0:
         problems.append(f"--top_k={args.top_k}: must be an integer >= 0 (0: whole vocabulary)")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:  # argv bytes Python could not decode (surrogate escapes)
+        byte = ord(args.prompt[exc.start]) - 0xDC00
+        problems.append(
+            f"--prompt: not valid UTF-8 (byte 0x{byte:02x} at character {exc.start}); valid: "
+            "UTF-8 text (check the terminal's or the locale's encoding)"
+        )
+    if args.tokenizer not in (None, "byte") and not Path(args.tokenizer).expanduser().is_file():
+        problems.append(
+            f"--tokenizer={args.tokenizer!r}: no such file; valid: 'byte' or a tokenizer JSON file"
+        )
     if not Path(args.checkpoint).is_dir():
         problems.append(
             f"CHECKPOINT={args.checkpoint!r}: no such directory; valid: a checkpoint "
             "(RUN_DIR/checkpoints/step_*) or a checkpoint root (RUN_DIR/checkpoints)"
         )
+    if problems:
+        raise UserError("; ".join(problems))
+
+
+def check_generate_environment() -> None:
+    """The environment check ``shardwork-train`` runs (kernel backend, CPU product library),
+    so a bad value is refused before the model loads rather than mid-sampling. Imports torch:
+    call it after :func:`set_cpu_runtime_env`."""
+    # deferred import: torch loads here, after set_cpu_runtime_env set OpenMP's wait policy
+    from shardwork.trainer.config.validate import check_environment
+
+    problems: list[str] = []
+    check_environment(problems)
     if problems:
         raise UserError("; ".join(problems))
 
@@ -94,23 +130,30 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         check_args(args)
-        model, config, tokenizer = load_for_inference(args.checkpoint)
+        check_generate_environment()
+        model, config, tokenizer = load_for_inference(args.checkpoint, tokenizer=args.tokenizer)
     except UserError as exc:
         return report("shardwork-generate", str(exc), exc.exit_code)
     except (CheckpointCorruptError, IncompleteCheckpointError, UnsupportedFormatError) as exc:
         return report("shardwork-generate", str(exc), CheckpointError.exit_code)
     generator = torch.Generator().manual_seed(args.seed)
-    text = sample(
-        model,
-        tokenizer,
-        args.prompt,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        context=config.data.seq_length,
-        generator=generator,
-    )
-    print(args.prompt + text)
+    print(args.prompt, end="", flush=True)
+    try:
+        sample(
+            model,
+            tokenizer,
+            args.prompt,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            context=config.data.seq_length,
+            generator=generator,
+            on_text=lambda piece: print(piece, end="", flush=True),
+        )
+    except KeyboardInterrupt:
+        print(flush=True)
+        return report("shardwork-generate", "interrupted (Ctrl-C)", EXIT_INTERRUPTED)
+    print(flush=True)
     return 0
 
 

@@ -322,6 +322,12 @@ def _check_rest(config: TrainConfig, problems: list[str]) -> None:
             f"checkpoint.resume={c.resume!r}: must be 'auto', 'none' or an existing checkpoint path"
         )
     _positive(problems, "logging.interval", config.logging.interval)
+    name = config.logging.name
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
+        problems.append(
+            f"logging.name={name!r}: must be one folder name (not empty, no '/', not '.' or "
+            "'..'): the run writes to runs/NAME unless logging.run_dir is set"
+        )
     _positive(problems, "eval.interval", config.eval.interval, allow_none=True)
     _positive(problems, "eval.steps", config.eval.steps, allow_none=True)
     r = config.reliability
@@ -365,9 +371,10 @@ def _check_numbers(config: TrainConfig, problems: list[str]) -> None:
         )
 
 
-def _check_environment(problems: list[str]) -> None:
+def check_environment(problems: list[str]) -> None:
     """The shardwork environment variables the run would read mid-step or at its first save
-    (kernel backend, CPU product library, checkpoint fault injection), checked up front."""
+    (kernel backend, CPU product library, checkpoint fault injection), checked up front;
+    ``shardwork-generate`` runs the same check before it loads a checkpoint."""
     found = [*environment_problems(), fault_env_problem()]
     problems.extend(f"environment: {problem}" for problem in found if problem is not None)
 
@@ -405,7 +412,7 @@ def validate_config(config: TrainConfig, *, world_size: int) -> TrainConfig:
     _check_numbers(resolved, problems)
     check_peft(resolved, model, _expert_tp(resolved), problems)
     check_fsdp(resolved, world_size, problems)
-    _check_environment(problems)
+    check_environment(problems)
     if problems:
         raise ConfigError(problems)
     return resolved

@@ -23,6 +23,7 @@ from typing import Any
 
 from shardwork.models import GPTModel
 from shardwork.models.hf import hf_config_from_gpt
+from shardwork.models.hf.files import check_weight_files
 from shardwork.trainer.config.model_table import flatten_settings
 from shardwork.trainer.config.sections import DEMO_MODEL, TrainConfig
 from shardwork.trainer.data.tokenizer import load_tokenizer
@@ -59,6 +60,11 @@ def check_hf_init(config: TrainConfig, problems: list[str]) -> bool:
         dims = hf_dimensions(hf_config(folder))
     except (ValueError, KeyError, TypeError) as exc:
         problems.append(f"{where}: its config.json cannot be imported: {exc}")
+        return False
+    try:
+        check_weight_files(path)
+    except ValueError as exc:
+        problems.append(f"{where}: {exc}; valid: the folder as written by save_pretrained")
         return False
     ok = True
     m = config.model

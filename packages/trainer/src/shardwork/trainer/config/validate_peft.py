@@ -62,6 +62,11 @@ def check_peft(config, model: GPTConfig | None, expert_tp: int, problems: list[s
                 f"peft.export={p.export!r} needs peft.method='lora' (there are no adapters to "
                 "export); set method='lora' or leave export unset"
             )
+        if p.init is not None:
+            problems.append(
+                f"peft.init={p.init!r} needs peft.method='lora' (there are no adapters to "
+                "load it into); set method='lora' or leave init unset"
+            )
         return
     if config.optimizer.name == "muon":
         problems.append(

@@ -98,7 +98,8 @@ class IndexedDatasetWriter:
 
     Use as a context manager; the index is written on a clean exit. The
     ``.bin`` is written to a temporary name and renamed at the end, so an
-    interrupted write never leaves a valid-looking dataset behind.
+    interrupted write never leaves a valid-looking dataset behind; when the body raises, or
+    writing the index or a rename fails, the temporary files are removed.
     """
 
     def __init__(self, prefix: str | os.PathLike, *, dtype: np.dtype | type = np.uint16) -> None:
@@ -137,9 +138,20 @@ class IndexedDatasetWriter:
             return
         bin_path, idx_path = data_file_paths(self.prefix)
         tmp_idx = partial_path(idx_path, self._tag)
-        write_index(tmp_idx, self._lengths, self._documents, dtype=self.dtype)
-        os.replace(self._tmp_bin, bin_path)
-        os.replace(tmp_idx, idx_path)
+        moved = False
+        try:
+            write_index(tmp_idx, self._lengths, self._documents, dtype=self.dtype)
+            os.replace(self._tmp_bin, bin_path)
+            moved = True
+            os.replace(tmp_idx, idx_path)
+        except BaseException:
+            # a failed rename (a directory in the way, a full disk) leaves no partial file and
+            # no .bin without its .idx
+            self._tmp_bin.unlink(missing_ok=True)
+            tmp_idx.unlink(missing_ok=True)
+            if moved:
+                bin_path.unlink(missing_ok=True)
+            raise
 
 
 def write_index(

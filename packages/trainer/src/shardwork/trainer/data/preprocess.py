@@ -9,15 +9,21 @@
 - The built-in byte tokenizer needs nothing; ``--tokenizer PATH`` uses a
   Hugging Face ``tokenizers`` JSON file.
 - Mistakes end with one paragraph and an exit code (:mod:`..errors`): 2 for an option (a
-  missing input file, an unreadable tokenizer), 5 for bad input data (a file that is not
-  UTF-8, a line that is not a JSON object, a record without ``--json_key`` or whose text is not a string), naming the file
-  and line. The output is written under temporary names and renamed only when complete, so a
-  failed run leaves no ``OUTPUT.bin``/``OUTPUT.idx`` behind.
+  missing input file or a directory given as one, an unreadable tokenizer, ``--eod_token``
+  with the byte tokenizer, an ``--output`` that is a directory rather than a prefix, lies under
+  a file, cannot be created or has a directory in the way of ``OUTPUT.bin``/``.idx``/
+  ``.meta.json``), 5 for bad input data (a file that is not UTF-8 or holds no text, a line
+  that is not a JSON object, a record without ``--json_key`` or whose text is not a string,
+  inputs that yield no token at all), naming the file and line. The options, the output
+  location and the input paths are checked before any input is read. The output is written
+  under temporary names and renamed only when complete, so a failed run leaves no
+  ``OUTPUT.bin``/``OUTPUT.idx`` (nor a directory it created) behind.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -26,8 +32,8 @@ from pathlib import Path
 import numpy as np
 import tyro
 
-from shardwork.trainer.data.dataset_meta import DatasetMeta, write_dataset_meta
-from shardwork.trainer.data.indexed import IndexedDatasetWriter, token_dtype_for
+from shardwork.trainer.data.dataset_meta import DatasetMeta, meta_path, write_dataset_meta
+from shardwork.trainer.data.indexed import IndexedDatasetWriter, data_file_paths, token_dtype_for
 from shardwork.trainer.data.tokenizer import Tokenizer, load_tokenizer
 from shardwork.trainer.errors import DataError, UserError, report
 
@@ -38,8 +44,7 @@ def iter_documents(
     """Yield document texts from text / JSONL files (see module docstring)."""
     for raw in paths:
         path = Path(raw)
-        if not path.is_file():
-            raise UserError(f"--input {str(path)!r}: no such file")
+        check_input(path)
         try:
             if path.suffix in (".jsonl", ".json"):
                 yield from _jsonl_texts(path, json_key)
@@ -50,14 +55,96 @@ def iter_documents(
                 f"{path}: not UTF-8 text (byte {exc.start} of a chunk: {exc.reason}); valid: "
                 "UTF-8 text or JSONL files"
             ) from None
+        if not text.strip():
+            raise DataError(_no_text(path))
         if doc_separator:
             yield from (chunk for chunk in text.split(doc_separator) if chunk.strip())
         else:
             yield text
 
 
+def _no_text(path: Path) -> str:
+    return (
+        f"--input {str(path)!r} holds no text ({path.stat().st_size} bytes, no document to "
+        "write); valid: a UTF-8 text or JSONL file with at least one non-blank document"
+    )
+
+
+def check_input(path: Path) -> None:
+    """UserError unless ``path`` is an existing file (a directory is named as one); DataError
+    when it is empty: each is found before anything is written."""
+    if path.is_dir():
+        raise UserError(
+            f"--input {str(path)!r} is a directory; valid: text or JSONL files (give each file, "
+            f"e.g. --input {str(path / '*.txt')!r} expanded by the shell)"
+        )
+    if not path.is_file():
+        raise UserError(f"--input {str(path)!r}: no such file; valid: text or JSONL files")
+    if path.stat().st_size == 0:
+        raise DataError(_no_text(path))
+
+
+def check_output(prefix: str) -> None:
+    """UserError unless ``prefix`` can take ``.bin``/``.idx``/``.meta.json`` files: it must
+    name a file prefix (not end in a directory), no file may stand where its directory goes,
+    the nearest existing directory must be writable, and no output name may be a directory.
+    Checked before any input is read, so a mistake costs no tokenizing."""
+    shown = f"--output {prefix!r}"
+    if os.path.basename(prefix) in ("", ".", ".."):
+        example = os.path.join(os.path.normpath(prefix), "corpus")
+        raise UserError(
+            f"{shown} names a directory, not an output prefix (it would write hidden files "
+            f"such as {prefix}.bin); valid: a PREFIX such as {example!r} (writes "
+            f"{example}.bin, {example}.idx and {example}.meta.json)"
+        )
+    parent = Path(prefix).parent
+    existing = next(p for p in (parent, *parent.parents) if p.exists() or p == Path(p.anchor))
+    if not existing.is_dir():
+        raise UserError(
+            f"{shown}: {str(existing)!r} is a file, not a directory, so nothing can be written "
+            "under it; valid: a prefix in a directory (existing or to be created)"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{shown}: directory {str(existing)!r} is not writable")
+    for path in (*data_file_paths(prefix), meta_path(prefix)):
+        if path.is_dir():
+            raise UserError(
+                f"{shown}: {str(path)!r} is a directory and would be replaced by an output "
+                "file; valid: another prefix, or remove that directory"
+            )
+
+
+def make_output_dirs(prefix: str) -> list[Path]:
+    """Create ``prefix``'s missing parent directories; return them, deepest first, so a failed
+    run removes what it made. A directory that cannot be made is a UserError naming it."""
+    parent = Path(prefix).parent
+    missing = [p for p in (parent, *parent.parents) if not p.exists()]
+    for path in reversed(missing):
+        try:
+            path.mkdir()
+        except OSError as exc:
+            remove_empty_dirs(missing)
+            raise UserError(
+                f"--output {prefix!r}: cannot create directory {str(path)!r} "
+                f"({exc.strerror}); valid: a prefix in a writable directory"
+            ) from None
+    return missing
+
+
+def remove_empty_dirs(paths: Iterable[Path]) -> None:
+    """Remove ``paths`` (deepest first) while they exist and are empty: a directory that is
+    not empty keeps its parents."""
+    for path in paths:
+        try:
+            path.rmdir()
+        except OSError:
+            return
+
+
 def _jsonl_texts(path: Path, json_key: str) -> Iterator[str]:
-    """The ``json_key`` text of each non-blank line of ``path``; DataError names the line."""
+    """The ``json_key`` text of each non-blank line of ``path``; DataError names the line, or
+    the file when no line holds a record."""
+    records = 0
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
@@ -83,7 +170,10 @@ def _jsonl_texts(path: Path, json_key: str) -> Iterator[str]:
                     f"{path}:{line_no}: --json_key={json_key!r} holds a "
                     f"{type(record[json_key]).__name__}, not a string"
                 )
+            records += 1
             yield record[json_key]
+    if not records:
+        raise DataError(_no_text(path))
 
 
 def write_documents(
@@ -100,6 +190,12 @@ def write_documents(
             writer.add_document(np.asarray(ids))
             num_docs += 1
             num_tokens += len(ids)
+        if num_tokens == 0:  # raised inside the writer: its temporary files are removed
+            raise DataError(
+                f"the inputs yield {num_docs} documents and 0 tokens (every text is empty and "
+                "no end-of-document id is appended): training cannot use an empty dataset; "
+                "valid: inputs that hold text"
+            )
     meta = DatasetMeta(
         tokenizer=tokenizer.name, vocab_size=tokenizer.vocab_size, eod_id=tokenizer.eod_id
     )
@@ -129,6 +225,14 @@ class PreprocessArgs:
 
 
 def _tokenizer(args: PreprocessArgs) -> Tokenizer:
+    """The tokenizer ``--tokenizer`` names; a mistake (as ``shardwork-train`` refuses it) is a
+    UserError naming the option."""
+    if args.tokenizer == "byte" and args.eod_token is not None:
+        raise UserError(
+            f"--eod_token={args.eod_token!r} names a token of a tokenizer file, but "
+            "--tokenizer='byte' has a fixed end-of-document id (256); valid: leave --eod_token "
+            "unset, or give --tokenizer a tokenizer JSON file"
+        )
     try:
         return load_tokenizer(args.tokenizer, eod_token=args.eod_token)
     except (ImportError, ValueError, OSError) as exc:
@@ -145,13 +249,21 @@ def main(argv: list[str] | None = None) -> int:
         use_underscores=True,
         prog="shardwork-preprocess",
     )
+    made: list[Path] = []
     try:
+        check_output(args.output)
         tokenizer = _tokenizer(args)
+        for path in args.input:
+            check_input(Path(path))
+        made = make_output_dirs(args.output)
         docs = iter_documents(args.input, json_key=args.json_key, doc_separator=args.doc_separator)
         num_docs, num_tokens = write_documents(
             docs, args.output, tokenizer, append_eod=args.append_eod
         )
-    except UserError as exc:
+    except BaseException as exc:
+        remove_empty_dirs(made)  # directories this run created for an output it did not write
+        if not isinstance(exc, UserError):
+            raise
         return report("shardwork-preprocess", str(exc), exc.exit_code)
     print(
         f"wrote {args.output}.bin / {args.output}.idx: {num_docs} documents, {num_tokens} tokens "

@@ -78,13 +78,80 @@ class MetricsWriter:
             self._tb.close()
 
 
+#: How the messages of :func:`read_metrics` describe a metrics log.
+RECORD_FORM = (
+    'a metrics log holds one JSON object per line, e.g. {"kind": "train", "step": 10, '
+    '"loss": 2.5, ...}, as shardwork-train writes it'
+)
+
+
+#: What :func:`_plain` writes for a non-finite float: a record may hold these for a number.
+NON_FINITE = ("nan", "inf", "-inf")
+
+
+def _is_number(value: Any, *, non_finite: bool) -> bool:
+    """A JSON number (not a bool); with ``non_finite``, also NaN/inf and their strings."""
+    if isinstance(value, str):
+        return non_finite and value in NON_FINITE
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return non_finite or math.isfinite(value)
+
+
+def _record(path: Path, number: int, text: str) -> dict[str, Any]:
+    """Line ``number`` of ``path`` as a record, or ValueError naming the line and what a
+    record holds (an object, a numeric ``step``, and a numeric ``loss`` when it has one)."""
+    where = f"{path}, line {number}"
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: not JSON ({exc.msg}); {RECORD_FORM}") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: a JSON {type(record).__name__}, not an object; {RECORD_FORM}")
+    if not _is_number(record.get("step"), non_finite=False):
+        raise ValueError(f"{where}: step={record.get('step')!r} is not a number; {RECORD_FORM}")
+    if "loss" in record and not _is_number(record["loss"], non_finite=True):
+        raise ValueError(f"{where}: loss={record['loss']!r} is not a number; {RECORD_FORM}")
+    return record
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """All records of a metrics JSONL file (a torn last line of a live run is skipped)."""
+    """All records of a metrics JSONL file, checked (:func:`_record`), so that a file that is
+    not a metrics log is refused naming the line instead of read as an empty run.
+
+    Only a torn last line is skipped: one without its newline that is not complete JSON,
+    which a live run (or a killed one) leaves while a record is being written (the writer
+    ends every record with a newline).
+    ValueError names the file and line for any other bad line, and the file if it is not
+    UTF-8 text or cannot be read.
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    lines = data.split(b"\n")
+    torn = lines.pop()  # b"" when the file ends with a newline (or is empty)
     records = []
-    with open(path) as f:
-        for line in f:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+    for number, raw in enumerate([*lines, torn], start=1):
+        try:
+            text = raw.decode("utf-8")  # the writer writes ASCII: even a torn line decodes
+        except UnicodeDecodeError as exc:
+            raise ValueError(
+                f"{path}, line {number}: not UTF-8 text (byte {raw[exc.start]:#04x} at "
+                f"column {exc.start + 1}); {RECORD_FORM}"
+            ) from None
+        if number > len(lines) and _torn(text):
+            break
+        if text.strip():
+            records.append(_record(path, number, text))
     return records
+
+
+def _torn(text: str) -> bool:
+    """Whether a last line without its newline is a record cut short (not complete JSON)."""
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return True
+    return False

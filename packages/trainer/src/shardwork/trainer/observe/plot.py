@@ -11,12 +11,13 @@ non-interactive Agg backend, so it works on headless machines.
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from shardwork.trainer.observe.metrics import metrics_path, read_metrics
+from shardwork.trainer.observe.metrics import RECORD_FORM, metrics_path, read_metrics
 
 # Figures are built with matplotlib's object API (no pyplot): nothing global to select or
 # close, and ``Figure.savefig`` renders a .png with Agg whatever the default backend is.
@@ -125,16 +126,9 @@ def _expert_load_figure(records) -> Figure | None:
     return fig
 
 
-def plot_run(run_dir: str | Path) -> list[Path]:
-    """Write the plots of ``run_dir``; returns the files written."""
-    run_dir = Path(run_dir)
-    path = metrics_path(run_dir)
-    if not path.is_file():
-        raise ValueError(f"RUN_DIR={str(run_dir)!r} has no metrics.jsonl: is it a shardwork run?")
-    records = read_metrics(path)
-    out = run_dir / "plots"
-    out.mkdir(parents=True, exist_ok=True)
-    figures = {
+def _figures(records) -> dict[str, Figure | None]:
+    """Every chart by file name (None for a metric the run never logged)."""
+    return {
         "loss.png": _loss_figure(records),
         "lr.png": _lr_figure(records),
         "grad_norm.png": _scalar_figure(records, "grad_norm", "gradient norm"),
@@ -142,13 +136,66 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         "aux_losses.png": _aux_figure(records),
         "expert_load.png": _expert_load_figure(records),
     }
+
+
+def _read_run(run_dir: Path, *, empty_ok: bool) -> list[dict]:
+    """The records of ``run_dir``'s metrics log, or ValueError when there is no log, it is not
+    one (:func:`read_metrics` names the line), or it holds no train loss to plot (unless
+    ``empty_ok``: then no records)."""
+    path = metrics_path(run_dir)
+    if not path.is_file():
+        raise ValueError(f"RUN_DIR={str(run_dir)!r} has no metrics.jsonl: is it a shardwork run?")
+    records = read_metrics(path)
+    if not any(r.get("kind") == "train" and "loss" in r for r in records):
+        if empty_ok:
+            return []
+        raise ValueError(
+            f"{path} holds no train record with a loss ({len(records)} records in all), so "
+            "there is "
+            f"nothing to plot; {RECORD_FORM}"
+        )
+    return records
+
+
+def _save(figures: dict[str, Figure | None], out: Path) -> list[Path]:
+    """Write the figures into ``out``, made here if missing; on a failure, remove what this
+    call wrote (and ``out`` if it made it) and raise ValueError naming the path."""
+    made = not out.exists()
     written: list[Path] = []
-    for name, fig in figures.items():
-        if fig is not None:
-            fig.tight_layout()
-            fig.savefig(out / name, dpi=110)
-            written.append(out / name)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, fig in figures.items():
+            if fig is not None:
+                fig.tight_layout()
+                fig.savefig(out / name, dpi=110)
+                written.append(out / name)
+    except OSError as exc:
+        for path in written:
+            path.unlink(missing_ok=True)
+        if made and out.is_dir():
+            shutil.rmtree(out, ignore_errors=True)
+        where = exc.filename or out
+        raise ValueError(f"cannot write the plots to {where}: {exc.strerror or exc}") from None
     return written
+
+
+def plot_run(run_dir: str | Path, *, empty_ok: bool = False) -> list[Path]:
+    """Write the plots of ``run_dir`` into ``run_dir/plots``; returns the files written.
+
+    Everything is checked, and the figures built, before the folder is made: a bad log or a
+    ``plots`` that is not a folder raises ValueError and leaves nothing behind. ``empty_ok``:
+    a log without a train loss gives no plots instead (the trainer's case when a resumed run
+    had no step left to train).
+    """
+    run_dir = Path(run_dir)
+    out = run_dir / "plots"
+    if out.exists() and not out.is_dir():
+        raise ValueError(
+            f"{out} is a file, not a folder: shardwork-plot writes its PNGs into "
+            "RUN_DIR/plots/; move or remove that file"
+        )
+    records = _read_run(run_dir, empty_ok=empty_ok)
+    return _save(_figures(records), out) if records else []
 
 
 def main(argv: list[str] | None = None) -> int:

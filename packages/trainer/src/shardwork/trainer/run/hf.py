@@ -29,6 +29,7 @@ from shardwork.models.hf import (
     save_pretrained,
 )
 from shardwork.models.lora import is_lora_key, load_lora_state, lora_state_dict
+from shardwork.trainer.errors import CheckpointError
 
 
 def will_resume(config) -> bool:
@@ -44,11 +45,21 @@ def will_resume(config) -> bool:
 
 @torch.no_grad()
 def import_hf_weights(modules, folder: str) -> None:
-    """Fill every model chunk of this rank with its slices of the checkpoint in ``folder``."""
+    """Fill every model chunk of this rank with its slices of the checkpoint in ``folder``.
+
+    Validation has read the folder's config.json and weight headers; what only the load sees
+    (a tensor the model needs that the files lack, or of another shape) raises
+    `CheckpointError` naming ``checkpoint.hf_init`` on every rank alike (exit 4).
+    """
     for module in modules:
         for p in module.parameters():
             p.zero_()
-        load_hf_weights(module, folder)
+        try:
+            load_hf_weights(module, folder)
+        except ValueError as exc:  # a tensor missing, of another shape, or one too many
+            raise CheckpointError(
+                f"checkpoint.hf_init={folder!r}: its weights do not fit the model: {exc}"
+            ) from None
 
 
 def export_hf(modules, folder: str, hf_init: str | None = None) -> None:

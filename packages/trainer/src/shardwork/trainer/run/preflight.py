@@ -13,7 +13,8 @@ stops the run before step 1 instead of at the first checkpoint or inside a step:
 - Every dataset the run reads (``data.prefixes``, ``data.data_config``'s blends, the built-in
   corpus): both files exist, the ``.idx`` parses and agrees with itself and with the ``.bin``'s
   size, and every token id is below ``model.vocab_size`` (:mod:`..data.integrity`).
-- ``eval.steps`` fits in the validation split (counted in global batches).
+- The train and validation splits hold at least 2 tokens in each dataset (an input and its
+  label); ``eval.steps`` fits in the validation split (counted in global batches).
 - ``precision.compile``: torch.compile can run on the run's device here (dynamo in this
   build; a C++ compiler for inductor on a CPU, Triton on a GPU), else the step would fail
   minutes into its first compilation.
@@ -67,6 +68,7 @@ def preflight(config: TrainConfig) -> list[str]:
     for field, prefix in dataset_prefixes(config):
         check_dataset(field, prefix, vocab_size=config.model.settings["vocab_size"])
     check_train_split(config)
+    check_split_tokens(config)
     check_eval_steps(config)
     return warnings
 
@@ -85,8 +87,11 @@ def _output_dirs(config: TrainConfig) -> list[tuple[str, str]]:
     d = config.data
     if not d.prefixes and d.data_config is None:  # the built-in corpus, built on first use
         cache = d.cache_dir or str(default_cache_dir())
+        # data.cache_dir unset: the environment variable chose the folder, and is what to fix
+        env = d.cache_dir is None and "SHARDWORK_CACHE" in os.environ
+        field = "SHARDWORK_CACHE (environment)" if env else "data.cache_dir"
         if not dataset_exists(corpus_prefix(d.corpus, cache)):
-            dirs.append(("data.cache_dir", cache))
+            dirs.append((field, cache))
     return dirs
 
 
@@ -209,6 +214,23 @@ def check_train_split(config: TrainConfig) -> None:
         f"{source} gives the train split no documents to sample ({held or 'no datasets'}); "
         "valid: at least one dataset with documents and a weight > 0"
     )
+
+
+def check_split_tokens(config: TrainConfig) -> None:
+    """Refuse a dataset whose part of the train or validation split holds fewer than 2 tokens
+    (documents that are all empty): the run builds samples from every such part, and a sample
+    needs an input token and its label. Without this the run fails after its process groups
+    exist (the test split is not read by training, so it is not checked)."""
+    for split in ("train", "valid"):
+        for c in split_components(config.data)[split]:
+            tokens = int(IndexedDataset(c.prefix).sequence_lengths[c.documents].sum())
+            if tokens < 2:
+                raise DataError(
+                    f"dataset {c.prefix!r}: its {split!r} split ({c.documents.size} documents) "
+                    f"holds {tokens} tokens; valid: at least 2 (an input token and its label). "
+                    "Are its documents empty? (shardwork-preprocess --no_append_eod keeps an "
+                    "empty document empty)"
+                )
 
 
 def check_eval_steps(config: TrainConfig) -> None:

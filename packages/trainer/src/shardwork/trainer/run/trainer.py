@@ -461,7 +461,8 @@ class Trainer:
             p.writer.close()
         p.result.seconds = time.perf_counter() - t_start
         if self.runtime.is_logging_rank:
-            plots = plot_run(Path(p.result.run_dir)) if self.config.logging.plot else []
+            # empty_ok: a resumed run with no step left logged no train loss to plot
+            plots = plot_run(p.result.run_dir, empty_ok=True) if self.config.logging.plot else []
             self._report(p.result, plots, p.writer)
 
     def _phase(self, phase: str, names: tuple[str, ...]):

@@ -1,0 +1,98 @@
+"""``shardwork-plot`` on a RUN_DIR that is not a plottable run: one line on stderr naming the
+file (and line), exit 2, no traceback, and no ``plots`` folder made or changed. A torn last
+line of a live run is still skipped."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from shardwork.trainer.observe.metrics import read_metrics
+from shardwork.trainer.observe.plot import main
+
+FORM = r"a metrics log holds one JSON object per line"
+
+
+def _run_dir(tmp_path, content: bytes):
+    (tmp_path / "metrics.jsonl").write_bytes(content)
+    return tmp_path
+
+
+def _refused(run_dir, capsys) -> str:
+    """Run the CLI, check exit 2, one stderr line without a traceback, nothing written."""
+    before = sorted(p.name for p in run_dir.iterdir())
+    assert main([str(run_dir)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "Traceback" not in captured.err and captured.err.count("\n") == 1
+    assert captured.err.startswith("shardwork-plot: ")
+    assert sorted(p.name for p in run_dir.iterdir()) == before
+    return captured.err
+
+
+@pytest.mark.parametrize(
+    ("content", "pattern"),
+    [
+        (b"not json\n", rf"metrics\.jsonl, line 1: not JSON .*{FORM}"),
+        (
+            b'{"kind":"train","step":1,"loss":2.0}\n{"kind":"train","step":"x","loss":"abc"}\n',
+            rf"metrics\.jsonl, line 2: step='x' is not a number; {FORM}",
+        ),
+        (
+            b'{"kind":"train","step":3,"loss":"abc"}\n',
+            rf"metrics\.jsonl, line 1: loss='abc' is not a number; {FORM}",
+        ),
+        (
+            b'[1,2]\n{"kind":"train","step":1,"loss":NaN}\n',
+            rf"metrics\.jsonl, line 1: a JSON list, not an object; {FORM}",
+        ),
+        (b"", rf"metrics\.jsonl holds no train record with a loss \(0 records in all\).*{FORM}"),
+        (
+            b'{"kind":"event","step":0,"bigram_nats":2.0}\n',
+            r"metrics\.jsonl holds no train record with a loss \(1 records in all\)",
+        ),
+    ],
+    ids=["not-json", "step-not-number", "loss-not-number", "list-line", "empty", "no-train"],
+)
+def test_not_a_metrics_log_is_refused_naming_the_file_and_line(tmp_path, capsys, content, pattern):
+    err = _refused(_run_dir(tmp_path, content), capsys)
+    assert re.search(re.escape(str(tmp_path)) + r"/" + pattern, err), err
+
+
+def test_non_utf8_log_is_refused_naming_the_file(tmp_path, capsys):
+    err = _refused(
+        _run_dir(tmp_path, b'{"kind":"train","step":1,"loss":1.0}\n\xff\xfe{}\n'), capsys
+    )
+    assert re.search(
+        re.escape(str(tmp_path / "metrics.jsonl")) + r", line 2: not UTF-8 text \(byte 0xff", err
+    ), err
+
+
+def test_plots_that_is_a_file_is_refused_and_kept(tmp_path, capsys):
+    run_dir = _run_dir(tmp_path, b'{"kind":"train","step":1,"loss":1.0}\n')
+    (run_dir / "plots").write_text("mine")
+    err = _refused(run_dir, capsys)
+    assert re.search(re.escape(str(run_dir / "plots")) + r" is a file, not a folder", err), err
+    assert (run_dir / "plots").read_text() == "mine"
+
+
+def test_torn_last_line_is_skipped_and_the_run_plotted(tmp_path, capsys):
+    """A live run's record being written (no newline yet) is not an error."""
+    run_dir = _run_dir(
+        tmp_path,
+        b'{"kind":"train","step":1,"loss":2.0}\n{"kind":"train","step":2,"loss":"nan"}\n'
+        b'{"kind":"train","st',
+    )
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [1, 2]
+    assert main([str(run_dir)]) == 0
+    assert {p.name for p in (run_dir / "plots").iterdir()} == {"loss.png", "lr.png"}
+    capsys.readouterr()
+
+
+def test_a_bad_line_before_the_last_is_not_skipped(tmp_path):
+    """Only the last line may be torn: an undecodable line in the middle is refused."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"kind":"train","step":1,"loss":2.0}\n{"kind":"tr\n{"kind":"train"}\n')
+    with pytest.raises(ValueError, match=r"metrics\.jsonl, line 2: not JSON"):
+        read_metrics(path)
