@@ -126,3 +126,38 @@ def test_layout_from_a_real_process_groups_bundle(tmp_path):
         name: getattr(c, name) for name in ("tp", "pp", "vpp", "cp", "ep", "etp", "dp", "order")
     }
     assert layout["tp"] == 1 and layout["dp"] == 1
+
+
+def test_cli_verify_of_a_root_checks_every_complete_checkpoint(tmp_path, capsys):
+    """``verify ROOT`` (what ``inspect ROOT`` already accepts): each complete step verified
+    and listed, an interrupted save listed as such, a corrupt step named (exit 1)."""
+    root = tmp_path / "checkpoints"
+    manager = CheckpointManager(root, keep_last=5)
+    for step in (2, 4):
+        manager.save(step, example_state(0, 1, seed=step))
+    manager.step_path(6).mkdir()  # an interrupted save: no marker
+    assert main(["verify", str(root)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in out] == [
+        "step_000000002", "step_000000004", "step_000000006"
+    ]  # fmt: skip
+    assert "ok: 2 files" in out[0] and "ok: 2 files" in out[1] and "INCOMPLETE" in out[2]
+    data = manager.step_path(4) / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    assert main(["verify", str(root)]) == 1
+    assert "step_000000004" in capsys.readouterr().err
+
+
+def test_cli_names_a_run_folder_as_one(tmp_path, capsys):
+    """A training run's folder given where a checkpoint is expected: the message says where
+    its checkpoints are instead of "no COMMITTED marker"."""
+    run = tmp_path / "run"
+    CheckpointManager(run / "checkpoints").save(3, example_state(0, 1, seed=3))
+    (run / "metrics.jsonl").write_text("{}\n")
+    for command in ("verify", "inspect"):
+        assert main([command, str(run)]) == 2
+        err = capsys.readouterr().err
+        assert "is a training run's folder, not a checkpoint" in err, err
+        assert f"in {str(run / 'checkpoints')!r}" in err, err

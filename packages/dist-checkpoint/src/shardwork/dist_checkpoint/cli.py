@@ -3,7 +3,8 @@
 - ``shardwork-ckpt inspect PATH [--json]``: versions, the layout, world size and global ranks
   it was saved at, total size, and per key: kind, dtype, global shape, number of chunks. For a
   `CheckpointManager` root it lists the steps (complete or interrupted) and inspects the latest.
-- ``shardwork-ckpt verify PATH``: re-checksums every file.
+- ``shardwork-ckpt verify PATH``: re-checksums every file; for a root, of every complete
+  checkpoint in it.
 - More subcommands come from installed packages through the entry-point group
   ``shardwork_ckpt.commands`` (:data:`PLUGIN_GROUP`): each entry point is a function
   ``register(subparsers)`` that adds its parser and sets ``run=callable(args) -> int``. This
@@ -52,8 +53,27 @@ def _step_dirs(root: Path) -> list[Path]:
     return sorted(p for p in root.glob("step_*") if p.is_dir())
 
 
+def _is_root(path: Path) -> bool:
+    """A `CheckpointManager` root: ``step_*`` folders and no checkpoint of its own."""
+    return not (path / md.INFO_FILE).exists() and bool(_step_dirs(path))
+
+
+def _not_a_checkpoint_hint(path: Path) -> str | None:
+    """What ``path`` is instead of a checkpoint, when that is recognisable: a training run's
+    folder (its checkpoints are in ``checkpoints/``), so the message can say where to look."""
+    if (path / md.COMMIT_MARKER).exists() or (path / md.INFO_FILE).exists():
+        return None
+    inner = path / "checkpoints"
+    if inner.is_dir() and _is_root(inner):
+        return (
+            f"{str(path)!r} is a training run's folder, not a checkpoint; its checkpoints are "
+            f"in {str(inner)!r} (give that folder, or one of its step_* folders)"
+        )
+    return None
+
+
 def _inspect(path: Path, as_json: bool) -> int:
-    if not (path / md.INFO_FILE).exists() and _step_dirs(path):
+    if _is_root(path):
         steps = _step_dirs(path)
         complete = [p for p in steps if md.is_committed(p)]
         if not as_json:
@@ -129,8 +149,23 @@ def _itemsize(dtype: str) -> int:
 
 
 def _verify(path: Path) -> int:
-    summary: dict[str, Any] = verify(path)
-    print(f"ok: {summary['files']} files, {_human(summary['bytes'])} match their checksums")
+    """Verify one checkpoint, or every complete one of a root (an interrupted save is listed;
+    the first corrupt checkpoint stops with its error)."""
+    if not _is_root(path):
+        summary: dict[str, Any] = verify(path)
+        print(f"ok: {summary['files']} files, {_human(summary['bytes'])} match their checksums")
+        return 0
+    complete = 0
+    for step in _step_dirs(path):
+        if not md.is_committed(step):
+            print(f"{step.name}  INCOMPLETE (an interrupted save; never loaded)")
+            continue
+        summary = verify(step)
+        complete += 1
+        print(f"{step.name}  ok: {summary['files']} files, {_human(summary['bytes'])}")
+    if not complete:
+        print(f"shardwork-ckpt: {str(path)!r} holds no complete checkpoint", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -163,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             return _inspect(args.path, args.json)
         return _verify(args.path)
     except md.IncompleteCheckpointError as exc:
-        print(f"shardwork-ckpt: {exc}", file=sys.stderr)
+        print(f"shardwork-ckpt: {_not_a_checkpoint_hint(args.path) or exc}", file=sys.stderr)
         return 2
     except md.CheckpointCorruptError as exc:
         print(f"CORRUPT: {exc}", file=sys.stderr)
