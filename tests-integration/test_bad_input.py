@@ -411,6 +411,22 @@ CASES: list[Case] = [
         ["peft.init='{d}/adapters' needs peft.method='lora'"],
     ),
     Case(
+        "config-typos-in-and-out-of-the-model-table",
+        "train",
+        ("--config", "{d}/typos.toml"),
+        EXIT_USAGE,
+        (
+            "optimizer.lrr: unknown key",
+            "model.num_layer: unknown key",
+            "model.moe.num_expertz: unknown key",
+        ),
+        _write_text(
+            "typos.toml",
+            "[optimizer]\nlrr = 0.1\n[model]\nnum_layer = 2\n[model.moe]\nnum_expertz = 4\n",
+        ),
+        max_problems=3,
+    ),
+    Case(
         "config-is-a-directory",
         "train",
         ("--config", "{d}"),
@@ -663,6 +679,13 @@ CASES: list[Case] = [
         {"data": {"data_config": "{d}/bad.json"}},
         ["data.data_config=", "not valid JSON"],
         setup=_write_text("bad.json", "{not json"),
+    ),
+    config_case(
+        "data-config-blend-not-a-list",
+        1,
+        {"data": {"data_config": "{d}/blend.json"}},
+        ["data.data_config=", "valid: 'x' is a JSON str", "a list of [weight, prefix] pairs"],
+        setup=_write_text("blend.json", '{"train": [[1.0, "data"]], "valid": "x"}'),
     ),
     config_case(
         "data-bin-truncated",

@@ -81,8 +81,24 @@ def config_from_dict(table: dict[str, Any], notices: list[str] | None = None) ->
     problems: list[str] = []
     config = _build(TrainConfig, table, "", problems, [] if notices is None else notices)
     if problems:
-        raise ConfigError(problems)
+        raise ConfigError(problems + _model_key_problems(config))
     return config
+
+
+def _model_key_problems(config: TrainConfig) -> list[str]:
+    """The ``[model]`` table's unknown or mistyped keys, which ``validate_config`` checks after
+    this module: added to this module's own problems, one run lists every mistake instead of
+    showing the model's only once the rest is fixed."""
+    if not config.model.settings:
+        return []
+    # A valid config parses torch-free; only this error path pays for loading torch.
+    # deferred import: shardwork.models loads torch (seconds)
+    from shardwork.models import GPTConfig
+    from shardwork.trainer.config.model_settings import read_settings
+
+    found: list[str] = []
+    read_settings(GPTConfig, config.model.settings, "model", found)
+    return found
 
 
 def load_config(path: str | Path) -> TrainConfig:

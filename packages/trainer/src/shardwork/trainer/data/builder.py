@@ -51,6 +51,11 @@ def read_data_config(path: str | Path) -> dict[str, list[tuple[float, str]]]:
     for split, blend in raw.items():
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}; valid: {list(SPLITS)}")
+        if not isinstance(blend, dict | list):
+            raise ValueError(
+                f"{split}: {blend!r} is a JSON {type(blend).__name__}; valid: a list of "
+                '[weight, prefix] pairs, e.g. [[1.0, "data/wiki"]], or {prefix: weight}'
+            )
         items = list(blend.items()) if isinstance(blend, dict) else blend
         pairs = []
         for item in items:
