@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import pickle
 import re
 import shutil
 import subprocess
@@ -187,6 +188,74 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert "no field 'hidden_sise'" in capsys.readouterr().err
 
 
+def _cli_error(argv: list[str], capsys) -> str:
+    """``shardwork-ckpt import-megatron ARGV``'s one error line (exit status 2 asserted)."""
+    code = ckpt_main(["import-megatron", *argv, "--preset", "tiny-llama3-8b"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("shardwork-ckpt: ") and err.count("\n") == 1, err
+    return err
+
+
+def test_cli_refuses_a_destination_that_is_a_file(tmp_path, capsys):
+    """B8: DST an existing file (or a path under one) was a NotADirectoryError traceback."""
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    err = _cli_error([str(DATA / "llama_w1_te"), str(afile)], capsys)
+    assert re.search(rf"destination '{re.escape(str(afile))}' exists and is not a directory "
+                     r"\(give a new folder path or an empty directory\)", err)  # fmt: skip
+    err = _cli_error([str(DATA / "llama_w1_te"), str(afile / "sub")], capsys)
+    assert re.search(rf"'{re.escape(str(afile / 'sub'))}' cannot be created: "
+                     rf"'{re.escape(str(afile))}' is a file, not a directory", err)  # fmt: skip
+    assert afile.read_text() == "keep me" and sorted(tmp_path.iterdir()) == [afile]
+
+
+def _fake_megatron(folder: Path, index: bytes) -> Path:
+    folder.mkdir()
+    (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    (folder / ".metadata").write_bytes(index)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        b"garbage\n",
+        b"",
+        (DATA / "llama_w1_te" / ".metadata").read_bytes()[:200],
+        pickle.dumps({"state_dict_metadata": {}}),
+    ],
+    ids=["garbage", "empty", "truncated", "a-dict"],
+)
+def test_cli_names_an_unreadable_metadata_index(tmp_path, capsys, index):
+    """B9: a garbage ``.metadata`` escaped as the unpickler's own error (``invalid literal for
+    int()``, EOFError, AttributeError) without naming the file."""
+    src = _fake_megatron(tmp_path / "fakemeg", index)
+    err = _cli_error([str(src), str(tmp_path / "out")], capsys)
+    assert re.search(rf"'{re.escape(str(src / '.metadata'))}' is not a readable torch_dist "
+                     r"metadata file \(.+\); expected the pickled torch\.distributed\."
+                     r"checkpoint Metadata", err)  # fmt: skip
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ('{"sharded_backend": torch_dist}', r"is not valid JSON \(Expecting value: line 1 column 21\)"),
+        ('["torch_dist"]', r"holds a JSON list, not an object"),
+    ],
+    ids=["bad-json", "a-list"],
+)  # fmt: skip
+def test_cli_says_metadata_json_is_not_json(tmp_path, capsys, text, why):
+    """D10: a metadata.json that is not a JSON object was reported as sharded_backend=None."""
+    src = _fake_megatron(tmp_path / "src", b"")
+    (src / "metadata.json").write_text(text)
+    err = _cli_error([str(src), str(tmp_path / "out")], capsys)
+    assert re.search(rf"'{re.escape(str(src))}' is not a Megatron-Core checkpoint: its "
+                     rf"metadata\.json {why}.*\{{\"sharded_backend\": \"torch_dist\"\}}", err)  # fmt: skip
+    assert "sharded_backend=None" not in err and not (tmp_path / "out").exists()
+
+
 def test_shardwork_checkpoint_and_random_folder_are_not_megatron(tmp_path):
     ours = tmp_path / "ours"
     import_megatron(DATA / "llama_w1_te", ours, _config("llama_w1_te"))
@@ -341,6 +410,7 @@ def test_console_script_finds_the_subcommand(tmp_path):
     assert done.stderr == (
         f"shardwork-ckpt: {str(tmp_path)!r} is not a Megatron-Core checkpoint: it has no "
         "metadata.json (expected the folder megatron.core.dist_checkpointing.save wrote in the "
-        "torch_dist format, e.g. iter_0001000/ of a Megatron-LM run)\n"
+        'torch_dist format, {"sharded_backend": "torch_dist"} in metadata.json, e.g. '
+        "iter_0001000/ of a Megatron-LM run)\n"
     )
     assert not out.exists()

@@ -11,11 +11,13 @@ constructor that writes a file). Here:
 
 - `decode_metadata` unpickles with an allow-list: DCP's metadata dataclasses, ``torch.Size``,
   dtypes, layouts, memory formats and ``pathlib`` paths (plain containers and scalars need no
-  global). Anything else is refused before it is called. Python versions pickle an enum member
-  either by value (``Enum(value)``: CPython 3.11.7, for one) or by name (``getattr(Enum,
-  name)``: CPython 3.11.2, Debian 12's ``python3``); the second names ``builtins.getattr``,
-  which resolves here to a lookup that returns only a member of an allowed enum, so a
-  checkpoint written under either Python loads under the other.
+  global), and the save-plan classes of ``Metadata.all_local_plans`` that Megatron-Core's
+  torch_dist indexes carry (``SavePlan``, ``WriteItem``, ``TensorWriteData``,
+  ``WriteItemType``). Anything else is refused before it is called. Python versions pickle an
+  enum member either by value (``Enum(value)``: CPython 3.11.7, for one) or by name
+  (``getattr(Enum, name)``: CPython 3.11.2, Debian 12's ``python3``); the second names
+  ``builtins.getattr``, which resolves here to a lookup that returns only a member of an
+  allowed enum, so a checkpoint written under either Python loads under the other.
 - `decode_object` uses ``torch.load(weights_only=True)``: torch's own allow-list decoder
   (tensors, dtypes, plain scalars, strings and containers). Object records are decoded before
   their file's checksum can be compared (see `reader`), so `check_archive` first checks each
@@ -46,6 +48,7 @@ from shardwork.dist_checkpoint.metadata import CheckpointRefusedError
 __all__ = ["METADATA_GLOBALS", "check_archive", "decode_metadata", "decode_object"]
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_DCP_PLANNER = "torch.distributed.checkpoint.planner"
 
 #: ``(module, name)`` pairs a DCP ``.metadata`` pickle may name (torch 2.4-2.15 write these).
 #: Each is a pure data class (or an enum / a lookup by name) whose construction touches
@@ -61,6 +64,12 @@ METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
         (_DCP_METADATA, "ChunkStorageMetadata"),
         (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        # Megatron-Core's indexes carry ``Metadata.all_local_plans``: torch's save plans, frozen
+        # data classes (NEWOBJ, then BUILD fills __dict__) and an enum of three members.
+        (_DCP_PLANNER, "SavePlan"),
+        (_DCP_PLANNER, "WriteItem"),
+        (_DCP_PLANNER, "TensorWriteData"),
+        (_DCP_PLANNER, "WriteItemType"),
         ("torch.serialization", "_get_layout"),
         ("torch", "Size"),
         ("pathlib", "PosixPath"),

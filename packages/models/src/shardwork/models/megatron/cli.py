@@ -69,10 +69,31 @@ def config_with_changes(preset_name: str, changes: dict[str, Any]) -> GPTConfig:
     return _replace(preset(preset_name), changes, "")
 
 
+def _check_destination(dst: Path) -> None:
+    """ValueError unless ``dst`` is a new folder (its nearest existing ancestor a directory)
+    or an empty directory: checked before anything is read, so a wrong DST (an existing file,
+    a path under a file) is one line, not a traceback from deep in the save."""
+    valid = "give a new folder path or an empty directory"
+    if dst.exists() and not dst.is_dir():
+        raise ValueError(f"destination {str(dst)!r} exists and is not a directory ({valid})")
+    try:
+        if dst.is_dir() and any(dst.iterdir()):
+            raise ValueError(f"destination {str(dst)!r} exists and is not empty ({valid})")
+    except OSError as exc:
+        raise ValueError(f"destination {str(dst)!r} cannot be listed: {exc.strerror}") from None
+    ancestor = next((p for p in dst.absolute().parents if p.exists()), None)
+    if ancestor is not None and not ancestor.is_dir():
+        raise ValueError(
+            f"destination {str(dst)!r} cannot be created: {str(ancestor)!r} is a file, not a "
+            f"directory ({valid})"
+        )
+
+
 def _run(args: argparse.Namespace) -> int:
+    """Import ``args.src`` into ``args.dst``; every check (config, destination, checkpoint)
+    runs before the first write, each mistake a ValueError that the CLI prints as one line."""
     config = config_with_changes(args.preset, _parse_sets(args.set))
-    if args.dst.exists() and any(args.dst.iterdir()):
-        raise ValueError(f"destination {str(args.dst)!r} exists and is not empty")
+    _check_destination(args.dst)
     summary = import_megatron(args.src, args.dst, config)
     print(
         f"imported {summary['tensors']} tensors ({summary['parameters']:,} parameters) from "
