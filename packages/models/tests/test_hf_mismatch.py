@@ -142,3 +142,34 @@ def test_weight_files_are_checked_from_their_headers(tmp_path, folder):
             check_weight_files(path)
         with pytest.raises((ValueError, OSError)):  # the load refuses the same folder
             from_pretrained(path)
+
+
+@pytest.mark.parametrize("damage", ["missing", "reshaped", "extra"])
+def test_check_hf_weights_refuses_from_headers_what_the_load_refuses(tmp_path, folder, damage):
+    """`check_hf_weights` (headers only, no tensor read) passes the folder transformers wrote
+    and refuses a copy missing a tensor, holding one of another shape, or one too many, with
+    the message the load gives for the same copy."""
+    from shardwork.models.hf import check_hf_weights
+
+    config = gpt_config_from_hf(json.loads((folder / "config.json").read_text()))
+    check_hf_weights(config, folder)
+    copy = _edited(tmp_path, folder)
+    weights = load_file(copy / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.weight"
+    if damage == "missing":
+        del weights[name]
+    elif damage == "reshaped":
+        weights[name] = weights[name][:, :-1].contiguous()
+    else:
+        weights["model.layers.2.mlp.down_proj.weight"] = weights[name].clone()
+    save_file(weights, copy / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError) as from_headers:
+        check_hf_weights(config, copy)
+    with pytest.raises(ValueError) as from_load:
+        from_pretrained(copy)
+    assert str(from_headers.value) == str(from_load.value)
+    assert {
+        "missing": "has no tensor",
+        "reshaped": "has shape (64, 95)",
+        "extra": "holds 1 tensor",
+    }[damage] in str(from_headers.value)

@@ -205,24 +205,27 @@ def test_hf_options_are_validated_before_any_work(tmp_path, source, case):
     assert not (tmp_path / "run").exists()  # nothing started
 
 
-def test_a_folder_missing_a_tensor_ends_in_a_checkpoint_error(tmp_path, source):
-    """What only the load can see (a tensor the model needs that the files lack; the headers
-    are intact, so validation passes) ends in `CheckpointError` (exit 4) naming
-    ``checkpoint.hf_init``, not a ValueError traceback from inside the start-up."""
+def test_a_folder_missing_a_tensor_is_refused_by_validation_and_by_the_load(tmp_path, source):
+    """A tensor the model needs that the files lack: validation names it from the safetensors
+    headers, before any work; a load that meets it anyway (a caller that skipped validation)
+    ends in `CheckpointError` (exit 4) naming ``checkpoint.hf_init``, not a ValueError."""
     from safetensors.torch import load_file, save_file
 
+    from shardwork.models import GPTModel
     from shardwork.trainer.errors import EXIT_CHECKPOINT, CheckpointError
+    from shardwork.trainer.run.hf import import_hf_weights
 
-    folder, _ = source
+    folder, model = source
     partial = tmp_path / "partial"
     shutil.copytree(folder, partial)
     tensors = load_file(partial / "model.safetensors")
     del tensors["model.layers.1.post_attention_layernorm.weight"]
     save_file(tensors, partial / "model.safetensors")
-    config = tiny_config(tmp_path / "run", checkpoint={"hf_init": str(partial)})
-    validate_config(config, world_size=1)
+    base = tiny_config(tmp_path / "run", checkpoint={"hf_init": folder})
+    problems = _problems(_with(base, hf_init=str(partial)))
+    assert "has no tensor 'model.layers.1.post_attention_layernorm.weight'" in problems, problems
+    assert not (tmp_path / "run").exists()
     with pytest.raises(CheckpointError, match=r"checkpoint\.hf_init='.*partial': its weights do "
                        r"not fit the model: .*'model\.layers\.1\.post_attention_layernorm"):  # fmt: skip
-        train(config)
+        import_hf_weights([GPTModel(model.config)], str(partial))
     assert CheckpointError.exit_code == EXIT_CHECKPOINT
-    assert not (tmp_path / "run").exists()  # stopped before the run wrote anything

@@ -23,7 +23,12 @@ Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, Nemotron-H and Qwen3-Next.
 """
 
 from shardwork.models.hf.adapter import HFAdapter
-from shardwork.models.hf.checkpoint import from_pretrained, load_hf_weights, save_pretrained
+from shardwork.models.hf.checkpoint import (
+    check_hf_weights,
+    from_pretrained,
+    load_hf_weights,
+    save_pretrained,
+)
 from shardwork.models.hf.config_map import (
     SUPPORTED_MODEL_TYPES,
     gpt_config_from_hf,
@@ -51,6 +56,7 @@ __all__ = [
     "HFOutputs",
     "adapter_for",
     "adapter_for_config",
+    "check_hf_weights",
     "export_peft",
     "from_pretrained",
     "gpt_config_from_hf",

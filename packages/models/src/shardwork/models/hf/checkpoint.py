@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
+from shardwork.models.config import GPTConfig
 from shardwork.models.full_state import full_state_dict
 from shardwork.models.gpt_model import GPTModel
 from shardwork.models.hf.config_map import gpt_config_from_hf, hf_config_from_gpt, read_hf_config
@@ -41,7 +42,7 @@ from shardwork.models.pipeline.stage import build_stage
 from shardwork.models.token_ids import TokenIds
 from shardwork.parallel_state import ProcessGroups
 
-__all__ = ["from_pretrained", "load_hf_weights", "save_pretrained"]
+__all__ = ["check_hf_weights", "from_pretrained", "load_hf_weights", "save_pretrained"]
 
 
 def load_hf_weights(model: GPTModel, folder: str | Path) -> GPTModel:
@@ -58,42 +59,47 @@ def load_hf_weights(model: GPTModel, folder: str | Path) -> GPTModel:
 def _load_dense(model: GPTModel, folder: Path, rules: list[tuple[str, str]]) -> GPTModel:
     """The ``dense`` layout: every shardwork key is one HF tensor, read by slices."""
     files = weight_files(folder)
-    _refuse_unused_tensors(model.config, files, rules, folder)
+    _check_dense_files(model.config, files, rules, folder)
     by_file: dict[Path, list[tuple[str, Any]]] = {}
     for key, st in model.sharded_state_dict().items():
         name = to_hf_key(key, rules)
-        if name not in files:
-            raise ValueError(
-                f"{folder!s} has no tensor {name!r} (for {key!r}); check tie_word_embeddings "
-                "and the model family"
-            )
         by_file.setdefault(files[name], []).append((name, st))
     for path, items in by_file.items():
         with safe_open(path, framework="pt") as f:
             for name, st in items:
-                piece = f.get_slice(name)
-                shape = tuple(piece.get_shape())
-                if shape != tuple(st.global_shape):
-                    raise ValueError(
-                        f"{name!r} has shape {shape} in {path.name}, expected {st.global_shape} "
-                        f"for {st.key!r}"
-                    )
                 index = tuple(slice(o, o + s) for o, s in zip(st.global_offset, st.data.shape))
-                st.data.copy_(piece[index].to(st.data.dtype))
+                st.data.copy_(f.get_slice(name)[index].to(st.data.dtype))
     return model
+
+
+def check_hf_weights(config: GPTConfig, folder: str | Path) -> None:
+    """ValueError when the weights in ``folder`` cannot fill a model of ``config`` (every
+    stage): a tensor the model needs that no file holds, one of another shape, or one the model
+    does not have. Reads the safetensors headers only, so a trainer can check a folder before
+    it builds anything. The ``dense`` weight layout is checked here; the ``experts`` and
+    ``converted`` layouts (whose names are not one per key) find theirs while loading."""
+    adapter = adapter_for_config(config)
+    if adapter.weight_layout == "dense":
+        folder = Path(folder)
+        _check_dense_files(config, weight_files(folder), adapter.key_rules(), folder)
 
 
 # Buffers that older transformers versions saved with the weights; no model reads them back.
 _SAVED_BUFFERS = ("rotary_emb.inv_freq",)
 
 
-def _refuse_unused_tensors(config, files: dict[str, Path], rules, folder: Path) -> None:
-    """Raise ``ValueError`` if ``folder`` holds weights that no key of the whole model (every
-    stage) maps to: a ``config.json`` with fewer layers than the weights, or tied embeddings
-    beside an ``lm_head.weight``, would otherwise load part of the checkpoint silently."""
+def _check_dense_files(config, files: dict[str, Path], rules, folder: Path) -> None:
+    """Raise ``ValueError`` unless ``files`` hold exactly the tensors of the whole model (every
+    stage), each of its global shape. Weights no key maps to are refused too: a
+    ``config.json`` with fewer layers than the weights, or tied embeddings beside an
+    ``lm_head.weight``, would otherwise load part of the checkpoint silently."""
     # Key names do not depend on the layout; one process cannot build sequence parallelism.
     whole = GPTModel(config.replace(sequence_parallel=False), device="meta")
-    expected = {to_hf_key(key, rules) for key in whole.sharded_state_dict() if is_base_key(key)}
+    expected = {
+        to_hf_key(key, rules): (key, tuple(st.global_shape))
+        for key, st in whole.sharded_state_dict().items()
+        if is_base_key(key)
+    }
     unused = sorted(
         name for name in files if name not in expected and not name.endswith(_SAVED_BUFFERS)
     )
@@ -106,6 +112,23 @@ def _refuse_unused_tensors(config, files: dict[str, Path], rules, folder: Path) 
             f"{config.num_layers}, tie_word_embeddings={config.tie_word_embeddings}): check "
             "config.json, or the model you load into"
         )
+    by_file: dict[Path, list[str]] = {}
+    for name, (key, _) in expected.items():
+        if name not in files:
+            raise ValueError(
+                f"{folder!s} has no tensor {name!r} (for {key!r}); check tie_word_embeddings "
+                "and the model family"
+            )
+        by_file.setdefault(files[name], []).append(name)
+    for path, names in by_file.items():
+        with safe_open(path, framework="pt") as f:
+            for name in names:
+                shape = tuple(f.get_slice(name).get_shape())
+                key, want = expected[name]
+                if shape != want:
+                    raise ValueError(
+                        f"{name!r} has shape {shape} in {path.name}, expected {want} for {key!r}"
+                    )
 
 
 def from_pretrained(

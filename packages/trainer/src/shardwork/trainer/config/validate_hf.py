@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwork.models import GPTModel
-from shardwork.models.hf import hf_config_from_gpt
+from shardwork.models.hf import check_hf_weights, hf_config_from_gpt
 from shardwork.models.hf.files import check_weight_files
 from shardwork.trainer.config.model_table import flatten_settings
 from shardwork.trainer.config.sections import DEMO_MODEL, TrainConfig
@@ -111,9 +111,15 @@ def check_hf_shapes(config: TrainConfig, model_config, problems: list[str]) -> N
     if config.checkpoint.hf_init is None:
         return
 
+    folder = config.checkpoint.hf_init
     mine = _tensor_shapes(model_config)
-    theirs = _tensor_shapes(hf_gpt_config(hf_config(config.checkpoint.hf_init)))
+    theirs_config = hf_gpt_config(hf_config(folder))
+    theirs = _tensor_shapes(theirs_config)
     if mine == theirs:
+        try:  # the folder's weights against its own config.json (headers only)
+            check_hf_weights(theirs_config, folder)
+        except ValueError as exc:
+            problems.append(f"checkpoint.hf_init={folder!r}: {exc}")
         return
     differ = sorted(k for k in mine.keys() & theirs.keys() if mine[k] != theirs[k])
     details = [f"{k} is {list(mine[k])} here but {list(theirs[k])} there" for k in differ[:3]]
