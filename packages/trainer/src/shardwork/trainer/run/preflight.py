@@ -37,7 +37,12 @@ from shardwork.models.block_compile import compile_problem
 from shardwork.models.calculator import num_parameters
 from shardwork.trainer.config.load import ConfigError
 from shardwork.trainer.config.sections import TrainConfig
-from shardwork.trainer.data.builder import build_eval_set, read_data_config, split_components
+from shardwork.trainer.data.builder import (
+    Component,
+    build_eval_set,
+    read_data_config,
+    split_components,
+)
 from shardwork.trainer.data.corpus import builtin_corpus, corpus_prefix, default_cache_dir
 from shardwork.trainer.data.indexed import IndexedDataset, dataset_exists
 from shardwork.trainer.data.integrity import check_index, check_token_range
@@ -67,9 +72,10 @@ def preflight(config: TrainConfig) -> list[str]:
     warnings = [w for w in found if w is not None]
     for field, prefix in dataset_prefixes(config):
         check_dataset(field, prefix, vocab_size=config.model.settings["vocab_size"])
-    check_train_split(config)
-    check_split_tokens(config)
-    check_eval_steps(config)
+    splits = split_components(config.data)  # opens every dataset's index: once, for all three
+    check_train_split(config, splits["train"])
+    check_split_tokens(splits)
+    check_eval_steps(config, splits["valid"])
     return warnings
 
 
@@ -195,10 +201,10 @@ def check_dataset(field: str, prefix: str, *, vocab_size: int) -> None:
     check_token_range(ds, vocab_size, field=f"{field}={prefix!r}")
 
 
-def check_train_split(config: TrainConfig) -> None:
-    """Refuse a run whose ``train`` split has no documents, or only ones of weight 0 (an
-    empty dataset, a data config whose train blend weighs nothing): nothing to sample from."""
-    components = split_components(config.data)["train"]
+def check_train_split(config: TrainConfig, components: list[Component]) -> None:
+    """Refuse a run whose ``train`` split (its ``components``) has no documents, or only ones
+    of weight 0 (an empty dataset, a data config whose train blend weighs nothing): nothing to
+    sample from."""
     if any(c.weight > 0 and c.documents.size for c in components):
         return
     d = config.data
@@ -216,13 +222,14 @@ def check_train_split(config: TrainConfig) -> None:
     )
 
 
-def check_split_tokens(config: TrainConfig) -> None:
-    """Refuse a dataset whose part of the train or validation split holds fewer than 2 tokens
+def check_split_tokens(splits: dict[str, list[Component]]) -> None:
+    """Refuse a dataset whose part of the train or validation split (of ``splits``, as
+    `split_components` gives them) holds fewer than 2 tokens
     (documents that are all empty): the run builds samples from every such part, and a sample
     needs an input token and its label. Without this the run fails after its process groups
     exist (the test split is not read by training, so it is not checked)."""
     for split in ("train", "valid"):
-        for c in split_components(config.data)[split]:
+        for c in splits[split]:
             tokens = int(IndexedDataset(c.prefix).sequence_lengths[c.documents].sum())
             if tokens < 2:
                 raise DataError(
@@ -233,15 +240,16 @@ def check_split_tokens(config: TrainConfig) -> None:
                 )
 
 
-def check_eval_steps(config: TrainConfig) -> None:
-    """Refuse ``eval.steps`` above the global batches the validation split holds."""
+def check_eval_steps(config: TrainConfig, valid_split: list[Component] | None = None) -> None:
+    """Refuse ``eval.steps`` above the global batches the validation split holds (its
+    components ``valid_split``; None: read from ``config``)."""
     steps, e = config.eval.steps, config.eval
     if steps is None or (e.interval is None and not e.at_end):
         return
     s = config.schedule
-    valid = build_eval_set(
-        split_components(config.data)["valid"], seq_length=config.data.seq_length, num_samples=None
-    )
+    if valid_split is None:
+        valid_split = split_components(config.data)["valid"]
+    valid = build_eval_set(valid_split, seq_length=config.data.seq_length, num_samples=None)
     samples = 0 if valid is None else len(valid)
     # A split smaller than one global batch still gives one (the trainer repeats its samples).
     batches = max(1, samples // s.global_batch_size) if samples else 0
