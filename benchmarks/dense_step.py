@@ -2,7 +2,13 @@
 
 Every side trains the same model from the same weights on the same batches with the same
 optimizer (``torch.optim.AdamW``), so a ratio measures the model code (forward, loss,
-backward) and nothing else:
+backward) and nothing else. ``--optimizer fused`` (the default) is torch's one-kernel AdamW,
+the implementation shardwork's trainer, TorchTitan (``implementation = "fused"``) and
+transformers' Trainer with torch >= 2.8 (``adamw_torch_fused``) choose themselves, and
+Megatron-Core for CPU-offloaded parameters (``fused=True``; its
+plain path without Transformer Engine or Apex keeps torch's default); ``foreach`` is
+torch's default multi-tensor loop, which every side ran before 2026-11-29 (~28 ms a step more
+on the CPU shape, the same on every side, so it pulls every ratio towards 1):
 
 - transformers' ``LlamaForCausalLM`` (SDPA attention) makes the random weights and writes
   them to a folder; shardwork's ``GPTModel`` loads that folder through its Hugging Face
@@ -457,6 +463,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=os.environ.get("SHARDWORK_PEERS"),
         help="folder holding peers installed beside the project (TorchTitan)",
     )
+    parser.add_argument(
+        "--optimizer",
+        choices=("fused", "foreach"),
+        default="fused",
+        help="torch AdamW implementation on every side (fused: each framework's own default)",
+    )
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument(
         "--clock",
@@ -511,7 +523,8 @@ def markdown(result: dict) -> str:
         f"# Dense training step: {result['shape_name']} on {result['device']}",
         "",
         f"{result['dtype']}, tokens per step {result['tokens_per_step']}, "
-        f"AdamW on every side; median of {result['rounds']} interleaved rounds of "
+        f"{result.get('optimizer', 'AdamW')} on every side; median of {result['rounds']} "
+        f"interleaved rounds of "
         f"{result['steps']} steps, {result['clock']} time, {result['threads']} thread(s). ratio = "
         "median over rounds of the side's step time / shardwork's in the same round (> 1: "
         "shardwork faster); range: the smallest and largest round. MFU: model FLOPs (shardwork's "
@@ -572,7 +585,8 @@ def main(argv=None) -> dict:
         sides, skipped = make_sides(args, shape, dtype, device, ids, labels, folder)
         flops = model_flops_per_step(folder, shape)
     for side in sides:
-        side.optimizer = torch.optim.AdamW(side.params, lr=1e-5, fused=cuda, foreach=not cuda)
+        fused = args.optimizer == "fused"
+        side.optimizer = torch.optim.AdamW(side.params, lr=1e-5, fused=fused, foreach=not fused)
     losses = check_step0(sides, dtype)
     memory = {side.name: peak_memory(side, device) for side in sides}
     for side in sides:
@@ -589,7 +603,8 @@ def main(argv=None) -> dict:
         "device": name, "dtype": str(dtype).removeprefix("torch."),
         "tokens_per_step": shape["seq"] * shape["batch"], "model_flops_per_step": flops,
         "peak_flops": peak_flops(name) if cuda else None, "rounds": args.rounds,
-        "steps": args.steps, "torch": torch.__version__, "machine": machine_record(),
+        "steps": args.steps, "optimizer": f"torch.optim.AdamW({args.optimizer})",
+        "torch": torch.__version__, "machine": machine_record(),
         "env": RUNTIME_ENV,
         "clock": "cpu" if clock is time.process_time else "wall",
         "threads": torch.get_num_threads(),
