@@ -81,7 +81,14 @@ def adamw(groups):
     return torch.optim.AdamW(groups, lr=2e-2, weight_decay=0.05)
 
 
-def _run(pp: int, ep: int, clip: float, stage_has_experts: tuple[bool, ...], in_collective: bool):
+def _run(
+    pp: int,
+    ep: int,
+    clip: float,
+    stage_has_experts: tuple[bool, ...],
+    in_collective: bool,
+    overlap: bool = False,
+):
     pg = init_process_groups(ParallelConfig(pp=pp, ep=ep))
     dp, rank, stage = pg.size("dp"), pg.rank("dp"), pg.rank("pp")
     experts = 2 if stage_has_experts[stage] else 0
@@ -95,7 +102,7 @@ def _run(pp: int, ep: int, clip: float, stage_has_experts: tuple[bool, ...], in_
         average_in_collective=in_collective,
     )
     ddp = DistributedDataParallel(model, config=cfg, process_groups=pg)
-    ocfg = OptimizerConfig(clip_grad=clip, count_zeros=True)
+    ocfg = OptimizerConfig(clip_grad=clip, count_zeros=True, overlap_param_gather=overlap)
     chain = build_optimizer(ddp, adamw, process_groups=pg, config=ocfg)
     x, y = data(dp)
     local = slice(rank * BATCH, (rank + 1) * BATCH)
@@ -105,9 +112,7 @@ def _run(pp: int, ep: int, clip: float, stage_has_experts: tuple[bool, ...], in_
         nn.functional.mse_loss(ddp(x[s, local]), y[s, local]).backward()
         result = chain.step()
         norms.append(result.grad_norm)
-    for part in chain.parts:
-        for m in part.models:
-            m.finish_param_sync()
+    chain.finish_param_sync()  # overlap: the last step's gathers are still in flight before it
     named = dict(model.named_parameters())
     if pp > 1:  # local names collide across stages: global keys are required to save
         with pytest.raises(ValueError, match="param_rects"):
@@ -118,7 +123,16 @@ def _run(pp: int, ep: int, clip: float, stage_has_experts: tuple[bool, ...], in_
         norms,
         {k: v.detach().clone() for k, v in named.items()},
         pg.size("edp"),
+        _gathers_in_flight(ddp),
     )
+
+
+def _gathers_in_flight(ddp) -> int:
+    """Parameter all-gather buckets of ``ddp`` launched and not yet waited for."""
+    last = {}
+    for kind, key, index in ddp.param_gather_log:
+        last[(key, index)] = kind
+    return sum(kind == "launch" for kind in last.values())
 
 
 def reference(dp: int, clip: float, stage_has_experts: tuple[bool, ...]):
@@ -142,22 +156,27 @@ def reference(dp: int, clip: float, stage_has_experts: tuple[bool, ...]):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize(
-    ("pp", "ep", "clip", "stage_has_experts", "in_collective"),
+    ("pp", "ep", "clip", "stage_has_experts", "in_collective", "overlap"),
     [
-        (1, 2, 0.0, (True,), False),
-        (1, 2, 0.0, (True,), True),
-        (1, 2, 0.3, (True,), False),
-        (2, 2, 0.3, (False, True), False),
+        (1, 2, 0.0, (True,), False, False),
+        (1, 2, 0.0, (True,), True, False),
+        (1, 2, 0.3, (True,), False, False),
+        (2, 2, 0.3, (False, True), False, False),
+        (1, 2, 0.3, (True,), False, True),
     ],
 )
 def test_chained_dense_expert_matches_single_process(
-    pp, ep, clip, stage_has_experts, in_collective
+    pp, ep, clip, stage_has_experts, in_collective, overlap
 ):
-    results = run_on_ranks(_run, 4, args=(pp, ep, clip, stage_has_experts, in_collective))
+    """Dense and expert parts chained equal one process; with overlap_param_gather the
+    chain's ``finish_param_sync`` waits for both parts' gathers."""
+    args = (pp, ep, clip, stage_has_experts, in_collective, overlap)
+    results = run_on_ranks(_run, 4, args=args)
     stages, ref_norms = reference(4 // pp, clip, stage_has_experts)
     if pp == 1:
         assert results[0][4] == 2  # edp (2) differs from dp (4)
-    for stage, ep_rank, norms, params, _ in results:
+    for stage, ep_rank, norms, params, _, in_flight in results:
+        assert in_flight == 0
         assert norms == pytest.approx(ref_norms, rel=1e-5)
         ref = dict(stages[stage].named_parameters())
         for name, value in params.items():

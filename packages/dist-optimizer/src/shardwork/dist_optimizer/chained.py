@@ -96,6 +96,11 @@ class ChainedOptimizer:
         for part in self.parts:
             part.zero_grad(set_to_none)
 
+    def finish_param_sync(self) -> None:
+        """Wait until every part's updated parameters have arrived (overlapped gathers)."""
+        for part in self.parts:
+            part.finish_param_sync()
+
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         """Every part's param groups, concatenated (set ``"lr"`` here)."""
