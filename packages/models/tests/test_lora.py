@@ -255,6 +255,12 @@ def test_bad_targets_are_refused_with_the_choices():
         apply_lora(model, LoRAConfig(target_modules=("mlp",)))
     with pytest.raises(ValueError, match="LM head"):
         apply_lora(model, LoRAConfig(target_modules=r"output_layer\.linear"))
+    # A regular expression given as a list entry (a command line's one value) is named as such;
+    # a plain unmatched suffix is not.
+    with pytest.raises(ValueError, match=r"not a regular expression: .*one string"):
+        apply_lora(model, LoRAConfig(target_modules=(r"decoder\.layers\.3\..*fc1",)))
+    with pytest.raises(ValueError, match=r"linear_qkv'\]$"):
+        apply_lora(model, LoRAConfig(target_modules=("mlp.q_proj",)))
     assert all(p.requires_grad for p in model.parameters())  # nothing changed before the error
 
 

@@ -103,9 +103,27 @@ def lora_target_names(
     if unmatched and require_every_target:
         raise ValueError(
             f"LoRAConfig.target_modules: {unmatched} match no module of this model; "
-            f"available module-name suffixes: {suffixes}"
+            f"available module-name suffixes: {suffixes}{_regex_hint(targets, unmatched)}"
         )
     return chosen
+
+
+_REGEX_ONLY_CHARACTERS = frozenset("\\*+?[](){}|^$")
+"""Characters no module name holds but regular expressions do ('.' is in dotted suffixes)."""
+
+
+def _regex_hint(targets, unmatched: list[str]) -> str:
+    """Where a list entry that matched nothing looks like a regular expression (a command line
+    makes a list of one value), how to give one."""
+    if not isinstance(targets, tuple) or not any(
+        _REGEX_ONLY_CHARACTERS & set(t) for t in unmatched
+    ):
+        return ""
+    return (
+        "; a list entry is a module-name suffix, not a regular expression: to choose modules by "
+        "regular expression give target_modules as one string (in a config file: "
+        "target_modules = '<regex>')"
+    )
 
 
 def _matches_one(name: str, target: str) -> bool:

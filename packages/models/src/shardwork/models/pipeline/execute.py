@@ -136,7 +136,10 @@ def run_pipeline(
                 # microbatches are summed locally first, so they are reduced once per step.
                 sync = contextlib.nullcontext() if action == last_backward[c] else no_sync(chunk)
                 with sync:
-                    torch.autograd.backward(target, grad_tensors=grad)
+                    # The first stage's output needs no gradient when none of its parameters
+                    # trains (LoRA adapters only on later stages): nothing to backpropagate.
+                    if target.requires_grad:
+                        torch.autograd.backward(target, grad_tensors=grad)
                 if virtual_stage > 0:
                     assert inp is not None
                     # A stage whose output does not depend on its input (e.g. detached) still owes
