@@ -353,6 +353,22 @@ CASES: list[Case] = [
         ["schedule.global_batch_size=8", "multiple of parallel.pp=2"],
     ),
     config_case(
+        "ramp-vs-interleaved-micro-batches",
+        2,
+        {
+            "model": {"num_layers": 4},
+            "parallel": {"pp": 2, "vpp": 2},
+            "schedule": {"micro_batch_size": 2, "batch_size_ramp": [[2, 6]]},
+        },
+        ["schedule.batch_size_ramp[0]=(2, 6)", "3 micro-batches", "parallel.pp=2", "of 4"],
+    ),
+    config_case(
+        "fsdp-with-overlap-grad-reduce",
+        2,
+        {"parallel": {"fsdp": "full"}, "optimizer": {"overlap_grad_reduce": True}},
+        ["parallel.fsdp='full'", "optimizer.overlap_grad_reduce=true", "would be ignored"],
+    ),
+    config_case(
         "experts-vs-ep",
         3,
         {
@@ -504,6 +520,16 @@ CASES: list[Case] = [
         ["pipeline_schedule='interleaved'"],
     ),
     config_case("1f1b-no-pp", 1, {"schedule": {"pipeline_schedule": "1f1b"}}, ["'1f1b'"]),
+    config_case(
+        "1f1b-with-vpp",
+        2,
+        {
+            "model": {"num_layers": 4},
+            "parallel": {"pp": 2, "vpp": 2},
+            "schedule": {"pipeline_schedule": "1f1b"},
+        },
+        ["schedule.pipeline_schedule='1f1b' with parallel.vpp=2", "'interleaved'"],
+    ),
     config_case("ckpt-interval-zero", 1, {"checkpoint": {"interval": 0}}, ["interval=0"]),
     config_case("keep-last-zero", 1, {"checkpoint": {"keep_last": 0}}, ["keep_last=0"]),
     config_case("eval-steps-zero", 1, {"eval": {"steps": 0}}, ["eval.steps=0"]),
@@ -848,6 +874,23 @@ CASES: list[Case] = [
             "checkpoint": {"resume": "{d}/ckpt/step_000000002"},
         },
         ["cannot resume", "with another shape or kind", "--model.hidden_size"],
+        code=EXIT_CHECKPOINT,
+        setup=_copied_checkpoint,
+        needs_checkpoint=True,
+    ),
+    config_case(
+        "resume-with-another-optimizer",
+        1,
+        {
+            **QUICK,
+            "optimizer": {"name": "muon"},
+            "checkpoint": {"resume": "{d}/ckpt/step_000000002"},
+        },
+        [
+            "cannot resume",
+            "optimizer.name='adamw' (this run: 'muon')",
+            "--checkpoint.load_optimizer false",
+        ],
         code=EXIT_CHECKPOINT,
         setup=_copied_checkpoint,
         needs_checkpoint=True,

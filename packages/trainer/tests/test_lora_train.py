@@ -226,6 +226,24 @@ def test_lora_zero_with_overlapped_param_gather_matches_one_process(tmp_path, tm
 
 
 @pytest.mark.multirank
+@pytest.mark.parametrize("parallel", [{"pp": 2}, {"pp": 2, "vpp": 2}], ids=["pp2", "pp2-vpp2"])
+def test_lora_only_on_the_last_stage_matches_one_process(tmp_path, tmp_path_factory, parallel):
+    """A target regex that puts adapters on the last layer only leaves the first pipeline stage
+    with nothing to train: its backward is skipped (its output needs no gradient), and the
+    run gives the one-process losses."""
+    cache = str(tmp_path_factory.getbasetemp() / "corpus")
+    sections = _multirank_sections()
+    sections["peft"] = {**LORA, "target_modules": r"decoder\.layers\.3\..*fc1"}
+    sections["schedule"] = {**sections["schedule"], "micro_batch_size": 2}
+    ref = _train_lora(str(tmp_path / "one"), sections, cache)
+    piped = dict(sections, parallel=parallel)
+    results = run_on_ranks(_train_lora, 2, args=(str(tmp_path / "pp"), piped, cache), timeout=300)
+    losses = results[1]  # the last stage computes the loss
+    for step in range(6):
+        assert losses[step] == pytest.approx(ref[step], rel=2e-4, abs=2e-4), step
+
+
+@pytest.mark.multirank
 def test_lora_tp2_sp_run_matches_one_process_and_resumes_at_world_1(
     tmp_path, tmp_path_factory, folder
 ):

@@ -294,6 +294,64 @@ def test_replica_check_in_the_loop(tmp_path, cache):
         assert message.split("): ", 1)[1] == f"chunk0.{name}"
 
 
+def _gathers_in_flight(chunks) -> int:
+    """Parameter all-gather buckets of ``chunks`` launched and not yet waited for."""
+    in_flight = 0
+    for chunk in chunks:
+        last = {}
+        for kind, key, index in chunk.param_gather_log:
+            last[(key, index)] = kind
+        in_flight += sum(kind == "launch" for kind in last.values())
+    return in_flight
+
+
+def _train_overlapped_with_replica_check(run_dir, cache, preset):
+    """3 steps at dp=2 with optimizer.overlap_param_gather and a replica check after every step
+    (``preset``: None for the tiny dense model). Returns the final step and, per check, the
+    all-gathers still in flight when it read the parameters."""
+    os.environ["SHARDWORK_CACHE"] = cache
+    import shardwork.trainer.run.trainer as trainer_module
+    from shardwork.trainer.testing import tiny_config
+
+    real_step, real_check = trainer_module.train_step, trainer_module.check_dp_replicas
+    seen, in_flight = {}, []
+
+    def step(assembly, *args, **kwargs):
+        seen["chunks"] = assembly.chunks
+        return real_step(assembly, *args, **kwargs)
+
+    def check(modules, groups, *, step):
+        in_flight.append(_gathers_in_flight(seen["chunks"]))
+        return real_check(modules, groups, step=step)
+
+    models = {} if preset is None else {"model": {"preset": preset}}
+    config = tiny_config(
+        run_dir,
+        world_size=2,
+        schedule={"train_steps": 3, "warmup_steps": 1},
+        eval={"interval": None, "at_end": False},
+        optimizer={"overlap_param_gather": True},
+        reliability={"check_dp_params_interval": 1},
+        **models,
+    )
+    trainer_module.train_step, trainer_module.check_dp_replicas = step, check
+    try:
+        return trainer_module.train(config, stream=io.StringIO()).final_step, in_flight
+    finally:  # the rank processes are pooled: leave the module as it was
+        trainer_module.train_step, trainer_module.check_dp_replicas = real_step, real_check
+
+
+@pytest.mark.parametrize("preset", [None, "tiny-mixtral-8x7b"], ids=["dense", "moe"])
+def test_replica_check_waits_for_overlapped_param_gathers(tmp_path, cache, preset):
+    """Under overlap_param_gather a step's parameter all-gathers are still in flight after it:
+    the replica check waits for them (else it races them and may report equal replicas as
+    different), and the run finishes."""
+    results = run_on_ranks(
+        _train_overlapped_with_replica_check, 2, args=(str(tmp_path), cache, preset), timeout=300
+    )
+    assert results == [(3, [0, 0, 0])] * 2
+
+
 def _hang_one_rank():
     import time
 

@@ -201,7 +201,8 @@ class ScheduleConfig:
     wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "linear"
     """WSD: shape of the final decay."""
     pipeline_schedule: Literal["auto", "1f1b", "interleaved"] = "auto"
-    """Pipeline schedule: auto picks no-pipelining (pp=1), 1F1B, or interleaved 1F1B (vpp>1)."""
+    """Pipeline schedule: auto picks no-pipelining (pp=1), 1F1B, or interleaved 1F1B (vpp>1).
+    The layout decides it; a value that disagrees with the layout is refused."""
 
 
 @dataclass(kw_only=True)

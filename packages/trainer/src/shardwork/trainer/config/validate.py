@@ -255,6 +255,30 @@ def _check_optimizer(config: TrainConfig, problems: list[str]) -> None:
         problems.append(f"optimizer.muon_ns_steps={o.muon_ns_steps!r}: must be an integer >= 1")
 
 
+def _check_batch_size_ramp(config: TrainConfig, per_step: int, problems: list[str]) -> None:
+    """Each ``schedule.batch_size_ramp`` entry: rising steps, and a size the step can split into
+    micro-batches (``per_step`` = micro_batch_size × dp; with vpp, groups of pp of them)."""
+    pp, vpp = config.parallel.pp, config.parallel.vpp or 1
+    previous = -1
+    for i, entry in enumerate(config.schedule.batch_size_ramp):
+        step, size = entry
+        where = f"schedule.batch_size_ramp[{i}]=({step}, {size})"
+        if step <= previous or step < 0:
+            problems.append(f"{where}: steps must be >= 0 and increasing")
+        if size < 1 or size % per_step:
+            problems.append(
+                f"{where}: the size must be a positive multiple of micro_batch_size × dp = "
+                f"{per_step}"
+            )
+        elif vpp > 1 and (size // per_step) % pp:
+            problems.append(
+                f"{where}: with parallel.vpp={vpp} the {size // per_step} micro-batches per step "
+                f"must be a multiple of parallel.pp={pp} (the interleaved schedule runs them in "
+                f"groups of pp): use a multiple of {per_step * pp}"
+            )
+        previous = step
+
+
 def _check_schedule(config: TrainConfig, dp: int, problems: list[str]) -> None:
     s = config.schedule
     _positive(problems, "schedule.train_steps", s.train_steps)
@@ -276,19 +300,7 @@ def _check_schedule(config: TrainConfig, dp: int, problems: list[str]) -> None:
             f"must be a multiple of parallel.pp={config.parallel.pp} (the interleaved schedule "
             f"runs them in groups of pp): use a multiple of {per_step * config.parallel.pp}"
         )
-    previous = -1
-    for i, entry in enumerate(s.batch_size_ramp):
-        step, size = entry
-        if step <= previous or step < 0:
-            problems.append(
-                f"schedule.batch_size_ramp[{i}]=({step}, {size}): steps must be >= 0 and increasing"
-            )
-        if size < 1 or size % per_step:
-            problems.append(
-                f"schedule.batch_size_ramp[{i}]=({step}, {size}): the size must be a positive "
-                f"multiple of micro_batch_size × dp = {per_step}"
-            )
-        previous = step
+    _check_batch_size_ramp(config, per_step, problems)
     if s.warmup_steps < 0 or s.warmup_steps > s.train_steps:
         problems.append(
             f"schedule.warmup_steps={s.warmup_steps}: must be in [0, train_steps={s.train_steps}]"
@@ -310,6 +322,13 @@ def _check_schedule(config: TrainConfig, dp: int, problems: list[str]) -> None:
         )
     if s.pipeline_schedule == "1f1b" and pp == 1:
         problems.append("schedule.pipeline_schedule='1f1b' needs parallel.pp > 1")
+    if s.pipeline_schedule == "1f1b" and vpp > 1:
+        # the schedule follows the layout: virtual stages always run interleaved 1F1B
+        problems.append(
+            f"schedule.pipeline_schedule='1f1b' with parallel.vpp={vpp}: virtual stages run the "
+            "interleaved 1F1B schedule; set pipeline_schedule='interleaved' (or 'auto'), or "
+            "parallel.vpp=none for plain 1F1B"
+        )
 
 
 def _check_rest(config: TrainConfig, problems: list[str]) -> None:

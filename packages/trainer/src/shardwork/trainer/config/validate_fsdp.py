@@ -6,7 +6,9 @@ rows of each), LoRA (frozen base weights; FSDP here shards trainable parameters 
 (the sharded masters are fp32 and layers compute in bf16; fp16 would need a loss scale for
 the gathered copies), a single process (FSDP shards over a process group), the data-parallel
 replica check (no two ranks hold the same parameter values), ``precision.compile`` (compiled
-blocks under ``fully_shard`` are not tested yet) and a negative prefetch.
+blocks under ``fully_shard`` are not tested yet), ``optimizer.overlap_grad_reduce`` /
+``overlap_param_gather`` (options of the DDP buckets and ZeRO-1 gathers FSDP replaces: they
+would be ignored) and a negative prefetch.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def check_fsdp(config, world_size: int, problems: list[str]) -> None:
             f"{where} with precision.compile=true is not supported yet: compiled blocks under "
             "fully_shard are untested here; set precision.compile=false, or parallel.fsdp='off'"
         )
+    _check_overlap(config, where, problems)
     if config.reliability.check_dp_params_interval is not None:
         problems.append(
             f"{where} with reliability.check_dp_params_interval="
@@ -65,3 +68,15 @@ def check_fsdp(config, world_size: int, problems: list[str]) -> None:
             "ranks hold the same parameter values, so there are no replicas to compare; set it "
             "to none"
         )
+
+
+def _check_overlap(config, where: str, problems: list[str]) -> None:
+    """The DDP/ZeRO-1 overlap switches, which FSDP has no use for: refused, not ignored."""
+    for name in ("overlap_grad_reduce", "overlap_param_gather"):
+        if getattr(config.optimizer, name):
+            problems.append(
+                f"{where} with optimizer.{name}=true is not supported: it overlaps the "
+                "DDP/ZeRO-1 communication FSDP replaces (FSDP reduce-scatters during the backward "
+                "and prefetches gathers per parallel.fsdp_prefetch), so it would be ignored; set "
+                f"optimizer.{name}=false, or parallel.fsdp='off'"
+            )

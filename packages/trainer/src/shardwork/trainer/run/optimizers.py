@@ -12,11 +12,12 @@
   orthogonalised block by block; the update is scaled by ``sqrt(max(1, rows/cols))`` (the
   scaling dist-optimizer's Muon applies).
 - Attention's fused ``linear_qkv`` weights form their own Muon group with
-  ``fused_blocks=3``: one Newton–Schulz per Q, K and V projection (all heads of each
-  together), the update separate q/k/v matrices get in Moonlight/Kimi-style Muon and the
-  split Megatron-Core's ``split_qkv`` makes; not per head. The option makes Muon check, when
-  the optimizer is built, that each of them carries its three [Q | K | V] blocks in its
-  layout metadata (else it would be orthogonalised as one fused matrix).
+  ``fused_blocks=3`` (4 with ``attention_output_gate``: [Q | K | V | gate], Qwen3-Next): one
+  Newton–Schulz per Q, K and V projection (and gate; all heads of each together), the update
+  separate q/k/v matrices get in Moonlight/Kimi-style Muon and the split Megatron-Core's
+  ``split_qkv`` makes; not per head. The option makes Muon check, when the optimizer is
+  built, that each of them carries its [Q | K | V] (| gate) blocks in its layout metadata
+  (else it would be orthogonalised as one fused matrix).
 - Which parameters get Muon, as Muon is commonly used: the 2-D weight matrices of the hidden
   layers (attention and MLP projections, shared experts, routers, MTP projections). AdamW
   (``beta1``, ``beta2``, ``eps``, inside the same Muon optimizer via ``use_muon=False``) for the
@@ -53,6 +54,12 @@ _QKV_NAME = "linear_qkv.weight"
 def is_fused_qkv(name: str) -> bool:
     """True for an attention layer's fused [Q | K | V] weight (``...linear_qkv.weight``)."""
     return name.endswith(_QKV_NAME)
+
+
+def qkv_blocks(model_config) -> int:
+    """Blocks of the model's fused ``linear_qkv`` weights: [Q | K | V], plus the output gate's
+    block with ``attention_output_gate``."""
+    return 4 if getattr(model_config, "attention_output_gate", False) else 3
 
 
 def is_muon_matrix(name: str, param: torch.Tensor) -> bool:
@@ -102,9 +109,10 @@ def _fused_adamw_runs(param_groups) -> bool | None:
     return True if devices and devices <= {"cpu", "cuda"} else None
 
 
-def muon_parts(o, groups) -> tuple[Callable, Callable]:
+def muon_parts(o, groups, *, fused_qkv_blocks: int = 3) -> tuple[Callable, Callable]:
     """``(factory_for, param_group_fn)`` of ``optimizer.name = "muon"``: Muon for hidden-layer
-    matrices (TP-aware over ``tp``, or ``etp`` for experts), its AdamW for the rest."""
+    matrices (TP-aware over ``tp``, or ``etp`` for experts), its AdamW for the rest;
+    ``fused_qkv_blocks``: the blocks of each ``linear_qkv`` weight (:func:`qkv_blocks`)."""
     # The loop sets one lr from the schedule; Muon matrices follow it at muon_lr / lr times it.
     lr_mult = o.muon_lr / o.lr
 
@@ -130,7 +138,8 @@ def muon_parts(o, groups) -> tuple[Callable, Callable]:
         if is_muon_matrix(name, param):
             group = {"use_muon": True, "wd_mult": 1.0, "lr_mult": lr_mult}
             if is_fused_qkv(name):
-                group["fused_blocks"] = 3  # [Q | K | V]: one Newton–Schulz per block
+                # [Q | K | V] (| gate): one Newton–Schulz per block
+                group["fused_blocks"] = fused_qkv_blocks
             return group
         return {"use_muon": False, "wd_mult": 0.0 if param.ndim < 2 else 1.0}
 
@@ -154,7 +163,8 @@ def build_optimizer(config, runtime, chunks, *, model_config) -> Any:
         factory_for, param_group_fn = adamw_parts(o)
     else:
         kind = LayerWiseDistributedOptimizer
-        factory_for, param_group_fn = muon_parts(o, groups)
+        blocks = qkv_blocks(model_config)
+        factory_for, param_group_fn = muon_parts(o, groups, fused_qkv_blocks=blocks)
 
     def part(expert: bool):
         return kind(

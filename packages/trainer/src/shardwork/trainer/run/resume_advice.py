@@ -4,7 +4,9 @@
   model of another width, depth or vocabulary). The load error lists every key; a person
   needs the count, the first few shapes ("checkpoint has X, this run has Y") and which
   ``model.*`` settings differ between the checkpoint's saved config and this run — those
-  are what to pass on the command line to resume it.
+  are what to pass on the command line to resume it; a checkpoint of another
+  ``optimizer.name`` (Muon's momentum buffers, AdamW's moments) is named with
+  ``--checkpoint.load_optimizer false``, which keeps its weights with a fresh optimizer.
 - `corrupt_message`: a file of the checkpoint does not match its recorded checksum and the
   run may not fall back (an explicit ``checkpoint.resume`` path, or
   ``checkpoint.fallback = false``).
@@ -44,6 +46,16 @@ def model_differences(saved_toml: str | None, run_toml: str) -> list[tuple[str, 
     ]
 
 
+def optimizer_change(saved_toml: str | None, run_toml: str) -> tuple[str, str] | None:
+    """``(checkpoint's optimizer.name, this run's)`` when they differ; None when they agree or
+    the checkpoint holds no shardwork-train config."""
+    if not saved_toml:
+        return None
+    saved = tomllib.loads(saved_toml).get("optimizer", {}).get("name", "adamw")
+    ours = tomllib.loads(run_toml).get("optimizer", {}).get("name", "adamw")
+    return None if saved == ours else (saved, ours)
+
+
 def _cli_value(value: Any) -> str:
     return value if isinstance(value, str) else repr(value)
 
@@ -59,6 +71,13 @@ def mismatch_message(exc: CheckpointMismatchError, *, saved_toml: str | None, ru
         lines.append(f"the checkpoint was trained with {shown}{more}.")
         if flags:
             lines.append(f"To resume it, run with the checkpoint's model: {flags}.")
+    changed = optimizer_change(saved_toml, run_toml)
+    if changed:
+        lines.append(
+            f"the checkpoint was trained with optimizer.name={changed[0]!r} (this run: "
+            f"{changed[1]!r}), whose state this run's optimizer cannot load: to keep its "
+            "weights and start a fresh optimizer, pass --checkpoint.load_optimizer false."
+        )
     lines.append(
         "To train this model from scratch instead, pass a new --checkpoint.dir (--checkpoint.resume "
         "none also starts afresh, but keeps these checkpoints beside the new ones, where a later "

@@ -280,6 +280,8 @@ class Trainer:
                 self._log_step(p, step, plan, out)
                 if replica_check_due(config.reliability.check_dp_params_interval, step):
                     with self._phase(f"replica check at step {step}", ("dp_cp", "edp")):
+                        # overlap_param_gather: the step's gathers are still in flight
+                        p.assembly.optimizer.finish_param_sync()
                         check_dp_replicas(p.assembly.modules, runtime.groups, step=step)
                 cut_short = p.evaluator.periodic(step, stop, partial(agreed, step))
                 # a cut-short evaluation already agreed on the stop: no second agreement
