@@ -163,6 +163,47 @@ def test_a_fresh_start_among_earlier_checkpoints_is_warned(tmp_path, corpus_env)
     assert pf.earlier_checkpoints_warning(auto) is None
 
 
+def test_resuming_another_optimizers_checkpoint_is_refused_before_the_run(tmp_path, corpus_env):
+    """A checkpoint trained with Muon, resumed by an AdamW run with load_optimizer on: refused in
+    preflight (exit 4, both optimizers and the remedy named), whether found by resume='auto',
+    named as a step or as a root (its newest step, 4, not 2); allowed without the optimizer
+    state, or by a Muon run."""
+    from shardwork.trainer.errors import CheckpointError
+    from shardwork.trainer.run.trainer import train
+    from shardwork.trainer.testing import tiny_config
+
+    muon = {"name": "muon", "lr": 3e-3, "min_lr": 3e-3, "muon_lr": 0.03}
+    schedule = {"train_steps": 4, "warmup_steps": 1}
+    saved = tiny_config(
+        tmp_path / "run",
+        schedule=schedule,
+        eval={"interval": None},
+        optimizer=muon,
+        checkpoint={"interval": 2, "keep_last": 2, "save_at_end": True},
+    )
+    train(saved, stream=io.StringIO())
+    root = tmp_path / "run" / "checkpoints"
+    (root / "step_000000009").mkdir()  # a save that never finished is not a candidate
+    for resume, step in (("auto", 4), (str(root / "step_000000002"), 2), (str(root), 4)):
+        adamw = tiny_config(tmp_path / "run", schedule=schedule, checkpoint={"resume": resume})
+        assert pf.resume_candidate(adamw) == root / f"step_00000000{step}"
+        with pytest.raises(CheckpointError) as caught:
+            pf.check_resume_optimizer(adamw)
+        assert caught.value.exit_code == 4
+        assert str(caught.value) == (
+            f"cannot resume '{root / f'step_00000000{step}'}': the checkpoint was trained with "
+            "optimizer.name='muon' (this run: 'adamw'), whose state this run's optimizer cannot "
+            "load: to keep its weights and start a fresh optimizer, pass "
+            "--checkpoint.load_optimizer false."
+        )
+    fresh_state = {"resume": "auto", "load_optimizer": False}
+    pf.check_resume_optimizer(tiny_config(tmp_path / "run", checkpoint=fresh_state))
+    same = tiny_config(tmp_path / "run", optimizer=muon, checkpoint={"resume": "auto"})
+    pf.check_resume_optimizer(same)
+    afresh = tiny_config(tmp_path / "run", checkpoint={"resume": "none"})
+    assert pf.resume_candidate(afresh) is None
+
+
 def test_eval_steps_against_the_validation_split(tmp_path, corpus_env):
     """The pydoc corpus's validation split at seq_length 32 and global batch 8: the largest
     accepted eval.steps is its sample count // 8, counted here from the documents."""

@@ -18,8 +18,14 @@ stops the run before step 1 instead of at the first checkpoint or inside a step:
 - ``precision.compile``: torch.compile can run on the run's device here (dynamo in this
   build; a C++ compiler for inductor on a CPU, Triton on a GPU), else the step would fail
   minutes into its first compilation.
+- The checkpoint a resume would load first (the newest complete one under ``checkpoint.dir``
+  for ``"auto"``, or the one ``checkpoint.resume`` names) was not trained with another
+  ``optimizer.name`` while ``checkpoint.load_optimizer`` is on: read from its
+  ``shardwork.json``; a checkpoint whose metadata cannot be read is left to the load, which
+  verifies it.
 
-Mistakes raise :class:`ConfigError` (exit 2) or :class:`DataError` (exit 5); each rank of a
+Mistakes raise :class:`ConfigError` (exit 2), :class:`DataError` (exit 5) or
+:class:`CheckpointError` (exit 4); each rank of a
 torchrun job runs the same checks, so all stop alike before the process groups are created.
 """
 
@@ -32,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from shardwork.dist_checkpoint import is_committed
+from shardwork.dist_checkpoint import CheckpointCorruptError, is_committed, read_info
 from shardwork.models.block_compile import compile_problem
 from shardwork.models.calculator import num_parameters
 from shardwork.trainer.config.load import ConfigError
@@ -46,8 +52,10 @@ from shardwork.trainer.data.builder import (
 from shardwork.trainer.data.corpus import builtin_corpus, corpus_prefix, default_cache_dir
 from shardwork.trainer.data.indexed import IndexedDataset, dataset_exists
 from shardwork.trainer.data.integrity import check_index, check_token_range
-from shardwork.trainer.errors import DataError
+from shardwork.trainer.errors import CheckpointError, DataError
 from shardwork.trainer.model_factory import gpt_config
+from shardwork.trainer.run.checkpointing import locate_checkpoint
+from shardwork.trainer.run.resume_advice import optimizer_change_advice, saved_optimizer_name
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 
@@ -68,6 +76,7 @@ def preflight(config: TrainConfig) -> list[str]:
             problems.append(f"precision.compile=true: {problem}; or set precision.compile = false")
     if problems:
         raise ConfigError(problems)
+    check_resume_optimizer(config)
     found = [free_space_warning(config), earlier_checkpoints_warning(config)]
     warnings = [w for w in found if w is not None]
     for field, prefix in dataset_prefixes(config):
@@ -171,6 +180,43 @@ def earlier_checkpoints_warning(config: TrainConfig) -> str | None:
         "them, checkpoint.keep_last counts both, and a later resume='auto' takes the newest of "
         "either run; use a new checkpoint.dir to keep them apart"
     )
+
+
+def resume_candidate(config: TrainConfig) -> Path | None:
+    """The checkpoint ``checkpoint.resume`` loads first: the newest complete ``step_*`` under
+    ``checkpoint.dir`` (``"auto"``), the named one, or a named root's newest; None for
+    ``"none"`` or where there is none (the run starts afresh, or resuming says why)."""
+    c = config.checkpoint
+    if c.resume == "none":
+        return None
+    if c.resume == "auto":
+        root = Path(c.dir).expanduser()
+    else:
+        root, step = locate_checkpoint(Path(c.resume).expanduser())
+        if step is not None:  # a step_<N> directory itself
+            return root / Path(c.resume).name
+    if not root.is_dir():
+        return None
+    steps = [p for p in root.glob("step_*") if p.name[5:].isdigit() and is_committed(p)]
+    return max(steps, key=lambda p: int(p.name[5:]), default=None)
+
+
+def check_resume_optimizer(config: TrainConfig) -> None:
+    """CheckpointError when the checkpoint to resume was trained with another
+    ``optimizer.name`` and ``checkpoint.load_optimizer`` is on: its state cannot be loaded."""
+    if not config.checkpoint.load_optimizer:
+        return
+    path = resume_candidate(config)
+    if path is None:
+        return
+    try:
+        info = read_info(path)
+        saved = saved_optimizer_name((info.get("user_metadata") or {}).get("train_config"))
+    except (OSError, ValueError, AttributeError, CheckpointCorruptError):
+        return  # unreadable metadata: the load verifies the checkpoint and says why
+    if saved is not None and saved != config.optimizer.name:
+        advice = optimizer_change_advice(saved, config.optimizer.name)
+        raise CheckpointError(f"cannot resume {str(path)!r}: {advice}")
 
 
 def dataset_prefixes(config: TrainConfig) -> list[tuple[str, str]]:

@@ -46,14 +46,30 @@ def model_differences(saved_toml: str | None, run_toml: str) -> list[tuple[str, 
     ]
 
 
+def saved_optimizer_name(saved_toml: str | None) -> str | None:
+    """The ``optimizer.name`` a checkpoint's saved config trained with (the default "adamw"
+    where the config leaves it out); None when the checkpoint holds no shardwork-train config."""
+    if not saved_toml:
+        return None
+    return tomllib.loads(saved_toml).get("optimizer", {}).get("name", "adamw")
+
+
 def optimizer_change(saved_toml: str | None, run_toml: str) -> tuple[str, str] | None:
     """``(checkpoint's optimizer.name, this run's)`` when they differ; None when they agree or
     the checkpoint holds no shardwork-train config."""
-    if not saved_toml:
-        return None
-    saved = tomllib.loads(saved_toml).get("optimizer", {}).get("name", "adamw")
-    ours = tomllib.loads(run_toml).get("optimizer", {}).get("name", "adamw")
-    return None if saved == ours else (saved, ours)
+    saved = saved_optimizer_name(saved_toml)
+    ours = saved_optimizer_name(run_toml)
+    return None if saved is None or saved == ours else (saved, ours)
+
+
+def optimizer_change_advice(saved: str, ours: str) -> str:
+    """What to do about a checkpoint trained with ``optimizer.name = saved`` in a run of
+    ``ours``, whose optimizer state the run cannot load."""
+    return (
+        f"the checkpoint was trained with optimizer.name={saved!r} (this run: {ours!r}), whose "
+        "state this run's optimizer cannot load: to keep its weights and start a fresh "
+        "optimizer, pass --checkpoint.load_optimizer false."
+    )
 
 
 def _cli_value(value: Any) -> str:
@@ -73,11 +89,7 @@ def mismatch_message(exc: CheckpointMismatchError, *, saved_toml: str | None, ru
             lines.append(f"To resume it, run with the checkpoint's model: {flags}.")
     changed = optimizer_change(saved_toml, run_toml)
     if changed:
-        lines.append(
-            f"the checkpoint was trained with optimizer.name={changed[0]!r} (this run: "
-            f"{changed[1]!r}), whose state this run's optimizer cannot load: to keep its "
-            "weights and start a fresh optimizer, pass --checkpoint.load_optimizer false."
-        )
+        lines.append(optimizer_change_advice(*changed))
     lines.append(
         "To train this model from scratch instead, pass a new --checkpoint.dir (--checkpoint.resume "
         "none also starts afresh, but keeps these checkpoints beside the new ones, where a later "
