@@ -72,6 +72,11 @@ def _launch_by_hand(config: Path, cache: str) -> list[subprocess.Popen]:
     ]
 
 
+class _PortTakenError(Exception):
+    """The free port picked for MASTER_PORT was taken by another process before rank 0 bound
+    it (another test's gloo connection can get it between the two)."""
+
+
 def _wait_for_training(run_dir: Path, procs: list[subprocess.Popen]) -> None:
     """Until rank 0 has logged two training steps (a hang guard, not a timing assertion)."""
     metrics = run_dir / "metrics.jsonl"
@@ -79,8 +84,31 @@ def _wait_for_training(run_dir: Path, procs: list[subprocess.Popen]) -> None:
     while not (metrics.is_file() and metrics.read_text().count('"kind": "train"') >= 2):
         assert time.monotonic() < deadline, "training did not start"
         for p in procs:
-            assert p.poll() is None, p.communicate()
+            if p.poll() is not None:
+                _, err = p.communicate()
+                if "EADDRINUSE" in err:
+                    raise _PortTakenError(err)
+                raise AssertionError(err)
         time.sleep(0.05)
+
+
+def _start_training(config: Path, cache: str, run_dir: Path) -> list[subprocess.Popen]:
+    """Two ranks started by hand and training; a port taken before rank 0 bound it is retried
+    with another (up to three times)."""
+    attempts = 3
+    for attempt in range(1, attempts + 1):
+        procs = _launch_by_hand(config, cache)
+        try:
+            _wait_for_training(run_dir, procs)
+        except _PortTakenError:
+            _kill(procs)
+            if attempt == attempts:
+                raise
+            continue
+        except BaseException:
+            _kill(procs)
+            raise
+        return procs
 
 
 def _kill(procs: list[subprocess.Popen]) -> None:
@@ -92,9 +120,8 @@ def _kill(procs: list[subprocess.Popen]) -> None:
 
 @pytest.mark.parametrize("fault", ["SIGKILL", pytest.param("SIGSTOP", marks=pytest.mark.slow)])
 def test_survivor_exits_naming_phase_and_group(tmp_path, corpus_cache, fault):
-    procs = _launch_by_hand(_write_config(tmp_path, corpus_cache), corpus_cache)
+    procs = _start_training(_write_config(tmp_path, corpus_cache), corpus_cache, tmp_path / "run")
     try:
-        _wait_for_training(tmp_path / "run", procs)
         procs[1].send_signal(getattr(signal, fault))
         # SIGKILL: the peer's sockets close and gloo fails at once; SIGSTOP: a hung peer, the
         # survivor waits for parallel.timeout_minutes (the wait's limit is only a hang guard)
