@@ -187,6 +187,11 @@ def _weightless_train_blend(scratch: Path, trained: Path | None) -> None:
     (scratch / "blend.json").write_text(json.dumps(blend))
 
 
+def _train_only_blend(scratch: Path, trained: Path | None) -> None:
+    _byte_dataset(scratch)
+    (scratch / "blend.json").write_text(json.dumps({"train": [[1.0, str(scratch / "data")]]}))
+
+
 def _empty_dataset(scratch: Path, trained: Path | None) -> None:
     _byte_dataset(scratch, "empty", docs=0)
 
@@ -316,6 +321,12 @@ def _jsonl(lines: list[str]):
 GOOD = json.dumps({"text": "a first document"})
 
 PLAN = ("--model", "llama3-8b", "--gpus", "64", "--global_batch", "128", "--seq_length", "4096")
+
+
+def _two_config_files(scratch: Path, trained: Path | None) -> None:
+    """``a.toml`` and ``b.toml``: two valid config files (argparse used to keep the last)."""
+    (scratch / "a.toml").write_text("[schedule]\ntrain_steps = 3\n")
+    (scratch / "b.toml").write_text("[optimizer]\nlr = 0.001\n")
 
 
 def _plan_bad_json(scratch: Path, trained: Path | None) -> None:
@@ -598,6 +609,15 @@ CASES: list[Case] = [
         ("schedule.trian_steps: unknown key", "train_steps"),
         _write_text("c.toml", "[schedule]\ntrian_steps = 3\n"),
     ),
+    # two files were not merged: the first was dropped without a word
+    Case(
+        "config-given-twice",
+        "train",
+        ("--config", "{d}/a.toml", "--config", "{d}/b.toml"),
+        EXIT_USAGE,
+        ("--config is given 2 times", "'{d}/a.toml', '{d}/b.toml'", "one --config FILE.toml"),
+        _two_config_files,
+    ),
     # ---- directories the run writes (preflight) ----
     config_case(
         "checkpoint-dir-is-a-file",
@@ -764,6 +784,18 @@ CASES: list[Case] = [
         code=EXIT_DATA,
         setup=_weightless_train_blend,
     ),
+    # the remedy named data.split, which a data config ignores
+    config_case(
+        "data-config-without-valid-blend",
+        1,
+        {"data": {"data_config": "{d}/blend.json"}},
+        [
+            "eval.steps=1",
+            "the \"valid\" blend of data.data_config='{d}/blend.json'",
+            "eval.interval='none'",
+        ],
+        setup=_train_only_blend,
+    ),
     config_case(
         "empty-dataset",
         1,
@@ -929,6 +961,15 @@ CASES: list[Case] = [
         ("{d}/nowhere",),
         EXIT_USAGE,
         ("CHECKPOINT='{d}/nowhere'", "no such directory"),
+    ),
+    # an hf_export folder was "no complete checkpoint", with no word of what it is
+    Case(
+        "generate-hugging-face-folder",
+        "generate",
+        ("{d}/hf",),
+        EXIT_CHECKPOINT,
+        ("CHECKPOINT='{d}/hf'", "a Hugging Face model folder", "--checkpoint.hf_init '{d}/hf'"),
+        _hf_folder(True, LLAMA_CONFIG),
     ),
     Case(
         "generate-no-complete-checkpoint",

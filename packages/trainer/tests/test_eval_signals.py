@@ -144,3 +144,35 @@ def test_second_sigint_during_training_exits_130_without_traceback(tmp_path, mon
     assert "shardwork-train: interrupted by a second SIGINT" in err
     assert "Traceback" not in err
     assert not list(tmp_path.glob("checkpoints/step_*"))
+
+
+def test_sigint_with_save_on_signal_off_names_that_setting(tmp_path, monkeypatch, capsys):
+    """checkpoint.save_on_signal = false: one SIGINT ends the run (Python's own handler); the
+    line says so instead of blaming a second SIGINT that was never sent."""
+    import shardwork.trainer.run.trainer as trainer_module
+
+    config = _config(
+        tmp_path,
+        steps=100_000,
+        eval={"interval": None, "at_end": False},
+        checkpoint={"save_on_signal": False},
+    )
+    path = tmp_path / "run.toml"
+    path.write_text(config_to_toml(config))
+    real_step, calls = trainer_module.train_step, []
+
+    def step_then_one_sigint(*args, **kwargs):
+        out = real_step(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(trainer_module, "train_step", step_then_one_sigint)
+    assert train_main(["--config", str(path)]) == 130
+    err = capsys.readouterr().err
+    assert "shardwork-train: interrupted by SIGINT (checkpoint.save_on_signal=false" in err
+    assert "second SIGINT" not in err
+    assert "Traceback" not in err
+    assert len(calls) == 2  # stopped in the step it was sent, not after a clean stop
+    assert not list(tmp_path.glob("checkpoints/step_*"))

@@ -8,6 +8,7 @@ the plainest way; every layout the planner proposes must also pass ``shardwork-t
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -238,3 +239,18 @@ def test_every_proposed_moe_layout_passes_the_trainers_validation(tmp_path):
         )  # fmt: skip; raises ConfigError if the trainer refuses the layout
     assert {x.ep for x in layouts} == {1, 2, 4, 8}
     assert {x.etp for x in layouts} == {1, 2}  # tp <= 2: the tiny twin has 2 kv heads
+
+
+def test_describe_shows_a_per_rank_uneven_split():
+    """A row must say how its layers split: 3 layers at pp = 2 run only with
+    parallel.first_stage_layers = 2 / last_stage_layers = 1 (the trainer refuses an even split),
+    and the row used to read just "PP2"."""
+    uneven = Layout(tp=2, cp=1, pp=2, dp=1, first_stage_layers=2, last_stage_layers=1)
+    assert uneven.describe() == "TP2 CP1 PP2[2+..+1] DP1 mb1 none"
+    even = Layout(tp=2, cp=1, pp=2, dp=1)
+    assert even.describe() == "TP2 CP1 PP2 DP1 mb1 none"
+    virtual = Layout(tp=8, cp=1, pp=16, dp=64, vpp=8, recompute="full")
+    virtual = dataclasses.replace(
+        virtual, first_virtual_stage_layers=0, last_virtual_stage_layers=0
+    )
+    assert virtual.describe() == "TP8 CP1 PP16x8(0+..+0) DP64 mb1 full"

@@ -5,8 +5,10 @@ line of a live run is still skipped."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
+from matplotlib.figure import Figure
 
 from shardwork.trainer.observe.metrics import read_metrics
 from shardwork.trainer.observe.plot import main
@@ -96,3 +98,32 @@ def test_a_bad_line_before_the_last_is_not_skipped(tmp_path):
     path.write_bytes(b'{"kind":"train","step":1,"loss":2.0}\n{"kind":"tr\n{"kind":"train"}\n')
     with pytest.raises(ValueError, match=r"metrics\.jsonl, line 2: not JSON"):
         read_metrics(path)
+
+
+def test_a_resume_from_an_older_checkpoint_replaces_the_replayed_steps(tmp_path):
+    """Steps 1-4 logged, the run killed, resumed from the step-2 checkpoint: steps 3-4 come
+    again with other losses. The curve is the run's last timeline (1, 2, then the new 3, 4,
+    5), not a line that jumps back from 4 to 3."""
+    import json
+
+    from shardwork.trainer.observe.plot import plot_run
+
+    losses = [(1, 5.0), (2, 4.0), (3, 3.5), (4, 3.4), (3, 3.0), (4, 2.9), (5, 2.8)]
+    lines = [json.dumps({"kind": "train", "step": s, "loss": v, "lr": 1e-3}) for s, v in losses]
+    lines.append(json.dumps({"kind": "valid", "step": 4, "loss": 3.3}))
+    lines.insert(4, json.dumps({"kind": "valid", "step": 4, "loss": 3.45}))
+    run_dir = _run_dir(tmp_path, ("\n".join(lines) + "\n").encode())
+    figures = {}
+    real_save = Figure.savefig
+
+    def keep(fig, path, **kwargs):
+        figures[Path(path).name] = fig
+        return real_save(fig, path, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Figure, "savefig", keep)
+        plot_run(run_dir)
+    train_line, valid_line = figures["loss.png"].axes[0].lines[:2]
+    assert list(train_line.get_xdata()) == [1, 2, 3, 4, 5]
+    assert list(train_line.get_ydata()) == [5.0, 4.0, 3.0, 2.9, 2.8]
+    assert list(valid_line.get_ydata()) == [3.3]

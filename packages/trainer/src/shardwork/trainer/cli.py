@@ -56,6 +56,19 @@ def _checked_config(argv: list[str]):
     return resolved, print_config
 
 
+def interrupted_message(config) -> str:
+    """What a SIGINT that ended the run means: a second one while stopping, or, with
+    ``checkpoint.save_on_signal`` off, the first (nothing catches it to stop cleanly)."""
+    if config.checkpoint.save_on_signal:
+        cause = "interrupted by a second SIGINT"
+    else:
+        cause = (
+            "interrupted by SIGINT (checkpoint.save_on_signal=false: a signal stops the run "
+            "without saving; true finishes the step and saves)"
+        )
+    return f"{cause}; no checkpoint was written for the current step (the last committed one stays)"
+
+
 def train_main(argv: Sequence[str] | None = None) -> int:
     set_cpu_runtime_env()
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -86,12 +99,8 @@ def train_main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return EXIT_COLLECTIVE
     except KeyboardInterrupt:
-        # a second Ctrl-C while stopping: out at once, as asked, but without a traceback
-        print(
-            f"{PROG}: interrupted by a second SIGINT; no checkpoint was written for "
-            "the current step (the last committed one stays)",
-            file=sys.stderr,
-        )
+        # out at once, as asked, but without a traceback
+        print(f"{PROG}: {interrupted_message(resolved)}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except UserError as exc:
         return report(PROG, str(exc), exc.exit_code)

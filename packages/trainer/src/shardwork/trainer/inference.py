@@ -43,7 +43,7 @@ def load_for_inference(checkpoint: str | Path, *, tokenizer: str | None = None):
     ``tokenizer`` ('byte' or a tokenizer JSON path) replaces the run's stored one, e.g. when
     that file moved; either is loaded before the model is built."""
     manager, step, config, hf = _read_run(checkpoint)
-    model_config = gpt_config(config, hf=hf)
+    model_config = single_process_config(gpt_config(config, hf=hf))
     tok = _run_tokenizer(config, model_config.vocab_size, tokenizer, manager.step_path(step))
     groups = ProcessGroups.single()
     (model,) = build_model_chunks(model_config, groups, device=torch.device("cpu"))
@@ -55,6 +55,13 @@ def load_for_inference(checkpoint: str | Path, *, tokenizer: str | None = None):
     manager.load(state, step=step, include=("model",))
     model.eval()
     return model, config, tok
+
+
+def single_process_config(model_config):
+    """``model_config`` for one process: a run trained with tensor parallelism and
+    ``parallel.sequence_parallel`` stores that setting, which needs tp > 1; at tp = 1 sequence
+    parallelism changes nothing, so it is turned off (the weights load the same)."""
+    return model_config.replace(sequence_parallel=False)
 
 
 def _read_run(checkpoint: str | Path):

@@ -135,16 +135,31 @@ def _with_model_flags(table: dict[str, Any], flags: list[tuple[str, Any]]) -> di
     return table
 
 
+def single_config_file(files: list[str]) -> str | None:
+    """The one ``--config`` file of ``files`` (each ``--config`` given), or None. Several are
+    refused: only one file is read, and argparse kept the last, silently dropping the others."""
+    if len(files) > 1:
+        raise ConfigError(
+            [
+                f"--config is given {len(files)} times ({', '.join(map(repr, files))}): one "
+                "file is read, not a merge of several; valid: one --config FILE.toml, with the "
+                "other files' values moved into it or given as flags (flags override the file)"
+            ]
+        )
+    return files[0] if files else None
+
+
 def parse_train_args(argv: Sequence[str]) -> tuple[TrainConfig, bool]:
     """``(config, print_config)`` from command-line arguments (raises ConfigError / SystemExit)."""
     pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config", default=None)
+    pre.add_argument("--config", action="append", default=[])
     pre.add_argument("--print-config", action="store_true")
     known, rest = pre.parse_known_args(list(argv))
+    config_file = single_config_file(known.config)
     model_flags, rest = split_model_flags(rest)
     # TOML spells booleans true/false; accept that spelling on the command line too.
     rest = _spell_none([{"true": "True", "false": "False"}.get(a, a) for a in rest])
-    base = load_config(known.config) if known.config else TrainConfig()
+    base = load_config(config_file) if config_file else TrainConfig()
     flags_class = _sections_without_model()
     defaults = {f.name: getattr(base, f.name) for f in dataclasses.fields(flags_class)}
     parsed = tyro.cli(

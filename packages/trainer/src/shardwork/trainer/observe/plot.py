@@ -24,9 +24,15 @@ from shardwork.trainer.observe.metrics import RECORD_FORM, metrics_path, read_me
 
 
 def _series(records, kind: str, key: str):
+    """``(steps, values)`` of ``key`` in the ``kind`` records, as the run's last timeline: a
+    run resumed from a checkpoint older than its last logged step logs those steps again (the
+    model went back to the checkpoint), and its new records replace the old ones from there."""
     xs, ys = [], []
     for r in records:
         if r.get("kind") == kind and isinstance(r.get(key), int | float):
+            while xs and xs[-1] >= r["step"]:
+                xs.pop()
+                ys.pop()
             xs.append(r["step"])
             ys.append(r[key])
     return xs, ys

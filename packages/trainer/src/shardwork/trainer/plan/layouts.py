@@ -95,9 +95,12 @@ class Layout:
         return "interleaved" if self.vpp > 1 else "1f1b"
 
     def describe(self) -> str:
-        """Short text, e.g. ``TP8 CP1 PP16x8 DP64 mb1 full``; a virtual-stage split shows its
-        ends, e.g. ``PP16x8(0+..+0)``."""
+        """Short text, e.g. ``TP8 CP1 PP16x8 DP64 mb1 full``; an uneven split shows its ends:
+        per rank (``parallel.first_stage_layers/last_stage_layers``) in brackets, e.g.
+        ``PP16[3+..+2]``, per virtual stage in parentheses, e.g. ``PP16x8(0+..+0)``."""
         pp = f"PP{self.pp}" + (f"x{self.vpp}" if self.vpp > 1 else "")
+        if self.first_stage_layers is not None:
+            pp += f"[{self.first_stage_layers}+..+{self.last_stage_layers}]"
         if self.first_virtual_stage_layers is not None:
             pp += f"({self.first_virtual_stage_layers}+..+{self.last_virtual_stage_layers})"
         ep = f" EP{self.ep} ETP{self.etp}" if self.ep > 1 or self.etp > 1 else ""

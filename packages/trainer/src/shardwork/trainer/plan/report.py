@@ -42,15 +42,17 @@ def _refused_layouts(plan: Plan) -> list[PlanRow]:
 def render_table(plan: Plan, *, top: int = 10, refused: int = 5) -> str:
     """The ranked table (``top`` rows) and the ``refused`` leanest refused layouts."""
     c = plan.cluster
+    ranked = plan.ranked()
+    # The layout column fits its longest entry (uneven splits add e.g. "[3+..+2]").
+    w = max([40] + [len(row.layout.describe()) for row in ranked[:top]])
     lines = [
         f"{c.num_gpus} x {c.gpu.name} ({c.gpus_per_node} per node), global batch "
         f"{plan.global_batch} x {plan.seq_length} tokens, efficiency {plan.efficiency:g}",
-        f"{'#':>3}  {'layout':<40} {'step s':>8} {'MFU':>6} {'GiB':>6}  time beyond compute",
+        f"{'#':>3}  {'layout':<{w}} {'step s':>8} {'MFU':>6} {'GiB':>6}  time beyond compute",
     ]
-    ranked = plan.ranked()
     for i, row in enumerate(ranked[:top], start=1):
         lines.append(
-            f"{i:>3}  {row.layout.describe():<40} {row.time.total:>8.2f} {row.mfu:>6.1%} "
+            f"{i:>3}  {row.layout.describe():<{w}} {row.time.total:>8.2f} {row.mfu:>6.1%} "
             f"{row.memory / GIB:>6.1f}  {_reasons(row)}"
         )
     if not ranked:

@@ -59,7 +59,12 @@ from shardwork.trainer.config.load import config_to_toml
 from shardwork.trainer.config.validate_peft import lora_config_of
 from shardwork.trainer.model_factory import hf_config
 from shardwork.trainer.run.optimizer_keys import optimizer_param_rects
-from shardwork.trainer.run.resume_advice import corrupt_message, mismatch_message
+from shardwork.trainer.run.resume_advice import (
+    corrupt_message,
+    data_order_differences,
+    data_order_warning,
+    mismatch_message,
+)
 from shardwork.trainer.run.rng import (
     capture_rng,
     derived_seed,
@@ -111,6 +116,13 @@ def no_checkpoint_reason(path: str | Path) -> str:
         return f"it looks like a run directory: pass {str(path / 'checkpoints')!r}"
     if (path / ".metadata").is_file():
         return "a checkpoint whose save never finished (no COMMITTED marker): it is incomplete"
+    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        return (
+            "it is a Hugging Face model folder (config.json and safetensors, e.g. a run's "
+            "checkpoint.hf_export), not a shardwork checkpoint: pass the step_<N> checkpoint "
+            "of the run that exported it, or start a run from it with --checkpoint.hf_init "
+            f"{str(path)!r}"
+        )
     return "no step_<N> directory with a COMMITTED marker there (no complete checkpoint)"
 
 
@@ -317,4 +329,8 @@ class Checkpointer:
                     f"is re-derived from (seed={self.config.seed}, step={step}, rank role)"
                 )
         say(f"resumed from {path} at step {step}")
+        saved_toml = (info.get("user_metadata") or {}).get("train_config")
+        differences = data_order_differences(saved_toml, self.metadata["train_config"])
+        if differences:
+            say(data_order_warning(step, differences))
         return step

@@ -305,10 +305,14 @@ def check_eval_steps(config: TrainConfig, valid_split: list[Component] | None = 
         f"the validation split holds {samples} samples of data.seq_length={config.data.seq_length}"
         f" tokens = {batches} global batches of schedule.global_batch_size={s.global_batch_size}"
     )
+    source = (
+        f'give the "valid" blend of data.data_config={config.data.data_config!r} datasets'
+        if config.data.data_config is not None
+        else "give data.split a larger validation part"
+    )
     valid_range = (
         f"valid: 1..{batches}, or 'none' for the whole split"
         if batches
-        else "give data.split a larger validation part, or set eval.interval='none' and "
-        "eval.at_end=false"
+        else f"{source}, or set eval.interval='none' and eval.at_end=false"
     )
     raise ConfigError([f"eval.steps={steps}: {held}; {valid_range}"])

@@ -72,6 +72,70 @@ def optimizer_change_advice(saved: str, ours: str) -> str:
     )
 
 
+#: the settings that decide which samples each step reads (data/builder.py: the training set
+#: holds exactly the samples of every step, and its shuffle is drawn over their number), in the
+#: order a warning names them
+DATA_ORDER_FIELDS = (
+    ("seed",),
+    ("schedule", "train_steps"),
+    ("schedule", "global_batch_size"),
+    ("schedule", "batch_size_ramp"),
+    ("data", "seq_length"),
+    ("data", "corpus"),
+    ("data", "prefixes"),
+    ("data", "weights"),
+    ("data", "data_config"),
+    ("data", "split"),
+    ("data", "shuffle"),
+)
+
+
+def _setting(table: dict[str, Any], path: tuple[str, ...]) -> Any:
+    """The value at ``path`` (section, key) of a parsed config; None where it is absent."""
+    for key in path:
+        table = table.get(key, {}) if isinstance(table, dict) else {}
+    return table if table != {} else None
+
+
+def data_order_differences(saved_toml: str | None, run_toml: str) -> list[tuple[str, Any, Any]]:
+    """``(field, checkpoint's value, this run's value)`` for each setting of
+    :data:`DATA_ORDER_FIELDS` that differs between a checkpoint's saved config and this run's
+    (one the saved config lacks is skipped).
+    ``schedule.train_steps`` alone is left out when neither run shuffles: unshuffled, a longer
+    run's first samples are the shorter run's."""
+    if not saved_toml:
+        return []
+    saved, ours = tomllib.loads(saved_toml), tomllib.loads(run_toml)
+    out = []
+    for path in DATA_ORDER_FIELDS:
+        theirs, mine = _setting(saved, path), _setting(ours, path)
+        # A setting the stored config lacks (an older version's) is not known to differ.
+        if theirs is not None and theirs != mine:
+            out.append((".".join(path), theirs, mine))
+    unshuffled = _setting(saved, ("data", "shuffle")) is False and not _setting(
+        ours, ("data", "shuffle")
+    )
+    if unshuffled and [name for name, _, _ in out] == ["schedule.train_steps"]:
+        return []
+    return out
+
+
+def data_order_warning(step: int, differences: list[tuple[str, Any, Any]]) -> str:
+    """The warning for a resume at ``step`` whose data settings ``differences`` (from
+    :func:`data_order_differences`) changed the training set's sample order."""
+    changed = ", ".join(
+        f"{name}={_cli_value(theirs)} (this run: {_cli_value(mine)})"
+        for name, theirs, mine in differences
+    )
+    return (
+        f"warning: resuming at step {step} with other data settings than the checkpoint's run: "
+        f"{changed}. The training set's sample order is a function of these (and of its size, "
+        "train_steps x batch sizes), so from here the run reads another order than the "
+        "checkpoint's run would have: samples it already trained on can come again and others "
+        "are never read. To keep its order, resume with the checkpoint's values."
+    )
+
+
 def _cli_value(value: Any) -> str:
     return value if isinstance(value, str) else repr(value)
 
