@@ -111,6 +111,26 @@ def test_resume_between_fsdp_and_zero1(tmp_path, corpus_cache):
     assert "re-derived" in results[0][1]  # another layout: the RNG grid does not fit
 
 
+@pytest.mark.slow
+def test_resume_at_another_dp_and_batch_size_reads_on_from_the_consumed_samples(
+    tmp_path, corpus_cache
+):
+    # One process with batches of 8 for 2 steps, then of 16 (a ramp); the same run as DP=2 at
+    # 8 a step, resumed by one process at 16 a step, must read the same samples per step.
+    ramp = {"global_batch_size": 8, "batch_size_ramp": [(2, 16)]}
+    sections = _sections({})
+    ref = {**sections, "schedule": {**sections["schedule"], **ramp}}
+    reference, _ = _train(str(tmp_path / "ref"), ref, corpus_cache)
+    first = _sections({}, checkpoint={"interval": 2})
+    run_on_ranks(_train, 2, args=(str(tmp_path / "a"), first, corpus_cache), timeout=600)
+    step2 = tmp_path / "a" / "checkpoints" / "step_000000002"
+    second = _sections({}, checkpoint={"resume": str(step2)})
+    second["schedule"]["global_batch_size"] = 16
+    losses, text = _train(str(tmp_path / "b"), second, corpus_cache)
+    assert "reading continues at sample 16" in text
+    _assert_curve(losses, reference, [2, 3, 4, 5])
+
+
 def test_two_ranks_fall_back_from_a_corrupt_checkpoint(tmp_path, corpus_cache):
     saves = {"interval": 2, "keep_last": 5, "save_at_end": True}
     full = _sections({}, checkpoint=saves)

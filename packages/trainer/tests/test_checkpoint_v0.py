@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from shardwork.dist_checkpoint import read_info
 from shardwork.trainer.config.load import config_from_dict, load_config
 from shardwork.trainer.config.validate import validate_config
 from shardwork.trainer.run.trainer import train
@@ -66,13 +67,20 @@ def _train_metrics(config) -> dict[int, dict]:
     return {r["step"]: r for r in records if r.get("kind") == "train"}
 
 
-def test_checkpoint_from_before_composed_configs_resumes_to_the_same_losses(tmp_path):
+def test_checkpoint_from_before_composed_configs_resumes_to_the_same_losses(tmp_path, capsys):
     ckpt = tmp_path / "old" / "step_000000002"
     shutil.copytree(FIXTURE / "step_000000002", ckpt)
     table = _new_format_table(tmp_path, resume=str(ckpt), dir=str(tmp_path / "ckpt"))
     config = validate_config(config_from_dict(table), world_size=1)
     got = _train_metrics(config)
     assert sorted(got) == [3, 4]  # resumed after step 2, not from scratch
+    # It was written before the sample order of blocks: the run keeps the old order (the losses
+    # below need its samples) and its own checkpoints record it for the next resume.
+    assert (
+        "written by a version of shardwork from before the sample order" in capsys.readouterr().err
+    )
+    saved = read_info(tmp_path / "ckpt" / "step_000000004")["user_metadata"]
+    assert saved["sample_order"] == "whole"
     tokens = 4 * 32  # one step's tokens: an expert-load entry moves in steps of 1/tokens
     for step in (3, 4):
         want = EXPECTED[str(step)]

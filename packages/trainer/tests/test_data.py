@@ -31,15 +31,37 @@ def test_samples_are_windows_of_the_shuffled_document_stream(random_dataset):
     ds = _gpt(prefix, ids, seq_length=16, num_samples=200, seed=11)
     # independent oracle: concatenate the documents in the index's order
     stream = np.concatenate([docs[d] for d in ds.document_index])
-    for i in range(len(ds)):
-        j = int(ds.shuffle_index[i])
+    positions = [ds.stream_position(i) for i in range(len(ds))]
+    for i, j in enumerate(positions):
         np.testing.assert_array_equal(ds[i], stream[j * 16 : j * 16 + 17])
     # every epoch holds each split document exactly once
     per_epoch = ds.document_index.reshape(ds.num_epochs, -1)
     for epoch in per_epoch:
         assert sorted(epoch.tolist()) == ids.tolist()
     assert ds.num_epochs > 1
-    assert sorted(ds.shuffle_index.tolist()) == list(range(200))
+    # each whole block of one epoch's samples is read exactly once, in a shuffled order
+    block = ds.samples_per_epoch
+    assert ds.block_size == block == (sum(len(docs[d]) for d in ids) - 1) // 16
+    for start in range(0, 200 - block + 1, block):
+        chunk = positions[start : start + block]
+        assert sorted(chunk) == list(range(start, start + block))
+        assert chunk != sorted(chunk)
+    assert len(set(positions)) == 200
+
+
+def test_a_longer_dataset_starts_with_the_shorter_ones_samples(random_dataset):
+    """The order does not depend on the number of samples: a run extended to more steps (or
+    resumed with another batch size) reads on where the shorter one stopped."""
+    prefix, _ = random_dataset
+    ids = np.arange(3, 40)
+    short = _gpt(prefix, ids, seq_length=8, num_samples=37, seed=4)
+    long = _gpt(prefix, ids, seq_length=8, num_samples=1000, seed=4)
+    assert long.num_epochs > short.num_epochs
+    for i in range(37):
+        np.testing.assert_array_equal(short[i], long[i])
+    # and the longer one's later samples are not the first ones again
+    first = {tuple(short[i].tolist()) for i in range(37)}
+    assert not first & {tuple(long[i].tolist()) for i in range(37, 37 + short.block_size - 37)}
 
 
 def test_index_is_deterministic_and_seed_dependent(random_dataset):

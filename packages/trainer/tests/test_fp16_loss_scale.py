@@ -7,6 +7,7 @@ run exactly as in bf16/fp32 (reliability.on_nan).
 
 import io
 import math
+import re
 
 import pytest
 
@@ -49,17 +50,24 @@ def test_default_fp16_config_trains_30_steps(tmp_path):
     assert 1 <= n < 30, n  # the scaler did overflow at 65,536 and did settle
     # hysteresis 2: the first overflow is tolerated, each later one halves the scale, and no
     # growth within 30 steps (growth_interval 1000)
-    scales = [
-        r["loss_scale"] for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"
-    ]
-    assert scales[-1] == 2.0**16 * 0.5 ** (n - 1)
-    # said once, on the first update after the overflow skips
+    records = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    scale_after = {r["step"]: r["loss_scale"] for r in records}
+    assert scale_after[30] == 2.0**16 * 0.5 ** (n - 1)
+    # said once, on the first update after the first overflow skips (a later overflow may
+    # lower the scale again without a word): the scale and skip count of that step
     settled = [line for line in stream.getvalue().splitlines() if "loss scale settled" in line]
     assert len(settled) == 1, settled
+    found = re.search(
+        r"step (\d+): fp16 loss scale settled at (\S+) after (\d+) overflow", settled[0]
+    )
+    assert found, settled
+    step, said_scale, said_skips = int(found[1]), float(found[2]), int(found[3])
+    assert said_scale == scale_after[step] == 2.0**16 * 0.5 ** (said_skips - 1)
+    # that many skipped steps came before it
+    assert 1 <= said_skips <= n and step > said_skips
     assert settled[0].endswith(
-        f"fp16 loss scale settled at {scales[-1]:g} after {n} overflow-skipped step(s) "
-        "(normal for a dynamic scaler)"
-    ), settled
+        f"after {said_skips} overflow-skipped step(s) (normal for a dynamic scaler)"
+    )
 
 
 def _poison_gradients(monkeypatch) -> None:
@@ -80,10 +88,11 @@ def test_nonfinite_gradients_stop_once_the_scale_is_at_its_floor(tmp_path, monke
     config = _fp16_config(tmp_path, precision={"initial_loss_scale": 16.0})
     with pytest.raises(NonFiniteLossError) as err:
         train(config)
-    # by hand (hysteresis 2, floor 1): step 0 tolerated at 16, steps 1-4 halve 16 -> 1, all
-    # overflow skips; step 5 overflows at the floor and stops the run (on_nan='stop')
+    # by hand (hysteresis 2, floor 1): step 1 tolerated at 16, steps 2-5 halve 16 -> 1, all
+    # overflow skips; step 6 overflows at the floor and stops the run (on_nan='stop'). Steps
+    # are numbered from 1, as the step log lines number them.
     text = str(err.value)
-    assert text.startswith("step 5: non-finite gradients at the loss scale's floor (1)"), text
+    assert text.startswith("step 6: non-finite gradients at the loss scale's floor (1)"), text
     assert "reliability.on_nan='stop'" in text
 
 

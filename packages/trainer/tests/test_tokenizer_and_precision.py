@@ -109,6 +109,42 @@ def test_dataset_built_with_another_tokenizer_is_rejected(tmp_path, monkeypatch,
     assert resolved.model.settings["vocab_size"] == hf.vocab_size
 
 
+def test_dataset_with_another_end_of_document_token_names_data_eod_token(
+    tmp_path, monkeypatch, hf_tokenizer_path
+):
+    """A dataset tokenized with --eod_token '[UNK]' under a run whose data.eod_token is unset
+    (it picks '</s>'): the problem names data.eod_token, its value and the one to set, and that
+    value passes. Blended with a '</s>' dataset, no one value suits both: re-tokenizing is."""
+    import tokenizers
+
+    monkeypatch.setenv("SHARDWORK_CACHE", str(tmp_path))
+    ids = tokenizers.Tokenizer.from_file(str(hf_tokenizer_path)).get_vocab(with_added_tokens=True)
+    unk, eos = ids["[UNK]"], ids["</s>"]
+    path = str(hf_tokenizer_path)
+    write_documents(DOCS, tmp_path / "unk_data", load_tokenizer(path, eod_token="[UNK]"))
+    write_documents(DOCS, tmp_path / "eos_data", load_tokenizer(path))
+    unk_data, eos_data = str(tmp_path / "unk_data"), str(tmp_path / "eos_data")
+    (problem,) = _problems(_with(data={"prefixes": [unk_data], "tokenizer": path}))
+    assert problem.startswith(f"data.prefixes[0]={unk_data!r} was tokenized with {path!r} ")
+    assert problem.endswith(
+        f"end-of-document id {eos}: it ends documents with '[UNK]' (id {unk}), and "
+        "data.eod_token=None (picks '</s>') does not; valid: data.eod_token='[UNK]'"
+    )
+    fixed = {"prefixes": [unk_data], "tokenizer": path, "eod_token": "[UNK]"}
+    assert validate_config(_with(data=fixed), world_size=1).data.eod_token == "[UNK]"
+
+    blend = {"prefixes": [eos_data, unk_data], "tokenizer": path}
+    for eod_token, odd, theirs, ours in ((None, 1, unk, "</s>"), ("[UNK]", 0, eos, "[UNK]")):
+        (problem,) = _problems(_with(data={**blend, "eod_token": eod_token}))
+        assert problem.startswith(f"data.prefixes[{odd}]={blend['prefixes'][odd]!r} ")
+        assert problem.endswith(
+            f"the run's datasets mix end-of-document ids {sorted([unk, eos])}, and one "
+            "data.eod_token serves one of them; valid: re-tokenize it with shardwork-preprocess "
+            f"--eod_token {ours!r}, or leave it out"
+        )
+        assert f"(id {theirs}), and data.eod_token={eod_token!r}" in problem
+
+
 def test_fp64_run_keeps_float64_and_tracks_fp32(tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDWORK_CACHE", str(tmp_path / "corpus"))
     from shardwork.trainer.run.setup import build_assembly, init_runtime

@@ -59,11 +59,12 @@ def test_loss_falls_and_beats_unigram(tmp_path):
     assert result.valid_losses[40] < result.valid_losses[20]
     in_sample, held_out = _unigram_baselines()
     assert 3.0 < in_sample < 3.5, in_sample  # bytes of English prose and code
-    # The training loss (last five steps) ends well below what byte frequencies alone score
-    # (measured ~2.7 against ~3.26). On held-out text 40 steps reach the byte-frequency level,
-    # not beyond: measured 3.228 against 3.222 (CPython 3.11.7's text) and 3.254 against 3.224
-    # (3.11.2's); step 20 is 0.06-0.15 above it, an untrained model ~2.5.
-    assert last < in_sample - 0.3, (last, in_sample)
+    # The training loss (last five steps) reaches what byte frequencies alone score, and so
+    # does the held-out loss: measured 3.257 against 3.267 in sample, 3.238 against 3.222 held
+    # out (CPython 3.11.7's text); step 20 is ~0.08 above it, an untrained model ~2.5. (The
+    # training loss read ~2.7 while a 40-step run's 320 samples all came from one stretch of
+    # ~10k tokens, before the sample order of blocks: the model was fitting that stretch.)
+    assert last < in_sample + 0.1, (last, in_sample)
     assert result.valid_losses[40] < held_out + 0.1, (result.valid_losses, held_out)
     assert (tmp_path / "metrics.jsonl").is_file()
 
@@ -219,6 +220,57 @@ def test_non_finite_loss_stops_with_clear_message(tmp_path, policy):
         assert "2 consecutive steps" in str(err.value)
 
 
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_non_finite_step_is_named_as_the_step_log_numbers_it(tmp_path, monkeypatch, policy):
+    """Infinite gradients in the k-th step the loop runs (k drawn at random): the guard's
+    message names step k, the number of that step's log line (the one whose grad_norm is NaN),
+    not its 0-based index."""
+    import io
+
+    import numpy as np
+
+    import shardwork.trainer.run.trainer as trainer_module
+    from shardwork.trainer.observe.metrics import read_metrics
+
+    poisoned = int(np.random.default_rng(11).integers(2, 7))  # 1-based, within the 7 steps
+    calls, real_step, real_build = [], trainer_module.train_step, trainer_module.build_assembly
+
+    def counted_step(*args, **kwargs):
+        calls.append(1)
+        return real_step(*args, **kwargs)
+
+    def build(*args, **kwargs):
+        assembly = real_build(*args, **kwargs)
+        first = next(assembly.modules[0].parameters())
+        first.register_hook(
+            lambda g: g.new_full(g.shape, math.inf) if len(calls) == poisoned else g
+        )
+        return assembly
+
+    monkeypatch.setattr(trainer_module, "train_step", counted_step)
+    monkeypatch.setattr(trainer_module, "build_assembly", build)
+    config = tiny_config(
+        tmp_path,
+        schedule={"train_steps": 7},
+        eval={"interval": None, "at_end": False},
+        logging={"interval": 1},
+        reliability={"on_nan": policy, "max_consecutive_skips": 3},
+    )
+    stream = io.StringIO()
+    if policy == "stop":
+        with pytest.raises(NonFiniteLossError) as err:
+            train(config, stream=stream)
+        said = str(err.value)
+        assert said.startswith(f"step {poisoned}: non-finite gradients (the optimizer did not")
+    else:
+        train(config, stream=stream)
+        (said,) = [line for line in stream.getvalue().splitlines() if "skipped" in line]
+        assert said == f"step {poisoned}: non-finite gradients: step skipped (no update)"
+        logged = read_metrics(tmp_path / "metrics.jsonl")
+        nan_steps = [r["step"] for r in logged if r["kind"] == "train" and r["grad_norm"] == "nan"]
+        assert nan_steps == [poisoned]
+
+
 def test_checkpoint_reloads_the_trained_model_for_generation(tmp_path):
     import torch
 
@@ -287,3 +339,30 @@ def test_resuming_a_finished_run_trains_nothing_and_plots_nothing(tmp_path):
     result = train(again)
     assert result.train_losses == {}
     assert not (tmp_path / "b" / "plots").exists()
+
+
+def test_done_line_of_a_resumed_run_counts_the_steps_it_took(tmp_path):
+    """A run of k steps, then one resumed from its checkpoint up to n steps: the first says it
+    took k steps, the second n - k (and from which step to which), not the checkpoint's count."""
+    import io
+    import re
+
+    import numpy as np
+
+    rng = np.random.default_rng(5)
+    first, total = int(rng.integers(2, 5)), int(rng.integers(6, 9))
+    quiet = {"eval": {"interval": None, "at_end": False}}
+    checkpoint = {"save_at_end": True}
+
+    def done_line(steps, **sections):
+        stream = io.StringIO()
+        config = tiny_config(tmp_path, schedule={"train_steps": steps}, **quiet, **sections)
+        result = train(config, stream=stream)
+        (line,) = [x for x in stream.getvalue().splitlines() if x.startswith("done:")]
+        return result, re.sub(r" in \S+$", "", line)  # without the run's duration
+
+    fresh, line = done_line(first, checkpoint=checkpoint)
+    assert line == f"done: {first} steps" and sorted(fresh.train_losses) == list(range(first))
+    resumed, line = done_line(total, checkpoint={**checkpoint, "resume": "auto"})
+    assert sorted(resumed.train_losses) == list(range(first, total))  # the steps it took
+    assert line == f"done: {total - first} steps (resumed at step {first}, ended at step {total})"

@@ -32,7 +32,8 @@ from shardwork.trainer.config.validate_peft import lora_config_of
 from shardwork.trainer.data.tokenizer import load_tokenizer
 from shardwork.trainer.errors import CheckpointError, UserError
 from shardwork.trainer.model_factory import build_model_chunks, gpt_config
-from shardwork.trainer.run.checkpointing import locate_checkpoint, no_checkpoint_reason
+from shardwork.trainer.run.checkpoint_choice import named_candidates
+from shardwork.trainer.run.checkpointing import no_checkpoint_reason
 from shardwork.trainer.run.hf import import_hf_weights
 from shardwork.trainer.run.megatron import import_megatron_weights
 
@@ -67,12 +68,11 @@ def single_process_config(model_config):
 def _read_run(checkpoint: str | Path):
     """``(manager, step, train_config, hf_config)`` of the checkpoint ``checkpoint`` names (its
     metadata only; CheckpointError when there is none or it lacks a usable config)."""
-    root, step = locate_checkpoint(checkpoint)
-    manager = CheckpointManager(root)
-    step = manager.latest() if step is None else step
-    if step is None:
+    candidates = named_candidates(checkpoint)
+    if not candidates.steps:
         reason = no_checkpoint_reason(checkpoint)
         raise CheckpointError(f"CHECKPOINT={str(checkpoint)!r}: {reason}")
+    manager, step = CheckpointManager(candidates.root), candidates.steps[-1]
     info = read_info(manager.step_path(step))
     text = (info.get("user_metadata") or {}).get("train_config")
     if text is None:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardwork.trainer.config.sections import TrainConfig
+from shardwork.trainer.config.sections import DataConfig, TrainConfig
 from shardwork.trainer.data.builder import read_data_config
 from shardwork.trainer.data.corpus import BUILTIN_CORPORA
-from shardwork.trainer.data.dataset_meta import read_dataset_meta
+from shardwork.trainer.data.dataset_meta import DatasetMeta, read_dataset_meta
 from shardwork.trainer.data.indexed import data_file_paths, dataset_exists
-from shardwork.trainer.data.tokenizer import load_tokenizer
+from shardwork.trainer.data.tokenizer import Tokenizer, load_tokenizer
 
 
 def _missing_files(prefix: str) -> str:
@@ -113,6 +113,13 @@ def check_tokenizer(config: TrainConfig, problems: list[str]) -> bool:
             f"larger ids; valid: >= {tokenizer.vocab_size} (or leave it unset to use the "
             f"tokenizer's)"
         )
+    _check_dataset_tokenizers(d, tokenizer, problems)
+    return True
+
+
+def _check_dataset_tokenizers(d: DataConfig, tokenizer: Tokenizer, problems: list[str]) -> None:
+    """Each dataset of ``d`` (``config.data``) that records its tokenizer (``.meta.json``) must
+    have been built with ``tokenizer``'s vocabulary and end-of-document id."""
     datasets = [(f"data.prefixes[{i}]", prefix) for i, prefix in enumerate(d.prefixes or [])]
     if d.data_config is not None:
         try:
@@ -121,15 +128,39 @@ def check_tokenizer(config: TrainConfig, problems: list[str]) -> bool:
             blends = {}
         for split, entries in blends.items():
             datasets += [(f"data.data_config[{split!r}]", prefix) for _, prefix in entries]
-    for where, prefix in datasets:
-        meta = read_dataset_meta(prefix)
-        if meta is None:
-            continue
+    recorded = [(w, p, m) for w, p in datasets if (m := read_dataset_meta(p)) is not None]
+    # end-of-document ids of the datasets this vocabulary could read: more than one, and no
+    # data.eod_token suits them all
+    eod_ids = {m.eod_id for _, _, m in recorded if m.vocab_size == tokenizer.vocab_size}
+    for where, prefix, meta in recorded:
         if (meta.vocab_size, meta.eod_id) != (tokenizer.vocab_size, tokenizer.eod_id):
-            problems.append(
+            built = (
                 f"{where}={prefix!r} was tokenized with {meta.tokenizer!r} (vocab "
                 f"{meta.vocab_size}, end-of-document id {meta.eod_id}) but data.tokenizer="
                 f"{d.tokenizer!r} has vocab {tokenizer.vocab_size}, end-of-document id "
-                f"{tokenizer.eod_id}; valid: the tokenizer the dataset was built with"
+                f"{tokenizer.eod_id}"
             )
-    return True
+            problems.append(f"{built}{_dataset_tokenizer_remedy(d, tokenizer, meta, eod_ids)}")
+
+
+def _dataset_tokenizer_remedy(
+    d: DataConfig, tokenizer: Tokenizer, meta: DatasetMeta, eod_ids: set[int]
+) -> str:
+    """How to train on a dataset built with ``meta``'s vocabulary and end-of-document id, which
+    ``tokenizer`` (``data.tokenizer`` with ``data.eod_token``) does not match: with the same
+    vocabulary, the ``data.eod_token`` naming the dataset's id; when the run's datasets (their
+    ``eod_ids``) mix ids, which no one ``data.eod_token`` suits, re-tokenizing; else the
+    tokenizer the dataset was built with."""
+    token = tokenizer.token_of(meta.eod_id) if meta.vocab_size == tokenizer.vocab_size else None
+    if token is None:
+        return "; valid: the tokenizer the dataset was built with"
+    ours = tokenizer.token_of(tokenizer.eod_id)
+    setting = f"data.eod_token={d.eod_token!r}" + ("" if d.eod_token else f" (picks {ours!r})")
+    ends = f"it ends documents with {token!r} (id {meta.eod_id}), and {setting} does not"
+    if len(eod_ids) > 1:
+        return (
+            f": {ends}; the run's datasets mix end-of-document ids {sorted(eod_ids)}, and one "
+            f"data.eod_token serves one of them; valid: re-tokenize it with shardwork-preprocess "
+            f"--eod_token {ours!r}, or leave it out"
+        )
+    return f": {ends}; valid: data.eod_token={token!r}"

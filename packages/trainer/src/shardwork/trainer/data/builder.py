@@ -128,9 +128,16 @@ def split_components(data, *, cache_dir: str | None = None) -> dict[str, list[Co
 
 
 def build_blend(
-    components: list[Component], *, size: int, seq_length: int, seed: int, shuffle: bool
+    components: list[Component],
+    *,
+    size: int,
+    seq_length: int,
+    seed: int,
+    shuffle: bool,
+    sample_order: str = "blocks",
 ) -> BlendedDataset:
-    """``size`` samples blended from ``components`` by weight."""
+    """``size`` samples blended from ``components`` by weight (``sample_order``: see
+    :class:`GPTDataset`)."""
     weights = [c.weight for c in components]
     counts = samples_per_component(weights, size)
     datasets = [
@@ -142,6 +149,7 @@ def build_blend(
             # A different shuffle seed per component, fixed by (seed, position).
             seed=seed + 7919 * i,
             shuffle=shuffle,
+            sample_order=sample_order,
         )
         for i, (c, count) in enumerate(zip(components, counts))
     ]

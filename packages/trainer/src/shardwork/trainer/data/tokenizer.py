@@ -27,6 +27,11 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def token_of(self, token_id: int) -> str | None:
+        """The vocabulary entry of ``token_id``, as ``eod_token`` names one; None for a
+        tokenizer without named entries (byte)."""
+        ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes as ids 0–255 plus an end-of-document id 256 (vocabulary of 257)."""
@@ -40,6 +45,9 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def token_of(self, token_id: int) -> str | None:
+        return None  # bytes, and a fixed end-of-document id: nothing eod_token could name
 
 
 class HFTokenizer:
@@ -79,6 +87,9 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def token_of(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
 
 
 def load_tokenizer(spec: str, *, eod_token: str | None = None) -> Tokenizer:

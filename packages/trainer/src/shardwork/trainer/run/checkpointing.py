@@ -10,7 +10,10 @@ that it loads at any layout:
   global parameter keys (:mod:`shardwork.trainer.run.optimizer_keys`);
 - ``trainer``: step, consumed samples, seed and the layout it was saved at.
   The LR, weight-decay and batch-size schedules are pure functions of the
-  step, so the step *is* their state;
+  step, so the step *is* their state. The data position is the consumed
+  samples: a run resumed with other batch sizes than the checkpoint's reads
+  on from there (``data_offset``), and as the training set's order does not
+  depend on its size, a longer ``train_steps`` continues the same order;
 - ``rng``: one object per rank (torch generators and the model chunks'
   dropout trackers), on a grid indexed by global rank.
 
@@ -38,7 +41,6 @@ with `CheckpointCorruptError` naming the file and the checkpoint, and the remedy
 from __future__ import annotations
 
 import datetime
-import re
 from pathlib import Path
 
 from shardwork.dist_checkpoint import (
@@ -57,7 +59,9 @@ from shardwork.models.lora_checkpoint import (
 )
 from shardwork.trainer.config.load import config_to_toml
 from shardwork.trainer.config.validate_peft import lora_config_of
+from shardwork.trainer.data.gpt_dataset import SAMPLE_ORDERS
 from shardwork.trainer.model_factory import hf_config
+from shardwork.trainer.run.checkpoint_choice import resume_candidates
 from shardwork.trainer.run.optimizer_keys import optimizer_param_rects
 from shardwork.trainer.run.resume_advice import (
     corrupt_message,
@@ -74,6 +78,9 @@ from shardwork.trainer.run.rng import (
 )
 from shardwork.trainer.schedules import consumed_samples
 
+#: the checkpoint metadata's key for the training set's sample order (data/gpt_dataset.py)
+SAMPLE_ORDER_KEY = "sample_order"
+
 
 def layout_of(runtime) -> dict:
     c = runtime.groups.config
@@ -88,15 +95,6 @@ def layout_of(runtime) -> dict:
         "order": c.order,
         "world_size": runtime.world_size,
     }
-
-
-def locate_checkpoint(path: str | Path) -> tuple[Path, int | None]:
-    """``(root, step)`` for a ``step_*`` checkpoint directory, or ``(root, None)`` for a root."""
-    path = Path(path)
-    match = re.fullmatch(r"step_(\d+)", path.name)
-    if match and is_committed(path):
-        return path.parent, int(match.group(1))
-    return path, None
 
 
 def no_checkpoint_reason(path: str | Path) -> str:
@@ -131,6 +129,20 @@ class ResumeError(ValueError):
     intact, or one whose tensors do not fit this run's model."""
 
 
+def saved_sample_order(info: dict) -> str:
+    """The training set's sample order a checkpoint's run read (``info``: its ``read_info``):
+    one written before the "blocks" order records none and read the "whole" order. Checked
+    before any tensor is read."""
+    saved = (info.get("user_metadata") or {}).get(SAMPLE_ORDER_KEY, "whole")
+    if saved not in SAMPLE_ORDERS:
+        raise ResumeError(
+            f"the checkpoint's metadata records {SAMPLE_ORDER_KEY}={saved!r}, which this "
+            f"version does not know (valid: {list(SAMPLE_ORDERS)}): resume it with the "
+            "version that wrote it, or start afresh with a new --checkpoint.dir"
+        )
+    return saved
+
+
 class Checkpointer:
     """Saves and restores the run's state (see module docstring)."""
 
@@ -153,6 +165,13 @@ class Checkpointer:
         self.metadata = {"train_config": config_to_toml(config)}
         #: corrupt checkpoints skipped by a fallback: saved over when the run reaches them
         self.corrupt_steps: set[int] = set()
+        #: samples the resumed checkpoint's run had consumed minus what this run's batch
+        #: schedule says its steps consume (0 unless a resume changed the batch sizes)
+        self.data_offset = 0
+        #: the training set's sample order (data/gpt_dataset.py): a checkpoint written before
+        #: the "blocks" order records none, and the run resumed from it keeps "whole"
+        self.sample_order = "blocks"
+        self.metadata[SAMPLE_ORDER_KEY] = self.sample_order
         if c.hf_init is not None:  # the architecture (shardwork-generate reads it)
             self.metadata["hf_config"] = hf_config(c.hf_init)
         self.lora = lora_config_of(config)
@@ -185,7 +204,8 @@ class Checkpointer:
             "model": self._model_state(),
             "trainer": {
                 "step": step,
-                "consumed_samples": consumed_samples(
+                "consumed_samples": self.data_offset
+                + consumed_samples(
                     step, global_batch_size=s.global_batch_size, ramp=s.batch_size_ramp
                 ),
                 "seed": self.config.seed,
@@ -221,18 +241,18 @@ class Checkpointer:
     def maybe_resume(self, *, say) -> int:
         """Resume per ``checkpoint.resume``; returns the step to start from (0 for a fresh run)."""
         c = self.config.checkpoint
-        if c.resume == "none":
+        candidates = resume_candidates(c.resume, c.dir)
+        if candidates is None:
             return 0
-        if c.resume == "auto":
-            steps = self.manager.list()
+        if c.resume == "auto":  # candidates.root is self.manager's: checkpoint.dir
+            steps = candidates.steps
             return self._resume_newest_intact(steps, say=say) if steps else 0
-        root, step = locate_checkpoint(c.resume)
-        manager = CheckpointManager(root)
-        step = manager.latest() if step is None else step
-        if step is None:
+        if not candidates.steps:
             raise ResumeError(f"checkpoint.resume={c.resume!r}: {no_checkpoint_reason(c.resume)}")
         try:
-            return self._resume_from(manager, step, say=say)
+            return self._resume_from(
+                CheckpointManager(candidates.root), candidates.steps[-1], say=say
+            )
         except CheckpointCorruptError as exc:
             why = f"checkpoint.resume={c.resume!r} names it, so the run does not fall back"
             raise corrupt_message(exc, why=why) from exc
@@ -266,6 +286,33 @@ class Checkpointer:
             f"--checkpoint.resume none or a new --checkpoint.dir."
         )
 
+    def _continue_data_position(self, saved_consumed: int, step: int, *, say) -> None:
+        """Read on from the checkpoint's consumed samples: a run resumed with other batch sizes
+        (``global_batch_size``, ``batch_size_ramp``) would otherwise start at the sample its
+        own schedule puts at ``step``, skipping samples or reading some twice."""
+        s = self.config.schedule
+        ours = consumed_samples(step, global_batch_size=s.global_batch_size, ramp=s.batch_size_ramp)
+        self.data_offset = saved_consumed - ours
+        if self.data_offset:
+            say(
+                f"notice: the checkpoint's run consumed {saved_consumed} samples in its {step} "
+                f"steps, where this run's batch sizes would have consumed {ours}: reading "
+                f"continues at sample {saved_consumed}"
+            )
+
+    def _keep_sample_order(self, order: str, *, say) -> None:
+        """Continue in the checkpoint's sample ``order``, and save it in this run's checkpoints:
+        a run that switched orders would re-read some samples and skip others."""
+        self.sample_order = self.metadata[SAMPLE_ORDER_KEY] = order
+        if order == "whole" and self.config.data.shuffle:
+            say(
+                "notice: the checkpoint was written by a version of shardwork from before the "
+                "sample order of blocks, so this run keeps its order to continue it (one shuffle "
+                "over the run's total samples; a longer train_steps or other batch sizes than "
+                "the checkpoint's run reorder it) and so do its checkpoints. A run started "
+                "afresh uses the new order, which does not depend on the run's length."
+            )
+
     def _check_lora(self, info: dict, path) -> None:
         """Refuse, before reading tensors, a checkpoint whose LoRA options differ from the run's
         (a full-model checkpoint in a LoRA run, adapters in a full run, another rank...)."""
@@ -290,6 +337,7 @@ class Checkpointer:
         path = manager.step_path(step)
         info = read_info(path)
         self._check_lora(info, path)
+        order = saved_sample_order(info)
         saved_layout = info.get("layout") or {}
         same_layout = saved_layout == layout_of(self.runtime)
         # The RNG grid is indexed by global rank, whose role changes with the layout.
@@ -329,8 +377,12 @@ class Checkpointer:
                     f"is re-derived from (seed={self.config.seed}, step={step}, rank role)"
                 )
         say(f"resumed from {path} at step {step}")
+        self._continue_data_position(int(loaded["trainer"]["consumed_samples"]), step, say=say)
+        self._keep_sample_order(order, say=say)
         saved_toml = (info.get("user_metadata") or {}).get("train_config")
-        differences = data_order_differences(saved_toml, self.metadata["train_config"])
+        differences = data_order_differences(
+            saved_toml, self.metadata["train_config"], whole_order=self.sample_order == "whole"
+        )
         if differences:
             say(data_order_warning(step, differences))
         return step

@@ -45,8 +45,11 @@ class NonFiniteGuard:
         # counts is whether it could still drop when that overflow happened.
         self._could_back_off = bool(getattr(self.scaler, "can_back_off", False))
 
-    def after_step(self, step: int, loss: float, update_successful: bool) -> None:
-        """Classify the step; raise when the run must stop."""
+    def after_step(self, index: int, loss: float, update_successful: bool) -> None:
+        """Classify the step of 0-based ``index`` (as the loop counts it before the step); raise
+        when the run must stop. Messages name it step ``index + 1``: numbered from 1, as the
+        step log lines and checkpoints number steps (step N's line follows the N-th step)."""
+        step = index + 1
         if math.isfinite(loss) and update_successful:
             self.consecutive_skips = 0
             if self.overflow_skips and not self._settled_said:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from shardwork.dist_checkpoint import CheckpointCorruptError, is_committed, read_info
+from shardwork.dist_checkpoint import CheckpointCorruptError, read_info
 from shardwork.models.block_compile import compile_problem
 from shardwork.models.calculator import num_parameters
 from shardwork.trainer.config.load import ConfigError
@@ -54,8 +54,8 @@ from shardwork.trainer.data.indexed import IndexedDataset, dataset_exists
 from shardwork.trainer.data.integrity import check_index, check_token_range
 from shardwork.trainer.errors import CheckpointError, DataError
 from shardwork.trainer.model_factory import gpt_config
-from shardwork.trainer.run.checkpointing import locate_checkpoint
-from shardwork.trainer.run.resume_advice import optimizer_change_advice, saved_optimizer_name
+from shardwork.trainer.run.checkpoint_choice import resume_candidates
+from shardwork.trainer.run.resume_advice import optimizer_change_advice, optimizer_name_of
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 
@@ -171,34 +171,26 @@ def earlier_checkpoints_warning(config: TrainConfig) -> str | None:
     root = Path(c.dir).expanduser()
     if c.resume != "none" or not root.is_dir():
         return None
-    steps = sorted(p.name for p in root.glob("step_*") if p.is_dir() and is_committed(p))
-    if not steps:
+    found = resume_candidates("auto", root)  # what a later resume="auto" would choose from
+    if found.newest is None:
         return None
     return (
-        f"warning: checkpoint.dir={c.dir!r} already holds {len(steps)} checkpoint(s) (newest "
-        f"{steps[-1]}) and checkpoint.resume='none' starts afresh: this run's checkpoints join "
-        "them, checkpoint.keep_last counts both, and a later resume='auto' takes the newest of "
-        "either run; use a new checkpoint.dir to keep them apart"
+        f"warning: checkpoint.dir={c.dir!r} already holds {len(found.steps)} checkpoint(s) "
+        f"(newest {found.newest.name}) and checkpoint.resume='none' starts afresh: this run's "
+        "checkpoints join them, checkpoint.keep_last counts both, and a later resume='auto' "
+        "takes the newest of either run; use a new checkpoint.dir to keep them apart"
     )
 
 
 def resume_candidate(config: TrainConfig) -> Path | None:
-    """The checkpoint ``checkpoint.resume`` loads first: the newest complete ``step_*`` under
-    ``checkpoint.dir`` (``"auto"``), the named one, or a named root's newest; None for
-    ``"none"`` or where there is none (the run starts afresh, or resuming says why)."""
+    """The checkpoint ``checkpoint.resume`` loads first (:mod:`.checkpoint_choice`): the newest
+    complete ``step_*`` under ``checkpoint.dir`` (``"auto"``), the named one, or a named root's
+    newest; None for ``"none"`` or where there is none (the run starts afresh, or resuming says
+    why). Paths are read with ``~`` expanded, as preflight's other checks read them."""
     c = config.checkpoint
-    if c.resume == "none":
-        return None
-    if c.resume == "auto":
-        root = Path(c.dir).expanduser()
-    else:
-        root, step = locate_checkpoint(Path(c.resume).expanduser())
-        if step is not None:  # a step_<N> directory itself
-            return root / Path(c.resume).name
-    if not root.is_dir():
-        return None
-    steps = [p for p in root.glob("step_*") if p.name[5:].isdigit() and is_committed(p)]
-    return max(steps, key=lambda p: int(p.name[5:]), default=None)
+    resume = c.resume if c.resume in ("none", "auto") else str(Path(c.resume).expanduser())
+    candidates = resume_candidates(resume, Path(c.dir).expanduser())
+    return None if candidates is None else candidates.newest
 
 
 def check_resume_optimizer(config: TrainConfig) -> None:
@@ -211,7 +203,7 @@ def check_resume_optimizer(config: TrainConfig) -> None:
         return
     try:
         info = read_info(path)
-        saved = saved_optimizer_name((info.get("user_metadata") or {}).get("train_config"))
+        saved = optimizer_name_of((info.get("user_metadata") or {}).get("train_config"))
     except (OSError, ValueError, AttributeError, CheckpointCorruptError):
         return  # unreadable metadata: the load verifies the checkpoint and says why
     if saved is not None and saved != config.optimizer.name:

@@ -46,19 +46,20 @@ def model_differences(saved_toml: str | None, run_toml: str) -> list[tuple[str, 
     ]
 
 
-def saved_optimizer_name(saved_toml: str | None) -> str | None:
-    """The ``optimizer.name`` a checkpoint's saved config trained with (the default "adamw"
-    where the config leaves it out); None when the checkpoint holds no shardwork-train config."""
-    if not saved_toml:
+def optimizer_name_of(config_toml: str | None) -> str | None:
+    """The ``optimizer.name`` of a resolved config's TOML (a checkpoint's saved config or this
+    run's), the default "adamw" where it leaves the name out; None for no config (a checkpoint
+    not written by shardwork-train)."""
+    if not config_toml:
         return None
-    return tomllib.loads(saved_toml).get("optimizer", {}).get("name", "adamw")
+    return tomllib.loads(config_toml).get("optimizer", {}).get("name", "adamw")
 
 
 def optimizer_change(saved_toml: str | None, run_toml: str) -> tuple[str, str] | None:
     """``(checkpoint's optimizer.name, this run's)`` when they differ; None when they agree or
     the checkpoint holds no shardwork-train config."""
-    saved = saved_optimizer_name(saved_toml)
-    ours = saved_optimizer_name(run_toml)
+    saved = optimizer_name_of(saved_toml)
+    ours = optimizer_name_of(run_toml)
     return None if saved is None or saved == ours else (saved, ours)
 
 
@@ -72,14 +73,12 @@ def optimizer_change_advice(saved: str, ours: str) -> str:
     )
 
 
-#: the settings that decide which samples each step reads (data/builder.py: the training set
-#: holds exactly the samples of every step, and its shuffle is drawn over their number), in the
-#: order a warning names them
+#: the settings that decide which samples the training set holds in which order
+#: (data/builder.py, data/gpt_dataset.py), in the order a warning names them. Its size
+#: (train_steps x batch sizes) is not one: a longer set starts with a shorter one's samples, and
+#: a resume reads on from the checkpoint's consumed samples.
 DATA_ORDER_FIELDS = (
     ("seed",),
-    ("schedule", "train_steps"),
-    ("schedule", "global_batch_size"),
-    ("schedule", "batch_size_ramp"),
     ("data", "seq_length"),
     ("data", "corpus"),
     ("data", "prefixes"),
@@ -87,6 +86,14 @@ DATA_ORDER_FIELDS = (
     ("data", "data_config"),
     ("data", "split"),
     ("data", "shuffle"),
+)
+
+#: the settings that size the training set: they decide its order too in the "whole" sample
+#: order of checkpoints written before the "blocks" order
+SIZE_FIELDS = (
+    ("schedule", "train_steps"),
+    ("schedule", "global_batch_size"),
+    ("schedule", "batch_size_ramp"),
 )
 
 
@@ -97,26 +104,30 @@ def _setting(table: dict[str, Any], path: tuple[str, ...]) -> Any:
     return table if table != {} else None
 
 
-def data_order_differences(saved_toml: str | None, run_toml: str) -> list[tuple[str, Any, Any]]:
+def data_order_differences(
+    saved_toml: str | None, run_toml: str, *, whole_order: bool = False
+) -> list[tuple[str, Any, Any]]:
     """``(field, checkpoint's value, this run's value)`` for each setting of
-    :data:`DATA_ORDER_FIELDS` that differs between a checkpoint's saved config and this run's
-    (one the saved config lacks is skipped).
-    ``schedule.train_steps`` alone is left out when neither run shuffles: unshuffled, a longer
-    run's first samples are the shorter run's."""
+    :data:`DATA_ORDER_FIELDS` (and, in the ``whole_order`` of an older checkpoint, of
+    :data:`SIZE_FIELDS`) that differs between a checkpoint's saved config and this run's (one
+    the saved config lacks is skipped). ``seed`` and the size are left out when neither run
+    shuffles: they draw nothing else of the data."""
     if not saved_toml:
         return []
     saved, ours = tomllib.loads(saved_toml), tomllib.loads(run_toml)
+    shuffled = (
+        _setting(saved, ("data", "shuffle")) is not False
+        or _setting(ours, ("data", "shuffle")) is not False
+    )
+    fields = DATA_ORDER_FIELDS + (SIZE_FIELDS if whole_order and shuffled else ())
     out = []
-    for path in DATA_ORDER_FIELDS:
+    for path in fields:
+        if path == ("seed",) and not shuffled:
+            continue
         theirs, mine = _setting(saved, path), _setting(ours, path)
         # A setting the stored config lacks (an older version's) is not known to differ.
         if theirs is not None and theirs != mine:
             out.append((".".join(path), theirs, mine))
-    unshuffled = _setting(saved, ("data", "shuffle")) is False and not _setting(
-        ours, ("data", "shuffle")
-    )
-    if unshuffled and [name for name, _, _ in out] == ["schedule.train_steps"]:
-        return []
     return out
 
 
@@ -129,9 +140,8 @@ def data_order_warning(step: int, differences: list[tuple[str, Any, Any]]) -> st
     )
     return (
         f"warning: resuming at step {step} with other data settings than the checkpoint's run: "
-        f"{changed}. The training set's sample order is a function of these (and of its size, "
-        "train_steps x batch sizes), so from here the run reads another order than the "
-        "checkpoint's run would have: samples it already trained on can come again and others "
+        f"{changed}. The training set's samples and their order are a function of these, so "
+        "from here the run reads another order than the checkpoint's run would have: samples it already trained on can come again and others "
         "are never read. To keep its order, resume with the checkpoint's values."
     )
 

@@ -25,8 +25,12 @@ class StepPlan:
     """Samples consumed by the steps before this one: where this step's batch starts."""
 
 
-def plan_step(step: int, config: TrainConfig) -> StepPlan:
-    """The batch size, learning rate, weight decay and data offset of ``step``."""
+def plan_step(step: int, config: TrainConfig, *, data_offset: int = 0) -> StepPlan:
+    """The batch size, learning rate, weight decay and data offset of ``step``.
+
+    ``data_offset``: samples the steps before this run's first consumed beyond (or, negative,
+    short of) what this schedule says they would: non-zero after a resume whose batch sizes
+    differ from the checkpoint's run (see ``Checkpointer.data_offset``)."""
     s, o = config.schedule, config.optimizer
     ramp = s.batch_size_ramp
     return StepPlan(
@@ -34,7 +38,8 @@ def plan_step(step: int, config: TrainConfig) -> StepPlan:
         global_batch_size=batch_size(step, global_batch_size=s.global_batch_size, ramp=ramp),
         lr=learning_rate(step, s, o),
         weight_decay=weight_decay(step, o, train_steps=s.train_steps),
-        consumed=consumed_samples(step, global_batch_size=s.global_batch_size, ramp=ramp),
+        consumed=consumed_samples(step, global_batch_size=s.global_batch_size, ramp=ramp)
+        + data_offset,
     )
 
 

@@ -40,7 +40,8 @@ from shardwork.trainer.config.sections import TrainConfig
 from shardwork.trainer.data.baseline import bigram_entropy, nats_to_bits
 from shardwork.trainer.data.builder import build_blend, build_eval_set, split_components
 from shardwork.trainer.data.indexed import IndexedDataset
-from shardwork.trainer.observe.metrics import MetricsWriter
+from shardwork.trainer.observe.earlier_run import LOGGING_RANK_LOGS, set_aside
+from shardwork.trainer.observe.metrics import MetricsWriter, metrics_path
 from shardwork.trainer.observe.plot import plot_run
 from shardwork.trainer.observe.progress import Progress, format_duration
 from shardwork.trainer.observe.throughput import peak_tflops
@@ -101,6 +102,12 @@ class RunResult:
         self.final_step = step + 1
         self.tokens += tokens
 
+    @property
+    def start_step(self) -> int:
+        """The step the run started from: 0, or the resumed checkpoint's (every step taken
+        since is recorded, up to ``final_step``)."""
+        return self.final_step - len(self.train_losses)
+
 
 @dataclass
 class RunParts:
@@ -116,6 +123,9 @@ class RunParts:
     stop: StopRequest
     evaluator: Evaluator
     checkpoints: CheckpointPolicy
+    data_offset: int = 0
+    """Samples read beyond (negative: short of) this run's batch schedule, carried over from a
+    resumed checkpoint's run with other batch sizes (``Checkpointer.data_offset``)."""
 
 
 def _train_samples(config: TrainConfig) -> int:
@@ -125,16 +135,32 @@ def _train_samples(config: TrainConfig) -> int:
     )
 
 
-def build_train_set(config: TrainConfig, components):
+def build_train_set(
+    config: TrainConfig, components, *, data_offset: int = 0, sample_order: str = "blocks"
+):
     """The run's training set: the ``train`` split's blend, sized for every step's samples
-    (batch-size ramp included), shuffled with the run's seed as ``data.shuffle`` says."""
+    (batch-size ramp included) read from ``data_offset`` on, shuffled with the run's seed as
+    ``data.shuffle`` says. In the ``"blocks"`` sample order its first samples do not depend on
+    its size (data/gpt_dataset.py); ``"whole"`` continues a checkpoint written in that earlier order."""
     return build_blend(
         components,
-        size=_train_samples(config),
+        size=_train_samples(config) + max(data_offset, 0),
         seq_length=config.data.seq_length,
         seed=config.seed,
         shuffle=config.data.shuffle,
+        sample_order=sample_order,
     )
+
+
+def _resumed_train_set(config: TrainConfig, components, train_set, checkpointer):
+    """The training set for the data position and sample order of the checkpoint the run
+    resumed (``train_set`` itself where they are a fresh run's)."""
+    data_offset, order = checkpointer.data_offset, checkpointer.sample_order
+    if train_set is None or (data_offset <= 0 and order == "blocks"):
+        return train_set
+    # the checkpoint's run read further than this schedule's steps do (room for the rest), or in
+    # the order of an earlier version
+    return build_train_set(config, components["train"], data_offset=data_offset, sample_order=order)
 
 
 def _baseline(components, runtime) -> float | None:
@@ -257,7 +283,7 @@ class Trainer:
         loop_t0, first_step = time.perf_counter(), step
         with stop:
             while step < last:
-                plan = plan_step(step, config)
+                plan = plan_step(step, config, data_offset=p.data_offset)
                 apply_hyperparams(p.assembly.optimizer, plan)
                 p.guard.before_step()
                 step_t0 = time.perf_counter()
@@ -304,15 +330,9 @@ class Trainer:
         self._finish(p, t_start)
         return result
 
-    def _start(self, config: TrainConfig, runtime) -> RunParts:
-        """Seed, data, model and optimizer, resume, metrics writer, start-up messages and the
-        loop's components, in this order (resume precedes anything written to the run dir)."""
-        groups = runtime.groups
-        run_dir = Path(config.logging.run_dir)
-        seed_everything(derived_seed(config.seed, 0, rank_role(groups)), runtime.device)
-        comps, train_set, valid_set, eval_micro = _datasets(config, groups)
-        with self._phase("start-up (evaluation size broadcast)", ("pp",)):
-            eval_micro = _eval_micro_batches_of_first_stage(eval_micro, runtime)
+    def _weight_sources(self, config: TrainConfig):
+        """``(hf_init, megatron_init, peft_init)`` this run reads its initial weights from:
+        none of them when it resumes a checkpoint (said), except a LoRA run's base."""
         hf_init = config.checkpoint.hf_init
         # A LoRA run's checkpoints hold adapters only: its frozen base comes from hf_init (or
         # megatron_init) again.
@@ -325,6 +345,18 @@ class Trainer:
             megatron_init = None
         # A resumed LoRA run's adapters come from its checkpoint, not from peft.init.
         peft_init = None if will_resume(config) else config.peft.init
+        return hf_init, megatron_init, peft_init
+
+    def _start(self, config: TrainConfig, runtime) -> RunParts:
+        """Seed, data, model and optimizer, resume, metrics writer, start-up messages and the
+        loop's components, in this order (resume precedes anything written to the run dir)."""
+        groups = runtime.groups
+        run_dir = Path(config.logging.run_dir)
+        seed_everything(derived_seed(config.seed, 0, rank_role(groups)), runtime.device)
+        comps, train_set, valid_set, eval_micro = _datasets(config, groups)
+        with self._phase("start-up (evaluation size broadcast)", ("pp",)):
+            eval_micro = _eval_micro_batches_of_first_stage(eval_micro, runtime)
+        hf_init, megatron_init, peft_init = self._weight_sources(config)
         with self._phase("start-up (model and optimizer build)", ("world",)):
             assembly = build_assembly(
                 config, runtime, hf_init=hf_init, megatron_init=megatron_init, peft_init=peft_init
@@ -341,8 +373,9 @@ class Trainer:
         with self._phase("start-up (checkpoint resume)", ("world",)):
             start_step = checkpointer.maybe_resume(say=self.say)
         self._say_if_nothing_left(start_step)
+        train_set = _resumed_train_set(config, comps, train_set, checkpointer)
         result = RunResult(final_step=start_step, run_dir=str(run_dir))
-        writer = self._open_writer(run_dir)
+        writer = self._open_writer(run_dir, resumed=start_step > 0)
         result.bigram_nats = baseline = _baseline(comps["train"] + comps["valid"], runtime)
         flops = _flops_per_token(assembly.model_config, config.data.seq_length)
         peak, peak_source = peak_tflops(runtime.device, override=config.logging.peak_tflops)
@@ -382,24 +415,33 @@ class Trainer:
             say=self.say,
         )
         checkpoints = CheckpointPolicy(config, checkpointer, assembly.modules, self._phase)
-        return RunParts(
-            assembly, train_set, result, writer, guard, window, stop, evaluator, checkpoints
-        )
+        parts = (assembly, train_set, result, writer, guard, window, stop, evaluator, checkpoints)
+        return RunParts(*parts, data_offset=checkpointer.data_offset)
 
-    def _open_writer(self, run_dir: Path) -> MetricsWriter | None:
+    def _open_writer(self, run_dir: Path, *, resumed: bool) -> MetricsWriter | None:
         """The metrics writer of this rank (logging rank, or every rank with
-        ``logging.per_rank``), after writing the run's config.toml on the logging rank."""
+        ``logging.per_rank``), after writing the run's config.toml on the logging rank. A run
+        that is not ``resumed`` (it starts at step 0) first sets an earlier run's logs in
+        ``run_dir`` aside (:mod:`..observe.earlier_run`); a resumed one appends to its own."""
         config, runtime = self.config, self.runtime
         if not (runtime.is_logging_rank or config.logging.per_rank):
             return None
         run_dir.mkdir(parents=True, exist_ok=True)
+        rank = None if runtime.is_logging_rank else runtime.rank
+        logs = LOGGING_RANK_LOGS if rank is None else (metrics_path(run_dir, rank=rank).name,)
+        moved = [] if resumed else set_aside(run_dir, logs)
         writer = MetricsWriter(
-            run_dir,
-            rank=None if runtime.is_logging_rank else runtime.rank,
-            tensorboard=config.logging.tensorboard and runtime.is_logging_rank,
+            run_dir, rank=rank, tensorboard=config.logging.tensorboard and rank is None
         )
         if runtime.is_logging_rank:
             (run_dir / "config.toml").write_text(config_to_toml(config))
+            if moved:
+                renamed = ", ".join(f"{old} -> {new}" for old, new in moved)
+                self.say(
+                    f"notice: logging.run_dir={str(run_dir)!r} held an earlier run's logs and "
+                    f"this run starts at step 0, so they were set aside ({renamed}) instead of "
+                    "mixed with this run's; a resumed run appends to its own"
+                )
             if writer.notice is not None:
                 self.say(f"notice: {writer.notice}")
         return writer
@@ -477,7 +519,10 @@ class Trainer:
         )
 
     def _report(self, result: RunResult, plots, writer) -> None:
-        lines = [f"done: {result.final_step} steps in {format_duration(result.seconds)}"]
+        trained, start = result.final_step - result.start_step, result.start_step
+        # a resumed run's steps are counted from the checkpoint's: say which ones this run took
+        span = f" (resumed at step {start}, ended at step {result.final_step})" if start else ""
+        lines = [f"done: {trained} steps{span} in {format_duration(result.seconds)}"]
         if result.valid_losses:
             last = result.valid_losses[max(result.valid_losses)]
             line = f"final validation loss {last:.4f} nats/token"
