@@ -137,10 +137,15 @@ def test_micro_batches_tile_the_global_batch_for_any_dp(random_dataset):
         assert set(rows) == want and len(rows) == gbs
 
 
-def test_read_data_config(tmp_path):
+def test_read_data_config(tmp_path, monkeypatch):
     path = tmp_path / "blend.json"
     path.write_text('{"train": [[0.5, "a"], [0.5, "b"]], "valid": {"c": 1}}')
     assert read_data_config(path) == {"train": [(0.5, "a"), (0.5, "b")], "valid": [(1.0, "c")]}
+    # no shell reads the file: a leading ~ is the home directory, as in the config's paths
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    path.write_text('{"train": [[1, "~/data/a"], [1, "x/~b"]]}')
+    home_a = str(tmp_path / "home" / "data" / "a")
+    assert read_data_config(path) == {"train": [(1.0, home_a), (1.0, "x/~b")]}
     path.write_text('{"valid": [[1, "c"]]}')
     with pytest.raises(ValueError, match='"train"'):
         read_data_config(path)

@@ -9,7 +9,9 @@ its value and what would be valid.
 
 :func:`resolve_config` returns a copy with every derived value filled in
 (model dimensions from the preset or the demo model, padded vocabulary,
-run and checkpoint directories), which is what ``--print-config`` shows.
+run and checkpoint directories), which is what ``--print-config`` shows. Before any check,
+:func:`validate_config` expands a leading ``~`` in every path setting (:mod:`.paths`), so the
+checks, the run and the config it stores all name the same files.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from shardwork.models.pipeline import layers_per_rank, standalone_last_stage_lay
 from shardwork.parallel_state import ORDER_TOKENS, ParallelConfig
 from shardwork.trainer.config.load import ConfigError
 from shardwork.trainer.config.model_settings import read_settings
+from shardwork.trainer.config.paths import expand_home_paths
 from shardwork.trainer.config.sections import DEMO_MODEL, ModelSection, TrainConfig
 from shardwork.trainer.config.validate_data import check_data, check_tokenizer
 from shardwork.trainer.config.validate_fsdp import check_fsdp
@@ -401,11 +404,15 @@ def check_environment(problems: list[str]) -> None:
 def validate_config(config: TrainConfig, *, world_size: int) -> TrainConfig:
     """Resolve and check ``config`` for ``world_size`` ranks; return the resolved config.
 
-    Raises :class:`ConfigError` listing every problem. Creates no process group.
+    Raises :class:`ConfigError` listing every problem. Creates no process group. A leading
+    ``~`` in a path setting is expanded first (:mod:`.paths`), so every check and every user of
+    the returned config reads the same path.
     """
     problems: list[str] = []
+    config = expand_home_paths(config, problems)
+    path_problems = len(problems)
     config = check_model_settings(config, problems)
-    settings_ok = not problems
+    settings_ok = len(problems) == path_problems
     check_data(config, problems)
     tokenizer_ok = not any(p.startswith("data.tokenizer") for p in problems)
     if tokenizer_ok:

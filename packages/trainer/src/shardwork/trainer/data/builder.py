@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,7 +77,8 @@ def read_data_config(path: str | Path) -> dict[str, list[tuple[float, str]]]:
                 )
             if not isinstance(prefix, str):
                 raise ValueError(f"{split}: prefix {prefix!r} of weight {weight!r} must be a path")
-            pairs.append((float(weight), prefix))
+            # No shell reads the file: a leading ~ is expanded here, as in the config's paths.
+            pairs.append((float(weight), os.path.expanduser(prefix)))
         blends[split] = pairs
     return blends
 
