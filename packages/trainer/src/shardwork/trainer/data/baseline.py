@@ -6,6 +6,10 @@ in nats per token. It is what the best possible bigram model would score on
 this very text (an in-sample, optimistic number): a language model whose
 validation loss falls below it has learned more than which token follows
 which.
+
+A blend of corpora is scored as training samples it: :func:`blend_bigram_entropy` mixes each
+corpus's pair frequencies by its normalised blend weight (a corpus of weight 0.9 counts nine
+times one of 0.1, whatever their sizes), where concatenating them would weigh them by size.
 """
 
 from __future__ import annotations
@@ -28,6 +32,27 @@ def bigram_entropy(tokens: np.ndarray) -> float:
     total = pair_counts.sum()
     cond = pair_counts / prev_counts[prev_of_pair]
     return float(-(pair_counts / total * np.log(cond)).sum())
+
+
+def blend_bigram_entropy(parts: list[tuple[float, np.ndarray]]) -> float:
+    """Conditional entropy (nats/token) of the blend ``[(weight, tokens), ...]``:
+    ``p(a,b) = Σ_k w_k c_k(a,b) / n_k`` over each part's adjacent pairs ``c_k`` (``n_k`` of
+    them), ``w`` the weights normalised; one part is :func:`bigram_entropy`."""
+    parts = [(w, np.asarray(t, dtype=np.int64).ravel()) for w, t in parts if w > 0]
+    parts = [(w, t) for w, t in parts if t.size >= 2]
+    if not parts:
+        raise ValueError("blend_bigram_entropy needs a part of weight > 0 with at least 2 tokens")
+    vocab = max(int(t.max()) for _, t in parts) + 1
+    total_weight = sum(w for w, _ in parts)
+    ids, mass = [], []
+    for weight, tokens in parts:
+        pair_ids, counts = np.unique(tokens[:-1] * vocab + tokens[1:], return_counts=True)
+        ids.append(pair_ids)
+        mass.append(counts * (weight / total_weight / (tokens.size - 1)))
+    pair_ids, where = np.unique(np.concatenate(ids), return_inverse=True)
+    p_pair = np.bincount(where, weights=np.concatenate(mass))
+    p_prev = np.bincount(pair_ids // vocab, weights=p_pair, minlength=vocab)
+    return float(-(p_pair * np.log(p_pair / p_prev[pair_ids // vocab])).sum())
 
 
 def nats_to_bits(value: float) -> float:

@@ -37,7 +37,7 @@ from shardwork.models.block_compile import compile_report
 from shardwork.models.calculator import flops_per_token
 from shardwork.trainer.config.load import config_to_toml
 from shardwork.trainer.config.sections import TrainConfig
-from shardwork.trainer.data.baseline import bigram_entropy, nats_to_bits
+from shardwork.trainer.data.baseline import blend_bigram_entropy, nats_to_bits
 from shardwork.trainer.data.builder import build_blend, build_eval_set, split_components
 from shardwork.trainer.data.indexed import IndexedDataset
 from shardwork.trainer.observe.earlier_run import LOGGING_RANK_LOGS, set_aside
@@ -164,16 +164,21 @@ def _resumed_train_set(config: TrainConfig, components, train_set, checkpointer)
 
 
 def _baseline(components, runtime) -> float | None:
-    """Bigram entropy (nats/token) of the training corpus, computed on the logging rank."""
-    if not runtime.is_logging_rank or not components:
+    """Bigram entropy (nats/token) of the training blend over its corpora's documents (every
+    split's), each corpus weighted by its ``train`` blend weight; on the logging rank only."""
+    if not runtime.is_logging_rank or not components["train"]:
         return None
-    parts = []
-    for c in components:
-        ds = IndexedDataset(c.prefix)
-        parts += [ds[int(d)] for d in range(len(ds))]
-    if sum(p.size for p in parts) > 200_000_000:
-        return None  # too large to count here; the baseline is for small corpora
-    return bigram_entropy(np.concatenate(parts))
+    weights: dict[str, float] = {}
+    for c in components["train"]:
+        weights[c.prefix] = weights.get(c.prefix, 0.0) + c.weight
+    parts, size = [], 0
+    for prefix, weight in weights.items():
+        ds = IndexedDataset(prefix)
+        size += int(ds.sequence_lengths.sum())
+        if size > 200_000_000:
+            return None  # too large to count here; the baseline is for small corpora
+        parts.append((weight, np.concatenate([ds[int(d)] for d in range(len(ds))])))
+    return blend_bigram_entropy(parts)
 
 
 def reads_data(groups) -> bool:
@@ -376,7 +381,7 @@ class Trainer:
         train_set = _resumed_train_set(config, comps, train_set, checkpointer)
         result = RunResult(final_step=start_step, run_dir=str(run_dir))
         writer = self._open_writer(run_dir, resumed=start_step > 0)
-        result.bigram_nats = baseline = _baseline(comps["train"] + comps["valid"], runtime)
+        result.bigram_nats = baseline = _baseline(comps, runtime)
         flops = _flops_per_token(assembly.model_config, config.data.seq_length)
         peak, peak_source = peak_tflops(runtime.device, override=config.logging.peak_tflops)
         if runtime.is_logging_rank:
