@@ -1037,7 +1037,7 @@ CASES: list[Case] = [
         "preprocess",
         ("--input", "{d}/docs.txt", "--output", "{d}/out"),
         EXIT_DATA,
-        ("{d}/docs.txt: not UTF-8 text",),
+        ("{d}/docs.txt:1: not UTF-8 text", "byte 0xff at column 4"),
         lambda scratch, trained: (scratch / "docs.txt").write_bytes(b"ok \xff\xfe\x00 text"),
     ),
     Case(

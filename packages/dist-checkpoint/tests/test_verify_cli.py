@@ -161,3 +161,25 @@ def test_cli_names_a_run_folder_as_one(tmp_path, capsys):
         err = capsys.readouterr().err
         assert "is a training run's folder, not a checkpoint" in err, err
         assert f"in {str(run / 'checkpoints')!r}" in err, err
+
+
+def test_cli_names_a_folder_without_checkpoint_files_as_not_a_checkpoint(tmp_path, capsys, ckpt):
+    """A folder with no checkpoint file (or an empty one) was described as "not a complete
+    checkpoint: no COMMITTED marker (the save was interrupted ...)", which sends the user
+    looking for a broken save; an interrupted save (data and .metadata written, no marker)
+    keeps that message."""
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "x.txt").write_text("hi\n")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for folder in (other, empty):
+        for command in ("verify", "inspect"):
+            assert main([command, str(folder)]) == 2
+            err = capsys.readouterr().err
+            assert err.startswith(f"shardwork-ckpt: {str(folder)!r} is not a checkpoint: ")
+            assert "interrupted" not in err and "no step_* checkpoint folders" in err, err
+    (ckpt / "COMMITTED").unlink()  # a save that never committed
+    for command in ("verify", "inspect"):
+        assert main([command, str(ckpt)]) == 2
+        assert "no COMMITTED marker (the save was interrupted" in capsys.readouterr().err

@@ -126,6 +126,66 @@ def test_inputs_that_yield_no_token_are_refused(corpus, capsys):
     assert IndexedDataset("new/o").tokens.tolist() == [256, 256]
 
 
+def test_input_that_is_not_utf8_is_named_by_line(corpus, capsys):
+    """A byte that is not UTF-8 is named by file, line, column and value (exit 5): a JSONL
+    file was decoded per 8 KiB read, so the message said 'byte N of a chunk' with N counted
+    from an unnamed read, and no line; a text file's offset was called the same. A JSON escape
+    of half a UTF-16 pair (a lone surrogate) is refused by its line: it had reached the
+    tokenizer, whose UnicodeEncodeError was a traceback (exit 1)."""
+    good = json.dumps({"text": _random_text(2, words=2000)})  # > 8 KiB: the bad line reads later
+    (corpus / "bad.jsonl").write_bytes(
+        (good + "\n" + good + "\n").encode() + b'{"text": "caf\xe9 au lait"}\n'
+    )
+    (corpus / "bad.txt").write_bytes(b"first line\nsecond \x80 line\n")
+    (corpus / "half.jsonl").write_text(good + "\n" + '{"text": "smile \\ud83d"}\n')
+    before = _listing(corpus)
+    rc = preprocess_main(["--input", "bad.jsonl", "--output", "new/o"])
+    _refused(
+        capsys,
+        5,
+        rc,
+        r"^shardwork-preprocess: bad\.jsonl:3: not UTF-8 text \(byte 0xe9 at column 14\)",
+    )
+    rc = preprocess_main(["--input", "bad.txt", "--output", "new/o"])
+    _refused(capsys, 5, rc, r"bad\.txt:2: not UTF-8 text \(byte 0x80 at column 8, file offset 18")
+    rc = preprocess_main(["--input", "half.jsonl", "--output", "new/o"])
+    _refused(
+        capsys,
+        5,
+        rc,
+        r"half\.jsonl:2: --json_key='text' holds a lone surrogate \\ud83d at character 6",
+    )
+    assert _listing(corpus) == before
+
+
+def test_output_that_cannot_be_written_is_named(corpus, capsys, monkeypatch):
+    """A directory that passes the os.access check but refuses the write (a read-only or
+    pseudo file system, root on /sys, root-squashed NFS) or a full disk: exit 2 naming
+    --output and the file, not a PermissionError traceback from the dataset writer."""
+    import errno
+
+    from shardwork.trainer.data import indexed
+
+    real_open = open
+
+    def refusing_open(file, mode="r", *args, **kwargs):
+        if "w" in mode and "o18.bin" in str(file):
+            raise PermissionError(errno.EACCES, "Permission denied", str(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(indexed, "open", refusing_open, raising=False)
+    before = _listing(corpus)
+    rc = preprocess_main(["--input", "d/a.txt", "--output", "d/o18"])
+    _refused(
+        capsys,
+        2,
+        rc,
+        r"--output 'd/o18': cannot write 'd/o18\.bin\.partial-",
+        r"\(Permission denied\)",
+    )
+    assert _listing(corpus) == before
+
+
 def test_input_directory_is_named_as_one(corpus, capsys):
     before = _listing(corpus)
     rc = preprocess_main(["--input", "d", "--output", "o"])
@@ -306,3 +366,44 @@ def test_tokenizer_not_found_from_here_and_the_override(hf_run, generate_env, tm
     rc = main([str(root), "--prompt", "cat ", "--max_new_tokens", "3", "--tokenizer", str(moved)])
     assert rc == 0
     assert capsys.readouterr().out.startswith("cat ")
+
+
+def test_tokenizer_at_an_absolute_path_that_is_gone(tmp_path, generate_env, capsys):
+    """A run given an absolute data.tokenizer whose file was moved or deleted: the message
+    says so; it said "not found from here" and advised running from the training's folder,
+    which cannot help (an absolute path is the same from every folder)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, trainers
+
+    from shardwork.trainer.data.preprocess import write_documents
+    from shardwork.trainer.data.tokenizer import load_tokenizer
+    from shardwork.trainer.generate import main
+    from shardwork.trainer.run.trainer import train
+    from shardwork.trainer.testing import tiny_config
+
+    docs = [_random_text(seed) for seed in range(40)]
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=60, special_tokens=["</s>"]))
+    path = tmp_path / "tok.json"
+    tok.save(str(path))
+    write_documents(docs, tmp_path / "corpus", load_tokenizer(str(path)))
+    config = tiny_config(
+        tmp_path / "run",
+        data={"tokenizer": str(path), "prefixes": [str(tmp_path / "corpus")], "split": "100,0,0"},
+        schedule={"train_steps": 1, "warmup_steps": 0},
+        eval=NO_EVAL,
+        checkpoint={"save_at_end": True},
+    )
+    train(config, stream=io.StringIO())
+    path.unlink()
+    generate_env.chdir(tmp_path)  # the training's own folder: still no file
+    rc = main([str(tmp_path / "run" / "checkpoints"), "--prompt", "cat "])
+    err = _refused(
+        capsys,
+        2,
+        rc,
+        rf"used tokenizer data\.tokenizer={re.escape(repr(str(path)))}, which no longer exists "
+        r"\(moved or deleted\); valid: restore that file, or pass --tokenizer PATH",
+    )
+    assert "from here" not in err and "folder the training ran in" not in err

@@ -127,3 +127,27 @@ def test_a_resume_from_an_older_checkpoint_replaces_the_replayed_steps(tmp_path)
     assert list(train_line.get_xdata()) == [1, 2, 3, 4, 5]
     assert list(train_line.get_ydata()) == [5.0, 4.0, 3.0, 2.9, 2.8]
     assert list(valid_line.get_ydata()) == [3.3]
+
+
+def test_help_is_an_answer_and_a_missing_folder_is_named(tmp_path, capsys):
+    assert main(["--help"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("usage: shardwork-plot RUN_DIR") and captured.err == ""
+    assert main([]) == 2 and capsys.readouterr().err.startswith("usage: shardwork-plot")
+    missing = tmp_path / "nowhere"
+    assert main([str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"shardwork-plot: RUN_DIR={str(missing)!r} is not a directory\n"
+    assert not missing.exists()
+
+
+def test_a_folder_holding_only_set_aside_logs_names_them(tmp_path, capsys):
+    # a fresh run moved the earlier ones aside (observe/earlier_run.py) and logged nothing yet
+    for number in (1, 2):
+        (tmp_path / f"metrics.{number}.jsonl").write_text('{"kind":"train","step":1,"loss":2}\n')
+    err = _refused(tmp_path, capsys)
+    assert "set aside by a later run (metrics.1.jsonl, metrics.2.jsonl)" in err
+    assert "rename one to metrics.jsonl to plot that run" in err
+    (tmp_path / "metrics.1.jsonl").unlink()
+    (tmp_path / "metrics.2.jsonl").unlink()
+    assert "has no metrics.jsonl: is it a shardwork run?" in _refused(tmp_path, capsys)

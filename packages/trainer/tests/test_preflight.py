@@ -3,6 +3,7 @@ CLI's ``none`` spelling and the parallel.order check (the CLI-level catalogue of
 tests-integration/test_bad_input.py)."""
 
 import io
+import json
 import shutil
 import struct
 from pathlib import Path
@@ -221,6 +222,69 @@ def test_eval_steps_against_the_validation_split(tmp_path, corpus_env):
     beyond = tiny_config(tmp_path / "run", eval={"steps": batches + 1})
     with pytest.raises(ConfigError, match=f"eval.steps={batches + 1}: .* valid: 1..{batches},"):
         pf.check_eval_steps(beyond)
+
+
+def _dataset(prefix: Path, lengths: list[int]) -> str:
+    """A byte-vocabulary dataset of documents of ``lengths`` tokens; its prefix."""
+    rng = np.random.default_rng(len(lengths))
+    with IndexedDatasetWriter(prefix) as writer:
+        for n in lengths:
+            writer.add_document(rng.integers(0, 256, size=n))
+    return str(prefix)
+
+
+def test_evaluation_without_a_validation_sample_is_warned(tmp_path, capsys):
+    """With evaluation on and eval.steps unset, a validation split that yields no sample of
+    seq_length + 1 tokens used to skip every evaluation silently (no valid record, no final
+    validation loss): a one-document dataset under split 90,10,0 (round(0.1) = 0 documents),
+    a data config without a "valid" blend (which is optional), and a "valid" blend of 2 x 5
+    tokens at seq_length 32. Each run trains and says so at start-up, naming what the split
+    holds; 33 tokens (one sample) evaluate, and evaluation off says nothing."""
+    from shardwork.trainer.cli import train_main
+    from shardwork.trainer.run.trainer import train
+    from shardwork.trainer.testing import tiny_config
+
+    seq = tiny_config(tmp_path / "probe").data.seq_length
+    one_doc = _dataset(tmp_path / "one", [500])
+    short = _dataset(tmp_path / "short", [5, 5])
+    exact = _dataset(tmp_path / "exact", [seq + 1])
+    off = {"interval": None, "at_end": False, "steps": None}
+    whole = {"interval": 1, "steps": None}
+    quick = {"train_steps": 1, "warmup_steps": 1}
+
+    def blend(name: str, valid: str | None) -> str:
+        path = tmp_path / f"{name}.json"
+        splits = {"train": [[1.0, one_doc]], **({"valid": [[1.0, valid]]} if valid else {})}
+        path.write_text(json.dumps(splits))
+        return str(path)
+
+    def run(data: dict, evaluation: dict):
+        stream = io.StringIO()
+        config = tiny_config(tmp_path / "run", data=data, eval=evaluation, schedule=quick)
+        return train(config, stream=stream), stream.getvalue()
+
+    cases = [
+        ({"prefixes": [one_doc], "split": "90,10,0"}, "0 documents, 0 tokens", "data.split"),
+        ({"data_config": blend("none", None)}, "0 documents, 0 tokens", '"valid" blend'),
+        ({"data_config": blend("short", short)}, "2 documents, 10 tokens", '"valid" blend'),
+    ]
+    for data, held, remedy in cases:
+        result, out = run(data, whole)
+        assert result.final_step == 1 and result.valid_losses == {}
+        assert "warning: evaluation is on (eval.interval=1, eval.at_end=true)" in out
+        assert f"gives the validation split {held}" in out
+        assert f"no sample of data.seq_length={seq} tokens (one needs {seq + 1})" in out
+        assert remedy in out and "eval.interval='none' and eval.at_end=false" in out
+        assert "evaluation is on" not in run(data, off)[1]
+    result, out = run({"data_config": blend("ok", exact)}, whole)
+    assert set(result.valid_losses) == {1} and "evaluation is on" not in out
+
+    # through the command line: the run trains (exit 0) and says why nothing is evaluated
+    cli_run = tmp_path / "cli-run"
+    flags = ["--schedule.train_steps", "1", "--schedule.warmup_steps", "1"]
+    rc = train_main(["--data.prefixes", one_doc, "--logging.run_dir", str(cli_run), *flags])
+    err = capsys.readouterr().err
+    assert rc == 0 and "gives the validation split 0 documents" in err, err
 
 
 def test_none_is_the_cli_spelling_of_null():

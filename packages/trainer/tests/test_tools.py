@@ -30,6 +30,18 @@ def test_preprocess_jsonl_with_byte_tokenizer(tmp_path):
         np.testing.assert_array_equal(ds[i], [*d.encode("utf-8"), 256])
 
 
+def test_preprocess_says_when_it_replaces_a_dataset(tmp_path, capsys):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"text": "first"}) + "\n")
+    out = ["--input", str(src), "--output", str(tmp_path / "o")]
+    assert preprocess_main(out) == 0
+    assert "replaced" not in capsys.readouterr().out
+    src.write_text(json.dumps({"text": "second, longer"}) + "\n")
+    assert preprocess_main(out) == 0
+    assert capsys.readouterr().out.rstrip().endswith("; it replaced the dataset that was there")
+    np.testing.assert_array_equal(IndexedDataset(tmp_path / "o")[0], [*b"second, longer", 256])
+
+
 def test_preprocess_text_split_and_hf_tokenizer(tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import models, pre_tokenizers, trainers

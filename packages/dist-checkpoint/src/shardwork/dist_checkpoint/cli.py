@@ -60,8 +60,13 @@ def _is_root(path: Path) -> bool:
 
 def _not_a_checkpoint_hint(path: Path) -> str | None:
     """What ``path`` is instead of a checkpoint, when that is recognisable: a training run's
-    folder (its checkpoints are in ``checkpoints/``), so the message can say where to look."""
-    if (path / md.COMMIT_MARKER).exists() or (path / md.INFO_FILE).exists():
+    folder (its checkpoints are in ``checkpoints/``), so the message can say where to look, or
+    a folder holding no checkpoint file at all, which "no COMMITTED marker (the save was
+    interrupted ...)" would misdescribe as a checkpoint whose save broke off."""
+    if not path.is_dir():
+        return None
+    names = (md.COMMIT_MARKER, md.INFO_FILE, md.DCP_METADATA_FILE)
+    if any((path / name).exists() for name in names):
         return None
     inner = path / "checkpoints"
     if inner.is_dir() and _is_root(inner):
@@ -69,7 +74,12 @@ def _not_a_checkpoint_hint(path: Path) -> str | None:
             f"{str(path)!r} is a training run's folder, not a checkpoint; its checkpoints are "
             f"in {str(inner)!r} (give that folder, or one of its step_* folders)"
         )
-    return None
+    return (
+        f"{str(path)!r} is not a checkpoint: it holds none of a checkpoint's files "
+        f"({', '.join(names)}) and no step_* checkpoint folders; valid: a checkpoint folder "
+        "(e.g. RUN_DIR/checkpoints/step_000000100) or a CheckpointManager root holding step_* "
+        "folders"
+    )
 
 
 def _inspect(path: Path, as_json: bool) -> int:

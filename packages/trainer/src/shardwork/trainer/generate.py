@@ -4,8 +4,8 @@
   model and tokenizer are rebuilt exactly; the model section is loaded
   through CheckpointManager at world size 1 (checkpoints reshard from any
   training layout). The load verifies every file it reads against its recorded CRC-32;
-  a corrupt checkpoint exits with status 4 and one message naming the file (a bad
-  argument or a directory with no checkpoint: 2).
+  a corrupt checkpoint exits with status 4 and one message naming the file (so does a
+  directory with no complete checkpoint; a bad argument or a path that is no directory: 2).
 - Sampling: temperature and top-k over the real vocabulary (padding rows
   excluded), the context cropped to the training sequence length, no KV
   cache (each new token re-runs the window: simple, and fast enough for the

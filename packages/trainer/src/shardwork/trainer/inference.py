@@ -104,11 +104,21 @@ def _run_tokenizer(config, vocab_size: int, override: str | None, where: Path):
                 f"with the model's {vocab_size} ids"
             ) from None
         missing = spec != "byte" and not Path(spec).expanduser().is_file()
+        # an absolute path names the same file from every folder: it was moved or deleted
+        gone = missing and Path(spec).expanduser().is_absolute()
+        if gone:
+            why, remedy = "no longer exists (moved or deleted)", "restore that file"
+        elif missing:
+            why, remedy = (
+                f"is not found from here ({Path.cwd()})",
+                ("run from the folder the training ran in"),
+            )
+        else:
+            why, remedy = f"does not load ({exc})", "run from the folder the training ran in"
         raise UserError(
             f"{where}: the checkpoint's run used tokenizer data.tokenizer={saved!r}, which "
-            + (f"is not found from here ({Path.cwd()})" if missing else f"does not load ({exc})")
-            + f"; valid: run from the folder the training ran in, or pass --tokenizer PATH "
-            f"(that tokenizer's JSON file, {vocab_size} ids)"
+            f"{why}; valid: {remedy}, or pass --tokenizer PATH (that tokenizer's JSON file, "
+            f"{vocab_size} ids)"
         ) from None
     if override is not None and tokenizer.vocab_size != vocab_size:
         raise UserError(

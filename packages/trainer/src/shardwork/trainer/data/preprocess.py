@@ -12,9 +12,11 @@
   missing input file or a directory given as one, an unreadable tokenizer, ``--eod_token``
   with the byte tokenizer, an ``--output`` that is a directory rather than a prefix, lies under
   a file, cannot be created or has a directory in the way of ``OUTPUT.bin``/``.idx``/
-  ``.meta.json``), 5 for bad input data (a file that is not UTF-8 or holds no text, a line
-  that is not a JSON object, a record without ``--json_key`` or whose text is not a string,
-  inputs that yield no token at all), naming the file and line. The options, the output
+  ``.meta.json``, or refuses the write itself: a read-only or pseudo file system that
+  ``os.access`` calls writable, a full disk), 5 for bad input data (a file that is not UTF-8,
+  named by line and column, or holds no text, a line that is not a JSON object, a record
+  without ``--json_key`` or whose text is not a string or holds a lone UTF-16 surrogate
+  escape, inputs that yield no token at all), naming the file and line. The options, the output
   location and the input paths are checked before any input is read. The output is written
   under temporary names and renamed only when complete, so a failed run leaves no
   ``OUTPUT.bin``/``OUTPUT.idx`` (nor a directory it created) behind.
@@ -33,7 +35,12 @@ import numpy as np
 import tyro
 
 from shardwork.trainer.data.dataset_meta import DatasetMeta, meta_path, write_dataset_meta
-from shardwork.trainer.data.indexed import IndexedDatasetWriter, data_file_paths, token_dtype_for
+from shardwork.trainer.data.indexed import (
+    IndexedDatasetWriter,
+    data_file_paths,
+    dataset_exists,
+    token_dtype_for,
+)
 from shardwork.trainer.data.tokenizer import Tokenizer, load_tokenizer
 from shardwork.trainer.errors import DataError, UserError, report
 
@@ -45,15 +52,18 @@ def iter_documents(
     for raw in paths:
         path = Path(raw)
         check_input(path)
+        if path.suffix in (".jsonl", ".json"):
+            yield from _jsonl_texts(path, json_key)
+            continue
+        data = _read_input(path)
         try:
-            if path.suffix in (".jsonl", ".json"):
-                yield from _jsonl_texts(path, json_key)
-                continue
-            text = path.read_text(encoding="utf-8")
+            text = data.decode("utf-8")
         except UnicodeDecodeError as exc:
+            line = data.count(b"\n", 0, exc.start) + 1
+            column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
             raise DataError(
-                f"{path}: not UTF-8 text (byte {exc.start} of a chunk: {exc.reason}); valid: "
-                "UTF-8 text or JSONL files"
+                f"{path}:{line}: not UTF-8 text (byte {data[exc.start]:#04x} at column {column}"
+                f", file offset {exc.start}: {exc.reason}); valid: UTF-8 text or JSONL files"
             ) from None
         if not text.strip():
             raise DataError(_no_text(path))
@@ -145,8 +155,11 @@ def _jsonl_texts(path: Path, json_key: str) -> Iterator[str]:
     """The ``json_key`` text of each non-blank line of ``path``; DataError names the line, or
     the file when no line holds a record."""
     records = 0
-    with open(path, encoding="utf-8") as f:
+    # surrogateescape: a byte that is not UTF-8 becomes a lone surrogate, found per line below,
+    # so the message names its line (a strict decode fails per 8 KiB read, naming no line)
+    with _open_input(path) as f:
         for line_no, line in enumerate(f, 1):
+            _check_utf8(path, line_no, line)
             if not line.strip():
                 continue
             try:
@@ -170,10 +183,59 @@ def _jsonl_texts(path: Path, json_key: str) -> Iterator[str]:
                     f"{path}:{line_no}: --json_key={json_key!r} holds a "
                     f"{type(record[json_key]).__name__}, not a string"
                 )
+            _check_text(path, line_no, json_key, record[json_key])
             records += 1
             yield record[json_key]
     if not records:
         raise DataError(_no_text(path))
+
+
+def _read_input(path: Path) -> bytes:
+    """The bytes of input ``path``; a file that cannot be read is a UserError naming it."""
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise UserError(_unreadable(path, exc)) from None
+
+
+def _open_input(path: Path):
+    """``path`` opened as text, undecodable bytes kept as surrogates (see _check_utf8)."""
+    try:
+        return open(path, encoding="utf-8", errors="surrogateescape")
+    except OSError as exc:
+        raise UserError(_unreadable(path, exc)) from None
+
+
+def _unreadable(path: Path, exc: OSError) -> str:
+    return f"--input {str(path)!r} cannot be read ({exc.strerror or exc}); valid: a readable file"
+
+
+def _check_utf8(path: Path, line_no: int, line: str) -> None:
+    """DataError naming ``path``:``line_no`` and the byte when ``line`` (decoded with
+    surrogateescape) held bytes that are not UTF-8."""
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        byte = ord(line[exc.start]) - 0xDC00
+        column = len(line[: exc.start].encode("utf-8", "surrogateescape")) + 1
+        raise DataError(
+            f"{path}:{line_no}: not UTF-8 text (byte {byte:#04x} at column {column}); valid: "
+            "UTF-8 text or JSONL files"
+        ) from None
+
+
+def _check_text(path: Path, line_no: int, json_key: str, text: str) -> None:
+    """DataError when a record's text holds a lone UTF-16 surrogate (a JSON escape such as
+    ``\\ud800`` of half a character pair): it is no character, and no tokenizer encodes it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise DataError(
+            f"{path}:{line_no}: --json_key={json_key!r} holds a lone surrogate "
+            f"\\u{ord(text[exc.start]):04x} at character {exc.start} (a JSON escape of half "
+            "a UTF-16 pair), which is not text; valid: complete characters (a pair such as "
+            "\\ud83d\\ude00, or the character itself)"
+        ) from None
 
 
 def write_documents(
@@ -242,6 +304,23 @@ def _tokenizer(args: PreprocessArgs) -> Tokenizer:
         ) from None
 
 
+def _output_error(prefix: str, exc: BaseException) -> BaseException:
+    """A failure to write one of ``prefix``'s files (a directory ``os.access`` calls writable
+    but is not: a read-only or pseudo file system, root-squashed NFS; a full disk) as a
+    UserError naming ``--output``; any other exception unchanged."""
+    if not isinstance(exc, OSError) or exc.filename is None:
+        return exc
+    name = os.fsdecode(exc.filename)
+    if os.path.dirname(os.path.abspath(name)) != os.path.dirname(os.path.abspath(prefix)):
+        return exc
+    if not os.path.basename(name).startswith(os.path.basename(prefix)):
+        return exc
+    return UserError(
+        f"--output {prefix!r}: cannot write {name!r} ({exc.strerror or exc}); valid: a prefix "
+        "in a writable directory with room for the dataset"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = tyro.cli(
         PreprocessArgs,
@@ -250,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="shardwork-preprocess",
     )
     made: list[Path] = []
+    # said after the write: an earlier dataset there is replaced (the files are renamed into
+    # place, so a failed run leaves it whole)
+    replaces = dataset_exists(args.output)
     try:
         check_output(args.output)
         tokenizer = _tokenizer(args)
@@ -262,12 +344,14 @@ def main(argv: list[str] | None = None) -> int:
         )
     except BaseException as exc:
         remove_empty_dirs(made)  # directories this run created for an output it did not write
+        exc = _output_error(args.output, exc)
         if not isinstance(exc, UserError):
             raise
         return report("shardwork-preprocess", str(exc), exc.exit_code)
     print(
         f"wrote {args.output}.bin / {args.output}.idx: {num_docs} documents, {num_tokens} tokens "
         f"(tokenizer {tokenizer.name}, vocab {tokenizer.vocab_size})"
+        + ("; it replaced the dataset that was there" if replaces else "")
     )
     return 0
 

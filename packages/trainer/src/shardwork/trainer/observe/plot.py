@@ -144,13 +144,28 @@ def _figures(records) -> dict[str, Figure | None]:
     }
 
 
+def _set_aside_hint(run_dir: Path) -> str:
+    """The end of the "no metrics.jsonl" message: the logs of earlier runs that a fresh run set
+    aside there (``metrics.N.jsonl``, observe/earlier_run.py) are not this directory's current
+    run, so they are named rather than plotted."""
+    earlier = sorted(p.name for p in run_dir.glob("metrics.*.jsonl") if p.is_file())
+    if not earlier:
+        return ": is it a shardwork run?"
+    return (
+        f"; it holds earlier runs' logs, set aside by a later run ({', '.join(earlier)}), and "
+        "that run logged no step yet; rename one to metrics.jsonl to plot that run"
+    )
+
+
 def _read_run(run_dir: Path, *, empty_ok: bool) -> list[dict]:
     """The records of ``run_dir``'s metrics log, or ValueError when there is no log, it is not
     one (:func:`read_metrics` names the line), or it holds no train loss to plot (unless
     ``empty_ok``: then no records)."""
     path = metrics_path(run_dir)
+    if not run_dir.is_dir():
+        raise ValueError(f"RUN_DIR={str(run_dir)!r} is not a directory")
     if not path.is_file():
-        raise ValueError(f"RUN_DIR={str(run_dir)!r} has no metrics.jsonl: is it a shardwork run?")
+        raise ValueError(f"RUN_DIR={str(run_dir)!r} has no metrics.jsonl{_set_aside_hint(run_dir)}")
     records = read_metrics(path)
     if not any(r.get("kind") == "train" and "loss" in r for r in records):
         if empty_ok:
@@ -206,8 +221,12 @@ def plot_run(run_dir: str | Path, *, empty_ok: bool = False) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1 or argv[0] in ("-h", "--help"):
-        print("usage: shardwork-plot RUN_DIR   (writes RUN_DIR/plots/*.png)", file=sys.stderr)
+    usage = "usage: shardwork-plot RUN_DIR   (writes RUN_DIR/plots/*.png)"
+    if argv in (["-h"], ["--help"]):
+        print(usage)  # asked for: not an error
+        return 0
+    if len(argv) != 1:
+        print(usage, file=sys.stderr)
         return 2
     try:
         files = plot_run(argv[0])

@@ -276,7 +276,8 @@ class Checkpointer:
                 say(
                     f"warning: fell back to step {step}: checkpoint(s) of step(s) {skipped} in "
                     f"{self.manager.root} failed verification and are saved over when the run "
-                    f"reaches those steps"
+                    "reaches those steps; until then they stay, so a resume before that falls "
+                    "back again (`shardwork-ckpt verify` checks them; deleting them is safe)"
                 )
             self.corrupt_steps = set(skipped)
             return start

@@ -14,7 +14,9 @@ stops the run before step 1 instead of at the first checkpoint or inside a step:
   corpus): both files exist, the ``.idx`` parses and agrees with itself and with the ``.bin``'s
   size, and every token id is below ``model.vocab_size`` (:mod:`..data.integrity`).
 - The train and validation splits hold at least 2 tokens in each dataset (an input and its
-  label); ``eval.steps`` fits in the validation split (counted in global batches).
+  label); ``eval.steps`` fits in the validation split (counted in global batches). (A split
+  with no sample at all while ``eval.steps`` is unset is a start-up warning of the trainer's,
+  :func:`no_validation_sample_warning`: a data config's "valid" blend is optional.)
 - ``precision.compile``: torch.compile can run on the run's device here (dynamo in this
   build; a C++ compiler for inductor on a CPU, Triton on a GPU), else the step would fail
   minutes into its first compilation.
@@ -308,3 +310,30 @@ def check_eval_steps(config: TrainConfig, valid_split: list[Component] | None = 
         else f"{source}, or set eval.interval='none' and eval.at_end=false"
     )
     raise ConfigError([f"eval.steps={steps}: {held}; {valid_range}"])
+
+
+def no_validation_sample_warning(config: TrainConfig, valid_split: list[Component]) -> str:
+    """The start-up warning of a run that evaluates (``eval.interval`` or ``eval.at_end``) but
+    whose validation split (components ``valid_split``) gives no sample: every evaluation is
+    skipped, which used to happen without a word (a data config without a "valid" blend, too
+    few documents for ``data.split`` to give the split one, documents shorter than a sample)."""
+    d, e = config.data, config.eval
+    docs = sum(c.documents.size for c in valid_split)
+    tokens = sum(
+        int(IndexedDataset(c.prefix).sequence_lengths[c.documents].sum()) for c in valid_split
+    )
+    if d.data_config is not None:
+        source = f'the "valid" blend of data.data_config={d.data_config!r}'
+        remedy = f"give {source} datasets holding at least {d.seq_length + 1} tokens"
+    else:
+        source = f"data.prefixes={list(d.prefixes)}" if d.prefixes else f"data.corpus={d.corpus!r}"
+        source += f" with data.split={d.split!r}"
+        remedy = "give data.split a larger validation part (or the datasets more documents)"
+    on = "none" if e.interval is None else e.interval
+    return (
+        f"warning: evaluation is on (eval.interval={on}, eval.at_end={str(e.at_end).lower()}) "
+        f"but {source} gives the validation split {docs} documents, {tokens} tokens: no sample "
+        f"of data.seq_length={d.seq_length} tokens (one needs {d.seq_length + 1}), so every "
+        f"evaluation is skipped. To evaluate, {remedy}; to turn evaluation off (and this "
+        "warning), set eval.interval='none' and eval.at_end=false"
+    )

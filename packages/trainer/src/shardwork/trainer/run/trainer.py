@@ -54,6 +54,7 @@ from shardwork.trainer.run.metrics_window import MetricsWindow
 from shardwork.trainer.run.nonfinite import NonFiniteGuard
 from shardwork.trainer.run.nonfinite import NonFiniteLossError as NonFiniteLossError  # re-export
 from shardwork.trainer.run.params_check import check_dp_replicas, replica_check_due
+from shardwork.trainer.run.preflight import no_validation_sample_warning
 from shardwork.trainer.run.rng import derived_seed, rank_role, seed_everything
 from shardwork.trainer.run.setup import Assembly, build_assembly, init_runtime
 from shardwork.trainer.run.signals import StopRequest, stop_agreed
@@ -335,6 +336,13 @@ class Trainer:
         self._finish(p, t_start)
         return result
 
+    def _say_if_no_validation(self, config: TrainConfig, valid_split, valid_set) -> None:
+        """Warn a run that evaluates but reads data without a validation sample (a rank that
+        reads no data has neither, and says nothing)."""
+        evaluates = config.eval.interval is not None or config.eval.at_end
+        if evaluates and valid_set is None and reads_data(self.runtime.groups):
+            self.say(no_validation_sample_warning(config, valid_split))
+
     def _weight_sources(self, config: TrainConfig):
         """``(hf_init, megatron_init, peft_init)`` this run reads its initial weights from:
         none of them when it resumes a checkpoint (said), except a LoRA run's base."""
@@ -359,6 +367,7 @@ class Trainer:
         run_dir = Path(config.logging.run_dir)
         seed_everything(derived_seed(config.seed, 0, rank_role(groups)), runtime.device)
         comps, train_set, valid_set, eval_micro = _datasets(config, groups)
+        self._say_if_no_validation(config, comps["valid"], valid_set)
         with self._phase("start-up (evaluation size broadcast)", ("pp",)):
             eval_micro = _eval_micro_batches_of_first_stage(eval_micro, runtime)
         hf_init, megatron_init, peft_init = self._weight_sources(config)
