@@ -101,7 +101,7 @@ def test_output_naming_a_directory_is_refused(corpus, capsys, output):
     ("name", "content", "extra"),
     [
         ("empty.txt", "", []),
-        ("empty.txt", "", ["--no_append_eod"]),
+        ("empty.txt", "", ["--append_eod", "false"]),
         ("blank.txt", " \n\n\t", []),
         ("blank.jsonl", "\n\n", []),
     ],
@@ -115,10 +115,11 @@ def test_input_without_text_is_refused(corpus, capsys, name, content, extra):
     assert _listing(corpus) == before  # not even the folders new/sub
 
 
-def test_inputs_that_yield_no_token_are_refused(corpus, capsys):
+@pytest.mark.parametrize("no_eod", [["--append_eod", "false"], ["--no_append_eod"]])
+def test_inputs_that_yield_no_token_are_refused(corpus, capsys, no_eod):
     (corpus / "e.jsonl").write_text(json.dumps({"text": ""}) + "\n" + json.dumps({"text": ""}))
     before = _listing(corpus)
-    rc = preprocess_main(["--input", "e.jsonl", "--output", "new/o", "--no_append_eod"])
+    rc = preprocess_main(["--input", "e.jsonl", "--output", "new/o", *no_eod])
     _refused(capsys, 5, rc, r"the inputs yield 2 documents and 0 tokens")
     assert _listing(corpus) == before
     # with the end-of-document id each empty record is one token: a usable dataset

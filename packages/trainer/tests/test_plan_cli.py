@@ -36,8 +36,62 @@ def test_table_lists_the_planners_ranking(capsys):
     for i, (line, row) in enumerate(zip(rows, expected), start=1):
         assert line.split()[0] == str(i)
         assert row.layout.describe() in line
-        assert f"{row.time.total:.2f}" in line and f"{row.mfu:.1%}" in line
+        step = row.time.total
+        shown = f"{step:.2f} s" if step >= 1 else f"{step * 1e3:.3g} ms"
+        assert shown in line and f"{row.mfu:.1%}" in line
     assert out.splitlines()[0].startswith("64 x h100-sxm (8 per node), global batch 128 x 4096")
+
+
+@pytest.mark.parametrize(
+    ("model", "gpus", "batch", "seq", "sizes"),
+    [
+        ("llama3-8b", 64, 128, 4096, {}),  # TP 2 with sequence parallelism
+        ("tiny-deepseek-v3", 4, 8, 64, {}),  # an uneven pipeline split
+        ("tiny-mixtral-8x7b", 4, 8, 64, {"tp": 2, "ep": 2}),  # experts at etp 1 below tp 2
+    ],
+)
+def test_the_first_rows_flags_give_shardwork_train_that_layout(
+    model, gpus, batch, seq, sizes, capsys
+):
+    """The table ends with the #1 layout as shardwork-train flags; given to the trainer's own
+    parser and validation at that world size, they give the layout's sizes (ETP resolved,
+    sequence parallelism with TP, the uneven split, micro-batch, recompute) and the problem."""
+    from shardwork.trainer.config.cli import parse_train_args
+    from shardwork.trainer.config.validate import validate_config
+
+    args = ["--model", model, "--gpus", str(gpus), "--global_batch", str(batch)]
+    args += [f"--{name}={size}" for name, size in sizes.items()]
+    assert main([*args, "--seq_length", str(seq), "--cluster", "meta-h100"]) == 0
+    out = capsys.readouterr().out
+    (line,) = [x for x in out.splitlines() if x.startswith("#1 with shardwork-train")]
+    assert f"on {gpus} ranks" in line
+    flags = line.split(": ", 1)[1].split()
+    config, _ = parse_train_args(["--model.preset", model, *flags])
+    config = validate_config(config, world_size=gpus)
+    cluster = Cluster(num_gpus=gpus, **CLUSTERS["meta-h100"])
+    ranked = plan(preset(model), cluster, global_batch=batch, seq_length=seq).ranked()
+    best = next(
+        row.layout
+        for row in ranked
+        if all(getattr(row.layout, name) == size for name, size in sizes.items())
+    )
+    par = config.parallel
+    got = (par.tp, par.cp, par.pp, par.vpp or 1, par.ep, par.etp or par.tp)
+    assert got == (
+        best.tp,
+        best.cp,
+        best.pp,
+        best.vpp,
+        best.ep,
+        best.etp if preset(model).moe else par.tp,
+    )
+    assert (par.first_stage_layers, par.last_stage_layers) == (
+        best.first_stage_layers, best.last_stage_layers,
+    )  # fmt: skip
+    assert par.sequence_parallel == (best.tp > 1)
+    assert config.schedule.micro_batch_size == best.micro_batch
+    assert config.model.settings.get("recompute", "none") == best.recompute
+    assert (config.schedule.global_batch_size, config.data.seq_length) == (batch, seq)
 
 
 def test_hf_config_json_and_folder_plan_like_the_preset(tmp_path, capsys):

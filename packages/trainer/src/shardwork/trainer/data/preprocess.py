@@ -321,12 +321,26 @@ def _output_error(prefix: str, exc: BaseException) -> BaseException:
     )
 
 
+def _spell_booleans(argv: list[str]) -> list[str]:
+    """``true``/``false`` as tyro reads them, and the earlier ``--no_append_eod`` flag kept as
+    ``--append_eod False``."""
+    out: list[str] = []
+    for arg in argv:
+        if arg == "--no_append_eod":
+            out += ["--append_eod", "False"]
+        else:
+            out.append({"true": "True", "false": "False"}.get(arg, arg))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = tyro.cli(
         PreprocessArgs,
-        args=sys.argv[1:] if argv is None else argv,
+        args=_spell_booleans(sys.argv[1:] if argv is None else argv),
         use_underscores=True,
         prog="shardwork-preprocess",
+        # --append_eod true/false, as shardwork-train spells its booleans
+        config=(tyro.conf.FlagConversionOff,),
     )
     made: list[Path] = []
     # said after the write: an earlier dataset there is replaced (the files are renamed into

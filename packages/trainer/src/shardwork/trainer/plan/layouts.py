@@ -94,6 +94,26 @@ class Layout:
             return "none"
         return "interleaved" if self.vpp > 1 else "1f1b"
 
+    def train_flags(self, *, moe: bool) -> list[str]:
+        """The ``shardwork-train`` flags that run this layout (sizes, the uneven split, the
+        micro-batch size, recompute; sequence parallelism with tensor parallelism, as the
+        planner prices it); dp follows from the world size. ``moe``: the model has experts,
+        so ep and etp are given (the trainer's etp defaults to tp)."""
+        flags = {"parallel.tp": self.tp, "parallel.cp": self.cp, "parallel.pp": self.pp}
+        if self.vpp > 1:
+            flags["parallel.vpp"] = self.vpp
+        if moe:
+            flags["parallel.ep"], flags["parallel.etp"] = self.ep, self.etp
+        for name, value in self.split.items():
+            if value is not None:
+                flags[f"parallel.{name}"] = value
+        if self.tp > 1:
+            flags["parallel.sequence_parallel"] = "true"
+        flags["schedule.micro_batch_size"] = self.micro_batch
+        if self.recompute != "none":
+            flags["model.recompute"] = self.recompute
+        return [part for name, value in flags.items() for part in (f"--{name}", str(value))]
+
     def describe(self) -> str:
         """Short text, e.g. ``TP8 CP1 PP16x8 DP64 mb1 full``; an uneven split shows its ends:
         per rank (``parallel.first_stage_layers/last_stage_layers``) in brackets, e.g.

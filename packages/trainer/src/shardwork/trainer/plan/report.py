@@ -19,6 +19,24 @@ PARTS = ("compute", "bubble", "tp", "cp", "ep", "pp", "dp")
 COLOURS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3")
 
 
+def format_seconds(seconds: float) -> str:
+    """A step time in the unit that keeps it readable: ``4.21 s``, ``12.5 ms``, ``1.72 us``."""
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} us"
+
+
+def format_bytes(size: float) -> str:
+    """Memory per GPU in GiB, or in MiB / KiB below one GiB (a small model's rows)."""
+    if size >= GIB:
+        return f"{size / GIB:.1f} GiB"
+    if size >= 2**20:
+        return f"{size / 2**20:.3g} MiB"
+    return f"{size / 2**10:.3g} KiB"
+
+
 def _reasons(row: PlanRow) -> str:
     t = row.time
     shares = [(name, getattr(t, name) / t.total) for name in PARTS[1:]]
@@ -48,15 +66,25 @@ def render_table(plan: Plan, *, top: int = 10, refused: int = 5) -> str:
     lines = [
         f"{c.num_gpus} x {c.gpu.name} ({c.gpus_per_node} per node), global batch "
         f"{plan.global_batch} x {plan.seq_length} tokens, efficiency {plan.efficiency:g}",
-        f"{'#':>3}  {'layout':<{w}} {'step s':>8} {'MFU':>6} {'GiB':>6}  time beyond compute",
+        f"{'#':>3}  {'layout':<{w}} {'step':>9} {'MFU':>6} {'memory':>9}  time beyond compute",
     ]
     for i, row in enumerate(ranked[:top], start=1):
         lines.append(
-            f"{i:>3}  {row.layout.describe():<{w}} {row.time.total:>8.2f} {row.mfu:>6.1%} "
-            f"{row.memory / GIB:>6.1f}  {_reasons(row)}"
+            f"{i:>3}  {row.layout.describe():<{w}} {format_seconds(row.time.total):>9} "
+            f"{row.mfu:>6.1%} {format_bytes(row.memory):>9}  {_reasons(row)}"
         )
     if not ranked:
         lines.append("  (no layout fits)")
+    else:
+        flags = [
+            *ranked[0].layout.train_flags(moe=plan.model.moe is not None),
+            *("--schedule.global_batch_size", str(plan.global_batch)),
+            *("--data.seq_length", str(plan.seq_length)),
+        ]
+        lines.append(
+            f"#1 with shardwork-train on {c.num_gpus} ranks (with your model and data "
+            f"settings): {' '.join(flags)}"
+        )
     rejected = _refused_layouts(plan)
     lines.append(f"{len(ranked)} parallel layouts fit; {len(rejected)} do not fit at all")
     for row in rejected[:refused]:

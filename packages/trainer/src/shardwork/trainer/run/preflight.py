@@ -275,7 +275,7 @@ def check_split_tokens(splits: dict[str, list[Component]]) -> None:
                 raise DataError(
                     f"dataset {c.prefix!r}: its {split!r} split ({c.documents.size} documents) "
                     f"holds {tokens} tokens; valid: at least 2 (an input token and its label). "
-                    "Are its documents empty? (shardwork-preprocess --no_append_eod keeps an "
+                    "Are its documents empty? (shardwork-preprocess --append_eod false keeps an "
                     "empty document empty)"
                 )
 
