@@ -254,3 +254,17 @@ def test_describe_shows_a_per_rank_uneven_split():
         virtual, first_virtual_stage_layers=0, last_virtual_stage_layers=0
     )
     assert virtual.describe() == "TP8 CP1 PP16x8(0+..+0) DP64 mb1 full"
+
+
+def test_a_moe_row_names_its_expert_sizes():
+    """Experts at etp 1 below tp 2 must say so: the trainer's etp defaults to tp, and the row of
+    tiny Mixtral at tp 2, ep 1, etp 1 used to read like a dense one ("TP2 CP1 PP1 DP1 mb8")."""
+    model = preset("tiny-mixtral-8x7b", num_layers=4)
+    rows = {
+        (x.tp, x.ep, x.etp): x.describe()
+        for x in parallel_layouts(model, num_gpus=2, gpus_per_node=8, global_batch=8, seq_length=64)
+    }
+    assert rows[(2, 1, 1)] == "TP2 CP1 PP1 DP1 EP1 ETP1 mb1 none"
+    assert rows[(2, 1, 2)] == "TP2 CP1 PP1 DP1 EP1 ETP2 mb1 none"
+    dense = Layout(tp=2, cp=1, pp=1, dp=1)  # a dense model's rows name no experts
+    assert dense.describe() == "TP2 CP1 PP1 DP1 mb1 none"

@@ -161,6 +161,7 @@ def test_generate_refuses_a_corrupt_checkpoint(reference, tmp_path, capsys):
     assert main([str(ckpt), "--prompt", "def "]) == 4
     err = capsys.readouterr().err
     assert str(ckpt) in err and name in err and "Traceback" not in err
+    assert f"`shardwork-ckpt verify {tmp_path}` lists which checkpoints there are intact" in err
 
 
 def test_other_width_is_summarised_with_the_cli_remedy(reference, tmp_path):

@@ -110,6 +110,18 @@ def check_generate_environment() -> None:
         raise UserError("; ".join(problems))
 
 
+def _corrupt_remedy(exc) -> str:
+    """A corrupt checkpoint's message and what to do: the other checkpoints beside it may be
+    intact, and ``shardwork-ckpt verify`` on their folder says which."""
+    if exc.checkpoint is None:
+        return str(exc)
+    root = Path(exc.checkpoint).parent
+    return (
+        f"{exc}; `shardwork-ckpt verify {root}` lists which checkpoints there are intact: pass "
+        "one of those step_* folders as CHECKPOINT"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     set_cpu_runtime_env()
     args = tyro.cli(  # --help and flag errors exit here, before torch loads
@@ -134,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         model, config, tokenizer = load_for_inference(args.checkpoint, tokenizer=args.tokenizer)
     except UserError as exc:
         return report("shardwork-generate", str(exc), exc.exit_code)
-    except (CheckpointCorruptError, IncompleteCheckpointError, UnsupportedFormatError) as exc:
+    except CheckpointCorruptError as exc:
+        return report("shardwork-generate", _corrupt_remedy(exc), CheckpointError.exit_code)
+    except (IncompleteCheckpointError, UnsupportedFormatError) as exc:
         return report("shardwork-generate", str(exc), CheckpointError.exit_code)
     generator = torch.Generator().manual_seed(args.seed)
     print(args.prompt, end="", flush=True)

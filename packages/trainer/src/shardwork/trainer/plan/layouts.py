@@ -67,6 +67,9 @@ class Layout:
     last_stage_layers: int | None = None
     first_virtual_stage_layers: int | None = None
     last_virtual_stage_layers: int | None = None
+    moe: bool = False
+    """The model has experts: its rows always name ep and etp (etp 1 below tp would otherwise
+    read as the trainer's default, etp = tp)."""
 
     @property
     def split(self) -> dict:
@@ -123,7 +126,7 @@ class Layout:
             pp += f"[{self.first_stage_layers}+..+{self.last_stage_layers}]"
         if self.first_virtual_stage_layers is not None:
             pp += f"({self.first_virtual_stage_layers}+..+{self.last_virtual_stage_layers})"
-        ep = f" EP{self.ep} ETP{self.etp}" if self.ep > 1 or self.etp > 1 else ""
+        ep = f" EP{self.ep} ETP{self.etp}" if self.moe or self.ep > 1 or self.etp > 1 else ""
         return f"TP{self.tp} CP{self.cp} {pp} DP{self.dp}{ep} mb{self.micro_batch} {self.recompute}"
 
 
@@ -213,7 +216,10 @@ def parallel_layouts(
                             parallel.resolve(num_gpus)
                             if not _model_accepts(model, parallel, seq_length):
                                 continue
-                            yield Layout(tp, cp, pp, dp, ep, etp if experts > 1 else 1, vpp, **ends)
+                            yield Layout(
+                                tp, cp, pp, dp, ep, etp if experts > 1 else 1, vpp, **ends,
+                                moe=experts > 1,
+                            )  # fmt: skip
 
 
 def variants(base: Layout, global_batch: int) -> Iterator[list[Layout]]:
