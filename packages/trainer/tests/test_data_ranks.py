@@ -10,10 +10,11 @@ import builtins
 import io
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 
-from shardwork.trainer.run.trainer import _datasets, reads_data
+from shardwork.trainer.run.trainer import _datasets, _train_set_for, reads_data
 from shardwork.trainer.testing import tiny_config
 
 
@@ -57,7 +58,9 @@ def test_only_first_and_last_stages_open_the_data(tmp_path_factory, monkeypatch,
     monkeypatch.setattr(builtins, "open", spy)
     monkeypatch.setattr(io, "open", spy)  # pathlib opens through io.open
     rank = PipelineRank(stage)
-    comps, train_set, valid_set, eval_micro = _datasets(config, rank)
+    comps, valid_set, eval_micro = _datasets(config, rank)
+    fresh = SimpleNamespace(data_offset=0, sample_order="blocks")  # a run that resumes nothing
+    train_set = _train_set_for(config, comps, rank, fresh)
     if stage == 1:
         assert not reads_data(rank)
         assert opened == []

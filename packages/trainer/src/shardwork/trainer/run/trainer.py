@@ -153,15 +153,18 @@ def build_train_set(
     )
 
 
-def _resumed_train_set(config: TrainConfig, components, train_set, checkpointer):
-    """The training set for the data position and sample order of the checkpoint the run
-    resumed (``train_set`` itself where they are a fresh run's)."""
-    data_offset, order = checkpointer.data_offset, checkpointer.sample_order
-    if train_set is None or (data_offset <= 0 and order == "blocks"):
-        return train_set
-    # the checkpoint's run read further than this schedule's steps do (room for the rest), or in
-    # the order of an earlier version
-    return build_train_set(config, components["train"], data_offset=data_offset, sample_order=order)
+def _train_set_for(config: TrainConfig, components, groups, checkpointer):
+    """The training set at the data position and sample order of the run's start (a fresh
+    run's, or the resumed checkpoint's: ``Checkpointer.data_offset``, ``.sample_order``); None
+    on a rank that does not :func:`reads_data`. Built once, after the resume decided both."""
+    if not reads_data(groups):
+        return None
+    return build_train_set(
+        config,
+        components["train"],
+        data_offset=checkpointer.data_offset,
+        sample_order=checkpointer.sample_order,
+    )
 
 
 def _baseline(components, runtime) -> float | None:
@@ -190,24 +193,24 @@ def reads_data(groups) -> bool:
 
 
 def _datasets(config: TrainConfig, groups):
-    """``(components by split, train set, valid set, evaluation micro-batches per dp rank)``;
-    empty / None / 0 on a rank that does not :func:`reads_data`."""
+    """``(components by split, valid set, evaluation micro-batches per dp rank)``; empty /
+    None / 0 on a rank that does not :func:`reads_data` (the training set waits for the
+    resume: :func:`_train_set_for`)."""
     if not reads_data(groups):
-        return {"train": [], "valid": [], "test": []}, None, None, 0
+        return {"train": [], "valid": [], "test": []}, None, 0
     comps = split_components(config.data)
     seq = config.data.seq_length
-    train_set = build_train_set(config, comps["train"])
     dp, mbs = groups.size("dp"), config.schedule.micro_batch_size
     gbs = config.schedule.global_batch_size
     eval_samples = None if config.eval.steps is None else config.eval.steps * gbs
     valid_set = build_eval_set(comps["valid"], seq_length=seq, num_samples=eval_samples)
     if valid_set is None:
-        return comps, train_set, None, 0
+        return comps, None, 0
     # Whole global batches, so every layout evaluates the same samples (a split smaller than
     # one global batch: as many micro-batches as fit on each data-parallel rank).
     usable = len(valid_set) // gbs * gbs or len(valid_set)
     eval_micro = max(1, usable // (mbs * dp))
-    return comps, train_set, valid_set, eval_micro
+    return comps, valid_set, eval_micro
 
 
 def _eval_micro_batches_of_first_stage(count: int, runtime) -> int:
@@ -366,7 +369,7 @@ class Trainer:
         groups = runtime.groups
         run_dir = Path(config.logging.run_dir)
         seed_everything(derived_seed(config.seed, 0, rank_role(groups)), runtime.device)
-        comps, train_set, valid_set, eval_micro = _datasets(config, groups)
+        comps, valid_set, eval_micro = _datasets(config, groups)
         self._say_if_no_validation(config, comps["valid"], valid_set)
         with self._phase("start-up (evaluation size broadcast)", ("pp",)):
             eval_micro = _eval_micro_batches_of_first_stage(eval_micro, runtime)
@@ -387,7 +390,7 @@ class Trainer:
         with self._phase("start-up (checkpoint resume)", ("world",)):
             start_step = checkpointer.maybe_resume(say=self.say)
         self._say_if_nothing_left(start_step)
-        train_set = _resumed_train_set(config, comps, train_set, checkpointer)
+        train_set = _train_set_for(config, comps, groups, checkpointer)
         result = RunResult(final_step=start_step, run_dir=str(run_dir))
         writer = self._open_writer(run_dir, resumed=start_step > 0)
         result.bigram_nats = baseline = _baseline(comps, runtime)
