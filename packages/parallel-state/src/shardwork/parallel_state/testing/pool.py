@@ -151,15 +151,39 @@ def _worker_main(conn: Connection) -> None:
             # report and exit, so the pool starts a fresh process for the next call.
             conn.send(("error", traceback.format_exc()))
             return
-        try:
-            try:
-                result = fn(*args, **kwargs)
-            finally:
-                dist.destroy_process_group()
-                _release_cycles()
-            conn.send(("ok", pickle.dumps(result)))
-        except BaseException:
-            conn.send(("error", traceback.format_exc()))
+        outcome = _run_task(fn, args, kwargs)
+        conn.send(outcome)
+        if not _tear_down(after_success=outcome[0] == "ok"):
+            return
+
+
+def _run_task(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[str, Any]:
+    """``("ok", pickled result)`` or ``("error", formatted traceback)`` of one task."""
+    try:
+        return ("ok", pickle.dumps(fn(*args, **kwargs)))
+    except BaseException:
+        return ("error", traceback.format_exc())
+
+
+def _tear_down(after_success: bool) -> bool:
+    """Leave this task's process group; False when this process should exit instead.
+
+    The outcome is already sent, so what happens here never changes a task's report. After a
+    successful task the ranks meet in a barrier first: under torch 2.5 a rank's
+    ``destroy_process_group`` waited forever once a peer had already left (seen after a
+    differentiable all-gather). The barrier fails at once when a peer raised and left, and
+    when the harness kills a hung peer; either is that peer's report, not this rank's.
+    """
+    if after_success:
+        with contextlib.suppress(Exception):
+            dist.barrier()
+    try:
+        dist.destroy_process_group()
+    except BaseException:
+        # torch.distributed's state is unknown: the pool starts a fresh process instead.
+        return False
+    _release_cycles()
+    return True
 
 
 class _Worker:
