@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorProperties
 
 from shardwork.dist_checkpoint.metadata import CheckpointRefusedError
 
@@ -96,6 +96,30 @@ def _enum_member(cls: Any, name: Any) -> enum.Enum:
     return member
 
 
+class _TensorPropertiesOfANewerTorch(TensorProperties):
+    """`TensorProperties` as a torch older than the checkpoint's writer reads them.
+
+    torch 2.15 appended ``strides`` to the state a `TensorProperties` pickles, and an older
+    torch's ``__setstate__`` unpacks exactly five values ("too many values to unpack"), so a
+    checkpoint written under torch 2.15 could not be loaded under 2.14. A load copies into the
+    caller's own tensors, which keep their own strides, so the appended value is dropped. The
+    object then becomes a plain `TensorProperties` (data classes compare equal only within
+    one class).
+    """
+
+    def __setstate__(self, state: tuple) -> None:
+        super().__setstate__(tuple(state)[:5])
+        self.__class__ = TensorProperties
+
+
+#: What a pickled ``TensorProperties`` becomes under the running torch.
+_TENSOR_PROPERTIES = (
+    TensorProperties
+    if "strides" in TensorProperties.__dataclass_fields__
+    else _TensorPropertiesOfANewerTorch
+)
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Resolves only `METADATA_GLOBALS`, torch dtypes and enum members by name
     (`_enum_member`); refuses every other global."""
@@ -103,6 +127,8 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("builtins", "getattr"):
             return _enum_member
+        if (module, name) == (_DCP_METADATA, "TensorProperties"):
+            return _TENSOR_PROPERTIES
         if (module, name) in METADATA_GLOBALS:
             return getattr(importlib.import_module(module), name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
