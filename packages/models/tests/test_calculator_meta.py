@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from shardwork.models import (
     PRESETS,
@@ -80,6 +80,37 @@ def _conv_backward_flops(grad_out_shape, x_shape, w_shape, *args, **kwargs) -> i
     output_mask = args[7]
     per_grad = 2 * math.prod(grad_out_shape) * math.prod(w_shape[1:])
     return per_grad * (int(output_mask[0]) + int(output_mask[1]))
+
+
+def _cpu_flash_forward_flops(q_shape, k_shape, v_shape, *_args, **_kwargs) -> int:
+    """FLOPs of the CPU flash-attention forward, ``[b, h, s, d]`` query: QKᵀ and P·V, each
+    ``2·b·h·s_q·s_k`` times its head width (GQA keys broadcast to the query heads)."""
+    b, h, s_q, d = q_shape
+    return 2 * b * h * s_q * k_shape[2] * (d + v_shape[3])
+
+
+def _cpu_flash_backward_flops(_grad_shape, q_shape, k_shape, v_shape, *_args, **_kwargs) -> int:
+    """FLOPs of its backward: QKᵀ again, then dV = Pᵀ·dO, dP = dO·Vᵀ, dQ = dS·K and
+    dK = dSᵀ·Q."""
+    b, h, s_q, d = q_shape
+    return 2 * b * h * s_q * k_shape[2] * (3 * d + 2 * v_shape[3])
+
+
+def _counter_mapping() -> dict:
+    """Formulas for ops the running torch's FlopCounterMode cannot count: ``_grouped_mm`` and
+    grouped convolutions' backward always, and the CPU flash attention before torch 2.15
+    (whose counter has it; 2.14's counted 0 for it)."""
+    mapping = {
+        torch.ops.aten._grouped_mm: _grouped_mm_flops,
+        torch.ops.aten.convolution_backward: _conv_backward_flops,
+    }
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    if flash not in flop_registry and flash.default not in flop_registry:
+        mapping[flash] = _cpu_flash_forward_flops
+        mapping[torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward] = (
+            _cpu_flash_backward_flops
+        )
+    return mapping
 
 
 def _flash_recomputed_scores(config, seq: int) -> int:
@@ -191,11 +222,7 @@ def _assert_flops_match_counter(config):
     model = GPTModel(config)
     seq = 16
     ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
-    grouped = {
-        torch.ops.aten._grouped_mm: _grouped_mm_flops,
-        torch.ops.aten.convolution_backward: _conv_backward_flops,
-    }
-    with FlopCounterMode(display=False, custom_mapping=grouped) as counter:
+    with FlopCounterMode(display=False, custom_mapping=_counter_mapping()) as counter:
         model(ids, labels=ids)[0].backward()
     counted = counter.get_flop_counts()["Global"]
     if config.moe is not None:  # the routed experts really ran as grouped GEMMs
@@ -267,9 +294,11 @@ def test_deltanet_model_forward_flops_match_torch_flop_counter():
     config = preset("tiny-qwen3-next-80b-a3b", fused_linear_cross_entropy=False)
     seq = 16
     ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
-    mapping = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
     model = GPTModel(config)
-    with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+    with (
+        torch.no_grad(),
+        FlopCounterMode(display=False, custom_mapping=_counter_mapping()) as counter,
+    ):
         model(ids)
     solves = sum(layer.mixer == "gated_deltanet" for layer in spec_for(config).layers)
     solve = deltanet_forward_flops(config, batch=1, seq_length=seq).triangular_solve

@@ -541,6 +541,18 @@ def test_bad_input_is_refused_before_the_model_changes():
         swap_routers(build("deepseek_v3", norm_topk_prob=False))
 
 
+@pytest.mark.parametrize("version", ["5.18.2", "4.57.1", "unknown"])
+def test_a_transformers_older_than_the_extra_allows_is_refused(monkeypatch, version):
+    """5.0-5.18 routers lack settings the swap reads (DeepSeek-V3's had no top_k): refused
+    with the bound, before the model changes, not an AttributeError inside it."""
+    model = build("mixtral")
+    classes = [type(m) for m in model.modules()]
+    monkeypatch.setattr(transformers, "__version__", version)
+    with pytest.raises(ValueError, match=rf"transformers {version} is not supported.*>= 5\.19"):
+        swap_routers(model)
+    assert [type(m) for m in model.modules()] == classes
+
+
 # --------------------------------------------------------------------------- planted bugs
 def test_planted_layout_bug_is_caught(monkeypatch):
     """Reading transformers' [B, S] rows as [S, B] leaves the logits alone but mixes tokens

@@ -147,7 +147,7 @@ class FullyShardedDataParallel(nn.Module):
         if missing:
             raise ValueError(
                 f"FullyShardedDataParallel needs torch's FSDPModule.{missing[0]} (torch "
-                f"{torch.__version__} lacks it); valid: a torch that has it (2.10 or newer)"
+                f"{torch.__version__} lacks it); valid: a torch that has it (2.13 or newer)"
             )
         dp_group, expert_dp_group = _sharding_groups(process_groups, dp_group, expert_dp_group)
         frozen = [n for n, p in module.named_parameters() if not p.requires_grad]

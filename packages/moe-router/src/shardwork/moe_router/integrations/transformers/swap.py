@@ -48,7 +48,7 @@ try:
     from transformers.utils import ModelOutput
 except ImportError as error:  # the [transformers] extra
     raise ImportError(
-        "shardwork.moe_router.integrations.transformers needs transformers >= 5: "
+        "shardwork.moe_router.integrations.transformers needs transformers >= 5.19: "
         "pip install 'shardwork-moe-router[transformers]'"
     ) from error
 try:
@@ -57,8 +57,19 @@ except ImportError:  # releases that record router logits without these hooks
     maybe_install_capturing_hooks = None
 
 
-def _major_version() -> int:
-    return int(transformers.__version__.split(".")[0])
+#: The oldest transformers whose MoE routers this integration knows (the `transformers` extra's
+#: bound, which CI installs): 5.0-5.18 named the routers' settings otherwise (DeepSeek-V3's
+#: router had no ``top_k``) and returned no aux loss from DeepSeek-V3.
+OLDEST_TRANSFORMERS = (5, 19)
+
+
+def _release() -> tuple[int, int]:
+    """(major, minor) of the installed transformers; (0, 0) when its version is unreadable."""
+    parts = transformers.__version__.split(".")
+    try:
+        return int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
+    except ValueError:
+        return (0, 0)
 
 
 def _find_routers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
@@ -114,10 +125,11 @@ def _record_layout(router: HFRouterGate, block: torch.nn.Module, args) -> None:
 
 def _sites_and_config(model: torch.nn.Module, options: dict):
     """The routers to replace and the one config they share; ValueError when unsupported."""
-    if _major_version() < 5:
+    if _release() < OLDEST_TRANSFORMERS:
         raise ValueError(
-            f"transformers {transformers.__version__} is not supported: its MoE blocks route "
-            "inside the block forward; install transformers >= 5"
+            f"transformers {transformers.__version__} is not supported: its MoE routers differ "
+            "from those this integration replaces; valid: transformers >= 5.19 "
+            "(pip install 'shardwork-moe-router[transformers]')"
         )
     sites = _find_routers(model)
     if not sites:
