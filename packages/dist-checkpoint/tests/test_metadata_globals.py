@@ -5,6 +5,7 @@ test_megatron_untrusted.py."""
 
 import pickle
 
+import pytest
 import torch
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -15,6 +16,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from shardwork.dist_checkpoint.decode import decode_metadata
+from shardwork.dist_checkpoint.metadata import CheckpointRefusedError
 
 
 class _ByName:
@@ -76,3 +78,25 @@ def _five_values_only(cls):
         original(self, (dtype, layout, requires_grad, memory_format, pin_memory))
 
     return setstate
+
+
+def test_an_index_written_under_python_3_13_names_pathlib_local(monkeypatch):
+    """CPython 3.13 pickles a PosixPath as ``pathlib._local.PosixPath`` (DCP keeps the
+    checkpoint path in ``storage_meta``): such an index decodes on every release, to the same
+    path. The 3.13 pickle is made here from this Python's by renaming the module."""
+    from pathlib import PosixPath
+
+    from shardwork.dist_checkpoint import decode
+
+    metadata = Metadata(state_dict_metadata={})
+    metadata.all_local_plans = [PosixPath("/runs/a/step_000000004")]
+    renamed = pickle.dumps(metadata, protocol=4)
+    if b"pathlib._local" not in renamed:  # an older Python: name the module as 3.13 does
+        renamed = renamed.replace(b"\x8c\x07pathlib\x94", b"\x8c\x0epathlib._local\x94")
+    assert b"\x8c\x0epathlib._local\x94" in renamed
+    decoded = decode_metadata(renamed, name="py313/.metadata")
+    assert decoded.all_local_plans == [PosixPath("/runs/a/step_000000004")]
+    assert type(decoded.all_local_plans[0]) is PosixPath
+    monkeypatch.setattr(decode, "_MODULE_ALIASES", {})
+    with pytest.raises(CheckpointRefusedError, match=r"pathlib\._local\.PosixPath is not allowed"):
+        decode_metadata(renamed, name="py313/.metadata")

@@ -120,6 +120,12 @@ _TENSOR_PROPERTIES = (
 )
 
 
+#: Modules a pickle may name for a class that lives under another name on this CPython:
+#: 3.13 moved pathlib's classes into ``pathlib._local``, so an index written under 3.13 names
+#: ``pathlib._local.PosixPath`` (refused, then unknown before 3.13); they are pathlib's classes.
+_MODULE_ALIASES = {"pathlib._local": "pathlib"}
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Resolves only `METADATA_GLOBALS`, torch dtypes and enum members by name
     (`_enum_member`); refuses every other global."""
@@ -129,6 +135,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             return _enum_member
         if (module, name) == (_DCP_METADATA, "TensorProperties"):
             return _TENSOR_PROPERTIES
+        module = _MODULE_ALIASES.get(module, module)
         if (module, name) in METADATA_GLOBALS:
             return getattr(importlib.import_module(module), name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
