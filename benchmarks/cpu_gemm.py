@@ -9,13 +9,16 @@ libraries in one process, interleaved, best of ``--repeats``:
 - weight gradient ``dYᵀ·x``: ``torch.mm`` against oneDNN on the transposed views.
 
 ``shardwork.fused_kernels.cpu_gemm`` runs the first two on oneDNN off Intel CPUs, and the third
-only where the weight is at least twice as wide as tall (``weight_grad_on_onednn``; the table's
-last column says which library it takes per row); this table is the measurement behind that
-choice. Also prints the CPU vendor and what ``onednn_preferred`` answers here.
+on AMD CPUs from family 26 (Zen 5), before it only where the weight is at least twice as wide as
+tall (``weight_grad_on_onednn``; the table's last column says which library it takes per row);
+these tables are the measurement behind that choice. Also prints the CPU vendor and family and
+what ``onednn_preferred`` answers here.
 
     uv run python benchmarks/cpu_gemm.py --threads 1 2
+    uv run python benchmarks/cpu_gemm.py --suffix=-zen5   # another machine's record
 
-Writes benchmarks/results/cpu_gemm.json and .md.
+Writes benchmarks/results/cpu_gemm<suffix>.json and .md (no suffix: the 2-core AMD EPYC of
+family 25, Zen 4; ``-zen5``: family 26).
 """
 
 from __future__ import annotations
@@ -103,11 +106,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--suffix", default="", help="appended to the result files' name")
     args = ap.parse_args()
     x = torch.empty(1, 1)
     result = {
         "benchmark": "cpu_gemm", "torch": torch.__version__, "machine": machine_record(),
-        "vendor": cpu_gemm.cpu_vendor(), "onednn_preferred": onednn_preferred("auto", x, x),
+        "vendor": cpu_gemm.cpu_vendor(), "cpu_family": cpu_gemm.cpu_family(),
+        "onednn_preferred": onednn_preferred("auto", x, x),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(), "rows": [],
     }  # fmt: skip
     for threads in args.threads:
@@ -119,15 +124,15 @@ def main() -> None:
                 print(f"{threads}t {label:30s} {product:18s} MKL {r['mkl_gflops']:6.1f} "
                       f"oneDNN {r['onednn_gflops']:6.1f} GFLOP/s  x{r['speedup']:.3f}")  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "cpu_gemm.json").write_text(json.dumps(result, indent=2) + "\n")
-    (RESULTS / "cpu_gemm.md").write_text(markdown(result))
+    (RESULTS / f"cpu_gemm{args.suffix}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (RESULTS / f"cpu_gemm{args.suffix}.md").write_text(markdown(result))
 
 
 def markdown(result: dict) -> str:
     lines = [
         "# Float32 CPU products: MKL (torch.mm) against oneDNN",
         "",
-        f"CPU vendor {result['vendor']!r}, torch CPU capability {result['cpu_capability']}, "
+        f"CPU vendor {result['vendor']!r}, family {result.get('cpu_family')}, torch CPU capability {result['cpu_capability']}, "
         f"torch {result['torch']}; `onednn_preferred` here: {result['onednn_preferred']}. "
         "Best of interleaved repeats; speedup = MKL time / oneDNN time (> 1: oneDNN faster). "
         "Last column: the library shardwork's float32 CPU linears and experts take for that "

@@ -42,7 +42,8 @@ kernels on a GPU).
     uv run python benchmarks/dense_step.py --rounds 10 --floor   # ... and the step's floor
     python benchmarks/dense_step.py --shape 1b --device cuda     # Llama-3.2-1B-like, bf16
 
-Writes benchmarks/results/dense_step-<device>.json and .md.
+Writes benchmarks/results/dense_step-<device><suffix>.json and .md (``--suffix=-zen5``: the
+record of a Zen 5 machine beside the Zen 4 one).
 """
 
 from __future__ import annotations
@@ -487,6 +488,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "(dense_floor.py) and give each side's step over that floor",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--suffix", default="",
+                        help="appended to the result files' name (another machine's record)")  # fmt: skip
     return parser.parse_args(argv)  # fmt: skip
 
 
@@ -614,7 +617,7 @@ def main(argv=None) -> dict:
         "floor": floor.result() if floor else None,
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"dense_step-{device.type}"
+    stem = f"dense_step-{device.type}{args.suffix}"
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     (args.out / f"{stem}.md").write_text(markdown(result))
     print(markdown(result))

@@ -20,7 +20,7 @@ beside the project into the ``--peer-path`` folder (default ``$SHARDWORK_PEERS``
 recorded with the reason: a goal not met, never a pass. Writes
 benchmarks/results/models_moe_peers.json and .md (with ``--threads N`` other than 1:
 ``models_moe_peers-Nthreads``; two threads are the whole 2-core machine, timed with
-``--clock wall``).
+``--clock wall``; ``--suffix=-zen5`` appended: a Zen 5 machine's record beside the Zen 4 one).
 
 ``--part gemm``: strategies, same inputs, forward + backward of one SwiGLU expert layer
 (``fc1 [L, 2F, H]`` -> swiglu -> ``fc2 [L, H, F]``) on tokens grouped by expert:
@@ -257,7 +257,7 @@ def write_peers(args, rows) -> None:
     # One table per thread count: the one-thread table is the issue-24 record; two threads is
     # the whole 2-core machine, as a training run uses it.
     threads = machine["threads"]
-    stem = "models_moe_peers" + ("" if threads == 1 else f"-{threads}threads")
+    stem = "models_moe_peers" + ("" if threads == 1 else f"-{threads}threads") + args.suffix
     (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     peers = ["transformers", "megatron-core"]
     clock = "CPU time of the process" if args.clock == "cpu" else "wall-clock time"
@@ -302,6 +302,8 @@ def main() -> None:
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     ap.add_argument("--max-error", type=float, default=1e-5,
                     help="largest relative difference from shardwork a peer may have")  # fmt: skip
+    ap.add_argument("--suffix", default="",
+                    help="appended to the result files' name (another machine's record)")  # fmt: skip
     ap.add_argument("--peer-path", default=os.environ.get("SHARDWORK_PEERS"),
                     help="folder holding Megatron-Core installed beside the project")  # fmt: skip
     # --part gemm

@@ -19,8 +19,9 @@ pytestmark = pytest.mark.skipif(
 # given another expert's weights is off by O(1) (the misrouting test below).
 RTOL_OF_MAX = 4e-6
 
-# One expert without rows, two below 256 rows (MKL products), two from 256 (oneDNN products;
-# with f = 2H, fc2's weight gradient too, fc1's stays on MKL).
+# One expert without rows, two below 256 rows (MKL products; on AMD's family 26 the 130-row one
+# takes oneDNN, from 128 rows), two from 256 (oneDNN products; with f = 2H, fc2's weight
+# gradient too, fc1's stays on MKL before family 26).
 COUNTS = [300, 0, 130, 7, 270]
 H, F_ = 256, 512
 

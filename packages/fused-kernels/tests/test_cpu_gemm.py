@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,19 +107,36 @@ def onednn_calls(monkeypatch):
     return calls
 
 
-# (rows, out, in): oneDNN only for a weight at least twice as wide as tall, rows and out >= 256.
+CPUS = {  # name -> (vendor, family) as /proc/cpuinfo gives them
+    "zen4": ("AuthenticAMD", 25),
+    "zen5": ("AuthenticAMD", 26),
+    "later amd": ("AuthenticAMD", 27),
+    "intel": ("GenuineIntel", 6),  # reaches weight_grad_mm only with SHARDWORK_CPU_GEMM=onednn
+    "unreadable": ("", None),
+}
+# (rows, out, in) -> on oneDNN before AMD's family 26 (a weight at least twice as wide as tall,
+# rows and both widths >= 256), and from it (rows and both widths >= 128, any shape).
 WEIGHT_GRAD_CASES = {
-    "wide": ((300, 256, 512), True),
-    "just under twice as wide": ((300, 256, 511), False),
-    "255 rows": ((255, 256, 512), False),
-    "out 255": ((300, 255, 600), False),
-    "tall (fc1)": ((300, 512, 256), False),
+    "wide": ((300, 256, 512), True, True),
+    "just under twice as wide": ((300, 256, 511), False, True),
+    "255 rows": ((255, 256, 512), False, True),
+    "out 255": ((300, 255, 600), False, True),
+    "tall (fc1)": ((300, 512, 256), False, True),
+    "128 rows, out 128, in 128": ((128, 128, 128), False, True),
+    "127 rows": ((127, 256, 512), False, False),
+    "out 127": ((300, 127, 600), False, False),
+    "in 127": ((300, 256, 127), False, False),
 }
 
 
+@pytest.mark.parametrize("cpu", CPUS)
 @pytest.mark.parametrize("case", WEIGHT_GRAD_CASES)
-def test_weight_grad_takes_onednn_only_for_wide_weights(case, onednn_calls):
-    (rows, out, inp), on_onednn = WEIGHT_GRAD_CASES[case]
+def test_weight_grad_takes_onednn_by_shape_and_cpu(case, cpu, onednn_calls, monkeypatch):
+    vendor, family = CPUS[cpu]
+    monkeypatch.setattr(cpu_gemm, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(cpu_gemm, "cpu_family", lambda: family)
+    (rows, out, inp), before_zen5, from_zen5 = WEIGHT_GRAD_CASES[case]
+    on_onednn = from_zen5 if cpu in ("zen5", "later amd") else before_zen5
     g = torch.Generator().manual_seed(4)
     dy, x = torch.randn(rows, out, generator=g), torch.randn(rows, inp, generator=g)
     ref = dy.double().t() @ x.double()
@@ -130,6 +148,47 @@ def test_weight_grad_takes_onednn_only_for_wide_weights(case, onednn_calls):
     assert _rel(fresh, ref) < RTOL_OF_MAX and _rel(stacked[1], ref) < RTOL_OF_MAX
     # The tolerance sees one token's row left out of the sum.
     assert _rel(cpu_gemm.weight_grad_mm(dy[1:], x[1:]), ref) > 1e-3
+
+
+# (rows, inner width) of a group's product -> on oneDNN before AMD's family 26 (both >= 256),
+# and from it (both >= 128).
+GROUP_CASES = {
+    "256 x 256": ((256, 256), True, True),
+    "255 rows": ((255, 256), False, True),
+    "width 255": ((256, 255), False, True),
+    "128 x 128": ((128, 128), False, True),
+    "127 rows": ((127, 256), False, False),
+    "width 127": ((256, 127), False, False),
+}
+
+
+@pytest.mark.parametrize("cpu", ["zen4", "zen5"])
+@pytest.mark.parametrize("case", GROUP_CASES)
+def test_group_product_takes_onednn_from_the_cpus_group_size(case, cpu, onednn_calls, monkeypatch):
+    vendor, family = CPUS[cpu]
+    monkeypatch.setattr(cpu_gemm, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(cpu_gemm, "cpu_family", lambda: family)
+    (rows, width), before_zen5, from_zen5 = GROUP_CASES[case]
+    g = torch.Generator().manual_seed(8)
+    a, b = torch.randn(rows, width, generator=g), torch.randn(96, width, generator=g)
+    stacked = torch.randn(rows + 5, 96, generator=g)
+    fresh = cpu_gemm.group_mm_nt(a, b)
+    written = cpu_gemm.group_mm_nt(a, b, stacked[2 : rows + 2])
+    assert len(onednn_calls) == (2 if (from_zen5 if cpu == "zen5" else before_zen5) else 0)
+    ref = a.double() @ b.double().t()
+    assert _rel(fresh, ref) < RTOL_OF_MAX and _rel(written, ref) < RTOL_OF_MAX
+    assert written.data_ptr() == stacked[2].data_ptr()
+
+
+def test_cpu_vendor_and_family_are_the_first_processors():
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo here")
+    vendor = re.search(r"^vendor_id\s*:\s*(\S+)", text, re.M)
+    family = re.search(r"^cpu family\s*:\s*(\d+)", text, re.M)
+    assert cpu_gemm.cpu_vendor() == (vendor.group(1) if vendor else "")
+    assert cpu_gemm.cpu_family() == (int(family.group(1)) if family else None)
 
 
 def test_linear_weight_gradient_of_a_wide_weight_runs_on_onednn(onednn_calls):
@@ -280,6 +339,47 @@ def test_linear_cross_entropy_on_onednn_equals_the_mkl_reference(amd, grad_in_fo
         assert abs(got.item() - ref.item()) < 1e-5 * abs(ref.item())
     for got, other in zip(results["auto"][1:], results["torch"][1:], strict=True):
         assert _rel(got, other.double()) < RTOL_OF_MAX
+
+
+# (grad_in_forward, logits per chunk): two token chunks of 300 rows (the first written, the second
+# added), or two vocabulary chunks of 260 rows of dW; 600 tokens, vocabulary 520, hidden 128.
+LCE_CHUNKS = {"token chunks": (True, 300 * 520), "vocabulary chunks": (False, 600 * 260)}
+# Measured over seeds 6-11 of this test: gradients within 1.46e-6 of float64's largest |entry|
+# (600 tokens, softmax and two products); 5e-6 leaves 3.4x. A chunk left out is O(0.1).
+LCE_RTOL_OF_MAX = 5e-6
+
+
+@pytest.mark.parametrize("family", [25, 26])
+@pytest.mark.parametrize("chunks", LCE_CHUNKS)
+def test_linear_cross_entropy_weight_gradient_takes_onednn_from_zen5(
+    chunks, family, amd, monkeypatch
+):
+    from shardwork.fused_kernels import linear_cross_entropy_op
+
+    grad_in_forward, chunk_elements = LCE_CHUNKS[chunks]
+    monkeypatch.setattr(cpu_gemm, "cpu_family", lambda: family)
+    monkeypatch.setattr(linear_cross_entropy_op, "_CHUNK_ELEMENTS", chunk_elements)
+    calls = []
+
+    def counted(dy, x, out=None):
+        calls.append(tuple(dy.shape))
+        return cpu_gemm.weight_grad_mm(dy, x, out)
+
+    monkeypatch.setattr(linear_cross_entropy_op, "weight_grad_mm", counted)
+    g = torch.Generator().manual_seed(6)
+    hidden = torch.randn(600, 128, generator=g).requires_grad_()
+    weight = (0.2 * torch.randn(520, 128, generator=g)).requires_grad_()
+    labels = torch.randint(0, 520, (600,), generator=g)
+    labels[::7] = -100
+    loss = linear_cross_entropy(hidden, weight, labels, grad_in_forward=grad_in_forward)
+    loss.backward()
+    # oneDNN's weight gradient on family 26 only (family 25: 520 x 128 is tall, MKL's).
+    expected = {True: [(300, 520)] * 2, False: [(600, 260)] * 2}[grad_in_forward]
+    assert calls == (expected if family == 26 else [])
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    F.cross_entropy(h64 @ w64.t(), labels).backward()
+    assert _rel(weight.grad, w64.grad) < LCE_RTOL_OF_MAX
+    assert _rel(hidden.grad, h64.grad) < LCE_RTOL_OF_MAX
 
 
 class _OneDnnOperands(TorchDispatchMode):

@@ -10,9 +10,10 @@ thread, Mixtral-style experts (8 x ffn 1792, 4,096 rows), the SwiGLU's multiplic
 right after its product (``benchmarks/models_moe.py``). Here each group runs fc1, the
 activation and fc2 back to back, and its backward likewise, so the elementwise work finds its
 operands in cache. The products are :func:`~shardwork.fused_kernels.cpu_gemm.group_mm_nt`'s
-(oneDNN from 256 rows and inner width 256, MKL below), the weight gradients
-:func:`~shardwork.fused_kernels.cpu_gemm.weight_grad_mm`'s (fc2's ``[H, f]`` on oneDNN from
-256 rows where ``f >= 2H``, fc1's on MKL), as in the unfused path.
+(oneDNN from :func:`~shardwork.fused_kernels.cpu_gemm.group_min` rows and inner width, MKL
+below), the weight gradients :func:`~shardwork.fused_kernels.cpu_gemm.weight_grad_mm`'s (fc2's
+``[H, f]`` on oneDNN where ``f >= 2H``, fc1's on MKL; both on oneDNN on Zen 5), as in the
+unfused path.
 
 Memory: the tensors the unfused path saves, group by group (fc1's output, ``silu(gate)`` and
 fc2's input; the caller's ``x``), so activation memory and its estimate

@@ -1,15 +1,21 @@
 """Float32 CPU matrix products through oneDNN where torch's default (MKL) is the slower one.
 
 torch multiplies float32 CPU matrices with MKL's sgemm; oneDNN, which every x86 build of
-torch also carries, picks its kernels from the CPU's instruction sets alone. Measured on the
-2-core AMD EPYC (AVX-512) machine, 1 and 2 threads, shapes of the issue-24 models
-(``benchmarks/results/cpu_gemm.md``): ``x·Wᵀ`` (a linear's forward) 6-19 % faster on oneDNN,
-``dY·W`` (its input gradient) 5-20 %, ``dYᵀ·X`` (its weight gradient) 0.88-1.09x, faster only
-where the weight is at least twice as wide as tall (fc2), so only there
-(:func:`weight_grad_mm`); other weight gradients stay on MKL. MKL runs no faster there when
-allowed AVX-512 than when limited to AVX2 (``MKL_ENABLE_INSTRUCTIONS=AVX2``), as expected of a
-library that tunes its fast paths for Intel CPUs; on Intel CPUs MKL is kept (not measured: no
-Intel machine here).
+torch also carries, picks its kernels from the CPU's instruction sets alone. Measured on 2-core
+AMD EPYC (AVX-512) machines, 1 and 2 threads, shapes of the issue-24 models:
+
+- family 25 (Zen 4, ``benchmarks/results/cpu_gemm.md``): ``x·Wᵀ`` (a linear's forward) 6-19 %
+  faster on oneDNN, ``dY·W`` (its input gradient) 5-20 %, ``dYᵀ·X`` (its weight gradient)
+  0.88-1.09x, faster only where the weight is at least twice as wide as tall (fc2), so only
+  there; other weight gradients stay on MKL there;
+- family 26 (Zen 5, ``benchmarks/results/cpu_gemm-zen5.md``): oneDNN 1.6-2.3x on the forward
+  and input gradient, 1.45-2.23x on every weight gradient, so every product takes it
+  (:func:`weight_grad_on_onednn`).
+
+MKL runs no faster on these CPUs when allowed AVX-512 than when limited to AVX2
+(``MKL_ENABLE_INSTRUCTIONS=AVX2``), as expected of a library that tunes its fast paths for Intel
+CPUs; Zen 5 runs oneDNN's AVX-512 kernels at full width, hence the doubling. On Intel CPUs MKL
+is kept (not measured: no Intel machine here).
 
 - :func:`onednn_preferred`: whether a call asked for with ``backend`` takes oneDNN: ``"auto"``
   (or the default ``"auto"``), a float32 CPU tensor, oneDNN in this torch build, a CPU whose
@@ -49,8 +55,10 @@ from shardwork.fused_kernels.backend import BACKENDS, get_default_backend
 __all__ = [
     "CPU_GEMM_CHOICES",
     "CPU_GEMM_ENV",
+    "cpu_family",
     "cpu_gemm_env_problem",
     "cpu_vendor",
+    "group_min",
     "group_mm_nt",
     "group_rows",
     "linear",
@@ -66,17 +74,33 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 @functools.cache
-def cpu_vendor() -> str:
-    """The CPU vendor string of ``/proc/cpuinfo`` (``"GenuineIntel"``, ``"AuthenticAMD"``), or
-    ``""`` where it cannot be read (then oneDNN is not preferred)."""
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's ``key: value`` lines of ``/proc/cpuinfo`` ({} where unreadable)."""
     try:
         text = Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:
-        return ""
+        return {}
+    fields: dict[str, str] = {}
     for line in text.splitlines():
-        if line.startswith("vendor_id"):
-            return line.split(":", 1)[1].strip()
-    return ""
+        if not line.strip():  # the blank line that ends the first processor's block
+            break
+        key, sep, value = line.partition(":")
+        if sep:
+            fields[key.strip()] = value.strip()
+    return fields
+
+
+def cpu_vendor() -> str:
+    """The CPU vendor string of ``/proc/cpuinfo`` (``"GenuineIntel"``, ``"AuthenticAMD"``), or
+    ``""`` where it cannot be read (then oneDNN is not preferred)."""
+    return _cpuinfo().get("vendor_id", "")
+
+
+def cpu_family() -> int | None:
+    """The CPU family number of ``/proc/cpuinfo`` (decimal: 25 for AMD's Zen 3 and 4, 26 for
+    Zen 5), or None where it cannot be read."""
+    value = _cpuinfo().get("cpu family", "")
+    return int(value) if value.isdigit() else None
 
 
 @functools.cache
@@ -246,31 +270,60 @@ def onednn_linear(
     return _OneDnnLinear.apply(x, weight, bias)
 
 
+_FULL_WIDTH_FAMILY = 26
+"""AMD CPU family (Zen 5) from which oneDNN takes every weight gradient and smaller groups
+(:func:`weight_grad_on_onednn`, :func:`group_min`). Measured on a 2-core AMD EPYC of family 26,
+model 2 (``benchmarks/results/cpu_gemm-zen5.md``, the issue-24 shapes): oneDNN 1.45-2.23x MKL
+on every weight gradient, 1.6-2.3x on the forward and input-gradient products. Zen 5's server
+cores execute 512-bit instructions at full width, Zen 4's in two 256-bit halves; MKL takes the
+same AVX2 path on both (it tunes its AVX-512 kernels for Intel CPUs), oneDNN its AVX-512
+kernels. Zen 5 client parts that halve the datapath share the family number and were not
+measured."""
+
+
+def _full_width_amd() -> bool:
+    return cpu_vendor() == "AuthenticAMD" and (cpu_family() or 0) >= _FULL_WIDTH_FAMILY
+
+
 _GROUP_MIN = 256
-"""Rows and inner width from which a group's product runs on oneDNN. oneDNN has no ``out=``, so
-its result is copied into the group's rows; measured (1 thread, widths of the issue-24 MoE
-layers), that copy costs more than oneDNN gains below 256 rows or an inner width of 256, where
-MKL writes the rows in place."""
+"""Rows and inner width from which a group's product runs on oneDNN before
+:data:`_FULL_WIDTH_FAMILY` (rows and output width, for a weight gradient). oneDNN has no
+``out=``, so its result is copied into the group's rows; measured on Zen 4 (1 thread, widths of
+the issue-24 MoE layers), that copy costs more than oneDNN gains below 256 rows or an inner
+width of 256, where MKL writes the rows in place."""
+
+_GROUP_MIN_FULL_WIDTH = 128
+""":data:`_GROUP_MIN` from :data:`_FULL_WIDTH_FAMILY`. Measured on Zen 5 with the copy included
+(rows 64-512, widths 64-512, one and two threads): from 128 rows and widths oneDNN is
+1.06-2.1x MKL; at 64 rows or a width of 64 weight gradients ran down to 0.60-0.81x on two
+threads (0.37x for a 64 x 64 weight). The Qwen3-MoE-style layer (groups of ~256 rows, ffn 192)
+went 256 -> 188 ms on one thread."""
+
+
+def group_min() -> int:
+    """Rows and inner (for a weight gradient, output) width from which an expert group's
+    product runs on oneDNN: 128 on AMD CPUs from family 26, 256 before."""
+    return _GROUP_MIN_FULL_WIDTH if _full_width_amd() else _GROUP_MIN
 
 
 _WIDE_WEIGHT = 2
 """Input width over output width from which a weight gradient ``dYᵀ·x`` runs on oneDNN (with
-rows and output width from :data:`_GROUP_MIN`). Measured on the 2-core AMD EPYC
-(``benchmarks/results/cpu_gemm.md``, the issue-24 shapes, 1 and 2 threads): where the weight is
-at least twice as wide as tall (an MLP's or expert's fc2, ``[H, F]``) oneDNN is 1.04-1.09x
-faster; square or tall weights (qkv, fc1, the attention output, the output layer) run
-0.88-1.03x there."""
+rows and output width from :func:`group_min`) on CPUs before :data:`_FULL_WIDTH_FAMILY`.
+Measured on the 2-core AMD EPYC of family 25 (Zen 4; ``benchmarks/results/cpu_gemm.md``, the
+issue-24 shapes, 1 and 2 threads): where the weight is at least twice as wide as tall (an MLP's
+or expert's fc2, ``[H, F]``) oneDNN is 1.04-1.09x faster; square or tall weights (qkv, fc1, the
+attention output, the output layer) run 0.88-1.03x there."""
 
 
 def weight_grad_on_onednn(rows: int, out_features: int, in_features: int) -> bool:
     """Whether :func:`weight_grad_mm` of ``dy [rows, out_features]`` and ``x [rows,
-    in_features]`` runs on oneDNN: ``in_features >= 2·out_features``, rows and
-    ``out_features`` from 256."""
-    return (
-        rows >= _GROUP_MIN
-        and out_features >= _GROUP_MIN
-        and in_features >= _WIDE_WEIGHT * out_features
-    )
+    in_features]`` runs on oneDNN: rows and both widths from :func:`group_min`, and either an
+    AMD CPU from family 26 (:data:`_FULL_WIDTH_FAMILY`) or ``in_features >= 2·out_features``.
+    Depends on the shapes and the machine only, never on a timing."""
+    least = group_min()
+    if min(rows, out_features, in_features) < least:
+        return False
+    return _full_width_amd() or in_features >= _WIDE_WEIGHT * out_features
 
 
 def weight_grad_mm(
@@ -280,8 +333,8 @@ def weight_grad_mm(
     tensors: on oneDNN where :func:`weight_grad_on_onednn` (``xᵀ`` goes in as a transposed
     view; the op copies ``dyᵀ`` contiguous itself, a cost inside the timings behind the rule),
     on MKL otherwise. Written into ``out`` when given (MKL in place, oneDNN's result copied),
-    else returned fresh. The choice depends on the shapes alone, so a rerun computes the same
-    bits."""
+    else returned fresh. The choice depends on the shapes and the CPU alone, so a rerun on the
+    machine computes the same bits."""
     if weight_grad_on_onednn(dy.shape[0], dy.shape[1], x.shape[1]):
         dw = onednn_mm_nt(dy.t(), x.t())
         return dw if out is None else out.copy_(dw)
@@ -298,9 +351,10 @@ def group_rows(counts: list[int]) -> Iterator[tuple[int, slice]]:
 
 def group_mm_nt(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``a [M, K] · b [N, K]ᵀ`` of one expert group, float32 CPU tensors: on oneDNN from
-    :data:`_GROUP_MIN` rows and inner width, on MKL below; written into ``out`` (a row block of a
+    :func:`group_min` rows and inner width, on MKL below; written into ``out`` (a row block of a
     stacked result, where MKL writes in place and oneDNN's result is copied) or returned fresh."""
-    big = a.shape[0] >= _GROUP_MIN and a.shape[1] >= _GROUP_MIN
+    least = group_min()
+    big = a.shape[0] >= least and a.shape[1] >= least
     if out is None:
         return onednn_mm_nt(a, b) if big else torch.mm(a, b.t())
     if big:
@@ -343,7 +397,7 @@ def onednn_grouped_linear(
 ) -> torch.Tensor:
     """``y[rows of group l] = x[rows of group l] · w[l]ᵀ``, rows grouped contiguously by
     ``counts`` (Python ints summing to ``N``): a group's forward and input-gradient products on
-    oneDNN from 256 rows and an inner width of 256 (:data:`_GROUP_MIN`), on MKL in place below;
+    oneDNN from :func:`group_min` rows and inner width (256; 128 on Zen 5), on MKL in place below;
     ``dW [L, out, in]`` is written in one buffer (empty groups get zeros). Callers ask
     :func:`onednn_preferred` first."""
     _check_operands(x_NI=x_NI, w_LOI=w_LOI)

@@ -28,7 +28,8 @@ while the chunk's loss and gradient are computed).
   the end) get no logit and a zero gradient. ``softcap``: Gemma 2's final-logit soft-capping,
   applied to each chunk inside the loss. Per-chunk math (statistics and gradient of a block):
   :mod:`~shardwork.fused_kernels.cross_entropy_shard` or the Triton kernels of
-  :mod:`~shardwork.fused_kernels.triton_cross_entropy`; the GEMMs are torch's.
+  :mod:`~shardwork.fused_kernels.triton_cross_entropy`; the GEMMs are torch's, or oneDNN's for
+  float32 CPU tensors where :func:`~shardwork.fused_kernels.cpu_gemm.onednn_preferred`.
 - Chunk boundaries depend only on ``N`` and ``V_local``, which every TP rank shares, so the
   per-chunk collectives pair up; the vocabulary pass of the backward has no collective.
 """
@@ -51,7 +52,12 @@ from shardwork.fused_kernels._checks import (
     check_same_device,
 )
 from shardwork.fused_kernels.backend import resolve_backend
-from shardwork.fused_kernels.cpu_gemm import onednn_mm_nt, onednn_preferred
+from shardwork.fused_kernels.cpu_gemm import (
+    onednn_mm_nt,
+    onednn_preferred,
+    weight_grad_mm,
+    weight_grad_on_onednn,
+)
 from shardwork.fused_kernels.cross_entropy_shard import (
     combine_shard_stats,
     shard_grad,
@@ -104,6 +110,25 @@ def _accumulate(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, first: b
         dst.copy_(torch.mm(a, b))
     else:
         dst.add_(torch.mm(a, b))
+
+
+def _accumulate_weight_grad(dst, dz, h, *, first: bool, onednn: bool) -> None:
+    """``dst = dzᵀ·h`` (first chunk) or ``dst += dzᵀ·h``, for ``dz [rows, V]``, ``h [rows, H]``.
+
+    Where the chunk's products take oneDNN (``onednn``), the CPU's weight gradient there too
+    (:func:`~shardwork.fused_kernels.cpu_gemm.weight_grad_on_onednn`), but only while ``H <=
+    rows``: oneDNN writes a fresh ``[V, H]`` result (then copied or added into ``dst``), which
+    stays no larger than the chunk's ``[rows, V]`` logits block, so the chunk's peak memory is
+    unchanged. Otherwise torch's product in place (:func:`_accumulate`)."""
+    rows, width = h.shape
+    on_onednn = onednn and dst.dtype == dz.dtype and width <= rows
+    if on_onednn and weight_grad_on_onednn(rows, dz.shape[1], width):
+        if first:
+            weight_grad_mm(dz, h, out=dst)
+        else:
+            dst.add_(weight_grad_mm(dz, h))
+        return
+    _accumulate(dst, dz.t(), h, first=first)
 
 
 def _chunk_loss(stats, valid, setup: _Setup):
@@ -179,7 +204,8 @@ def _token_pass(hidden, weight, local_labels, in_shard, valid, grad_rows, setup:
             elif dh is not None:
                 torch.mm(dz, w_valid, out=dh[a:b])
             if dw is not None:
-                _accumulate(dw[: setup.num_valid], dz.t(), hidden[a:b], first=a == 0)
+                _accumulate_weight_grad(dw[: setup.num_valid], dz, hidden[a:b], first=a == 0,
+                                        onednn=setup.onednn)  # fmt: skip
         # Free this chunk's logits before the next chunk's product allocates its own.
         del z, dz
     return losses, lse_all, dh, dw
@@ -210,7 +236,7 @@ def _vocab_pass(hidden, weight, local_labels, in_shard, lse, grad_rows, setup: _
         dz = grad_fn(z, labels_c, in_chunk, lse, grad_rows, smoothing=setup.smoothing,
                      vocab_total=setup.vocab_total, softcap=setup.softcap, out=z)  # fmt: skip
         if dw is not None:
-            torch.mm(dz.t(), hidden, out=dw[c0:c1])
+            _accumulate_weight_grad(dw[c0:c1], dz, hidden, first=True, onednn=setup.onednn)
         if dh_acc is not None:
             _accumulate(dh_acc, dz, w_c, first=c0 == 0)
     dh = None if dh_acc is None else dh_acc.to(hidden.dtype)

@@ -128,7 +128,8 @@ def _sites_and_config(model: torch.nn.Module, options: dict):
     if _release() < OLDEST_TRANSFORMERS:
         raise ValueError(
             f"transformers {transformers.__version__} is not supported: its MoE routers differ "
-            "from those this integration replaces; valid: transformers >= 5.19 "
+            "from those this integration replaces; valid: transformers >= "
+            f"{'.'.join(map(str, OLDEST_TRANSFORMERS))} "
             "(pip install 'shardwork-moe-router[transformers]')"
         )
     sites = _find_routers(model)
