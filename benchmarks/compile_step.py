@@ -22,7 +22,8 @@ The default model is the issue's dense comparison model: 4 layers, hidden 512, 8
 variant (8 experts, top-2, expert hidden 704, every layer MoE): its dispatch runs eagerly
 inside the compiled layers (see docs/models.md).
 
-Writes ``benchmarks/results/compile_step[_moe].json`` and ``.md``.
+Writes ``benchmarks/results/compile_step[_moe][<suffix>].json`` and ``.md`` (``--suffix=-zen5``:
+the record of a Zen 5 machine beside the Zen 4 one).
 Usage: ``uv run python benchmarks/compile_step.py [--rounds 8] [--threads 2] [--moe]``.
 """
 
@@ -164,6 +165,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--moe", action="store_true")
     parser.add_argument("--warm-cache", action="store_true", help="keep inductor's disk cache")
+    parser.add_argument("--suffix", default="",
+                        help="appended to the result files' name (another machine's record)")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as cache:
@@ -176,7 +179,7 @@ def main() -> None:
     )
     text = table(result, args)
     print(text)
-    name = "compile_step_moe" if args.moe else "compile_step"
+    name = ("compile_step_moe" if args.moe else "compile_step") + args.suffix
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     (RESULTS / f"{name}.md").write_text(text)
