@@ -132,7 +132,8 @@ def markdown(result: dict) -> str:
     lines = [
         "# Float32 CPU products: MKL (torch.mm) against oneDNN",
         "",
-        f"CPU vendor {result['vendor']!r}, family {result.get('cpu_family')}, torch CPU capability {result['cpu_capability']}, "
+        f"CPU vendor {result['vendor']!r}, family {result.get('cpu_family')}, "
+        f"torch CPU capability {result['cpu_capability']}, "
         f"torch {result['torch']}; `onednn_preferred` here: {result['onednn_preferred']}. "
         "Best of interleaved repeats; speedup = MKL time / oneDNN time (> 1: oneDNN faster). "
         "Last column: the library shardwork's float32 CPU linears and experts take for that "
